@@ -1,0 +1,38 @@
+# Two entry points (see README): `make demo` and `make test`. Each creates or reuses .venv,
+# installs exactly the pinned CPU lane (idempotent: a stamp keyed on the dependency files makes
+# a second run skip pip), then runs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEPS_HASH := $(shell cat pyproject.toml constraints/cpu-py311.txt | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(DEPS_HASH)
+export TORCHDYNAMO_DISABLE ?= 1
+export PYTHONWARNINGS ?= ignore::UserWarning
+
+.PHONY: install demo test test-fast lint clean
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q -c constraints/cpu-py311.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints/cpu-py311.txt -e ".[dev]"
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) tools/check_parity.py --arch qwen3_moe
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not slow and not vllm"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check megatron_rl tools tests benchmarks pretrain_rl.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,166 @@
+"""Per-chunk math of the fused vocab-parallel log-prob / entropy (forward stats and logit gradient).
+
+One chunk is `n` tokens against this rank's vocab shard `[v0, v0 + V_r)`. Notation per token t:
+`z_v = h_t·W_v / temperature` (logits, fp32), `M = max_v z_v`, `S = Σ_v e^{z_v − M}`,
+`logZ = M + log S`, `p_v = e^{z_v − logZ}`, entropy `H = −Σ_v p_v log p_v = log S − T/S` with
+`T = Σ_v e^{z_v − M}(z_v − M)`, kept set `K` (top-p/top-k ids), `logZ_K = logsumexp_{v∈K} z_v`.
+
+Every vocabulary sum is a sum of per-shard partial sums, so with tensor parallelism a chunk needs
+two small all-reduces over the TP group, on `[n, ≤2]` and `[n, ≤4]` tensors:
+MAX of (M, max_{v∈K} z_v), then SUM of (S, T, z_y, S_K); `z_y` is picked only on the shard that
+owns the label (0 elsewhere). The backward is local to the shard (no communication):
+
+    ∂logprob/∂z_v = 1[v=y] − p_v
+    ∂H/∂z_v       = −p_v (log p_v + H)
+    ∂kept/∂z_v    = 1[v=y] − 1[v∈K] e^{z_v − logZ_K}
+
+The `[n, V_r]` work happens in two caller-owned fp32 buffers (`zbuf`, `ebuf`), reused across chunks
+so that no large tensor is allocated per chunk.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place all-reduce over `group`; a no-op without a group or with one rank."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def project(h: torch.Tensor, weight: torch.Tensor, inv_temp: float, out: torch.Tensor) -> torch.Tensor:
+    """`out[n, V_r] = (h[n, H] · weight[V_r, H]ᵀ) · inv_temp` in fp32 (GEMM in `weight`'s dtype)."""
+    hs = h.to(weight.dtype)
+    if inv_temp != 1.0:
+        hs = hs * inv_temp
+    if weight.dtype == torch.float32:
+        return torch.mm(hs, weight.t(), out=out)
+    return out.copy_(torch.mm(hs, weight.t()))
+
+
+def local_index(ids: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global token ids `[...]` -> (index into this shard clamped to 0, mask of ids this shard owns)."""
+    loc = ids - vocab_start
+    here = (ids >= 0) & (loc >= 0) & (loc < vocab_local)
+    return torch.where(here, loc, torch.zeros_like(loc)), here
+
+
+def chunk_forward(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    kept_ids: torch.Tensor | None,
+    *,
+    vocab_start: int,
+    inv_temp: float,
+    compute_entropy: bool,
+    tp_group: dist.ProcessGroup | None,
+    zbuf: torch.Tensor,
+    ebuf: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Forward statistics of one chunk.
+
+    Args:
+        h: `[n, H]` hidden states; weight: `[V_r, H]` this rank's vocab shard.
+        labels: `[n]` global ids (negative = ignored); kept_ids: `[n, K]` global ids padded with -1.
+        zbuf, ebuf: fp32 scratch of at least `[n, V_r]` (overwritten).
+
+    Returns:
+        dict of `[n]` fp32 tensors: `logprob`, `logZ`, and `entropy` (if asked), `kept_logprob` and
+        `logZ_K` (if `kept_ids`). Values are identical on every TP rank.
+    """
+    n, vocab_local = h.shape[0], weight.shape[0]
+    z, e = zbuf[:n], ebuf[:n]
+    project(h, weight, inv_temp, out=z)
+
+    yidx, y_here = local_index(labels, vocab_start, vocab_local)
+    z_y = torch.where(y_here, z.gather(1, yidx[:, None])[:, 0], torch.zeros((), dtype=z.dtype))
+    maxes = [z.amax(dim=1)]
+    if kept_ids is not None:
+        kidx, k_here = local_index(kept_ids, vocab_start, vocab_local)
+        z_k = z.gather(1, kidx).masked_fill_(~k_here, float("-inf"))
+        maxes.append(z_k.amax(dim=1))
+    maxes = all_reduce(torch.stack(maxes, dim=1), dist.ReduceOp.MAX, tp_group)
+    m = maxes[:, 0]
+
+    z.sub_(m[:, None])                      # z − M
+    torch.exp(z, out=e)                     # e^{z − M}
+    sums = [e.sum(dim=1), z_y]
+    if compute_entropy:
+        sums.append(z.mul_(e).sum(dim=1))   # T; destroys z
+    if kept_ids is not None:
+        m_k = maxes[:, 1]
+        m_k = torch.where(torch.isfinite(m_k), m_k, torch.zeros_like(m_k))
+        sums.append(torch.exp(z_k - m_k[:, None]).sum(dim=1))
+    sums = all_reduce(torch.stack(sums, dim=1), dist.ReduceOp.SUM, tp_group)
+
+    s, z_y = sums[:, 0], sums[:, 1]
+    log_s = torch.log(s)
+    valid = labels >= 0
+    out = {"logZ": m + log_s}
+    out["logprob"] = torch.where(valid, z_y - out["logZ"], torch.zeros_like(z_y))
+    if compute_entropy:
+        out["entropy"] = log_s - sums[:, 2] / s
+    if kept_ids is not None:
+        ok = valid & (kept_ids >= 0).any(dim=1)
+        log_zk = torch.where(ok, m_k + torch.log(sums[:, -1]), torch.zeros_like(m_k))
+        out["logZ_K"] = log_zk
+        out["kept_logprob"] = torch.where(ok, z_y - log_zk, torch.zeros_like(z_y))
+    return out
+
+
+def chunk_logit_grad(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    kept_ids: torch.Tensor | None,
+    stats: torch.Tensor,
+    g_logprob: torch.Tensor | None,
+    g_entropy: torch.Tensor | None,
+    g_kept: torch.Tensor | None,
+    *,
+    vocab_start: int,
+    inv_temp: float,
+    zbuf: torch.Tensor,
+    ebuf: torch.Tensor,
+) -> torch.Tensor:
+    """Recompute the chunk's logits and return `G = ∂L/∂z` `[n, V_r]` (a view of `ebuf`).
+
+    `L = Σ_t g_logprob_t·logprob_t + g_entropy_t·H_t + g_kept_t·kept_t`. With `logp = z − logZ`:
+
+        G = −p ⊙ (g_logprob + g_entropy (logp + H)) + (g_logprob + g_kept) 1[v=y]
+            − g_kept 1[v∈K] e^{z − logZ_K}
+
+    Args:
+        stats: `[n, 3]` saved (logZ, H, logZ_K) from the forward.
+        g_*: `[n]` upstream gradients or None (output unused), already zeroed where the output
+            was defined as 0 (ignored label / empty kept set).
+    """
+    n, vocab_local = h.shape[0], weight.shape[0]
+    z, p = zbuf[:n], ebuf[:n]
+    log_z, ent, log_zk = stats[:, 0], stats[:, 1], stats[:, 2]
+    project(h, weight, inv_temp, out=z)
+    z.sub_(log_z[:, None])                  # log p
+    torch.exp(z, out=p)                     # p
+    if kept_ids is not None and g_kept is not None:
+        kidx, k_here = local_index(kept_ids, vocab_start, vocab_local)
+        q = torch.exp(z.gather(1, kidx) + (log_z - log_zk)[:, None]).masked_fill_(~k_here, 0.0)
+        kept_term = -(g_kept[:, None] * q)
+    if g_entropy is not None:
+        a = g_entropy * ent if g_logprob is None else g_logprob + g_entropy * ent
+        torch.addcmul(-a[:, None], z, -g_entropy[:, None], out=z)   # −(g_lp + g_ent (logp + H))
+        p.mul_(z)
+    elif g_logprob is not None:
+        p.mul_(-g_logprob[:, None])
+    else:
+        p.zero_()
+    g_y = [g for g in (g_logprob, g_kept) if g is not None]
+    if g_y:
+        yidx, y_here = local_index(labels, vocab_start, vocab_local)
+        coef = g_y[0] if len(g_y) == 1 else g_y[0] + g_y[1]
+        p.scatter_add_(1, yidx[:, None], torch.where(y_here, coef, torch.zeros_like(coef))[:, None])
+    if kept_ids is not None and g_kept is not None:
+        p.scatter_add_(1, kidx, kept_term)
+    return p

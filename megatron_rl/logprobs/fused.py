@@ -1,0 +1,192 @@
+"""Fused, chunked, vocab-parallel log-probs and entropy from hidden states (never `[N, V]` logits).
+
+`token_logprobs_and_entropy(hidden, weight, labels)` computes, per token t,
+
+    z_t = h_t Wᵀ / temperature                         (this rank's `[V/TP]` slice only)
+    logprob_t = z_{t,y_t} − logZ_t,    logZ_t = logsumexp_v z_{t,v}          (full vocabulary)
+    entropy_t = logZ_t − Σ_v p_{t,v} z_{t,v}
+    kept_t    = z_{t,y_t} − logsumexp_{v ∈ K_t} z_{t,v}                       (optional)
+
+chunk by chunk (`chunk_size` tokens at a time). The backward recomputes each chunk's logits from
+the saved `hidden`, `weight`, `labels` (and `kept_ids`) plus three fp32 numbers per token
+(logZ, H, logZ_K), so peak memory is two fp32 `[chunk_size, V/TP]` buffers plus the gradients of
+`hidden` and `weight`, whatever N is. The price is one extra output-projection GEMM (4 instead
+of 3). See `chunk_math` for the formulas and the TP all-reduces.
+
+Tensor parallelism (megatron `ColumnParallelLinear` layout: TP rank r holds vocabulary rows
+`[r·V/TP, (r+1)·V/TP)` of the output weight; `hidden` is the full sequence, replicated on the TP
+ranks). The gradient of `hidden` computed on one rank is a partial sum over its vocab shard and
+has to be all-reduced over TP. Megatron-core 0.16.1's `ColumnParallelLinear` does this in its own
+backward: without sequence parallelism it sets `allreduce_dgrad` and
+`LinearWithGradAccumulationAndAsyncCommunication.backward` all-reduces `grad_input`; with
+sequence parallelism the input is all-gathered along the sequence in the forward and the input
+gradient reduce-scattered in the backward; only when neither applies does it wrap its input in
+`copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward). Replacing the
+output layer by this function skips that layer, so the caller must supply the reduction:
+
+- route `hidden` through `copy_to_tensor_model_parallel_region(h, group=tp_group)` (or, with
+  sequence parallelism, `gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True,
+  group=tp_group)`) and keep `reduce_grad_input=False` — `megatron_hidden.gpt_hidden_states` does
+  exactly this; or
+- pass `reduce_grad_input=True` to all-reduce the gradient of `hidden` over `tp_group` here.
+
+Context parallelism needs nothing here: each CP rank passes its local (zig-zag) tokens with labels
+shifted before the split (`context_parallel`); the weight gradient is a partial sum over CP
+ranks, all-reduced with the data-parallel gradients by megatron's DDP (group DP×CP).
+
+Tied embeddings: pass the embedding weight (`model.shared_embedding_or_output_weight()`) as
+`weight`; its gradient accumulates into the same parameter as the embedding's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from megatron_rl.logprobs.chunk_math import all_reduce, chunk_forward, chunk_logit_grad
+from megatron_rl.logprobs.types import LogprobOutput
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+def _tp_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class FusedVocabParallelLogprobs(torch.autograd.Function):
+    """autograd Function behind `token_logprobs_and_entropy` (flattened `[N, H]` inputs)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, kept_ids, tp_group, chunk_size, compute_entropy,
+                temperature, reduce_grad_input):
+        ctx.set_materialize_grads(False)
+        n_tok, vocab_local = hidden.shape[0], weight.shape[0]
+        vocab_start = _tp_rank(tp_group) * vocab_local
+        inv_temp = 1.0 / temperature
+        chunk = max(1, min(chunk_size, n_tok))
+        zbuf = torch.empty(chunk, vocab_local, dtype=torch.float32, device=hidden.device)
+        ebuf = torch.empty_like(zbuf)
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        logprob = torch.empty(n_tok, **f32)
+        entropy = torch.empty(n_tok if compute_entropy else 0, **f32)
+        kept = torch.empty(n_tok if kept_ids is not None else 0, **f32)
+        stats = torch.zeros(n_tok, 3, **f32)    # logZ, H, logZ_K: all the backward needs
+        for s in range(0, n_tok, chunk):
+            sl = slice(s, min(s + chunk, n_tok))
+            out = chunk_forward(
+                hidden[sl], weight, labels[sl], None if kept_ids is None else kept_ids[sl],
+                vocab_start=vocab_start, inv_temp=inv_temp, compute_entropy=compute_entropy,
+                tp_group=tp_group, zbuf=zbuf, ebuf=ebuf)
+            logprob[sl] = out["logprob"]
+            stats[sl, 0] = out["logZ"]
+            if compute_entropy:
+                entropy[sl] = out["entropy"]
+                stats[sl, 1] = out["entropy"]
+            if kept_ids is not None:
+                kept[sl] = out["kept_logprob"]
+                stats[sl, 2] = out["logZ_K"]
+        ctx.save_for_backward(hidden, weight, labels, kept_ids, stats)
+        ctx.cfg = (tp_group, chunk, vocab_start, inv_temp, reduce_grad_input)
+        return logprob, entropy, kept
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logprob, g_entropy, g_kept):
+        hidden, weight, labels, kept_ids, stats = ctx.saved_tensors
+        tp_group, chunk, vocab_start, inv_temp, reduce_grad_input = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (g_logprob is None and g_entropy is None and g_kept is None) or not (need_h or need_w):
+            return (None,) * 9
+        # Outputs defined as 0 (ignored label, empty kept set) carry no gradient.
+        valid = labels >= 0
+        if g_logprob is not None:
+            g_logprob = torch.where(valid, g_logprob.float(), torch.zeros((), device=valid.device))
+        if g_kept is not None:
+            ok = valid & (kept_ids >= 0).any(dim=1)
+            g_kept = torch.where(ok, g_kept.float(), torch.zeros((), device=valid.device))
+        if g_entropy is not None:
+            g_entropy = g_entropy.float()
+
+        n_tok, vocab_local = hidden.shape[0], weight.shape[0]
+        zbuf = torch.empty(chunk, vocab_local, dtype=torch.float32, device=hidden.device)
+        ebuf = torch.empty_like(zbuf)
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, n_tok, chunk):
+            sl = slice(s, min(s + chunk, n_tok))
+            g = chunk_logit_grad(
+                hidden[sl], weight, labels[sl], None if kept_ids is None else kept_ids[sl], stats[sl],
+                None if g_logprob is None else g_logprob[sl],
+                None if g_entropy is None else g_entropy[sl],
+                None if g_kept is None else g_kept[sl],
+                vocab_start=vocab_start, inv_temp=inv_temp, zbuf=zbuf, ebuf=ebuf)
+            if need_h:   # ∂L/∂h = G W / temperature  (partial sum over this vocab shard)
+                if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
+                    torch.mm(g, weight, out=d_hidden[sl])
+                else:
+                    d_hidden[sl] = torch.mm(g.to(weight.dtype), weight)
+                if inv_temp != 1.0:
+                    d_hidden[sl].mul_(inv_temp)
+            if need_w:   # ∂L/∂W += Gᵀ h / temperature
+                h = hidden[sl].float()
+                d_weight.addmm_(g.t(), h if inv_temp == 1.0 else h * inv_temp)
+        if need_h and reduce_grad_input:
+            all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group)
+        if need_w:
+            d_weight = d_weight.to(weight.dtype)
+        return d_hidden, d_weight, None, None, None, None, None, None, None
+
+
+def token_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    kept_ids: torch.Tensor | None = None,
+    compute_entropy: bool = True,
+    temperature: float = 1.0,
+    reduce_grad_input: bool = False,
+) -> LogprobOutput:
+    """Per-token log-probs of `labels`, entropy and kept-set log-probs, without full logits.
+
+    Args:
+        hidden: `[*, H]` final hidden states (after the final norm), full sequence on every TP rank
+            (`[S, B, H]` from megatron works: pass `labels` as `[S, B]`).
+        weight: `[V/TP, H]` this TP rank's rows of the output-layer (or tied embedding) weight.
+        labels: `[*]` next-token ids in the global vocabulary; negative = ignored (output 0).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
+        chunk_size: tokens per chunk; peak extra memory ≈ `2 · chunk_size · V/TP · 4` bytes.
+        kept_ids: `[*, K]` global ids of the kept top-p/top-k set per position, padded with -1,
+            unique per position; the label is expected to be in its set.
+        compute_entropy: also return the full-vocabulary entropy.
+        temperature: logits are divided by it (use the rollout's sampling temperature).
+        reduce_grad_input: all-reduce the gradient of `hidden` over `tp_group` in the backward
+            (only when `hidden` did not go through megatron's TP mapping; see the module doc).
+
+    Returns:
+        `LogprobOutput(logprobs, entropy, kept_logprobs)`, fp32, each shaped like `labels` (or
+        None when not asked). Identical on all TP ranks. Differentiable w.r.t. `hidden` and
+        `weight`; any combination of the three outputs may enter the loss.
+    """
+    lead = labels.shape
+    if hidden.shape[:-1] != lead:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(lead)} disagree")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V/TP, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1).long()
+    k = None
+    if kept_ids is not None:
+        if kept_ids.shape[:-1] != lead:
+            raise ValueError(f"kept_ids {tuple(kept_ids.shape)} must be labels' shape + [K]")
+        k = kept_ids.reshape(y.shape[0], -1).long()
+    logprob, entropy, kept = FusedVocabParallelLogprobs.apply(
+        h, weight, y, k, tp_group, int(chunk_size), bool(compute_entropy), float(temperature),
+        bool(reduce_grad_input))
+    return LogprobOutput(
+        logprob.reshape(lead),
+        entropy.reshape(lead) if compute_entropy else None,
+        kept.reshape(lead) if kept_ids is not None else None,
+    )

@@ -1,0 +1,143 @@
+"""Rollout corrections: per-token weight c_t ≥ 0 (detached) and keep mask, composable with any surrogate.
+
+Common signature: `fn(batch: PolicyBatch, **params) -> Correction(weight [B, T], keep [B, T], metrics)`.
+The corrected term is c_t · keep_t · ℓ_t; a list of corrections multiplies weights and ANDs keep masks
+(`apply_corrections`). Padding gets weight 1, keep True. w_t = π_old/μ, r_t = π_θ/π_old, ρ_t = π_θ/μ;
+all comparisons are made in log space (no overflow for |Δ| up to fp32's range).
+
+Token-level (this file): tis_token, mis_token, icepop, kpop.
+Sequence-level (`corrections_seq.py`, same registry): tis_seq, mis_seq, mis_geo, veto, opsm, nav.
+Every correction logs the fraction of tokens (and sequences) it changed as `/num`, `/den` sums.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from megatron_rl.losses.registry import Registry
+from megatron_rl.losses.types import (
+    Correction,
+    Metrics,
+    PolicyBatch,
+    add_fraction,
+    masked_log_ratio,
+    prefix_metrics,
+)
+
+CORRECTIONS = Registry("rollout correction")
+register_correction = CORRECTIONS.register
+get_correction = CORRECTIONS.get
+
+
+def log_w(batch: PolicyBatch) -> Tensor:
+    """fp32 [B, T]: log w_t = log π_old − log μ (0 at padding), detached."""
+    return masked_log_ratio(batch.old_logprobs, batch.rollout_logprobs, batch.mask).detach()
+
+
+def keep_only(batch: PolicyBatch, keep: Tensor, metrics: Metrics, name: str = "masked") -> Correction:
+    """Correction with c_t = 1 and the given keep mask (padding forced to keep); logs dropped tokens."""
+    m = batch.mask
+    add_fraction(metrics, name, m & ~keep, m)
+    return Correction(torch.ones_like(keep, dtype=torch.float32), keep | ~m, metrics)
+
+
+@register_correction("tis_token")
+def tis_token(batch: PolicyBatch, *, C: float = 2.0, tis_use_rho: bool = False) -> Correction:
+    """Truncated IS (Yao et al.): c_t = min(w_t, C); with tis_use_rho, c_t = min(ρ_t, C).  keep = 1.
+
+    Metrics: truncated (ratio > C), weight (mean c_t).
+    """
+    m = batch.mask
+    logx = (masked_log_ratio(batch.logprobs.detach(), batch.rollout_logprobs, m) if tis_use_rho
+            else log_w(batch))
+    weight = torch.where(m, torch.exp(logx.clamp(max=math.log(C))), 1.0)
+    metrics: Metrics = {}
+    add_fraction(metrics, "truncated", m & (logx > math.log(C)), m)
+    add_fraction(metrics, "weight", torch.where(m, weight, 0.0), m)
+    return Correction(weight, torch.ones_like(m), metrics)
+
+
+@register_correction("mis_token")
+def mis_token(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
+    """Masked IS (Liu et al.): c_t = w_t, keep_t = 1(1/C ≤ w_t ≤ C).  Dropped tokens get c_t = 0.
+
+    Metrics: masked (dropped tokens), weight (mean c_t over kept tokens).
+    """
+    m = batch.mask
+    lw = log_w(batch)
+    keep = (lw >= -math.log(C)) & (lw <= math.log(C))
+    weight = torch.where(m, torch.where(keep, torch.exp(lw), 0.0), 1.0)
+    metrics: Metrics = {}
+    add_fraction(metrics, "masked", m & ~keep, m)
+    add_fraction(metrics, "weight", torch.where(m & keep, weight, 0.0), m & keep)
+    return Correction(weight, keep | ~m, metrics)
+
+
+@register_correction("icepop")
+def icepop(batch: PolicyBatch, *, alpha: float = 0.5, beta: float = 5.0,
+           ratio_weight: bool = False) -> Correction:
+    """IcePop (Ring): keep_t = 1(α ≤ w_t ≤ β), c_t = 1.
+
+    ratio_weight=True uses c_t = w_t on kept tokens (the IcePop paper's M(k) = k inside [α, β]);
+    the spec's default is c_t = 1. Metrics: masked.
+    """
+    m = batch.mask
+    lw = log_w(batch)
+    keep = (lw >= math.log(alpha)) & (lw <= math.log(beta))
+    out = keep_only(batch, keep, {})
+    if ratio_weight:
+        return Correction(torch.where(m & keep, torch.exp(lw), out.weight), out.keep, out.metrics)
+    return out
+
+
+def binary_kl(p: Tensor, q: Tensor) -> Tensor:
+    """KL_B(p‖q) = p log(p/q) + (1−p) log((1−p)/(1−q)), elementwise (float64 inputs recommended)."""
+    return p * (torch.log(p) - torch.log(q)) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+
+
+@register_correction("kpop")
+def kpop(batch: PolicyBatch, *, phi: float = 0.01, use_current_policy: bool = False) -> Correction:
+    """KPop (adaptive region): with p = π_old,t (or π_θ,t if use_current_policy) and q = μ_t, both clamped
+    to [1e-12, 1 − 1e-7]: keep_t = 1(KL_B(p‖q) ≤ φ and KL_B(q‖p) ≤ φ), c_t = 1.
+
+    φ is not pinned by the source; default 0.01 is our choice (e.g. p = 0.5 vs q = 0.45 is kept,
+    q = 0.4 is not). Computed in float64. Metrics: masked.
+    """
+    m = batch.mask
+    lp = batch.logprobs.detach() if use_current_policy else batch.old_logprobs
+    zero = torch.zeros((), dtype=torch.float64, device=lp.device)
+    p = torch.exp(torch.where(m, lp.double(), zero)).clamp(1e-12, 1 - 1e-7)
+    q = torch.exp(torch.where(m, batch.rollout_logprobs.double(), zero)).clamp(1e-12, 1 - 1e-7)
+    keep = (binary_kl(p, q) <= phi) & (binary_kl(q, p) <= phi)
+    return keep_only(batch, keep, {})
+
+
+# ----------------------------------------------------------------------------- composition
+
+
+def apply_corrections(batch: PolicyBatch, corrections: Sequence[tuple[str, dict]] = ()) -> Correction:
+    """Compose corrections in order: weight = Π_k c_k, keep = AND_k keep_k.  -> Correction [B, T].
+
+    Metrics of correction `name` are prefixed `name/` (a correction listed twice gets `name#2/`).
+    """
+    m = batch.mask
+    weight = torch.ones(m.shape, dtype=torch.float32, device=m.device)
+    keep = torch.ones_like(m)
+    metrics: Metrics = {}
+    for name, params in corrections:
+        c = get_correction(name)(batch, **(params or {}))
+        weight = weight * c.weight
+        keep = keep & c.keep
+        key = name
+        i = 2
+        while any(k.startswith(f"{key}/") for k in metrics):
+            key, i = f"{name}#{i}", i + 1
+        metrics.update(prefix_metrics(key, c.metrics))
+    return Correction(weight, keep, metrics)
+
+
+# The sequence-level corrections register themselves into CORRECTIONS on import.
+from megatron_rl.losses import corrections_seq  # noqa: F401

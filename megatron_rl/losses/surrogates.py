@@ -1,0 +1,227 @@
+"""Policy surrogates: per-token loss terms ℓ_t (we minimise; ℓ = −J) before corrections and aggregation.
+
+Common signature: `fn(batch: PolicyBatch, **params) -> SurrogateOut` with `per_token [B, T]` (0 where
+m_t = 0). Notation (ALGORITHMS.md): r_t = π_θ/π_old, w_t = π_old/μ, ρ_t = π_θ/μ = r_t·w_t, sg = detach,
+A = advantage broadcast to tokens. Ratios are exp of fp32 log-differences with Δ = 0 at padding.
+
+Registered names: ppo_clip, mu_grpo, reinforce, cispo, gspo, gspo_token, minirl, p3o.
+Metric keys are un-prefixed here (`clipped/num`); `compute_policy_loss` prefixes the surrogate name.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from megatron_rl.losses.registry import Registry
+from megatron_rl.losses.seqops import owner_count
+from megatron_rl.losses.types import PolicyBatch, SurrogateOut, add_fraction, count, masked, masked_log_ratio
+
+SURROGATES = Registry("surrogate")
+register_surrogate = SURROGATES.register
+get_surrogate = SURROGATES.get
+
+
+def _zero(x: Tensor) -> Tensor:
+    return torch.zeros((), device=x.device)
+
+
+def _clip_active(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """bool: the clipped branch of min(ratio·A, clip(ratio)·A) is strictly smaller (zero gradient)."""
+    return ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
+
+
+@register_surrogate("ppo_clip")
+def ppo_clip(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
+             dual_clip: float | None = None) -> SurrogateOut:
+    """ℓ_t = −min(r_t A, clip(r_t, 1−ε_low, 1+ε_high) A); dual clip c > 1: ℓ_t = min(ℓ_t, −c A) where A < 0.
+
+    DAPO clip-higher: eps_high = 0.28, eps_low = 0.2. Shapes: [B, T] -> per_token [B, T].
+    Metrics: clipped (clip branch active), dual_clipped (A < 0 and the −cA cap active).
+    """
+    m = batch.mask
+    adv = masked(batch.advantages, m)
+    r = torch.exp(masked_log_ratio(batch.logprobs, batch.old_logprobs, m))
+    loss = -torch.minimum(r * adv, r.clamp(1 - eps_low, 1 + eps_high) * adv)
+    metrics = {}
+    add_fraction(metrics, "clipped", m & _clip_active(r.detach(), adv, eps_low, eps_high), m)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        cap = -dual_clip * adv
+        add_fraction(metrics, "dual_clipped", m & (adv < 0) & (loss.detach() > cap), m)
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+    return SurrogateOut(torch.where(m, loss, _zero(loss)), metrics)
+
+
+@register_surrogate("mu_grpo")
+def mu_grpo(batch: PolicyBatch, *, eps_low: float = 1.0, eps_high: float = 4.0,
+            dual_clip: float | None = None) -> SurrogateOut:
+    """µ-GRPO relaxed clipping: `ppo_clip` with [1−ε_low, 1+ε_high] = [0, 5].
+
+    The negative-advantage veto half of µ-GRPO is the `nav` correction (recipe `mu_grpo` adds it).
+    """
+    return ppo_clip(batch, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+
+
+@register_surrogate("reinforce")
+def reinforce(batch: PolicyBatch) -> SurrogateOut:
+    """ℓ_t = −sg[ρ_t] A log π_θ,t  (ρ_t = π_θ/μ; ∂ℓ_t/∂log π_θ,t = −ρ_t A)."""
+    m = batch.mask
+    rho = torch.exp(masked_log_ratio(batch.logprobs.detach(), batch.rollout_logprobs, m))
+    loss = -rho * masked(batch.advantages, m) * masked(batch.logprobs, m)
+    return SurrogateOut(loss, {})
+
+
+@register_surrogate("cispo")
+def cispo(batch: PolicyBatch, *, eps_low: float = 1.0, eps_high: float = 0.28) -> SurrogateOut:
+    """ℓ_t = −sg[clip(r_t, 1−ε_low, 1+ε_high)] A log π_θ,t  (MiniMax-M1; every token keeps a gradient).
+
+    Default eps_low = 1.0 (no lower bound, as in MiniMax-M1, which tunes only the upper bound);
+    eps_high = 0.28 is our default. Metrics: clipped (the weight was clipped, either side).
+    """
+    m = batch.mask
+    r = torch.exp(masked_log_ratio(batch.logprobs.detach(), batch.old_logprobs, m))
+    coef = r.clamp(1 - eps_low, 1 + eps_high)
+    loss = -coef * masked(batch.advantages, m) * masked(batch.logprobs, m)
+    metrics = {}
+    add_fraction(metrics, "clipped", m & ((r > 1 + eps_high) | (r < 1 - eps_low)), m)
+    return SurrogateOut(loss, metrics)
+
+
+def _seq_stats(batch: PolicyBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One (CP-reduced) pass: L_i = (1/|y_i|) Σ_t m (log π_θ − log π_old), |y_i|, A_i = mean_t A; all [B].
+
+    An all-masked response gets L_i = 0, A_i = 0. Gradient flows into L_i iff `logprobs` has one.
+    """
+    m = batch.mask
+    parts = torch.stack([masked_log_ratio(logprobs, batch.old_logprobs, m), m.float(),
+                         masked(batch.advantages, m)])
+    sums = batch.seq.sum(parts)  # [3, B]
+    n = sums[1].detach()
+    return sums[0] / n.clamp_min(1.0), n, sums[2].detach() / n.clamp_min(1.0)
+
+
+def _gspo_metrics(batch: PolicyBatch, s: Tensor, n: Tensor, adv_seq: Tensor, eps_low: float,
+                  eps_high: float) -> dict:
+    m = batch.mask
+    adv = masked(batch.advantages, m)
+    s = s.detach()
+    metrics = {}
+    add_fraction(metrics, "clipped_tokens", m & _clip_active(s[:, None].expand_as(adv), adv, eps_low, eps_high), m)
+    valid = n > 0
+    metrics["clipped_seqs/num"] = owner_count(valid & _clip_active(s, adv_seq, eps_low, eps_high), batch.seq)
+    metrics["clipped_seqs/den"] = owner_count(valid, batch.seq)
+    metrics["seq_ratio/num"] = owner_count(torch.where(valid, s.double(), 0.0), batch.seq)
+    metrics["seq_ratio/den"] = metrics["clipped_seqs/den"]
+    return metrics
+
+
+@register_surrogate("gspo")
+def gspo(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -> SurrogateOut:
+    """GSPO (sequence level). s_i = exp((1/|y_i|) Σ_t m (log π_θ − log π_old)) (has gradient),
+    ℓ_i = −min(s_i A_i, clip(s_i, 1−ε_low, 1+ε_high) A_i).
+
+    per_seq: [B] ℓ_i (A_i = mean of A over the response's tokens; 0 for an all-masked response).
+    per_token: [B, T] ℓ_i at every token of response i (A_t in place of A_i), so that
+    `seq_mean_token_mean` gives exactly (1/N_seq) Σ_i ℓ_i, and token corrections compose per token.
+    Under CP, s_i is finished with a differentiable CP all-reduce (SeqOps.sum).
+    """
+    m = batch.mask
+    L, n, adv_seq = _seq_stats(batch, batch.logprobs)
+    s = torch.exp(L)  # [B]
+    adv = masked(batch.advantages, m)
+    s_tok = s[:, None]
+    per_token = -torch.minimum(s_tok * adv, s_tok.clamp(1 - eps_low, 1 + eps_high) * adv)
+    per_token = torch.where(m, per_token, _zero(per_token))
+    per_seq = -torch.minimum(s * adv_seq, s.clamp(1 - eps_low, 1 + eps_high) * adv_seq)
+    metrics = _gspo_metrics(batch, s, n, adv_seq, eps_low, eps_high)
+    return SurrogateOut(per_token, metrics, per_seq=per_seq)
+
+
+@register_surrogate("gspo_token")
+def gspo_token(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -> SurrogateOut:
+    """GSPO-token: s_i,t = sg[s_i] · π_θ,t / sg[π_θ,t] (value s_i, gradient s_i ∇log π_θ,t),
+    ℓ_t = −min(s_i,t A_t, clip(s_i,t, 1−ε_low, 1+ε_high) A_t).  [B, T] -> [B, T].
+    """
+    m = batch.mask
+    L, n, adv_seq = _seq_stats(batch, batch.logprobs.detach())
+    s = torch.exp(L)
+    lp = masked(batch.logprobs, m)
+    s_tok = s[:, None] * torch.exp(lp - lp.detach())
+    adv = masked(batch.advantages, m)
+    per_token = -torch.minimum(s_tok * adv, s_tok.clamp(1 - eps_low, 1 + eps_high) * adv)
+    per_token = torch.where(m, per_token, _zero(per_token))
+    return SurrogateOut(per_token, _gspo_metrics(batch, s, n, adv_seq, eps_low, eps_high))
+
+
+@register_surrogate("minirl")
+def minirl(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.27,
+           c_tis: float = 5.0) -> SurrogateOut:
+    """MiniRL (Qwen, eq. 7): ℓ_t = −M_t · sg[min(ρ_t, C_tis)] · A · log π_θ,t, with the decoupled clip mask
+    M_t = 0 if (A > 0 and r_t > 1+ε_high) or (A < 0 and r_t < 1−ε_low), else 1.
+
+    IS weight against μ (rollout engine), clip mask against π_old. Paper defaults; pair with
+    aggregation `token_sum_norm` and advantages `mean_centered` (recipe `minirl`).
+    Metrics: clip_masked (M_t = 0), tis_truncated (ρ_t > C_tis).
+    """
+    m = batch.mask
+    lp_d = batch.logprobs.detach()
+    r = torch.exp(masked_log_ratio(lp_d, batch.old_logprobs, m))
+    log_rho = masked_log_ratio(lp_d, batch.rollout_logprobs, m)
+    adv = masked(batch.advantages, m)
+    clip_mask = _clip_active(r, adv, eps_low, eps_high)
+    coef = torch.exp(log_rho.clamp(max=math.log(c_tis)))
+    loss = -coef * adv * masked(batch.logprobs, m)
+    loss = torch.where(m & ~clip_mask, loss, _zero(loss))
+    metrics = {}
+    add_fraction(metrics, "clip_masked", m & clip_mask, m)
+    add_fraction(metrics, "tis_truncated", m & (log_rho > math.log(c_tis)), m)
+    return SurrogateOut(loss, metrics)
+
+
+# ----------------------------------------------------------------------------- P3O
+
+
+def p3o_ess_stats(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Local sums for P3O's ESS: (Σ m r, Σ m, Σ m r²), float64 0-dim, r_t = π_θ/π_old (detached).
+
+    Sum them over the micro-batches of the optimizer step and all-reduce (SUM) over every DP×CP rank,
+    then `ess_from_stats`. Log-ratios are clamped to ±300 so r² stays finite in float64 (exact below).
+    """
+    m = loss_mask.bool()
+    logr = masked_log_ratio(logprobs.detach(), old_logprobs, m).double().clamp(-300.0, 300.0)
+    r = torch.where(m, torch.exp(logr), 0.0)
+    return r.sum(), m.sum(dtype=torch.float64), (r * r).sum()
+
+
+def ess_from_stats(sum_r: Tensor, sum_mask: Tensor, sum_r2: Tensor) -> Tensor:
+    """ESS = (Σ m r)² / ((Σ m) · Σ m r²) ∈ (0, 1] (1 when there are no tokens). float64 0-dim."""
+    sum_r, sum_mask, sum_r2 = (torch.as_tensor(x, dtype=torch.float64) for x in (sum_r, sum_mask, sum_r2))
+    ess = sum_r * sum_r / (sum_mask * sum_r2).clamp_min(torch.finfo(torch.float64).tiny)
+    return torch.where(sum_mask > 0, ess.clamp(0.0, 1.0), torch.ones_like(ess))
+
+
+@register_surrogate("p3o")
+def p3o(batch: PolicyBatch, *, ess: Tensor | float) -> SurrogateOut:
+    """P3O (trust the batch): ℓ_t = −sg[clamp(r_t, 0, ESS)] A log π_θ,t + (1 − ESS) · k3_t,
+    k3_t = exp(log π_old − log π_θ) − (log π_old − log π_θ) − 1 (has gradient).
+
+    `ess`: the GLOBAL ESS of the optimizer step (`ess_from_stats` of all-reduced `p3o_ess_stats`), a
+    0-dim tensor or float, same value on every rank and micro-batch. Pair with `token_mean`.
+    Metrics: ess (global value), capped (r_t > ESS), k3 (mean of k3 over tokens).
+    """
+    m = batch.mask
+    ess_t = torch.as_tensor(ess, dtype=torch.float32, device=batch.logprobs.device).detach()
+    r = torch.exp(masked_log_ratio(batch.logprobs.detach(), batch.old_logprobs, m))
+    coef = torch.minimum(r, ess_t)
+    d = masked_log_ratio(batch.old_logprobs, batch.logprobs, m)  # log π_old − log π_θ, grad via π_θ
+    k3 = torch.exp(d) - d - 1.0
+    loss = -coef * masked(batch.advantages, m) * masked(batch.logprobs, m) + (1.0 - ess_t) * k3
+    loss = torch.where(m, loss, _zero(loss))
+    metrics = {"ess": ess_t.double()}
+    add_fraction(metrics, "capped", m & (r > ess_t), m)
+    metrics["k3/num"] = count(torch.where(m, k3, 0.0))
+    metrics["k3/den"] = count(m)
+    return SurrogateOut(loss, metrics)

@@ -1,0 +1,134 @@
+"""Data carriers of the loss library and the small helpers every part shares.
+
+`PolicyBatch`  one micro-batch as the loss sees it (all `[B, T]`, right-padded or packed per row).
+`SurrogateOut` per-token loss terms `ℓ_t` of a surrogate (+ per-sequence terms for sequence surrogates).
+`Correction`   a rollout correction: detached per-token weight `c_t ≥ 0` and keep mask.
+
+Metrics convention (all detached 0-dim float64 tensors, no host sync): a fraction is logged as a pair
+`<name>/num`, `<name>/den` of SUMS, so the trainer sums them over micro-batches and all-reduces them
+over ranks, then calls `finish_metrics`. Keys without a `/num` or `/den` suffix are already global
+values (e.g. `p3o/ess`), identical on every rank.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from megatron_rl.losses.seqops import LOCAL, SeqOps
+
+Metrics = dict[str, Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class PolicyBatch:
+    """Inputs of a policy loss for one micro-batch.
+
+    logprobs:         [B, T] log π_θ(y_t), has gradient (any float dtype; math runs in fp32)
+    old_logprobs:     [B, T] log π_old(y_t), training engine with the rollout weights (no grad)
+    rollout_logprobs: [B, T] log μ(y_t), rollout engine (no grad)
+    advantages:       [B, T] A of the response broadcast to its tokens
+    loss_mask:        [B, T] m_t (bool or 0/1 float); positions with m_t = 0 may hold any value (inf/nan)
+    seq:              per-sequence reductions (LocalSeqOps, or CPSeqOps under context parallelism)
+    positions:        [B, T] int, global index of each token inside its response (needed under CP,
+                      where a rank's tokens are not contiguous); None = arange(T)
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    rollout_logprobs: Tensor
+    advantages: Tensor
+    loss_mask: Tensor
+    seq: SeqOps = LOCAL
+    positions: Tensor | None = None
+
+    def __post_init__(self):
+        shape = self.logprobs.shape
+        for name in ("old_logprobs", "rollout_logprobs", "advantages", "loss_mask"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"PolicyBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
+                                 f"expected {tuple(shape)} like logprobs")
+        if self.positions is not None and self.positions.shape != shape:
+            raise ValueError("PolicyBatch.positions must have the shape of logprobs")
+
+    @property
+    def mask(self) -> Tensor:
+        """bool [B, T]: m_t = 1."""
+        return self.loss_mask.bool() if self.loss_mask.dtype != torch.bool else self.loss_mask
+
+    def token_positions(self) -> Tensor:
+        """int64 [B, T]: global position of each token within its response."""
+        if self.positions is not None:
+            return self.positions.long()
+        B, T = self.logprobs.shape
+        return torch.arange(T, device=self.logprobs.device).expand(B, T)
+
+
+@dataclass(frozen=True, eq=False)
+class SurrogateOut:
+    """per_token: [B, T] ℓ_t (0 where m_t = 0); per_seq: [B] ℓ_i for sequence-level surrogates."""
+
+    per_token: Tensor
+    metrics: Metrics = field(default_factory=dict)
+    per_seq: Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Correction:
+    """weight: [B, T] detached c_t ≥ 0 (1 at padding); keep: [B, T] bool (True at padding)."""
+
+    weight: Tensor
+    keep: Tensor
+    metrics: Metrics = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def masked_log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
+    """fp32 [B, T]: Δ = log num − log den where mask, 0 elsewhere (so exp(Δ) never meets padding).
+
+    Keeps the gradient of `num`/`den`; torch.where gives padding a zero gradient even if it holds inf.
+    """
+    return torch.where(mask, num.float() - den.float(), torch.zeros((), device=num.device))
+
+
+def masked(x: Tensor, mask: Tensor) -> Tensor:
+    """fp32 [B, T]: x where mask, 0 elsewhere (gradient flows only through kept positions)."""
+    return torch.where(mask, x.float(), torch.zeros((), device=x.device))
+
+
+def count(x: Tensor) -> Tensor:
+    """Detached float64 sum (counts of bool tensors, sums of values) for the metrics dict."""
+    return x.detach().sum(dtype=torch.float64)
+
+
+def add_fraction(metrics: Metrics, name: str, num: Tensor, den: Tensor) -> None:
+    """metrics[name/num] = Σ num, metrics[name/den] = Σ den (bool or float tensors, or 0-dim sums)."""
+    metrics[f"{name}/num"] = count(num)
+    metrics[f"{name}/den"] = count(den)
+
+
+def prefix_metrics(prefix: str, metrics: Mapping[str, Tensor]) -> Metrics:
+    return {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+
+def finish_metrics(metrics: Mapping[str, Tensor]) -> dict[str, float]:
+    """Turn (already summed / all-reduced) `<k>/num`, `<k>/den` pairs into `<k>` = num/den.
+
+    Other keys pass through. A fraction with den = 0 is reported as 0. This is the one place that
+    reads values to the host (call it when logging, after the reductions).
+    """
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if k.endswith("/den"):
+            continue
+        if k.endswith("/num"):
+            base = k[: -len("/num")]
+            den = float(metrics[f"{base}/den"])
+            out[base] = float(v) / den if den > 0 else 0.0
+        else:
+            out[k] = float(v)
+    return out

@@ -1,0 +1,305 @@
+"""Load Hugging Face checkpoints into a (sharded) megatron-core model and export them back.
+
+Both directions stream tensor by tensor through the architecture's mapping (mappings/), aware
+of TP (and expert-TP), EP and PP sharding:
+
+    load_hf_weights(model, arch, groups, SafetensorsReader(hf_dir))
+    for name, tensor in export_hf_weights(model, arch, groups): ...   # every rank, in step
+    save_hf_checkpoint(out_dir, arch, export_hf_weights(...), write=groups.rank == 0)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.model.arch import ModelArch
+from megatron_rl.model.mappings import Param, Scope, from_shards, mapping_for, to_local_shard
+from megatron_rl.parallel import ParallelGroups
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@dataclass(frozen=True)
+class _Slot:
+    param: Param
+    layer: int | None  # global layer
+    expert: int | None  # global expert
+
+
+def _stage_layers(arch: ModelArch, groups: ParallelGroups, stage: int) -> range:
+    per = arch.num_layers // groups.config.pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def _layers_for(param: Param, arch: ModelArch, layers: Iterable[int]) -> list[int]:
+    if param.scope is Scope.LAYER:
+        return list(layers)
+    if param.scope is Scope.DENSE:
+        return [i for i in layers if not arch.is_moe_layer(i)]
+    return [i for i in layers if arch.is_moe_layer(i)]  # MOE, EXPERT
+
+
+def _tp(param: Param, groups: ParallelGroups):
+    group = groups.etp_group if param.scope is Scope.EXPERT else groups.tp_group
+    return dist.get_rank(group), dist.get_world_size(group), group
+
+
+def _shape_kwargs(arch: ModelArch) -> dict:
+    return dict(num_heads=arch.num_attention_heads, num_groups=arch.num_kv_heads, head_dim=arch.head_dim)
+
+
+def local_plan(model, arch: ModelArch, groups: ParallelGroups) -> dict[str, _Slot]:
+    """mcore parameter name on this rank -> which HF tensors it comes from.
+
+    Raises if the model has a parameter the mapping does not cover (a new architecture
+    feature that would otherwise be silently left at its random init).
+    """
+    names = {n for n, _ in unwrap(model).named_parameters()}
+    layers = _stage_layers(arch, groups, groups.pp_rank)
+    offset = layers.start
+    e_local = arch.num_experts // groups.config.ep if arch.is_moe else 0
+    plan: dict[str, _Slot] = {}
+
+    def add(param: Param, global_layer, global_expert, **fmt):
+        for template in (param.mcore, param.te_mcore):
+            if template and (name := template.format(**fmt)) in names:
+                plan[name] = _Slot(param, global_layer, global_expert)
+                return
+
+    for param in mapping_for(arch):
+        if param.scope is Scope.GLOBAL:
+            add(param, None, None)
+        elif param.scope is Scope.EXPERT:
+            for layer in _layers_for(param, arch, layers):
+                for j in range(e_local):
+                    add(param, layer, groups.ep_rank * e_local + j, layer=layer - offset, expert=j)
+        else:
+            for layer in _layers_for(param, arch, layers):
+                add(param, layer, None, layer=layer - offset)
+    unmapped = sorted(names - plan.keys())
+    if unmapped:
+        raise KeyError(f"{arch.arch} mapping does not cover mcore parameters {unmapped[:5]} "
+                       f"({len(unmapped)} in all); add them to megatron_rl/model/mappings")
+    return plan
+
+
+def _hf_names(slot: _Slot) -> list[str]:
+    return [h.format(layer=slot.layer, expert=slot.expert) for h in slot.param.hf]
+
+
+@torch.no_grad()
+def load_hf_weights(model, arch: ModelArch, groups: ParallelGroups, read: Callable[[str], torch.Tensor]) -> None:
+    """Copy HF tensors (fetched by name with `read`) into this rank's shards of `model`."""
+    params = dict(unwrap(model).named_parameters())
+    for name, slot in local_plan(model, arch, groups).items():
+        rank, size, _ = _tp(slot.param, groups)
+        hf = [read(h) for h in _hf_names(slot)]
+        local = to_local_shard(slot.param.kind, hf, rank, size, **_shape_kwargs(arch))
+        target = params[name]
+        if tuple(local.shape) != tuple(target.shape):
+            raise ValueError(f"shape mismatch loading {_hf_names(slot)} into {name}: HF gives "
+                             f"{tuple(local.shape)} for TP rank {rank}/{size}, model has {tuple(target.shape)}; "
+                             f"does config.json match the model arch?")
+        target.copy_(local)
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor:
+    g = getattr(p, "main_grad", None)
+    g = p.grad if g is None else g
+    return torch.zeros_like(p) if g is None else g
+
+
+def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    if dist.get_world_size(group) == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _from_stage(tensors: list[torch.Tensor] | None, owner: int, groups: ParallelGroups) -> list[torch.Tensor]:
+    """Broadcast a list of tensors from pipeline stage `owner` to every stage."""
+    if groups.config.pp == 1:
+        return tensors
+    src = dist.get_global_rank(groups.pp_group, owner)
+    meta = [[(t.shape, t.dtype) for t in tensors] if tensors is not None else None]
+    dist.broadcast_object_list(meta, src=src, group=groups.pp_group)
+    if tensors is None:
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in meta[0]]
+    for t in tensors:
+        dist.broadcast(t, src=src, group=groups.pp_group)
+    return tensors
+
+
+@torch.no_grad()
+def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype | None = None,
+                      grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for every HF tensor of the model, on every rank.
+
+    Collective: all ranks must iterate it to the end together (TP/EP all-gathers, PP
+    broadcasts). Tensors come out in the model's dtype unless `dtype` is given.
+    grads=True exports the parameters' gradients (`main_grad` under megatron DDP, else
+    `.grad`) in the same layout, which is how tests compare sharded gradients.
+    """
+    params = dict(unwrap(model).named_parameters())
+    if grads:
+        params = {n: _grad_of(p) for n, p in params.items()}
+    by_key = {(s.param, s.layer, s.expert): n for n, s in local_plan(model, arch, groups).items()}
+    pp = groups.config.pp
+    per_stage = arch.num_layers // pp
+    e_local = arch.num_experts // groups.config.ep if arch.is_moe else 0
+    kw = _shape_kwargs(arch)
+
+    def cast(t):
+        return t.detach().to(dtype) if dtype is not None else t.detach().clone()
+
+    for param in mapping_for(arch):
+        if not param.export:
+            continue
+        _, _, tp_group = _tp(param, groups)
+        if param.scope is Scope.GLOBAL:
+            owner = 0 if param.stage == "first" else pp - 1
+            name = by_key.get((param, None, None))
+            full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
+            for hf_name, t in zip(param.hf, _from_stage(full, owner, groups)):
+                yield hf_name, cast(t)
+            continue
+        for layer in _layers_for(param, arch, range(arch.num_layers)):
+            owner = layer // per_stage
+            if param.scope is not Scope.EXPERT:
+                name = by_key.get((param, layer, None))
+                full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
+                full = _from_stage(full, owner, groups)
+                for template, t in zip(param.hf, full):
+                    yield template.format(layer=layer), cast(t)
+                continue
+            for j in range(e_local):
+                name = by_key.get((param, layer, groups.ep_rank * e_local + j))
+                full = None
+                if name:
+                    mine = from_shards(param.kind, _gather(params[name], tp_group), **kw)
+                    # experts j, e_local + j, 2*e_local + j, ... from every EP rank
+                    full = [t for k in range(len(mine)) for t in _gather(mine[k], groups.ep_group)]
+                full = _from_stage(full, owner, groups)
+                n_ep = len(full) // len(param.hf)
+                for k, template in enumerate(param.hf):
+                    for r in range(n_ep):
+                        yield template.format(layer=layer, expert=r * e_local + j), cast(full[k * n_ep + r])
+
+
+class SafetensorsReader:
+    """Read HF tensors by name from a checkpoint directory (single file or sharded with index)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                self._where = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.exists(single):
+                raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+            with safe_open(single, "pt") as f:
+                self._where = {k: "model.safetensors" for k in f.keys()}
+        self._open = {}
+        self._safe_open = safe_open
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
+        file = self._where[name]
+        if file not in self._open:
+            self._open[file] = self._safe_open(os.path.join(self.path, file), "pt")
+        return self._open[file].get_tensor(name)
+
+
+def load_arch(hf_dir: str) -> ModelArch:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return ModelArch.from_hf_config(json.load(f))
+
+
+def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       write: bool = True, max_shard_bytes: int = 2 << 30,
+                       extra_files: dict[str, str] | None = None) -> None:
+    """Write an HF-format checkpoint directory atomically (temp dir + rename), streaming shards.
+
+    Non-writing ranks still drain `tensors` (export is collective). `extra_files` are copied
+    in (tokenizer files). An existing `out_dir` is replaced only after the new one is complete.
+    """
+    if not write:
+        for _ in tensors:
+            pass
+        return
+    from safetensors.torch import save_file
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
+    try:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        sizes = [0]
+        files: list[str] = []
+        weight_map: dict[str, int] = {}
+        dtype = None
+
+        def flush():
+            i = len(files)
+            files.append(f"part-{i:05d}.safetensors")
+            save_file(shards[-1], os.path.join(tmp, files[-1]), metadata={"format": "pt"})
+
+        for name, t in tensors:
+            dtype = dtype or t.dtype
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+                flush()
+                shards[-1], sizes[-1] = {}, 0
+            shards[-1][name] = t.contiguous()
+            sizes[-1] += nbytes
+            weight_map[name] = len(files)
+        flush()
+        if len(files) == 1:
+            os.replace(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
+        else:
+            total = len(files)
+            final = [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+            for a, b in zip(files, final):
+                os.replace(os.path.join(tmp, a), os.path.join(tmp, b))
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": {k: final[v] for k, v in weight_map.items()}}, f, indent=1)
+        hf_config = arch.to_hf_config()
+        hf_config.torch_dtype = dtype
+        if hasattr(hf_config, "dtype"):
+            hf_config.dtype = dtype
+        hf_config.architectures = ["Qwen3MoeForCausalLM" if arch.is_moe else "Qwen3ForCausalLM"]
+        hf_config.save_pretrained(tmp)
+        for src, dst in (extra_files or {}).items():
+            shutil.copy(src, os.path.join(tmp, dst))
+        if os.path.exists(out_dir):
+            old = out_dir + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,173 @@
+"""Workarounds #1-#9: building and running megatron-core GPT/MoE models on CPU with gloo.
+
+(#4, `add_bias_linear=False`, is a model setting, not a patch: see megatron_rl.model.builder.)
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+from megatron_rl.platform.registry import Workaround
+
+
+def torch_proxy() -> types.ModuleType:
+    """A stand-in `torch` module whose tensor factories map device='cuda' to the CPU.
+
+    Assigned as the `torch` global of megatron modules that hard-code the string "cuda".
+    """
+
+    class _TorchProxy(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    proxy = _TorchProxy("torch")
+
+    def _wrap(fn):
+        def factory(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and str(device).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+            return fn(*args, **kwargs)
+
+        return factory
+
+    for name in ("zeros", "ones", "empty", "full", "tensor", "empty_like", "zeros_like", "arange"):
+        setattr(proxy, name, _wrap(getattr(torch, name)))
+    return proxy
+
+
+def _rng_tracker() -> None:
+    # CudaRNGStatesTracker (model_parallel_cuda_manual_seed, get_cuda_rng_tracker().fork()) calls
+    # torch.cuda RNG APIs: "AssertionError: Torch not compiled with CUDA enabled".
+    import megatron.core.tensor_parallel.random as mrand
+
+    def cpu_get(device="cuda"):
+        return torch.get_rng_state()
+
+    torch.cuda.get_rng_state = cpu_get
+    torch.cuda.random.get_rng_state = cpu_get
+    torch.cuda.manual_seed = torch.manual_seed
+    mrand._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+
+def _current_device() -> None:
+    # RoPE, router, TP mappings allocate on torch.cuda.current_device().
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _te_general_gemm() -> None:
+    # 0.16.1: moe_utils binds te_general_gemm only inside a TE import try-block, but
+    # RouterGatingLinearFunction tests it unconditionally: "NameError: name 'te_general_gemm'".
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _synchronize() -> None:
+    # dist_checkpointing and parallel_state call torch.cuda.synchronize().
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+class _FakeEvent:
+    def synchronize(self):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+
+class _FakeStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _FakeEvent()
+
+    def synchronize(self):
+        pass
+
+
+def _streams() -> None:
+    # MoEAlltoAllTokenDispatcher creates torch.cuda.Stream() for its device-to-host copies:
+    # "RuntimeError: torch.cuda.Stream requires CUDA support". On CPU everything is synchronous.
+    current = _FakeStream()
+    torch.cuda.Stream = _FakeStream
+    torch.cuda.Event = _FakeEvent
+    torch.cuda.current_stream = lambda *a, **k: current
+    torch.cuda.default_stream = lambda *a, **k: current
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def _sp_torch_norm() -> None:
+    # MoE with TP>1 requires sequence parallelism, but the local spec's WrappedTorchNorm asserts
+    # "sequence parallel not supported by torch LayerNorm". A plain torch norm is correct under
+    # SP as long as its parameters carry `sequence_parallel=True`, so that finalize_model_grads
+    # all-reduces their gradients over TP.
+    from megatron.core.transformer import torch_norm
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+            normalization="LayerNorm"):
+        assert not config.layernorm_zero_centered_gamma, "zero_centered_gamma not supported by torch norms"
+        assert not config.persist_layer_norm, "persist_layer_norm not supported by torch norms"
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def _split_sizes_numpy() -> None:
+    # maybe_move_tensor_to_cpu(..., as_numpy=True) converts only CUDA tensors; on CPU the
+    # alltoall split sizes stay tensors and gloo's all_to_all_single raises
+    # "TypeError: all_to_all_single(): incompatible function arguments".
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.cpu()
+            if as_numpy:
+                tensor = tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
+def _schedules_device() -> None:
+    # pipeline_parallel.schedules: torch.zeros([], dtype=torch.int, device="cuda").
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    schedules.torch = torch_proxy()
+
+
+WORKAROUNDS = (
+    Workaround(1, "rng_tracker", "AssertionError: Torch not compiled with CUDA enabled (RNG tracker)",
+               _rng_tracker),
+    Workaround(2, "current_device", "AssertionError: Torch not compiled with CUDA enabled (current_device)",
+               _current_device),
+    Workaround(3, "te_general_gemm", "NameError: name 'te_general_gemm' is not defined", _te_general_gemm),
+    Workaround(5, "synchronize", "AssertionError: Torch not compiled with CUDA enabled (synchronize)",
+               _synchronize),
+    Workaround(6, "streams", "RuntimeError: torch.cuda.Stream requires CUDA support", _streams),
+    Workaround(7, "sp_torch_norm", "AssertionError: sequence parallel not supported by torch LayerNorm",
+               _sp_torch_norm),
+    Workaround(8, "split_sizes_numpy", "TypeError: all_to_all_single(): incompatible function arguments",
+               _split_sizes_numpy),
+    Workaround(9, "schedules_device", "AssertionError: Torch not compiled with CUDA enabled (schedules)",
+               _schedules_device),
+)

@@ -1,0 +1,14 @@
+"""Shared pytest setup: deterministic threads, and skip reasons for the vllm and gpu tiers."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser = torch.compile: slow first call
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA; this machine has no GPU"))
