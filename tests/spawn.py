@@ -11,11 +11,14 @@ re-raised in the parent with that rank's traceback.
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import socket
 import traceback
 from typing import Any, Callable
+
+import torch
 
 
 def free_port() -> int:
@@ -27,14 +30,21 @@ def free_port() -> int:
 def _child(fn: Callable, rank: int, world_size: int, port: int, queue, kwargs: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import warnings
+
     import torch
     import torch.distributed as dist
 
+    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's "no Apex/TE" notices
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, **kwargs)
-        queue.put((rank, "ok", out))
+        # serialise here: a tensor sent through the queue as-is lives in this process's shared
+        # memory, which is gone once the child exits
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - ship every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -62,7 +72,7 @@ def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, **kwarg
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the other ranks are likely blocked in a collective

@@ -31,11 +31,12 @@ def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | No
 
 
 def project(h: torch.Tensor, weight: torch.Tensor, inv_temp: float, out: torch.Tensor) -> torch.Tensor:
-    """`out[n, V_r] = (h[n, H] · weight[V_r, H]ᵀ) · inv_temp` in fp32 (GEMM in `weight`'s dtype)."""
+    """`out[n, V_r] = (h[n, H] · weight[V_r, H]ᵀ) · inv_temp` in `out`'s dtype (fp32 or fp64);
+    the GEMM runs in `weight`'s dtype (bf16 weights: bf16 GEMM, upcast result)."""
     hs = h.to(weight.dtype)
     if inv_temp != 1.0:
         hs = hs * inv_temp
-    if weight.dtype == torch.float32:
+    if weight.dtype == out.dtype:
         return torch.mm(hs, weight.t(), out=out)
     return out.copy_(torch.mm(hs, weight.t()))
 

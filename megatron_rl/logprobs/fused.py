@@ -64,9 +64,10 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         vocab_start = _tp_rank(tp_group) * vocab_local
         inv_temp = 1.0 / temperature
         chunk = max(1, min(chunk_size, n_tok))
-        zbuf = torch.empty(chunk, vocab_local, dtype=torch.float32, device=hidden.device)
+        acc = torch.promote_types(weight.dtype, torch.float32)   # logits/stats: fp32 (fp64 if given)
+        zbuf = torch.empty(chunk, vocab_local, dtype=acc, device=hidden.device)
         ebuf = torch.empty_like(zbuf)
-        f32 = dict(dtype=torch.float32, device=hidden.device)
+        f32 = {"dtype": acc, "device": hidden.device}
         logprob = torch.empty(n_tok, **f32)
         entropy = torch.empty(n_tok if compute_entropy else 0, **f32)
         kept = torch.empty(n_tok if kept_ids is not None else 0, **f32)
@@ -99,19 +100,20 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
             return (None,) * 9
         # Outputs defined as 0 (ignored label, empty kept set) carry no gradient.
         valid = labels >= 0
+        acc = stats.dtype
+        zero = torch.zeros((), dtype=acc, device=valid.device)
         if g_logprob is not None:
-            g_logprob = torch.where(valid, g_logprob.float(), torch.zeros((), device=valid.device))
+            g_logprob = torch.where(valid, g_logprob.to(acc), zero)
         if g_kept is not None:
-            ok = valid & (kept_ids >= 0).any(dim=1)
-            g_kept = torch.where(ok, g_kept.float(), torch.zeros((), device=valid.device))
+            g_kept = torch.where(valid & (kept_ids >= 0).any(dim=1), g_kept.to(acc), zero)
         if g_entropy is not None:
-            g_entropy = g_entropy.float()
+            g_entropy = g_entropy.to(acc)
 
         n_tok, vocab_local = hidden.shape[0], weight.shape[0]
-        zbuf = torch.empty(chunk, vocab_local, dtype=torch.float32, device=hidden.device)
+        zbuf = torch.empty(chunk, vocab_local, dtype=acc, device=hidden.device)
         ebuf = torch.empty_like(zbuf)
-        d_hidden = torch.empty_like(hidden) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         for s in range(0, n_tok, chunk):
             sl = slice(s, min(s + chunk, n_tok))
             g = chunk_logit_grad(
@@ -121,14 +123,14 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                 None if g_kept is None else g_kept[sl],
                 vocab_start=vocab_start, inv_temp=inv_temp, zbuf=zbuf, ebuf=ebuf)
             if need_h:   # ∂L/∂h = G W / temperature  (partial sum over this vocab shard)
-                if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
+                if weight.dtype == acc and hidden.dtype == acc:
                     torch.mm(g, weight, out=d_hidden[sl])
                 else:
                     d_hidden[sl] = torch.mm(g.to(weight.dtype), weight)
                 if inv_temp != 1.0:
                     d_hidden[sl].mul_(inv_temp)
             if need_w:   # ∂L/∂W += Gᵀ h / temperature
-                h = hidden[sl].float()
+                h = hidden[sl].to(acc)
                 d_weight.addmm_(g.t(), h if inv_temp == 1.0 else h * inv_temp)
         if need_h and reduce_grad_input:
             all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group)

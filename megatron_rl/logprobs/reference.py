@@ -33,12 +33,13 @@ def reference_logprobs_and_entropy(
         temperature: logits are divided by it.
 
     Returns:
-        `LogprobOutput(logprobs [*], entropy [*], kept_logprobs [*] or None)`, fp32.
+        `LogprobOutput(logprobs [*], entropy [*], kept_logprobs [*] or None)`, fp32 (fp64 for
+        fp64 inputs).
     """
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
-    z = (h @ weight.t()).float() / temperature
+    z = (h @ weight.t()).to(torch.promote_types(weight.dtype, torch.float32)) / temperature
     logp = torch.log_softmax(z, dim=-1)
     valid = y >= 0
     safe_y = torch.where(valid, y, torch.zeros_like(y))

@@ -32,8 +32,12 @@ def _masked_sum(per_token: Tensor, mask: Tensor) -> Tensor:
 
 
 def _norm(x: Count, ref: Tensor) -> Tensor | float:
-    """A count as a divisor in the loss dtype (a float64 count tensor must not promote the loss)."""
-    return x.detach().to(ref.dtype) if isinstance(x, Tensor) else float(x)
+    """A count as a divisor in the loss dtype (a float64 count must not promote the loss). A zero count
+    (a step without valid tokens, whose numerator is 0 too) divides by 1, so the loss is 0, not nan."""
+    if isinstance(x, Tensor):
+        x = x.detach().to(ref.dtype)
+        return torch.where(x > 0, x, torch.ones_like(x))
+    return float(x) if x > 0 else 1.0
 
 
 def token_mean(per_token: Tensor, mask: Tensor, global_num_tokens: Count) -> Tensor:

@@ -32,6 +32,25 @@ def _clip_active(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) ->
     return ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
 
 
+def _clipped_surrogate(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
+                       dual_clip: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """ℓ = −min(x A, clip(x, 1−ε_low, 1+ε_high) A), x = exp(log_ratio); dual clip: ℓ = min(ℓ, −c A) for A < 0.
+
+    Written as a select: where the clip (or dual clip) is active ℓ is a constant of θ, elsewhere ℓ = −x A.
+    The gradient path exponentiates log_ratio only where it is used, so an overflowing ratio on a
+    clipped token cannot turn its zero gradient into 0·inf = nan. Returns (ℓ, clip_active, dual_active).
+    """
+    x = torch.exp(log_ratio.detach())
+    clip_active = _clip_active(x, adv, eps_low, eps_high)
+    dual_active = (adv < 0) & (x > dual_clip) if dual_clip is not None else torch.zeros_like(clip_active)
+    frozen = clip_active | dual_active
+    x_grad = torch.exp(torch.where(frozen, torch.zeros((), device=x.device), log_ratio))
+    loss = torch.where(clip_active, -x.clamp(1 - eps_low, 1 + eps_high) * adv, -x_grad * adv)
+    if dual_clip is not None:
+        loss = torch.where(dual_active, -dual_clip * adv, loss)
+    return loss, clip_active, dual_active
+
+
 @register_surrogate("ppo_clip")
 def ppo_clip(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
              dual_clip: float | None = None) -> SurrogateOut:
@@ -40,18 +59,16 @@ def ppo_clip(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
     DAPO clip-higher: eps_high = 0.28, eps_low = 0.2. Shapes: [B, T] -> per_token [B, T].
     Metrics: clipped (clip branch active), dual_clipped (A < 0 and the −cA cap active).
     """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     m = batch.mask
     adv = masked(batch.advantages, m)
-    r = torch.exp(masked_log_ratio(batch.logprobs, batch.old_logprobs, m))
-    loss = -torch.minimum(r * adv, r.clamp(1 - eps_low, 1 + eps_high) * adv)
+    logr = masked_log_ratio(batch.logprobs, batch.old_logprobs, m)
+    loss, clipped, dual = _clipped_surrogate(logr, adv, eps_low, eps_high, dual_clip)
     metrics = {}
-    add_fraction(metrics, "clipped", m & _clip_active(r.detach(), adv, eps_low, eps_high), m)
+    add_fraction(metrics, "clipped", m & clipped, m)
     if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-        cap = -dual_clip * adv
-        add_fraction(metrics, "dual_clipped", m & (adv < 0) & (loss.detach() > cap), m)
-        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+        add_fraction(metrics, "dual_clipped", m & dual, m)
     return SurrogateOut(torch.where(m, loss, _zero(loss)), metrics)
 
 
@@ -129,14 +146,12 @@ def gspo(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -
     Under CP, s_i is finished with a differentiable CP all-reduce (SeqOps.sum).
     """
     m = batch.mask
-    L, n, adv_seq = _seq_stats(batch, batch.logprobs)
-    s = torch.exp(L)  # [B]
+    L, n, adv_seq = _seq_stats(batch, batch.logprobs)  # log s_i [B] (with gradient)
     adv = masked(batch.advantages, m)
-    s_tok = s[:, None]
-    per_token = -torch.minimum(s_tok * adv, s_tok.clamp(1 - eps_low, 1 + eps_high) * adv)
+    per_token, _, _ = _clipped_surrogate(L[:, None].expand_as(adv), adv, eps_low, eps_high)
     per_token = torch.where(m, per_token, _zero(per_token))
-    per_seq = -torch.minimum(s * adv_seq, s.clamp(1 - eps_low, 1 + eps_high) * adv_seq)
-    metrics = _gspo_metrics(batch, s, n, adv_seq, eps_low, eps_high)
+    per_seq, _, _ = _clipped_surrogate(L, adv_seq, eps_low, eps_high)
+    metrics = _gspo_metrics(batch, torch.exp(L.detach()), n, adv_seq, eps_low, eps_high)
     return SurrogateOut(per_token, metrics, per_seq=per_seq)
 
 
@@ -147,13 +162,12 @@ def gspo_token(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4
     """
     m = batch.mask
     L, n, adv_seq = _seq_stats(batch, batch.logprobs.detach())
-    s = torch.exp(L)
     lp = masked(batch.logprobs, m)
-    s_tok = s[:, None] * torch.exp(lp - lp.detach())
+    log_s_tok = L[:, None] + (lp - lp.detach())  # value log s_i, gradient ∇log π_θ,t
     adv = masked(batch.advantages, m)
-    per_token = -torch.minimum(s_tok * adv, s_tok.clamp(1 - eps_low, 1 + eps_high) * adv)
+    per_token, _, _ = _clipped_surrogate(log_s_tok, adv, eps_low, eps_high)
     per_token = torch.where(m, per_token, _zero(per_token))
-    return SurrogateOut(per_token, _gspo_metrics(batch, s, n, adv_seq, eps_low, eps_high))
+    return SurrogateOut(per_token, _gspo_metrics(batch, torch.exp(L), n, adv_seq, eps_low, eps_high))
 
 
 @register_surrogate("minirl")
@@ -209,7 +223,9 @@ def p3o(batch: PolicyBatch, *, ess: Tensor | float) -> SurrogateOut:
     k3_t = exp(log π_old − log π_θ) − (log π_old − log π_θ) − 1 (has gradient).
 
     `ess`: the GLOBAL ESS of the optimizer step (`ess_from_stats` of all-reduced `p3o_ess_stats`), a
-    0-dim tensor or float, same value on every rank and micro-batch. Pair with `token_mean`.
+    0-dim tensor or float, same value on every rank and micro-batch. θ is fixed during the step, so the
+    stats come from a no-grad forward of the step's micro-batches before the first backward (on the
+    step right after the π_old pass with unchanged weights, r ≡ 1 and ESS = 1). Pair with `token_mean`.
     Metrics: ess (global value), capped (r_t > ESS), k3 (mean of k3 over tokens).
     """
     m = batch.mask

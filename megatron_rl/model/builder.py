@@ -122,6 +122,11 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # Our losses arrive already divided by a global normaliser (tokens or sequences summed
+        # over every DP/CP rank and micro-batch of the step). Per-token mode makes megatron's
+        # DDP sum (not average) gradients over DP and its schedules not divide by the number of
+        # micro-batches; the trainer calls finalize_model_grads itself with num_tokens=None.
+        calculate_per_token_loss=True,
         **moe,
     )
 

@@ -1,9 +1,8 @@
-"""Workarounds #10-#14: megatron-core's DDP, optimizer and optimizer checkpointing on CPU.
+"""Workarounds #10-#15: megatron-core's DDP, optimizer, checkpointing and tied embeddings on CPU.
 
-#11 changes torch process-wide; like all workarounds it is applied only in CPU-only processes
-(see registry.apply_cpu_workarounds). The platform notes' #15 (Tensor.cuda() identity) is only
-needed for the `fully_reshardable` optimizer format, which we do not use (we save
-`dp_reshardable`, Megatron-LM's default), so it is not applied.
+#11 and #15 change torch process-wide; like all workarounds they are applied only in CPU-only
+processes (see registry.apply_cpu_workarounds). The platform notes' #12 (grad scaler .cuda())
+is covered by #15 and is not a separate patch.
 """
 from __future__ import annotations
 
@@ -52,18 +51,12 @@ def _type_strings() -> None:
     torch.Tensor.type = type_
 
 
-def _grad_scaler_load() -> None:
-    # DynamicGradScaler.load_state_dict: state_dict['scale'].cuda(torch.cuda.current_device()).
-    from megatron.core.optimizer import grad_scaler
-
-    def load(self, state_dict):
-        self._scale = state_dict["scale"].cpu()
-        if hasattr(self, "_growth_tracker"):
-            self._growth_tracker = state_dict["growth_tracker"]
-            self._hysteresis_tracker = state_dict["hysteresis_tracker"]
-
-    grad_scaler.DynamicGradScaler.load_state_dict = load
-    grad_scaler.ConstantGradScaler.load_state_dict = lambda self, state_dict: None
+def _tensor_cuda_identity() -> None:
+    # Tensor.cuda() on CPU tensors: LanguageModule.setup_embeddings_and_output_layer (tied
+    # embeddings under PP > 1: `weight.data = weight.data.cuda()`), the fp16 grad scaler's
+    # load_state_dict (`state_dict['scale'].cuda(...)`; the platform notes' #12, which this
+    # makes unnecessary) and `fully_reshardable` optimizer checkpoints. Identity on CPU.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def _adamw_step_on_load() -> None:
@@ -133,10 +126,10 @@ WORKAROUNDS = (
                _cuda_strings),
     Workaround(11, "type_strings", "TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor",
                _type_strings),
-    Workaround(12, "grad_scaler_load", "AssertionError: Torch not compiled with CUDA enabled (grad scaler)",
-               _grad_scaler_load),
     Workaround(13, "adamw_step_on_load", "AssertionError in DistributedOptimizer.state_dict (step)",
                _adamw_step_on_load),
     Workaround(14, "load_under_no_grad", "RuntimeError: a view of a leaf Variable that requires grad",
                _load_under_no_grad),
+    Workaround(15, "tensor_cuda_identity", "AssertionError: Torch not compiled with CUDA enabled (.cuda())",
+               _tensor_cuda_identity),
 )

@@ -1,0 +1,64 @@
+"""dist_checkpointing round trips (with timeouts: a broken async writer hangs instead of failing)."""
+import os
+
+import pytest
+import torch
+
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _save(rank, world, root, sizes, seed):
+    from megatron_rl.model import BuildOptions, build_gpt_model
+    from megatron_rl.model.hf_io import export_hf_weights
+    from megatron_rl.model.presets import preset_arch
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+    from tests.mcore_setup import setup_parallel
+
+    groups = setup_parallel(**sizes)
+    arch = preset_arch("qwen3_moe")
+    model = build_gpt_model(arch, groups, BuildOptions(seed=seed))
+    save_checkpoint(root, 3, model, extra={"step": 3, "rank": rank})
+    return dict(export_hf_weights(model, arch, groups))
+
+
+def _load(rank, world, root, sizes, seed):
+    from megatron_rl.model import BuildOptions, build_gpt_model
+    from megatron_rl.model.hf_io import export_hf_weights
+    from megatron_rl.model.presets import preset_arch
+    from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from tests.mcore_setup import setup_parallel
+
+    groups = setup_parallel(**sizes)
+    arch = preset_arch("qwen3_moe")
+    model = build_gpt_model(arch, groups, BuildOptions(seed=seed))
+    extra = load_checkpoint(latest_checkpoint(root), model)
+    return dict(export_hf_weights(model, arch, groups)), extra
+
+
+@pytest.mark.parametrize("save_layout,load_layout", [
+    ((1, {}), (1, {})),
+    ((2, {"tensor_model_parallel_size": 2}), (2, {"tensor_model_parallel_size": 2})),
+    ((2, {"expert_model_parallel_size": 2}), (1, {})),  # resharding EP=2 -> one rank
+], ids=["ws1", "tp2", "ep2_to_ws1"])
+def test_roundtrip(tmp_path, save_layout, load_layout):
+    root = str(tmp_path / "ckpt")
+    saved = run_ranks(_save, world_size=save_layout[0], timeout=180, root=root, sizes=save_layout[1], seed=1)[0]
+    assert open(os.path.join(root, "latest")).read() == "iter_0000003"
+    assert not any(p.endswith(".tmp") for p in os.listdir(root))
+    loaded, extra = run_ranks(_load, world_size=load_layout[0], timeout=180, root=root, sizes=load_layout[1],
+                              seed=2)[0]
+    assert extra == {"step": 3, "rank": 0}
+    assert saved.keys() == loaded.keys()
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+
+
+def test_missing_latest_target_is_a_clear_error(tmp_path):
+    from megatron_rl.trainer.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(str(tmp_path)) is None
+    (tmp_path / "latest").write_text("iter_0000009")
+    with pytest.raises(FileNotFoundError, match="iter_0000009"):
+        latest_checkpoint(str(tmp_path))

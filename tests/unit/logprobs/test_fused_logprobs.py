@@ -1,0 +1,241 @@
+"""The fused chunked path equals the straightforward full-logits computation (fp32, atol 1e-5)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.logprobs import (
+    next_token_labels,
+    reference_logprobs_and_entropy,
+    token_logprobs_and_entropy,
+    zigzag_shard,
+    zigzag_unshard,
+)
+
+ATOL = 1e-5
+N, H, V = 29, 16, 97
+
+
+def _kept_sets(labels: torch.Tensor, vocab: int, k: int, seed: int) -> torch.Tensor:
+    """[N, k] unique kept ids containing the label, random sizes, padded with -1; row 1 empty."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for y in labels.tolist():
+        size = int(torch.randint(1, k + 1, (1,), generator=g))
+        ids = torch.randperm(vocab, generator=g)[:size]
+        if y >= 0 and y not in ids.tolist():
+            ids[0] = y
+        rows.append(torch.cat([ids, torch.full((k - size,), -1)]))
+    kept = torch.stack(rows)
+    kept[1] = -1
+    return kept
+
+
+def _inputs(seed=0, n=N, vocab=V, hidden=H, ignore=(3,)):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.5
+    y = torch.randint(0, vocab, (n,), generator=g)
+    for i in ignore:
+        y[i] = -100
+    return h, w, y
+
+
+def _run(fn, h, w, y, grads, **kw):
+    """Outputs and d(Σ g·out)/d(h, W) for the outputs that have an upstream grad."""
+    h = h.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    out = fn(h, w, y, **kw)
+    loss = sum((o * g).sum() for o, g in zip(out, grads) if g is not None and o is not None)
+    dh, dw = torch.autograd.grad(loss, [h, w])
+    return out, dh, dw
+
+
+def _assert_same(a, b):
+    (oa, dha, dwa), (ob, dhb, dwb) = a, b
+    for x, z in zip(oa, ob):
+        assert (x is None) == (z is None)
+        if x is not None:
+            torch.testing.assert_close(x, z, atol=ATOL, rtol=0)
+    torch.testing.assert_close(dha, dhb, atol=ATOL, rtol=0)
+    torch.testing.assert_close(dwa, dwb, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, N, 64])
+def test_matches_reference_all_outputs(chunk_size):
+    h, w, y = _inputs()
+    kept = _kept_sets(y, V, 6, seed=1)
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(N, generator=g) for _ in range(3)]
+    ref = _run(reference_logprobs_and_entropy, h, w, y, grads, kept_ids=kept)
+    ours = _run(token_logprobs_and_entropy, h, w, y, grads, kept_ids=kept, chunk_size=chunk_size)
+    _assert_same(ours, ref)
+    assert ours[0].logprobs[3] == 0 and ours[0].kept_logprobs[1] == 0   # ignored label, empty set
+
+
+@pytest.mark.parametrize("which", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1)])
+def test_each_output_alone_and_in_pairs(which):
+    h, w, y = _inputs(seed=3)
+    kept = _kept_sets(y, V, 5, seed=4)
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(N, generator=g) if on else None for on in which]
+    ref = _run(reference_logprobs_and_entropy, h, w, y, grads, kept_ids=kept)
+    ours = _run(token_logprobs_and_entropy, h, w, y, grads, kept_ids=kept, chunk_size=8)
+    _assert_same(ours, ref)
+
+
+def test_temperature_no_entropy_no_kept_and_leading_dims():
+    h, w, y = _inputs(seed=6, n=24)
+    h3, y3 = h.view(4, 6, H), y.view(4, 6)
+    grads = [torch.ones(4, 6), None, None]
+    ref = _run(reference_logprobs_and_entropy, h3, w, y3, grads, temperature=0.7)
+    ours = _run(token_logprobs_and_entropy, h3, w, y3, grads, temperature=0.7, chunk_size=5,
+                compute_entropy=False)
+    assert ours[0].entropy is None and ours[0].kept_logprobs is None and ours[0].logprobs.shape == (4, 6)
+    _assert_same((ours[0][:1], ours[1], ours[2]), (ref[0][:1], ref[1], ref[2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_logits_are_stable(dtype):
+    """Logits far beyond exp's range (|z| ~ 1e3) stay finite and agree with float64 to the
+    precision of the dtype (fp64 inputs are computed in fp64)."""
+    h, w, y = _inputs(seed=7)
+    w = w * 300.0
+    grads = [torch.ones(N), torch.ones(N) * 0.1, None]
+    ref = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, grads)
+    ours = _run(token_logprobs_and_entropy, h.to(dtype), w.to(dtype), y, grads, chunk_size=6)
+    for x in (*ours[0][:2], ours[1], ours[2]):
+        assert torch.isfinite(x).all() and x.dtype == dtype
+    if dtype == torch.float64:
+        _assert_same(ours, ref)
+    else:   # fp32 logits of size 1e3 carry ~1e-4 absolute rounding
+        for a, b in zip((*ours[0][:2], ours[1], ours[2]), (*ref[0][:2], ref[1], ref[2])):
+            torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=1e-4)
+
+
+def test_bf16_inputs_give_fp32_outputs_close_to_reference():
+    """bf16 hidden/weight (GEMM in bf16, softmax math in fp32) track the same computation done
+    by autograd on the bf16 logits; grads come back in bf16."""
+    h, w, y = _inputs(seed=14)
+    h, w = h.bfloat16(), w.bfloat16()
+    grads = [torch.ones(N), torch.full((N,), 0.5), None]
+    ref = _run(reference_logprobs_and_entropy, h, w, y, grads)
+    ours = _run(token_logprobs_and_entropy, h, w, y, grads, chunk_size=8)
+    assert ours[0].logprobs.dtype == torch.float32 and ours[1].dtype == ours[2].dtype == torch.bfloat16
+    for a, b in zip(ours[0][:2], ref[0][:2]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    for a, b in zip(ours[1:], ref[1:]):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+class _TiedLM(torch.nn.Module):
+    """Embedding -> tiny mixer -> tied output layer (the embedding weight passed as W)."""
+
+    def __init__(self, vocab, hidden, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Parameter(torch.randn(vocab, hidden, generator=g) * 0.5)
+        self.mix = torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) / hidden**0.5)
+
+    def hidden(self, tokens):
+        return torch.tanh(self.emb[tokens] @ self.mix)
+
+
+@pytest.mark.parametrize("use_fused", [True, False])
+def test_tied_head_gradient_reaches_embedding_through_both_paths(use_fused):
+    def grads_of(fused: bool):
+        model = _TiedLM(V, H, seed=8)
+        tokens = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(9))
+        labels = next_token_labels(tokens)
+        fn = token_logprobs_and_entropy if fused else reference_logprobs_and_entropy
+        kw = {"chunk_size": 5} if fused else {}
+        out = fn(model.hidden(tokens), model.emb, labels, **kw)
+        (out.logprobs.sum() + 0.3 * out.entropy.sum()).backward()
+        return out.logprobs.detach(), model.emb.grad, model.mix.grad
+
+    ref = grads_of(False)
+    ours = grads_of(use_fused)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_packed_unequal_sequences_and_single_process_cp_split():
+    """Packed THD batch of unequal lengths; computing each zig-zag CP shard separately and
+    reassembling gives the full-sequence result, and the shard gradients sum to the full one."""
+    lengths = [8, 4, 12, 20]                      # multiples of 2*CP=4
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = int(cu[-1])
+    g = torch.Generator().manual_seed(10)
+    tokens = torch.randint(0, V, (t,), generator=g)
+    labels = next_token_labels(tokens, cu)         # shift before the split
+    assert (labels[cu[1:] - 1] == -100).all()
+    h = torch.randn(t, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.5
+    kept = _kept_sets(labels, V, 4, seed=11)
+    grads = [torch.randn(t, generator=g) for _ in range(3)]
+    ref = _run(reference_logprobs_and_entropy, h, w, labels, grads, kept_ids=kept)
+
+    cp = 2
+    h_leaf = h.clone().requires_grad_()
+    w_leaf = w.clone().requires_grad_()
+    shards = []
+    for r in range(cp):
+        out = token_logprobs_and_entropy(
+            zigzag_shard(h_leaf, r, cp, cu), w_leaf, zigzag_shard(labels, r, cp, cu),
+            kept_ids=zigzag_shard(kept, r, cp, cu), chunk_size=5)
+        loss = sum((o * zigzag_shard(gr, r, cp, cu)).sum() for o, gr in zip(out, grads))
+        loss.backward()                            # W.grad accumulates = the CP all-reduce
+        shards.append(out)
+    full = [zigzag_unshard([s[i].detach() for s in shards], cu) for i in range(3)]
+    _assert_same((full, h_leaf.grad, w_leaf.grad), ref)
+
+
+def test_saved_state_is_small():
+    """Only h, W, labels, kept ids and [N, 3] stats are kept for backward: no [N, V] tensor."""
+    h, w, y = _inputs(seed=12, n=64, vocab=512)
+    h.requires_grad_()
+    kept = _kept_sets(y, 512, 3, seed=13)
+    out = token_logprobs_and_entropy(h, w, y, kept_ids=kept, chunk_size=16)
+    saved = out.logprobs.grad_fn.next_functions[0][0].saved_tensors   # under the reshape
+    sizes = sorted(t.numel() for t in saved if t is not None)
+    assert sum(sizes) == h.numel() + w.numel() + y.numel() + kept.numel() + 64 * 3
+    assert max(sizes) == w.numel() and 64 * 512 not in sizes
+
+
+def test_rejects_bad_shapes():
+    h, w, y = _inputs()
+    with pytest.raises(ValueError):
+        token_logprobs_and_entropy(h, w, y[:-1])
+    with pytest.raises(ValueError):
+        token_logprobs_and_entropy(h, w[:, :-1], y)
+    with pytest.raises(ValueError):
+        token_logprobs_and_entropy(h, w, y, kept_ids=torch.zeros(N - 1, 2, dtype=torch.long))
+
+
+_PEAK_SCRIPT = r"""
+import resource, torch
+from megatron_rl.logprobs import token_logprobs_and_entropy
+torch.manual_seed(0)
+n, v, hid = 4096, 32768, 16              # full fp32 logits would be 512 MiB, each temporary too
+h = torch.randn(n, hid, requires_grad=True)
+w = (torch.randn(v, hid) * 0.3).requires_grad_()
+y = torch.randint(0, v, (n,))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = token_logprobs_and_entropy(h, w, y, chunk_size=128)
+(out.logprobs.sum() + out.entropy.sum()).backward()
+assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+
+
+def test_peak_memory_is_chunk_sized_not_logits_sized():
+    """In a fresh process: forward+backward at N×V = 2^27 (512 MiB of fp32 logits) raises peak
+    RSS by about two [chunk, V] buffers (2 × 16 MiB) plus small tensors, far below the logits."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, check=False,
+                         timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert res.returncode == 0, res.stderr
+    peak = int(res.stdout.strip().splitlines()[-1])
+    assert peak < 96 * 2**20, f"peak RSS grew by {peak / 2**20:.0f} MiB"
