@@ -130,7 +130,7 @@ def _eff(r: dict, tokens: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only T = 2k, side by side")
-    ap.add_argument("--chunk-size", type=int, default=None, help="ours: tokens per chunk (default: library's)")
+    ap.add_argument("--chunk-size", type=int, default=None, help="ours: tokens per chunk (default: auto_chunk_size(V))")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", default="fused", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=2048, help=argparse.SUPPRESS)
@@ -146,9 +146,9 @@ def main() -> None:
 
     import torch
 
-    from megatron_rl.logprobs import DEFAULT_CHUNK_SIZE
+    from megatron_rl.logprobs import auto_chunk_size
 
-    chunk = args.chunk_size or DEFAULT_CHUNK_SIZE
+    chunk = args.chunk_size or auto_chunk_size(V)
     print(f"log-prob + entropy, forward+backward, fp32, V={V:,}, H={HID}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; ours: chunk={chunk} tokens")
     print("peak = ru_maxrss at the end of the run minus RSS before it (fresh process per configuration,"

@@ -18,17 +18,17 @@ from megatron_rl.logprobs.context_parallel import (
     zigzag_unshard,
 )
 from megatron_rl.logprobs.fused import (
-    DEFAULT_CHUNK_SIZE,
     FusedVocabParallelLogprobs,
+    auto_chunk_size,
     token_logprobs_and_entropy,
 )
 from megatron_rl.logprobs.reference import reference_logprobs_and_entropy
 from megatron_rl.logprobs.types import LogprobOutput
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE",
     "FusedVocabParallelLogprobs",
     "LogprobOutput",
+    "auto_chunk_size",
     "global_positions",
     "local_cu_seqlens",
     "next_token_labels",

@@ -46,7 +46,14 @@ from torch.autograd.function import once_differentiable
 from megatron_rl.logprobs.chunk_math import all_reduce, chunk_forward, chunk_logit_grad
 from megatron_rl.logprobs.types import LogprobOutput
 
-DEFAULT_CHUNK_SIZE = 512
+CHUNK_BUFFER_BYTES = 256 * 2**20
+
+
+def auto_chunk_size(vocab_local: int, buffer_bytes: int = CHUNK_BUFFER_BYTES) -> int:
+    """Default tokens per chunk: the largest multiple of 64 (at least 64) whose fp32
+    `[chunk, V/TP]` buffer fits in `buffer_bytes` (384 tokens for V/TP = 151,936). Two such
+    buffers are live at a time."""
+    return max(64, buffer_bytes // (4 * max(1, vocab_local)) // 64 * 64)
 
 
 def _tp_rank(group: dist.ProcessGroup | None) -> int:
@@ -113,7 +120,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         zbuf = torch.empty(chunk, vocab_local, dtype=acc, device=hidden.device)
         ebuf = torch.empty_like(zbuf)
         d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        d_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
         for s in range(0, n_tok, chunk):
             sl = slice(s, min(s + chunk, n_tok))
             g = chunk_logit_grad(
@@ -129,9 +136,15 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                     d_hidden[sl] = torch.mm(g.to(weight.dtype), weight)
                 if inv_temp != 1.0:
                     d_hidden[sl].mul_(inv_temp)
-            if need_w:   # ∂L/∂W += Gᵀ h / temperature
+            if need_w:   # ∂L/∂W += Gᵀ h / temperature  (the first chunk initialises it)
                 h = hidden[sl].to(acc)
-                d_weight.addmm_(g.t(), h if inv_temp == 1.0 else h * inv_temp)
+                h = h if inv_temp == 1.0 else h * inv_temp
+                if s == 0:
+                    torch.mm(g.t(), h, out=d_weight)
+                else:
+                    d_weight.addmm_(g.t(), h)
+        if need_w and n_tok == 0:
+            d_weight.zero_()
         if need_h and reduce_grad_input:
             all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group)
         if need_w:
@@ -145,7 +158,7 @@ def token_logprobs_and_entropy(
     labels: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     kept_ids: torch.Tensor | None = None,
     compute_entropy: bool = True,
     temperature: float = 1.0,
@@ -159,7 +172,8 @@ def token_logprobs_and_entropy(
         weight: `[V/TP, H]` this TP rank's rows of the output-layer (or tied embedding) weight.
         labels: `[*]` next-token ids in the global vocabulary; negative = ignored (output 0).
         tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
-        chunk_size: tokens per chunk; peak extra memory ≈ `2 · chunk_size · V/TP · 4` bytes.
+        chunk_size: tokens per chunk; peak extra memory ≈ `2 · chunk_size · V/TP · 4` bytes
+            (plus the gradients of `hidden` and `weight`). None: `auto_chunk_size(V/TP)`.
         kept_ids: `[*, K]` global ids of the kept top-p/top-k set per position, padded with -1,
             unique per position; the label is expected to be in its set.
         compute_entropy: also return the full-vocabulary entropy.
@@ -185,7 +199,8 @@ def token_logprobs_and_entropy(
             raise ValueError(f"kept_ids {tuple(kept_ids.shape)} must be labels' shape + [K]")
         k = kept_ids.reshape(y.shape[0], -1).long()
     logprob, entropy, kept = FusedVocabParallelLogprobs.apply(
-        h, weight, y, k, tp_group, int(chunk_size), bool(compute_entropy), float(temperature),
+        h, weight, y, k, tp_group, int(chunk_size or auto_chunk_size(weight.shape[0])),
+        bool(compute_entropy), float(temperature),
         bool(reduce_grad_input))
     return LogprobOutput(
         logprob.reshape(lead),

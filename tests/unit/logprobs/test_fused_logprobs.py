@@ -202,6 +202,14 @@ def test_saved_state_is_small():
     assert max(sizes) == w.numel() and 64 * 512 not in sizes
 
 
+def test_no_tokens():
+    h, w, _ = _inputs()
+    w = w.clone().requires_grad_()
+    out = token_logprobs_and_entropy(h[:0], w, torch.zeros(0, dtype=torch.long))
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    assert out.logprobs.shape == (0,) and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_rejects_bad_shapes():
     h, w, y = _inputs()
     with pytest.raises(ValueError):

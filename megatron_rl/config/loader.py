@@ -1,0 +1,129 @@
+"""YAML + command-line overrides -> RunConfig, with errors that name the key and the fix.
+
+    cfg = load_config("examples/demo_cpu.yaml", ["train.steps=10", "--tensor-model-parallel-size", "2"])
+
+Overrides are `section.field=value` (value parsed as YAML: 3, 1e-4, true, [a, b], {C: 2}) or
+Megatron-style flags from MEGATRON_FLAGS.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+import yaml
+
+from megatron_rl.config.schema import RunConfig
+
+# Megatron-LM flag -> config path (so `torchrun pretrain_rl.py --tensor-model-parallel-size 2` works)
+MEGATRON_FLAGS = {
+    "--tensor-model-parallel-size": "parallel.tensor_model_parallel_size",
+    "--pipeline-model-parallel-size": "parallel.pipeline_model_parallel_size",
+    "--expert-model-parallel-size": "parallel.expert_model_parallel_size",
+    "--expert-tensor-parallel-size": "parallel.expert_tensor_parallel_size",
+    "--context-parallel-size": "parallel.context_parallel_size",
+    "--lr": "optim.lr",
+    "--clip-grad": "optim.clip_grad",
+    "--weight-decay": "optim.weight_decay",
+    "--use-distributed-optimizer": "optim.use_distributed_optimizer",
+    "--micro-batch-size": "train.micro_batch_size",
+    "--train-iters": "train.steps",
+    "--seed": "train.seed",
+    "--save-interval": "train.save_every",
+    "--load": "train.init_checkpoint",
+    "--run-dir": "train.run_dir",
+    "--rollout-backend": "rollout.backend",
+    "--recipe": "loss.recipe",
+    "--sft-steps": "sft.steps",
+}
+_BOOL_FLAGS = {"--use-distributed-optimizer"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
+    names = _field_names(cls)
+    kwargs = {}
+    hints = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {where + '.' if where else ''}{close[0]}?" if close else \
+                f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key {where + '.' if where else ''}{key}{hint}")
+        default = hints[key].default_factory() if hints[key].default_factory is not dataclasses.MISSING else \
+            hints[key].default
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            kwargs[key] = _build(type(default), value, f"{where}.{key}" if where else key)
+        else:
+            kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where or 'config'}: {e}") from e
+
+
+def _set(tree: dict, path: str, value: Any) -> None:
+    parts = path.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {path}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """["a.b=1", "--tensor-model-parallel-size", "2", "--c.d=x"] -> nested dict."""
+    tree: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in MEGATRON_FLAGS:
+            if arg in _BOOL_FLAGS:
+                _set(tree, MEGATRON_FLAGS[arg], True)
+                i += 1
+                continue
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value")
+            _set(tree, MEGATRON_FLAGS[arg], yaml.safe_load(args[i + 1]))
+            i += 2
+            continue
+        key, sep, value = arg.lstrip("-").partition("=")
+        if not sep:
+            if arg.startswith("--") and i + 1 < len(args) and "." in key:
+                value, i = args[i + 1], i + 1
+            else:
+                raise ConfigError(f"cannot parse override {arg!r}; use section.field=value "
+                                  f"(e.g. train.steps=10) or a Megatron flag ({', '.join(sorted(MEGATRON_FLAGS))})")
+        _set(tree, key.replace("-", "_"), yaml.safe_load(value))
+        i += 1
+    return tree
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data: dict = {}
+    if path:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    data = _merge(data, parse_overrides(overrides or []))
+    return _build(RunConfig, data, "")
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,124 @@
+"""A fixed character-level tokenizer for the toy tasks (one token per character, no merges).
+
+Vocabulary (64 ids, so tensor-parallel sizes 1, 2 and 4 divide it):
+
+    0 <pad>   1 <eos>   2 <bos>   3 <unk>     specials (<unk> is only produced by the HF copy)
+    4..13     0 1 2 3 4 5 6 7 8 9
+    14..25    " " + - * / = , . : > ? _
+    26..51    a .. z
+    52..63    <unused52> .. <unused63>    never produced by encode()
+
+    tok = CharTokenizer()
+    tok.encode("123+456=")              # [5, 6, 7, 15, 8, 9, 10, 19]
+    tok.decode(tok.encode("975") + [tok.eos_id, tok.pad_id])    # "975"
+    tok.save_pretrained("ckpt/tokenizer")  # loadable by transformers.AutoTokenizer and vLLM
+
+`encode` raises ValueError naming any character outside the vocabulary. `decode` is the one the
+reward sees, so it is strict in the direction that matters for RL: a special or unused id in the
+middle of a response becomes U+FFFD instead of vanishing (a policy must not be able to turn a wrong
+answer into a right one by sampling <pad> between digits).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
+SPECIALS = (PAD, EOS, BOS, UNK)
+CHARS = "0123456789" + " +-*/=,.:>?_" + "abcdefghijklmnopqrstuvwxyz"
+VOCAB_SIZE = 64
+REPLACEMENT = "\ufffd"
+
+
+class CharTokenizer:
+    """The fixed toy vocabulary above. Stateless; every instance is the same tokenizer."""
+
+    pad_id = 0
+    eos_id = 1
+    bos_id = 2
+    unk_id = 3
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self):
+        tokens = list(SPECIALS) + list(CHARS)
+        tokens += [f"<unused{i}>" for i in range(len(tokens), VOCAB_SIZE)]
+        assert len(tokens) == VOCAB_SIZE, len(tokens)
+        self._id_to_token = tokens
+        self._char_to_id = {c: i for i, c in enumerate(tokens) if i >= len(SPECIALS) and len(c) == 1}
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """token string -> id, all 64 entries (specials and unused included)."""
+        return {t: i for i, t in enumerate(self._id_to_token)}
+
+    def can_encode(self, text: str) -> bool:
+        return all(c in self._char_to_id for c in text)
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """text -> ids, one per character. Raises ValueError naming the first character (and its
+        position) that is not in the vocabulary."""
+        ids = [self.bos_id] if add_bos else []
+        for pos, c in enumerate(text):
+            i = self._char_to_id.get(c)
+            if i is None:
+                raise ValueError(
+                    f"character {c!r} (U+{ord(c):04X}) at position {pos} of {text!r} is not in the "
+                    f"toy tokenizer's vocabulary; allowed characters: {CHARS!r}"
+                )
+            ids.append(i)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """ids -> text. Leading <pad>/<bos> are skipped, decoding stops at the first <eos>, trailing
+        <pad> are dropped; any other special or unused id becomes U+FFFD. Ids outside [0, 64) raise
+        ValueError. Accepts a list or a 1-D tensor."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < VOCAB_SIZE:
+                raise ValueError(f"token id {i} is outside the toy vocabulary [0, {VOCAB_SIZE})")
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        start, end = 0, len(ids)
+        while start < end and ids[start] in (self.pad_id, self.bos_id):
+            start += 1
+        while end > start and ids[end - 1] == self.pad_id:
+            end -= 1
+        n_special = len(SPECIALS)
+        return "".join(
+            self._id_to_token[i] if n_special <= i < n_special + len(CHARS) else REPLACEMENT
+            for i in ids[start:end]
+        )
+
+    def to_hf(self):
+        """The same vocabulary as a `transformers.PreTrainedTokenizerFast` (WordLevel model, one
+        token per character, <unk> for characters outside the vocabulary, no BOS/EOS added)."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.WordLevel(self.vocab, unk_token=UNK))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens([PAD, EOS, BOS, UNK])
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            pad_token=PAD,
+            eos_token=EOS,
+            bos_token=BOS,
+            unk_token=UNK,
+            clean_up_tokenization_spaces=False,
+            model_max_length=4096,
+        )
+
+    def save_pretrained(self, directory: str | os.PathLike) -> list[str]:
+        """Write an HF fast-tokenizer directory (tokenizer.json, tokenizer_config.json,
+        special_tokens_map.json) plus `char_vocab.json` (this vocabulary, for humans).
+        Returns the written file paths."""
+        os.makedirs(directory, exist_ok=True)
+        files = list(self.to_hf().save_pretrained(str(directory)))
+        path = os.path.join(directory, "char_vocab.json")
+        with open(path, "w") as f:
+            json.dump({"kind": "megatron_rl.CharTokenizer", "vocab": self.vocab}, f, indent=1)
+        return [*files, path]

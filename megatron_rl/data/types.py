@@ -1,0 +1,37 @@
+"""What every prompt source hands the trainer, and the seed derivation that makes them replayable.
+
+An `Example` is one prompt with the label its reward function checks against. A prompt source
+(toy-task `PromptStream`, `JsonlPrompts`) answers `batch(step, size)` with a list of examples
+that depends only on (its seed, step, size): the trainer's step is the whole "data position",
+so a run resumed from a checkpoint at step k sees exactly the prompts it would have seen.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt. prompt: the text the policy continues; label: what the reward checks the
+    response against (e.g. "975"); task: the task name, which selects the reward function."""
+
+    prompt: str
+    label: str
+    task: str
+
+
+class PromptSource(Protocol):
+    """A deterministic source of prompts: the same (step, size) always gives the same list."""
+
+    def batch(self, step: int, size: int) -> list[Example]: ...
+
+
+def derive_seed(*parts: object) -> int:
+    """A 64-bit seed from any parts with a stable repr (ints, strs), e.g. (seed, "step", 7).
+
+    Independent of PYTHONHASHSEED and the Python version, unlike hash().
+    """
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little")

@@ -1,0 +1,1 @@
+"""Metrics: mismatch statistics (pure, reducible sums) and the logging sink."""

@@ -1,0 +1,65 @@
+"""One metrics sink for the whole run: stdout line, metrics.jsonl, TensorBoard. Rank-0 gated here.
+
+Keys are namespaced (`rollout/reward_mean`, `mismatch/kl_k3`, `timing/generate`). Values are
+floats; anything else (tables) goes through `log_table` / `log_figure`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+
+class MetricsSink:
+    """Writes metrics on the writer rank only; every other rank holds a no-op sink."""
+
+    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool = True, jsonl: bool = True,
+                 stdout_keys: tuple[str, ...] = ()):
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self.stdout_keys = stdout_keys
+        self._tb = None
+        self._jsonl = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if jsonl:
+            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+
+    @property
+    def tensorboard_dir(self) -> str:
+        return os.path.join(self.run_dir, "tensorboard")
+
+    def log(self, step: int, metrics: dict[str, float], echo: str | None = None) -> None:
+        """Record `metrics` at `step`; print the stdout keys (prefixed by `echo`) when given."""
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if v is not None}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        if echo is not None:
+            shown = " ".join(f"{k.split('/')[-1]}={clean[k]:.4g}" for k in self.stdout_keys if k in clean)
+            print(f"{echo} {shown}", flush=True)
+
+    def log_figure(self, tag: str, figure, step: int) -> None:
+        if self.enabled and self._tb is not None:
+            self._tb.add_figure(tag, figure, step)
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,89 @@
+"""The rollout engine contract: what every backend (embedded, vLLM, ...) takes and returns.
+
+The trainer only talks to `RolloutEngine`. A sample carries everything the losses and
+diagnostics need: the engine's log-prob of every sampled token (`rollout_logprobs`, i.e. log μ),
+the routed experts when the engine can report them (router replay R3), the kept top-p/top-k set
+when asked (keep_sampling_mask), and the policy version whose weights produced it (off-policy
+and async schedules drop or weight samples by staleness).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings (vLLM's names).
+
+    temperature: logits are divided by it before sampling; the reported log-probs are of the
+        temperature-scaled distribution before top-p/top-k truncation (the trainer computes
+        log π with the same temperature). 0 means greedy (log-probs then at temperature 1).
+    top_p, top_k: nucleus / top-k truncation (1.0 / -1 = off).
+    max_tokens: response length cap. stop_token_ids: ids that end a response (included in it).
+    seed: base seed; sample j of prompt i uses a stream derived from (seed, i, j), so a batch
+        is reproducible regardless of batching.
+    return_kept_ids: also return the token ids kept by top-p/top-k at every position.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    return_kept_ids: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class Sample:
+    """One response to one prompt.
+
+    prompt_ids: [P] int64. response_ids: [R] int64 (includes the stop token when one ended it).
+    rollout_logprobs: [R] float32, log μ(y_t | x, y_<t) as the engine sampled.
+    finish_reason: "stop" (stop token) or "length" (max_tokens).
+    routed_experts: [P + R - 1, num_moe_layers, top_k] int16 or None: the experts each
+        processed input position was routed to, for every MoE layer (position i is the token
+        at index i of prompt+response; the last sampled token is never an input).
+    kept_ids: [R, K] int64 padded with -1, or None: the token ids top-p/top-k kept.
+    policy_version: version of the weights that generated the sample.
+    prompt_index: index of the prompt in the generate() call; sample_index: j of n.
+    """
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    finish_reason: str
+    policy_version: int
+    prompt_index: int = 0
+    sample_index: int = 0
+    routed_experts: torch.Tensor | None = None
+    kept_ids: torch.Tensor | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """A backend that samples responses and receives weight updates."""
+
+    policy_version: int
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
+        """n samples for each prompt (token ids in, token ids out); result[i][j] is sample j of prompt i."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new weights given as HF checkpoint-format (name, tensor) pairs; set policy_version."""
+
+    def close(self) -> None:
+        """Release the backend (stop servers, free memory)."""

@@ -1,0 +1,106 @@
+"""megatron-core's own training stack, assembled the way Megatron-LM does it.
+
+    model = wrap_model(gpt_model, OptimSettings(...))       # Float16Module (bf16/fp16) -> DDP
+    optimizer = build_optimizer(model, OptimSettings(...))   # get_megatron_optimizer
+    forward_backward(model, optimizer, forward_step, num_microbatches, ...)  # schedules + finalize
+    ok, grad_norm, _ = optimizer.step()
+
+Losses passed through `forward_step` arrive divided by their global normaliser (see
+model.builder: calculate_per_token_loss), so DDP sums gradients over data-parallel ranks and
+we call `finalize_model_grads` ourselves without a token count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """Optimizer and mixed-precision settings (Megatron-LM flag names in brackets).
+
+    lr [--lr], min_lr, weight_decay, adam_beta1/2, adam_eps, clip_grad [--clip-grad].
+    dtype: "fp32" | "bf16" | "fp16" training precision (bf16/fp16 keep fp32 master weights).
+    initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale: fp16 dynamic loss scaler;
+        loss_scale set to a number makes it constant.
+    use_distributed_optimizer [--use-distributed-optimizer]: shard optimizer state over DP.
+    """
+
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    dtype: str = "fp32"
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0 ** 16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    use_distributed_optimizer: bool = False
+
+
+def wrap_model(model, settings: OptimSettings):
+    """Float16Module for bf16/fp16 (as Megatron-LM's get_model), then megatron DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = model.config
+    if settings.dtype in ("bf16", "fp16"):
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,  # Megatron-LM --accumulate-allreduce-grads-in-fp32
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(model, settings: OptimSettings):
+    """megatron's optimizer (torch AdamW fallback on CPU), hooked into the model config."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[settings.dtype]
+    config = OptimizerConfig(
+        optimizer="adam", lr=settings.lr, min_lr=settings.min_lr, weight_decay=settings.weight_decay,
+        adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
+        clip_grad=settings.clip_grad, bf16=settings.dtype == "bf16", fp16=settings.dtype == "fp16",
+        params_dtype=dtype, loss_scale=settings.loss_scale, initial_loss_scale=settings.initial_loss_scale,
+        min_loss_scale=settings.min_loss_scale, loss_scale_window=settings.loss_scale_window,
+        hysteresis=settings.hysteresis, use_distributed_optimizer=settings.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, [model])
+    mcfg = model.config
+    mcfg.grad_scale_func = optimizer.scale_loss
+    mcfg.no_sync_func = model.no_sync
+    mcfg.finalize_model_grads_func = None  # called explicitly in forward_backward (no token count)
+    _ = finalize_model_grads  # imported to fail early if the API moved
+    return optimizer
+
+
+def forward_backward(model, forward_step: Callable, data_iterator, num_microbatches: int, seq_length: int,
+                     micro_batch_size: int, forward_only: bool = False) -> list[dict]:
+    """One pass of megatron's schedule (PP-aware) over `num_microbatches`; grads finalised.
+
+    forward_step(data_iterator, model) -> (output, loss_func) as in Megatron-LM; loss_func must
+    return (loss, num_tokens, metrics) with `loss` already globally normalised.
+    Returns the per-micro-batch metrics dicts (last pipeline stage only; [] elsewhere).
+    """
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not forward_only:
+        model.zero_grad_buffer()
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_only=forward_only)
+    if not forward_only:
+        finalize_model_grads([model], num_tokens=None)
+    return out

@@ -1,0 +1,197 @@
+"""One probe per CPU workaround: the smallest real megatron-core call that needs it.
+
+    python -m tests.unit.platform.probes N [--without]
+
+applies every workaround (all but N with --without), runs probe N, prints the outcome and
+exits 0 when the call worked, 3 when it raised (the message is printed). A fresh process per
+run, because patches are process-wide.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def _dist():
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
+    from tests.spawn import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _groups(**sizes):
+    from megatron.core import parallel_state
+
+    from megatron_rl.parallel import ParallelConfig, ParallelGroups
+
+    cfg = ParallelConfig(**sizes)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp,
+                                             pipeline_model_parallel_size=cfg.pp,
+                                             expert_model_parallel_size=cfg.ep)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ParallelGroups(cfg, ProcessGroupCollection.use_mpu_process_groups(), 1, 0)
+
+
+def _model(arch="qwen3_moe", **opts):
+    from megatron.core import tensor_parallel
+
+    from megatron_rl.model import BuildOptions, build_gpt_model
+    from megatron_rl.model.presets import preset_arch
+
+    groups = _groups()
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return build_gpt_model(preset_arch(arch), groups, BuildOptions(**opts)), groups
+
+
+def _forward(model):
+    from megatron_rl.model import causal_mask
+
+    tokens = torch.randint(0, 64, (2, 8))
+    return model(tokens, torch.arange(8).expand(2, -1), causal_mask(8), labels=tokens)
+
+
+def probe_1():
+    from megatron.core import tensor_parallel
+
+    _groups()
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+def probe_2():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    RotaryEmbedding(kv_channels=16, rotary_percent=1.0)(8)
+
+
+def probe_3():
+    _forward(_model()[0]).sum().backward()
+
+
+def probe_5():
+    torch.cuda.synchronize()
+    from megatron.core import dist_checkpointing
+
+    model, _ = _model(arch="qwen3")
+    with tempfile.TemporaryDirectory() as d:
+        dist_checkpointing.save(model.sharded_state_dict(), d)
+
+
+def probe_6():
+    _model(moe_token_dispatcher="alltoall")
+
+
+def probe_7():
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                            tensor_model_parallel_size=2, sequence_parallel=True)
+    norm = torch_norm.WrappedTorchNorm(cfg, 8)
+    assert norm.weight.sequence_parallel is True  # so finalize_model_grads all-reduces it over TP
+
+
+def probe_8():
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    sizes = td.maybe_move_tensor_to_cpu(torch.tensor([3]), as_numpy=True)
+    out = torch.empty(3)
+    dist.all_to_all_single(out, torch.ones(3), output_split_sizes=sizes, input_split_sizes=sizes)
+
+
+def _train_step(model, settings):
+    from megatron_rl.trainer.stack import build_optimizer, forward_backward, wrap_model
+
+    model = wrap_model(model, settings)
+    optimizer = build_optimizer(model, settings)
+    tokens = torch.randint(0, 64, (2, 9))
+
+    def step(_, m):
+        from megatron_rl.model import causal_mask
+
+        out = m(tokens[:, :-1], torch.arange(8).expand(2, -1), causal_mask(8), labels=tokens[:, 1:])
+        return out, lambda o: (o.float().mean(), torch.tensor(1), {})
+
+    forward_backward(model, step, None, 1, 8, 2)
+    optimizer.step()
+    return model, optimizer
+
+
+def probe_9():
+    from megatron_rl.trainer.stack import OptimSettings
+
+    _train_step(_model()[0], OptimSettings())
+
+
+def probe_10():
+    from megatron_rl.trainer.stack import OptimSettings, build_optimizer, wrap_model
+
+    build_optimizer(wrap_model(_model()[0], OptimSettings()), OptimSettings())
+
+
+def probe_11():
+    from megatron_rl.trainer.stack import OptimSettings
+
+    _train_step(_model(dtype="bf16")[0], OptimSettings(dtype="bf16"))
+
+
+def _dist_opt_reload():
+    from megatron_rl.model import BuildOptions, build_gpt_model
+    from megatron_rl.model.presets import preset_arch
+    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.trainer.stack import OptimSettings, build_optimizer, wrap_model
+
+    settings = OptimSettings(use_distributed_optimizer=True)
+    model, optimizer = _train_step(_model()[0], settings)
+    with tempfile.TemporaryDirectory() as d:
+        save_checkpoint(d, 1, model, optimizer)
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        fresh = wrap_model(build_gpt_model(preset_arch("qwen3_moe"), _groups(), BuildOptions()), settings)
+        load_checkpoint(os.path.join(d, "iter_0000001"), fresh, build_optimizer(fresh, settings))
+
+
+def probe_13():
+    _dist_opt_reload()
+
+
+def probe_14():
+    _dist_opt_reload()
+
+
+def probe_15():
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    scaler = DynamicGradScaler(initial_scale=2.0 ** 8, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                               growth_interval=10, hysteresis=2)
+    scaler.load_state_dict(scaler.state_dict())
+
+
+def main(argv: list[str]) -> int:
+    warnings.filterwarnings("ignore")
+    number = int(argv[0])
+    without = "--without" in argv
+    from megatron_rl.platform import apply_cpu_workarounds
+
+    apply_cpu_workarounds(skip={number} if without else ())
+    _dist()
+    try:
+        globals()[f"probe_{number}"]()
+    except Exception as e:  # the failure this workaround exists for
+        print(f"PROBE {number} RAISED {type(e).__name__}: {e}")
+        traceback.print_exc()
+        return 3
+    print(f"PROBE {number} OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
