@@ -15,9 +15,10 @@ the end minus that RSS (so it counts everything the computation allocates, gradi
 included, but not the inputs). CP=2 runs two gloo processes with one thread each, each holding
 half of the tokens, and includes the CP all-reduce of the weight gradient (what megatron's DDP
 does over DP×CP); its memory is per process. Each child measures this machine's fp32 GEMM
-throughput (2048³ matmul, same thread count) right before its run; GEMM efficiency = the GEMM
-FLOPs ours executes (4 projections: forward, recomputation, dh, dW = 8·T·V·H) per second over
-that throughput. The machine is shared, so both throughputs are taken under the same load.
+throughput (2048³ matmul, same thread count) right before and right after its run; GEMM
+efficiency = the GEMM FLOPs ours executes (4 projections: forward, recomputation, dh, dW =
+8·T·V·H) per second over the mean of the two. The machine may be shared: both throughputs are
+then taken under (nearly) the same load, and the table prints the load average.
 """
 from __future__ import annotations
 
@@ -79,17 +80,23 @@ def _child(args) -> dict:
         if cp_group is not None:
             torch.distributed.all_reduce(w.grad, group=cp_group)
 
+    def barrier():
+        if cp_group is not None:
+            torch.distributed.barrier()
+
     step(h[:16].detach().requires_grad_(), y[:16])
     w.grad = None
-    gemm = _gemm_gflops()
-    if cp_group is not None:
-        torch.distributed.barrier()
+    barrier()
+    gemm_before = _gemm_gflops()
+    barrier()
     base = _rss_bytes()
     t = time.perf_counter()
     step(h, y)
     sec = time.perf_counter() - t
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"sec": sec, "peak": peak, "gemm": gemm}
+    barrier()
+    gemm_after = _gemm_gflops()
+    return {"sec": sec, "peak": peak, "gemm": (gemm_before + gemm_after) / 2}
 
 
 # ------------------------------------------------------------------------------------ parent
@@ -108,6 +115,7 @@ def _run(path: str, tokens: int, chunk: int, cp: int = 1, timeout: int = 1800) -
         [sys.executable, __file__, "--child", "--path", path, "--tokens", str(tokens), "--chunk", str(chunk),
          "--threads", str(threads), "--cp-rank", str(r), "--cp-size", str(cp), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(cp)]
+    load = os.getloadavg()[0]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
@@ -116,7 +124,7 @@ def _run(path: str, tokens: int, chunk: int, cp: int = 1, timeout: int = 1800) -
             return None
         results.append(json.loads(out.strip().splitlines()[-1]))
     return {"sec": max(r["sec"] for r in results), "peak": max(r["peak"] for r in results),
-            "gemm": sum(r["gemm"] for r in results)}
+            "gemm": sum(r["gemm"] for r in results), "load": max(load, os.getloadavg()[0])}
 
 
 def _k(t: int) -> str:
@@ -154,13 +162,14 @@ def main() -> None:
     print("peak = ru_maxrss at the end of the run minus RSS before it (fresh process per configuration,"
           " inputs allocated, 16-token warm-up); gradients of h and W are included, inputs are not.")
     print("GEMM eff = executed projection FLOPs (8·T·V·H, incl. the backward recomputation) per second"
-          " / fp32 GEMM throughput measured in the same process just before (2048³ matmul).\n")
+          " / fp32 GEMM throughput (2048³ matmul) measured in the same process(es) right before and after"
+          " the run (mean; the machine is shared: 'load' is the 1-min load average).\n")
 
     side = [2048] if args.quick else [1024, 2048, 4096]
     print("(i) side by side, TP=1, 2 threads")
     print(f"{'T':>4} | {'naive peak':>10} {'naive s':>8} | {'ours peak':>9} {'ours s':>7} | "
-          f"{'mem ratio':>9} {'speedup':>7} | {'GEMM GF/s':>9} {'GEMM eff':>8}")
-    per_token_4k = None
+          f"{'mem ratio':>9} {'speedup':>7} | {'GEMM GF/s':>9} {'GEMM eff':>8} | {'load':>9}")
+    ref_4k = None
     for t in side:
         ours = _run("fused", t, chunk)
         naive = _run("naive", t, chunk)
@@ -168,20 +177,23 @@ def main() -> None:
             print(f"{_k(t):>4} | ours failed")
             continue
         if t == 4096:
-            per_token_4k = ours["sec"] / t
+            ref_4k = ours
         n_peak = f"{naive['peak'] / GiB:.2f} GiB" if naive else "killed"
         n_sec = f"{naive['sec']:.1f}" if naive else "-"
         mem = f"{naive['peak'] / ours['peak']:.1f}x" if naive else "-"
         spd = f"{naive['sec'] / ours['sec']:.2f}x" if naive else "-"
         print(f"{_k(t):>4} | {n_peak:>10} {n_sec:>8} | {ours['peak'] / GiB:>5.2f} GiB {ours['sec']:>7.1f} | "
-              f"{mem:>9} {spd:>7} | {ours['gemm']:>9.0f} {_eff(ours, t):>8.0%}", flush=True)
+              f"{mem:>9} {spd:>7} | {ours['gemm']:>9.0f} {_eff(ours, t):>8.0%} | "
+              f"{ours['load']:>4.1f} {naive['load'] if naive else 0:>4.1f}", flush=True)
     if args.quick:
         return
 
     print("\n(ii) ours alone (the full-logits path does not fit: its [T, V] fp32 logits alone are the"
           " last column)")
-    print(f"{'T':>4} {'layout':>18} | {'peak':>9} {'time s':>7} {'us/token':>8} {'vs 4k':>6} | "
-          f"{'GEMM GF/s':>9} {'GEMM eff':>8} | {'naive logits':>12}")
+    print("'vs 4k': time per token relative to ours at T=4k, raw and normalised by the GEMM throughput"
+          " measured with each run (= ratio of GEMM efficiencies).")
+    print(f"{'T':>4} {'layout':>18} | {'peak':>9} {'time s':>7} {'us/token':>8} {'vs 4k raw/norm':>14} | "
+          f"{'GEMM GF/s':>9} {'GEMM eff':>8} | {'load':>4} | {'naive logits':>12}")
     for t in (8192, 32768, 65536):
         for cp in (1, 2):
             r = _run("fused", t, chunk, cp=cp)
@@ -189,10 +201,12 @@ def main() -> None:
             if r is None:
                 print(f"{_k(t):>4} {layout:>18} | failed")
                 continue
-            rel = f"{r['sec'] / t / per_token_4k:.2f}x" if per_token_4k and cp == 1 else "-"
+            rel = "-"
+            if ref_4k and cp == 1:
+                rel = f"{r['sec'] / t / (ref_4k['sec'] / 4096):.2f}x/{_eff(ref_4k, 4096) / _eff(r, t):.2f}x"
             print(f"{_k(t):>4} {layout:>18} | {r['peak'] / GiB:>5.2f} GiB {r['sec']:>7.1f} "
-                  f"{r['sec'] / t * 1e6:>8.0f} {rel:>6} | {r['gemm']:>9.0f} {_eff(r, t):>8.0%} | "
-                  f"{t * V * 4 / GiB:>8.1f} GiB", flush=True)
+                  f"{r['sec'] / t * 1e6:>8.0f} {rel:>14} | {r['gemm']:>9.0f} {_eff(r, t):>8.0%} | "
+                  f"{r['load']:>4.1f} | {t * V * 4 / GiB:>8.1f} GiB", flush=True)
 
 
 if __name__ == "__main__":

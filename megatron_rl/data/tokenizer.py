@@ -113,11 +113,18 @@ class CharTokenizer:
         )
 
     def save_pretrained(self, directory: str | os.PathLike) -> list[str]:
-        """Write an HF fast-tokenizer directory (tokenizer.json, tokenizer_config.json,
-        special_tokens_map.json) plus `char_vocab.json` (this vocabulary, for humans).
-        Returns the written file paths."""
+        """Write an HF fast-tokenizer directory (tokenizer.json, tokenizer_config.json, and whatever
+        else the installed transformers writes) plus `char_vocab.json` (this vocabulary, for humans).
+        tokenizer_config's class is set to "PreTrainedTokenizerFast", which transformers 4.x and 5.x
+        (and so vLLM) both resolve. Returns the written file paths."""
         os.makedirs(directory, exist_ok=True)
         files = list(self.to_hf().save_pretrained(str(directory)))
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2)
         path = os.path.join(directory, "char_vocab.json")
         with open(path, "w") as f:
             json.dump({"kind": "megatron_rl.CharTokenizer", "vocab": self.vocab}, f, indent=1)

@@ -77,7 +77,7 @@ def chunk_forward(
     project(h, weight, inv_temp, out=z)
 
     yidx, y_here = local_index(labels, vocab_start, vocab_local)
-    z_y = torch.where(y_here, z.gather(1, yidx[:, None])[:, 0], torch.zeros((), dtype=z.dtype))
+    z_y = torch.where(y_here, z.gather(1, yidx[:, None])[:, 0], 0.0)
     maxes = [z.amax(dim=1)]
     if kept_ids is not None:
         kidx, k_here = local_index(kept_ids, vocab_start, vocab_local)

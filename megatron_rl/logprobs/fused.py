@@ -20,9 +20,10 @@ has to be all-reduced over TP. Megatron-core 0.16.1's `ColumnParallelLinear` doe
 backward: without sequence parallelism it sets `allreduce_dgrad` and
 `LinearWithGradAccumulationAndAsyncCommunication.backward` all-reduces `grad_input`; with
 sequence parallelism the input is all-gathered along the sequence in the forward and the input
-gradient reduce-scattered in the backward; only when neither applies does it wrap its input in
-`copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward). Replacing the
-output layer by this function skips that layer, so the caller must supply the reduction:
+gradient reduce-scattered in the backward. (Older megatron wrapped the input in
+`copy_to_tensor_model_parallel_region`, identity forward / all-reduce backward; 0.16.1 reaches
+that branch only at TP=1, where it is a no-op.) Replacing the output layer by this function
+skips that layer, so the caller must supply the reduction:
 
 - route `hidden` through `copy_to_tensor_model_parallel_region(h, group=tp_group)` (or, with
   sequence parallelism, `gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True,
@@ -74,11 +75,11 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)   # logits/stats: fp32 (fp64 if given)
         zbuf = torch.empty(chunk, vocab_local, dtype=acc, device=hidden.device)
         ebuf = torch.empty_like(zbuf)
-        f32 = {"dtype": acc, "device": hidden.device}
-        logprob = torch.empty(n_tok, **f32)
-        entropy = torch.empty(n_tok if compute_entropy else 0, **f32)
-        kept = torch.empty(n_tok if kept_ids is not None else 0, **f32)
-        stats = torch.zeros(n_tok, 3, **f32)    # logZ, H, logZ_K: all the backward needs
+        like = {"dtype": acc, "device": hidden.device}
+        logprob = torch.empty(n_tok, **like)
+        entropy = torch.empty(n_tok if compute_entropy else 0, **like)
+        kept = torch.empty(n_tok if kept_ids is not None else 0, **like)
+        stats = torch.zeros(n_tok, 3, **like)    # logZ, H, logZ_K: all the backward needs
         for s in range(0, n_tok, chunk):
             sl = slice(s, min(s + chunk, n_tok))
             out = chunk_forward(

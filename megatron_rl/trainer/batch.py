@@ -45,9 +45,11 @@ class TrainBatch:
 
 
 def padded_length(samples: list[Sample], multiple: int = 1) -> int:
-    """Common row length S: the longest prompt+response, rounded up to `multiple` (TP for SP, 2*CP)."""
+    """Common row length S such that the model's input length S - 1 (the longest prompt+response
+    minus the last token, which is never an input) is a multiple of `multiple` (TP under
+    sequence parallelism, 2*CP under context parallelism)."""
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    return -(-longest // multiple) * multiple
+    return -(-(longest - 1) // multiple) * multiple + 1
 
 
 def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_len: int) -> TrainBatch:

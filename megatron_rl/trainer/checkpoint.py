@@ -61,9 +61,10 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "extra"))
+        os.makedirs(tmp)
     dist.barrier()
     dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
+    os.makedirs(os.path.join(tmp, "extra"), exist_ok=True)
     torch.save(extra or {}, os.path.join(tmp, "extra", f"rank_{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:

@@ -1,0 +1,172 @@
+"""User prompts from a JSONL file, validated row by row, served with the `batch(step, size)` interface.
+
+Format: UTF-8, one JSON object per line; blank lines are skipped (line numbers still count them).
+
+    {"prompt": "123+456=", "label": "975"}
+    {"prompt": "s:5,3,1,4=", "label": "1345", "task": "sorting", "source": "ignored"}
+
+    prompt  str, required, not blank      the text the policy continues
+    label   str, required (may be empty)  what the reward checks the response against
+    task    str, optional                 selects the reward; rows without it get `default_task`
+    other keys are allowed and ignored.
+
+Every problem raises `DataError` with `file:line: what is wrong; how to fix it`, e.g.
+
+    data.jsonl:7: field "label" is missing; every row needs "prompt" and "label" strings
+
+`JsonlPrompts` walks the rows in epochs, each epoch in its own seeded permutation: with a fixed
+batch size, batch(step, size) holds rows step*size .. step*size+size-1 of that endless sequence,
+so it is a pure function of (seed, step, size) and a resume at step k replays exactly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from megatron_rl.data.types import Example, derive_seed
+
+REQUIRED = ("prompt", "label")
+_ROW_HINT = 'each line must be one JSON object like {"prompt": "...", "label": "..."}'
+
+
+class DataError(ValueError):
+    """A data file is malformed; the message names the file, the 1-based line and the fix."""
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...  # raises ValueError on text it cannot encode
+
+
+def _type_name(value: object) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | None) -> Example:
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); {_ROW_HINT}") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {_type_name(row)}; {_ROW_HINT}")
+    for field in REQUIRED:
+        if field not in row:
+            raise DataError(f'{where}: field "{field}" is missing; every row needs "prompt" and "label" strings')
+    for field in (*REQUIRED, "task"):
+        if field in row and not isinstance(row[field], str):
+            value = row[field]
+            raise DataError(
+                f'{where}: field "{field}" must be a string, got {_type_name(value)} ({json.dumps(value)}); '
+                f"quote it, e.g. {json.dumps(json.dumps(value))}"
+            )
+    if not row["prompt"].strip():
+        raise DataError(f'{where}: field "prompt" is empty; every row needs a non-blank prompt')
+    task = row.get("task", default_task)
+    if not task:
+        raise DataError(f'{where}: field "task" is empty; remove it to use the default task or name one')
+    if tokenizer is not None:
+        for field in REQUIRED:
+            try:
+                tokenizer.encode(row[field])
+            except ValueError as e:
+                raise DataError(
+                    f'{where}: field "{field}" cannot be tokenized: {e}; '
+                    "remove the character or use a tokenizer that covers it"
+                ) from None
+    return Example(prompt=row["prompt"], label=row["label"], task=task)
+
+
+def load_jsonl(
+    path: str | os.PathLike, default_task: str = "jsonl", tokenizer: _Encoder | None = None
+) -> list[Example]:
+    """Read and validate every row of `path` (see the module docstring for the format).
+
+    tokenizer: optional; when given, each prompt and label must encode without ValueError (the
+    error names the line, the field and, for CharTokenizer, the character and its position).
+    Raises DataError on the first bad row, or when the file has no rows.
+    """
+    name = os.fspath(path)
+    examples = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{name}:{lineno}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not valid UTF-8 (byte {e.start}); save the file as UTF-8") from None
+            if text.strip():
+                examples.append(_parse_row(where, text, default_task, tokenizer))
+    if not examples:
+        raise DataError(f"{name}: no rows; {_ROW_HINT}")
+    return examples
+
+
+class JsonlPrompts:
+    """Prompts from a JSONL file (or a list of Examples), in seeded per-epoch permutations.
+
+    shuffle=False serves rows in file order every epoch. Keep `size` fixed for a run: changing it
+    changes which rows step k maps to.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike | Sequence[Example],
+        seed: int,
+        shuffle: bool = True,
+        default_task: str = "jsonl",
+        tokenizer: _Encoder | None = None,
+    ):
+        if isinstance(source, (str, os.PathLike)):
+            self.path: str | None = os.fspath(source)
+            self.examples = load_jsonl(source, default_task=default_task, tokenizer=tokenizer)
+        else:
+            self.path = None
+            self.examples = list(source)
+            if not self.examples:
+                raise DataError("JsonlPrompts: no examples given")
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self._order_cache: tuple[int, list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def epoch(self, step: int, size: int) -> float:
+        """Epochs completed before batch `step` (fractional), for logging."""
+        return step * size / len(self.examples)
+
+    def batch(self, step: int, size: int) -> list[Example]:
+        """Rows step*size .. step*size + size - 1 of the endless epoch sequence."""
+        if step < 0 or size < 0:
+            raise ValueError(f"JsonlPrompts.batch: step and size must be >= 0, got step={step}, size={size}")
+        n = len(self.examples)
+        return [self.examples[self._order(k // n)[k % n]] for k in range(step * size, (step + 1) * size)]
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._order_cache is not None and self._order_cache[0] == epoch:
+            return self._order_cache[1]
+        order = list(range(len(self.examples)))
+        if self.shuffle:
+            random.Random(derive_seed(self.seed, "jsonl_epoch", epoch)).shuffle(order)
+        self._order_cache = (epoch, order)
+        return order
+
+    def state_dict(self) -> dict:
+        return {"kind": "JsonlPrompts", "path": self.path, "rows": len(self.examples),
+                "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Check a checkpoint's source against this one (same row count, seed, shuffle; the path
+        may move). Raises ValueError naming what differs."""
+        mine = self.state_dict()
+        diffs = [k for k in ("rows", "seed", "shuffle") if state.get(k) != mine[k]]
+        if diffs:
+            raise ValueError(
+                "the checkpoint was trained on different JSONL prompts ("
+                + "; ".join(f"{k}: checkpoint {state.get(k)!r} vs now {mine[k]!r}" for k in diffs)
+                + "); resume with the same file and data settings or start a new run"
+            )

@@ -1,0 +1,314 @@
+"""The embedded rollout engine: in-process generation with a `transformers` model.
+
+    engine = EmbeddedEngine(arch, dtype="bf16")
+    engine.update_weights(export_hf_weights(model, arch, groups), version=step)
+    samples = engine.generate(prompts, n=8, sampling=SamplingParams(temperature=1.0, max_tokens=8))
+
+The model runs in its own dtype through transformers' modelling code (eager attention by
+default), a genuinely different numeric path from the fp32 megatron trainer, which is what
+makes the training-inference mismatch real on CPU.
+
+Decoding: sequences (prompt i, sample j) are decoded in chunks of `max_batch_size`. A chunk
+prefills each distinct prompt once (left padding, attention mask, explicit position ids), the
+KV cache is then expanded to one row per sequence, and every step feeds one token per running
+row; a row that hits a stop token or max_tokens is dropped from the batch and its cache.
+
+Sampling (one step, pure functions below): logits / T -> reported log-prob = log_softmax of the
+sampled token in fp32 before truncation -> top-k then top-p keep-mask -> inverse-CDF draw
+from the renormalised kept distribution. T = 0 is greedy argmax (log-prob at T = 1).
+
+Randomness: sequence (i, j) owns a torch.Generator seeded with a hash of (seed, i, j) and draws
+one uniform per generated position, so a sample depends only on (weights, prompt, seed, i, j),
+never on batching, chunking or which rows finished first.
+
+Routing (Qwen3-MoE): forward hooks on every MoE layer's router record the top-k experts of
+each processed position in the engine's own dtype; a Sample gets them as
+`routed_experts [P + R - 1, num_moe_layers, top_k]` int16, sorted ascending per position.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import torch
+
+from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.hf_state import load_checkpoint_tensors
+from megatron_rl.rollout.types import Sample, SamplingParams
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---- sampling: pure functions on [B, V] logits ----------------------------------------------
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / T; T = 0 (greedy) leaves them at T = 1."""
+    logits = logits.float()
+    return logits if temperature == 0 else logits / temperature
+
+
+def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep-mask [B, V] of the k largest logits per row (k = -1: all). Ties with the k-th are kept."""
+    if k == -1 or k >= logits.shape[-1]:
+        return torch.ones_like(logits, dtype=torch.bool)
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits >= kth
+
+
+def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep-mask [B, V] of the nucleus: the most likely tokens whose mass first reaches p.
+
+    A token is kept when the probability mass strictly before it (descending order, ties in
+    id order) is < p, so the top token is always kept. p = 1: all.
+    """
+    if p >= 1.0:
+        return torch.ones_like(logits, dtype=torch.bool)
+    probs = torch.softmax(logits.float(), dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = sorted_probs.cumsum(-1) - sorted_probs
+    keep_sorted = before < p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def truncation_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """top-k, then top-p on the renormalised top-k distribution (vLLM's order)."""
+    keep = top_k_mask(logits, top_k)
+    if top_p < 1.0:
+        keep &= top_p_mask(logits.masked_fill(~keep, float("-inf")), top_p)
+    return keep
+
+
+def sample_inverse_cdf(logits: torch.Tensor, keep: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [B]: draw from softmax(logits) restricted to `keep`, with uniforms u [B] in [0, 1).
+
+    Picks the first token whose cumulative (fp64) probability exceeds u * total; never a token
+    outside `keep` or of zero probability.
+    """
+    probs = torch.softmax(logits.double().masked_fill(~keep, float("-inf")), dim=-1)
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    ids = torch.arange(probs.shape[-1]).expand_as(probs)
+    last_positive = torch.where(probs > 0, ids, -1).amax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+def sample_step(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParams):
+    """One decoding step for rows of logits [B, V] -> (tokens [B], logprobs [B] fp32, keep [B, V])."""
+    scaled = apply_temperature(logits, sampling.temperature)
+    keep = truncation_mask(scaled, sampling.top_k, sampling.top_p)
+    if sampling.temperature == 0:
+        tokens = scaled.argmax(-1)
+    else:
+        tokens = sample_inverse_cdf(scaled, keep, u)
+    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs, keep
+
+
+def stream_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The 63-bit seed of sequence (prompt i, sample j)'s random stream."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def stream_uniforms(seed: int, seqs: list[tuple[int, int]], steps: int) -> torch.Tensor:
+    """[N, steps] fp64 uniforms: row s is the stream of sequence seqs[s] = (i, j)."""
+    out = torch.empty(len(seqs), steps, dtype=torch.float64)
+    for s, (i, j) in enumerate(seqs):
+        gen = torch.Generator().manual_seed(stream_seed(seed, i, j))
+        out[s] = torch.rand(steps, generator=gen, dtype=torch.float64)
+    return out
+
+
+# ---- the engine -------------------------------------------------------------------------------
+class EmbeddedEngine:
+    """`RolloutEngine` backed by an in-process `transformers` model of `arch`.
+
+    dtype: "fp32" | "bf16" | "fp16" for the model's weights and compute.
+    max_batch_size: sequences decoded together (a chunk); results do not depend on it.
+    attn_implementation: transformers attention backend ("eager", "sdpa").
+    The model starts with random weights and policy_version -1 until update_weights.
+    """
+
+    def __init__(self, arch: ModelArch, dtype: str = "fp32", max_batch_size: int = 256,
+                 attn_implementation: str = "eager"):
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"rollout.dtype={dtype!r}; choose one of {sorted(_DTYPES)}")
+        if max_batch_size < 1:
+            raise ValueError(f"rollout.max_batch_size must be >= 1, got {max_batch_size}")
+        self.arch = arch
+        self.dtype = _DTYPES[dtype]
+        self.max_batch_size = max_batch_size
+        self.policy_version = -1
+        self.model = AutoModelForCausalLM.from_config(
+            arch.to_hf_config(), attn_implementation=attn_implementation, dtype=self.dtype).eval()
+        self.model.requires_grad_(False)
+        self._check_expert_layout()
+        self._routes: dict[int, torch.Tensor] = {}
+        self._hooks = [self._router(i).register_forward_hook(self._record_route(k))
+                       for k, i in enumerate(self.moe_layers)]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.arch.num_layers) if self.arch.is_moe_layer(i)]
+
+    def _router(self, layer: int) -> torch.nn.Module:
+        return self.model.model.layers[layer].mlp.gate
+
+    def _check_expert_layout(self) -> None:
+        for i in self.moe_layers:
+            experts = self.model.model.layers[i].mlp.experts
+            if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
+                raise NotImplementedError(f"layer {i}: transformers stores experts transposed or gate/up "
+                                          f"interleaved; megatron_rl.rollout.hf_state expects [E, 2I, H] "
+                                          f"with gate then up")
+
+    def _record_route(self, k: int):
+        top_k = self.arch.moe_topk
+
+        def hook(_module, _inputs, output):
+            if isinstance(output, tuple) and len(output) == 3:  # (logits, scores, top-k indices)
+                idx = output[2]
+            else:  # a router returning logits only
+                logits = output[0] if isinstance(output, tuple) else output
+                idx = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1).indices
+            self._routes[k] = idx.sort(dim=-1).values.to(torch.int16)
+
+        return hook
+
+    def _take_routes(self, rows: int) -> torch.Tensor | None:
+        """Routes of the last forward as [rows, S, num_moe_layers, top_k], or None (dense)."""
+        if not self._hooks:
+            return None
+        routes = torch.stack([self._routes[k] for k in range(len(self._hooks))], dim=1)  # [rows*S, L, k]
+        self._routes.clear()
+        return routes.view(rows, -1, *routes.shape[1:])
+
+    # ---- RolloutEngine ------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load HF checkpoint-format (name, tensor) pairs (see hf_state); set policy_version."""
+        load_checkpoint_tensors(self.model, named_tensors)
+        self.policy_version = version
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
+        """n samples per prompt; result[i][j] is sample j of prompt i (see the module docstring)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= self.arch.vocab_size:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.arch.vocab_size})")
+        seqs = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        out: list[list[Sample | None]] = [[None] * n for _ in prompts]
+        for start in range(0, len(seqs), self.max_batch_size):
+            chunk = seqs[start:start + self.max_batch_size]
+            for (i, j), sample in zip(chunk, self._generate_chunk(prompts, chunk, sampling)):
+                out[i][j] = sample
+        return out
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.model = None
+
+    # ---- decoding -----------------------------------------------------------------------------
+    def _forward(self, ids, mask, pos, cache):
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def _generate_chunk(self, prompts, seqs, sampling: SamplingParams) -> list[Sample]:
+        from transformers import DynamicCache
+
+        if self.model is None:
+            raise RuntimeError("the engine is closed")
+        steps = sampling.max_tokens
+        uniforms = stream_uniforms(sampling.seed, seqs, steps)
+        stops = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long)
+
+        # prefill each distinct prompt once, left-padded
+        uniq = sorted({i for i, _ in seqs})
+        lens = torch.tensor([len(prompts[i]) for i in uniq])
+        width = int(lens.max())
+        ids = torch.zeros(len(uniq), width, dtype=torch.long)
+        mask = torch.zeros(len(uniq), width, dtype=torch.long)
+        for r, i in enumerate(uniq):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, pos, cache)
+        prompt_routes = self._take_routes(len(uniq))  # [U, width, L, k]
+
+        # one row per sequence
+        row_of = {i: r for r, i in enumerate(uniq)}
+        rows = torch.tensor([row_of[i] for i, _ in seqs])
+        cache.batch_select_indices(rows)
+        mask, logits = mask[rows], logits[rows]
+        next_pos = lens[rows]
+
+        num = len(seqs)
+        tokens = torch.full((num, steps), -1, dtype=torch.long)
+        logprobs = torch.zeros(num, steps, dtype=torch.float32)
+        length = torch.zeros(num, dtype=torch.long)
+        stopped = torch.zeros(num, dtype=torch.bool)
+        routes = None
+        if prompt_routes is not None:
+            routes = torch.zeros(num, max(steps - 1, 1), *prompt_routes.shape[2:], dtype=torch.int16)
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (running rows, their keep masks) per step
+        alive = torch.arange(num)  # sequence index of each row of the running batch
+
+        for t in range(steps):
+            tok, lp, keep = sample_step(logits, uniforms[alive, t], sampling)
+            tokens[alive, t], logprobs[alive, t] = tok, lp
+            length[alive] = t + 1
+            if sampling.return_kept_ids:
+                kept.append((alive, keep))
+            hit = torch.isin(tok, stops)
+            stopped[alive] = hit
+            go = ~hit
+            if t == steps - 1 or not bool(go.any()):
+                break
+            if not bool(go.all()):
+                idx = go.nonzero().squeeze(-1)
+                cache.batch_select_indices(idx)
+                alive, tok, mask, next_pos = alive[idx], tok[idx], mask[idx], next_pos[idx]
+            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype)], dim=-1)
+            logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+            if routes is not None:
+                routes[alive, t] = self._take_routes(len(alive))[:, 0]
+
+        kept_ids = self._kept_ids(kept, length) if sampling.return_kept_ids else [None] * num
+        samples = []
+        for s, (i, j) in enumerate(seqs):
+            r = int(length[s])
+            routed = None
+            if routes is not None:
+                p = len(prompts[i])
+                routed = torch.cat([prompt_routes[row_of[i], width - p:], routes[s, :r - 1]])
+            samples.append(Sample(
+                prompt_ids=torch.tensor(prompts[i], dtype=torch.long), response_ids=tokens[s, :r].clone(),
+                rollout_logprobs=logprobs[s, :r].clone(), finish_reason="stop" if stopped[s] else "length",
+                policy_version=self.policy_version, prompt_index=i, sample_index=j,
+                routed_experts=routed, kept_ids=kept_ids[s]))
+        return samples
+
+    @staticmethod
+    def _kept_ids(kept, length: torch.Tensor) -> list[torch.Tensor]:
+        """Per sequence [R, K] kept token ids (ascending), padded with -1 to the widest position."""
+        per_seq: list[list[torch.Tensor]] = [[] for _ in range(len(length))]
+        for alive, keep in kept:
+            for row, s in enumerate(alive.tolist()):
+                per_seq[s].append(keep[row].nonzero().squeeze(-1))
+        out = []
+        for ids in per_seq:
+            width = max(len(x) for x in ids)
+            padded = torch.full((len(ids), width), -1, dtype=torch.long)
+            for t, x in enumerate(ids):
+                padded[t, :len(x)] = x
+            out.append(padded)
+        return out

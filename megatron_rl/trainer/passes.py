@@ -1,0 +1,126 @@
+"""Forward passes of the RL step through megatron's schedules (PP-aware, micro-batched).
+
+- `logprob_pass`: forward only; per-token log π (and entropy) of every row -> old_logprobs.
+- `train_pass`: forward + backward of the policy loss over one mini-batch (one optimizer step).
+
+Log-probs come from the final hidden states and the vocab-parallel output weight through the
+chunked fused kernel (megatron_rl.logprobs): full-vocabulary logits are never materialised.
+Values that the losses need per row live on the last pipeline stage (where the loss is).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.logprobs import token_logprobs_and_entropy
+from megatron_rl.logprobs.megatron_hidden import gpt_hidden_states, output_weight
+from megatron_rl.model.builder import causal_mask
+from megatron_rl.parallel import ParallelGroups
+from megatron_rl.trainer.batch import TrainBatch
+from megatron_rl.trainer.stack import forward_backward
+
+
+@dataclass(frozen=True)
+class PassSettings:
+    """temperature: the rollout's sampling temperature (log π of the same distribution).
+    chunk_size: tokens per chunk of the fused log-prob kernel (None = auto)."""
+
+    micro_batch_size: int
+    temperature: float = 1.0
+    chunk_size: int | None = None
+
+
+def _inputs(tokens: torch.Tensor):
+    inp = tokens[:, :-1]
+    s = inp.shape[1]
+    return inp, torch.arange(s).expand(inp.shape[0], -1), causal_mask(s)
+
+
+def _make_forward_step(groups: ParallelGroups, settings: PassSettings,
+                       loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]],
+                       need_entropy: bool):
+    """A Megatron-LM style forward_step(data_iterator, model) -> (output, loss_func).
+
+    loss_fn(micro_batch, logprobs [b, S-1], entropy [b, S-1] | None) -> (loss, metrics).
+    """
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        inp, pos, mask = _inputs(mb["tokens"])
+        if not groups.is_last_stage:
+            return model(inp, pos, mask), None
+        hidden = gpt_hidden_states(model, inp, pos, mask)  # [S-1, b, H]
+        labels = mb["tokens"][:, 1:]
+
+        def loss_func(h):
+            out = token_logprobs_and_entropy(h, output_weight(model), labels.t(), tp_group=groups.tp_group,
+                                             chunk_size=settings.chunk_size, compute_entropy=need_entropy,
+                                             temperature=settings.temperature)
+            entropy = out.entropy.t() if need_entropy else None
+            loss, metrics = loss_fn(mb, out.logprobs.t(), entropy)
+            return loss, torch.tensor(1), metrics
+
+        return hidden, loss_func
+
+    return forward_step
+
+
+def _micro_batches(batch: TrainBatch, slices: list[slice]) -> list[dict[str, Any]]:
+    """Micro-batch dicts; "rows" lets a loss index per-row tensors it holds (e.g. old_logprobs)."""
+    return [{"rows": sl, "tokens": batch.tokens[sl], "loss_mask": batch.loss_mask[sl],
+             "rollout_logprobs": batch.rollout_logprobs[sl], "advantages": batch.advantages[sl],
+             "positions": batch.positions[sl]} for sl in slices]
+
+
+@torch.no_grad()
+def logprob_pass(model, groups: ParallelGroups, batch: TrainBatch, settings: PassSettings,
+                 need_entropy: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """log π(y_t) [N, S-1] (and entropy) of every row on this rank; (None, None) off the last stage."""
+    mbs = settings.micro_batch_size
+    slices = [slice(i, i + mbs) for i in range(0, batch.size, mbs)]
+    step = _make_forward_step(groups, settings,
+                              lambda mb, lp, ent: (torch.zeros(()), {"logprobs": lp, "entropy": ent}),
+                              need_entropy)
+    was_training = model.training
+    model.eval()
+    outs = forward_backward(model, step, iter(_micro_batches(batch, slices)), len(slices),
+                            seq_length=batch.seq_len - 1, micro_batch_size=mbs, forward_only=True)
+    model.train(was_training)
+    if not groups.is_last_stage:
+        return None, None
+    logprobs = torch.cat([o["logprobs"] for o in outs]).float()
+    entropy = torch.cat([o["entropy"] for o in outs]).float() if need_entropy else None
+    return logprobs, entropy
+
+
+def train_pass(model, groups: ParallelGroups, batch: TrainBatch, slices: list[slice], settings: PassSettings,
+               loss_fn: Callable, need_entropy: bool = False) -> list[dict]:
+    """Forward + backward of `loss_fn` over the micro-batches `slices` of one mini-batch.
+
+    Returns the per-micro-batch metrics dicts (last stage; [] elsewhere). Gradients are
+    finalised (DP/TP reductions); the caller steps the optimizer.
+    """
+    return forward_backward(model, _make_forward_step(groups, settings, loss_fn, need_entropy),
+                            iter(_micro_batches(batch, slices)), len(slices),
+                            seq_length=batch.seq_len - 1, micro_batch_size=settings.micro_batch_size)
+
+
+def all_reduce_dp(values: dict[str, torch.Tensor], groups: ParallelGroups, ops: dict[str, str] | None = None):
+    """Sum (or min/max per `ops`) per-key values over the DP x CP ranks, then hand the last
+    pipeline stage's result to every stage. Keys must be the same on all ranks of a stage."""
+    ops = ops or {}
+    reduce = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    out = {}
+    for k in sorted(values):
+        t = values[k].detach().double().clone()
+        dist.all_reduce(t, op=reduce[ops.get(k, "sum")], group=groups.dp_cp_group)
+        out[k] = t
+    if groups.config.pp > 1:
+        src = dist.get_global_rank(groups.pp_group, groups.config.pp - 1)
+        holder = [out if groups.is_last_stage else None]
+        dist.broadcast_object_list(holder, src=src, group=groups.pp_group)
+        out = holder[0]
+    return out

@@ -1,0 +1,51 @@
+"""The trainable policy: megatron model + optimizer + the weight export that feeds engines."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from megatron_rl.model import BuildOptions, ModelArch, build_gpt_model
+from megatron_rl.model.hf_io import SafetensorsReader, export_hf_weights, load_arch, load_hf_weights
+from megatron_rl.model.presets import preset_arch
+from megatron_rl.parallel import ParallelGroups
+from megatron_rl.trainer.stack import OptimSettings, build_optimizer, wrap_model
+
+
+@dataclass
+class Policy:
+    arch: ModelArch
+    groups: ParallelGroups
+    model: object  # megatron DDP(Float16Module?(GPTModel))
+    optimizer: object
+    settings: OptimSettings
+
+    def export(self, dtype: torch.dtype | None = None):
+        """HF checkpoint-format (name, tensor) pairs of the current weights (collective)."""
+        return export_hf_weights(self.model, self.arch, self.groups, dtype=dtype)
+
+
+def arch_from_config(model_section, vocab_size: int | None = None) -> ModelArch:
+    """ModelArch from the model section: a HF dir's config.json, or a preset + overrides.
+
+    vocab_size: the tokenizer's size, used for presets (a HF dir brings its own).
+    """
+    if model_section.hf_dir:
+        return load_arch(model_section.hf_dir)
+    overrides = dict(model_section.overrides or {})
+    if vocab_size is not None:
+        overrides.setdefault("vocab_size", vocab_size)
+    return preset_arch(model_section.arch, model_section.size, **overrides)
+
+
+def build_policy(model_section, optim: OptimSettings, groups: ParallelGroups, arch: ModelArch, seed: int,
+                 routing_replay: bool = False) -> Policy:
+    """Build, (optionally) load HF weights, wrap for training and attach the optimizer."""
+    opts = BuildOptions(dtype=model_section.dtype, seed=seed, init_std=model_section.init_std,
+                        moe_aux_loss_coeff=model_section.moe_aux_loss_coeff, routing_replay=routing_replay)
+    model = build_gpt_model(arch, groups, opts)
+    if model_section.hf_dir:
+        load_hf_weights(model, arch, groups, SafetensorsReader(model_section.hf_dir))
+    settings = replace(optim, dtype=model_section.dtype)
+    wrapped = wrap_model(model, settings)
+    return Policy(arch, groups, wrapped, build_optimizer(wrapped, settings), settings)

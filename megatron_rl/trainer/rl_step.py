@@ -1,0 +1,167 @@
+"""One synchronous RL step: rollout -> reward -> advantages -> old log-probs -> N updates -> sync.
+
+Each phase is a plain function call on the run context; metrics come back as a flat dict of
+namespaced floats (rank-0 logging happens in the loop).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.losses import (
+    GlobalCounts,
+    PolicyBatch,
+    compute_policy_loss,
+    ess_from_stats,
+    finish_metrics,
+    get_advantage,
+    local_counts,
+    p3o_ess_stats,
+    zero_variance_groups,
+)
+from megatron_rl.metrics.mismatch import finish_mismatch, mismatch_sums, reduce_op
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.trainer.batch import build_batch, minibatch_slices, padded_length, shard_rows
+from megatron_rl.trainer.passes import PassSettings, all_reduce_dp, logprob_pass, train_pass
+from megatron_rl.trainer.rollout_io import broadcast, generate_and_score, sync_weights
+
+
+@contextmanager
+def timed(metrics: dict, key: str):
+    t0 = time.perf_counter()
+    yield
+    metrics[f"timing/{key}"] = time.perf_counter() - t0
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, filter_zero_var: bool):
+    """Per-sample advantages [B*G] from rewards [B*G] (contiguous groups), and the kept-row mask."""
+    r = rewards.view(-1, group_size)
+    adv = get_advantage(estimator)(r).reshape(-1)
+    zero_var = zero_variance_groups(r)
+    keep = (~zero_var).repeat_interleave(group_size) if filter_zero_var else torch.ones_like(adv, dtype=torch.bool)
+    return adv, keep, zero_var
+
+
+def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
+                          stop_token_ids=(tokenizer.eos_id,), seed=cfg.train.seed * 1_000_003 + step)
+
+
+def _global_counts(batch, slices, groups, needs) -> GlobalCounts:
+    total = GlobalCounts()
+    for sl in slices:
+        total = total + local_counts(batch.loss_mask[sl])
+    vals = all_reduce_dp({"num_tokens": total.num_tokens, "num_seqs": total.num_seqs}, groups)
+    return GlobalCounts(vals["num_tokens"], vals["num_seqs"])
+
+
+def rl_step(ctx, step: int) -> dict[str, float]:
+    cfg, groups, policy = ctx.cfg, ctx.groups, ctx.policy
+    B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    m: dict[str, float] = {}
+    t_step = time.perf_counter()
+
+    # ---- rollout and rewards (rank 0), shared with every rank
+    with timed(m, "generate"):
+        examples = ctx.prompts.batch(step, B)
+        payload = None
+        if ctx.engine is not None:
+            samples, rewards = generate_and_score(ctx.engine, ctx.tokenizer, examples, G,
+                                                  sampling_for(cfg, ctx.tokenizer, step), ctx.rewards)
+            payload = (samples, rewards, ctx.rewards.stats())
+        samples, rewards, reward_stats = broadcast(payload)
+
+    # ---- advantages and the training batch
+    rewards_t = torch.tensor(rewards, dtype=torch.float32)
+    adv, keep_rows, zero_var = group_advantages(rewards_t, G, ctx.loss.advantages,
+                                                ctx.loss.filter_zero_variance_groups)
+    seq_len = padded_length(samples, multiple=groups.config.tp * 2 * groups.config.cp if groups.config.cp > 1
+                            else groups.config.tp)
+    full = build_batch(samples, rewards, ctx.tokenizer.pad_id, seq_len).with_advantages(adv)
+    if not keep_rows.all():
+        full = type(full)(**{**full.__dict__, "loss_mask": full.loss_mask & keep_rows[:, None]})
+    dp, dp_rank = groups.dp_size, dist.get_rank(groups.dp_group)
+    local = full.select(shard_rows(full.size, dp, dp_rank))
+    settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature or 1.0)
+
+    # ---- old log-probs (π_old: trainer, rollout weights) and mismatch diagnostics
+    with timed(m, "old_logprobs"):
+        old, entropy = logprob_pass(policy.model, groups, local, settings)
+    sums = {}
+    if old is not None:
+        sums = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy)
+    sums = all_reduce_dp(sums, groups, {k: reduce_op(k) for k in sums})  # last stage's values, everywhere
+    m.update(finish_mismatch(sums))
+    old = old if old is not None else torch.zeros_like(local.rollout_logprobs)
+
+    # ---- N optimizer steps over mini-batches
+    loss_kw = ctx.loss.loss_kwargs()
+    step_metrics: dict[str, torch.Tensor] = {}
+    losses, grad_norms, skipped = [], [], 0
+    with timed(m, "train"):
+        for slices in minibatch_slices(local.size, cfg.train.num_minibatches, cfg.train.micro_batch_size):
+            counts = _global_counts(local, slices, groups, ctx.loss.counts)
+            if ctx.loss.needs_ess:
+                loss_kw["surrogate_params"]["ess"] = _global_ess(policy, groups, local, slices, settings, old)
+
+            def loss_fn(mb, logprobs, _entropy, counts=counts):
+                rows = mb["rows"]
+                batch = PolicyBatch(logprobs=logprobs, old_logprobs=old[rows], rollout_logprobs=mb["rollout_logprobs"],
+                                    advantages=mb["advantages"], loss_mask=mb["loss_mask"], positions=mb["positions"])
+                loss, metrics = compute_policy_loss(batch, normaliser=counts, **loss_kw)
+                metrics["loss/value"] = loss.detach().double()
+                return loss, metrics
+
+            outs = train_pass(policy.model, groups, local, slices, settings, loss_fn)
+            for o in outs:
+                for k, v in o.items():
+                    step_metrics[k] = step_metrics.get(k, 0) + v.detach().double()
+            ok, grad_norm, _ = policy.optimizer.step()
+            if ctx.scheduler is not None:
+                ctx.scheduler.step(increment=1)
+            skipped += int(not ok)
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+    reduced = all_reduce_dp(step_metrics, groups)
+    finished = finish_metrics(reduced)
+    m["loss/policy"] = finished.pop("loss/value", 0.0) / cfg.train.num_minibatches
+    m.update({f"loss/{k}" if not k.startswith(("loss/", "policy/")) else k: v for k, v in finished.items()})
+    m["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    m["optim/skipped_steps"] = skipped
+    m["optim/lr"] = policy.optimizer.param_groups[0]["lr"]
+
+    # ---- weight sync to the engine
+    with timed(m, "weight_sync"):
+        ctx.policy_version += 1
+        sync_weights(policy, ctx.engine, ctx.policy_version)
+
+    # ---- rollout statistics
+    resp_len = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    m["rollout/reward_mean"] = float(rewards_t.mean())
+    m["rollout/accuracy"] = float((rewards_t >= 1.0).float().mean())
+    m["rollout/response_length"] = float(resp_len.mean())
+    m["rollout/truncated_fraction"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
+    m["rollout/zero_variance_groups"] = float(zero_var.float().mean())
+    m["rollout/advantage_abs_mean"] = float(adv.abs().mean())
+    for k, v in (reward_stats or {}).items():
+        m[k] = float(v)
+    m["timing/step"] = time.perf_counter() - t_step
+    return m
+
+
+def _global_ess(policy, groups, local, slices, settings, old) -> torch.Tensor:
+    """P3O: ESS of r = π_θ/π_old over the mini-batch's valid tokens on all ranks (no-grad pass)."""
+    sub = local.select(slice(slices[0].start, slices[-1].stop))
+    logprobs, _ = logprob_pass(policy.model, groups, sub, settings, need_entropy=False)
+    stats = {"sum_r": torch.zeros((), dtype=torch.float64), "sum_mask": torch.zeros((), dtype=torch.float64),
+             "sum_r2": torch.zeros((), dtype=torch.float64)}
+    if logprobs is not None:
+        rows = slice(slices[0].start, slices[-1].stop)
+        a, b, c = p3o_ess_stats(logprobs, old[rows], sub.loss_mask)
+        stats = {"sum_r": a, "sum_mask": b, "sum_r2": c}
+    stats = all_reduce_dp(stats, groups)
+    return ess_from_stats(stats["sum_r"], stats["sum_mask"], stats["sum_r2"])
+

@@ -1,0 +1,98 @@
+import json
+import re
+
+import pytest
+
+from megatron_rl.data import CharTokenizer, DataError, Example, JsonlPrompts, load_jsonl
+
+GOOD = '{"prompt": "1+2=", "label": "3"}'
+
+
+def _write(tmp_path, lines, name="data.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _error(tmp_path, bad_row, line=3, **kwargs) -> str:
+    """Put bad_row on `line` between good rows; return the DataError message."""
+    lines = [GOOD] * (line - 1) + [bad_row, GOOD]
+    path = _write(tmp_path, lines)
+    with pytest.raises(DataError) as info:
+        load_jsonl(path, **kwargs)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}:{line}: "), msg
+    return msg
+
+
+def test_loads_rows_and_ignores_extra_fields(tmp_path):
+    path = _write(tmp_path, [GOOD, "", '{"prompt": "s:2,1=", "label": "12", "task": "sorting", "id": 7}', "  "])
+    assert load_jsonl(path) == [Example("1+2=", "3", "jsonl"), Example("s:2,1=", "12", "sorting")]
+    assert load_jsonl(path, default_task="add")[0].task == "add"
+
+
+def test_invalid_json(tmp_path):
+    msg = _error(tmp_path, '{"prompt": "1+2=", "label": "3"', line=7)
+    assert "invalid JSON" in msg and "one JSON object" in msg
+
+
+def test_not_an_object(tmp_path):
+    msg = _error(tmp_path, '["1+2=", "3"]')
+    assert "expected a JSON object, got array" in msg
+
+
+@pytest.mark.parametrize("field", ["prompt", "label"])
+def test_missing_field(tmp_path, field):
+    row = json.loads(GOOD)
+    del row[field]
+    msg = _error(tmp_path, json.dumps(row), line=7)
+    assert msg.endswith(f'data.jsonl:7: field "{field}" is missing; every row needs "prompt" and "label" strings')
+
+
+@pytest.mark.parametrize("field,value", [("prompt", 12), ("label", 3), ("label", None), ("task", ["a"])])
+def test_wrong_type(tmp_path, field, value):
+    row = {**json.loads(GOOD), field: value}
+    msg = _error(tmp_path, json.dumps(row))
+    assert f'field "{field}" must be a string' in msg and json.dumps(json.dumps(value)) in msg
+
+
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_empty_prompt(tmp_path, prompt):
+    msg = _error(tmp_path, json.dumps({"prompt": prompt, "label": "3"}), line=2)
+    assert 'field "prompt" is empty' in msg
+
+
+def test_not_utf8_and_empty_file(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(GOOD.encode() + b"\n" + b'{"prompt": "\xff", "label": "1"}\n')
+    with pytest.raises(DataError, match="^" + re.escape(f"{path}:2: not valid UTF-8")):
+        load_jsonl(path)
+    empty = _write(tmp_path, [""], name="empty.jsonl")
+    with pytest.raises(DataError, match="^" + re.escape(f"{empty}: no rows")):
+        load_jsonl(empty)
+
+
+def test_tokenizer_validation_names_line_field_and_character(tmp_path):
+    msg = _error(tmp_path, json.dumps({"prompt": "1+2=", "label": "Three"}), line=4, tokenizer=CharTokenizer())
+    assert 'field "label" cannot be tokenized' in msg and "'T'" in msg and "position 0" in msg
+
+
+def test_jsonl_prompts_epochs_and_determinism(tmp_path):
+    rows = [json.dumps({"prompt": f"{i}+0=", "label": str(i)}) for i in range(10)]
+    path = _write(tmp_path, rows)
+    src = JsonlPrompts(path, seed=1)
+    assert len(src) == 10
+    epoch0 = [e for step in range(5) for e in src.batch(step, 2)]
+    epoch1 = [e for step in range(5, 10) for e in src.batch(step, 2)]
+    assert sorted(e.label for e in epoch0) == sorted(e.label for e in epoch1) == sorted(map(str, range(10)))
+    assert epoch0 != epoch1  # each epoch has its own permutation
+    assert JsonlPrompts(path, seed=1).batch(7, 2) == src.batch(7, 2)  # pure in (seed, step, size)
+    assert JsonlPrompts(path, seed=2).batch(0, 10) != src.batch(0, 10)
+    # a batch spanning an epoch boundary; unshuffled order is file order
+    plain = JsonlPrompts(path, seed=0, shuffle=False)
+    assert [e.label for e in plain.batch(1, 7)] == ["7", "8", "9", "0", "1", "2", "3"]
+    assert src.epoch(5, 2) == 1.0
+    src.load_state_dict(JsonlPrompts(path, seed=1).state_dict())
+    with pytest.raises(ValueError, match="seed"):
+        src.load_state_dict(JsonlPrompts(path, seed=2).state_dict())
+    assert JsonlPrompts([Example("a", "b", "t")], seed=0).batch(3, 2) == [Example("a", "b", "t")] * 2
