@@ -64,11 +64,31 @@ def _build(cls, data: dict, where: str):
         if dataclasses.is_dataclass(default) and isinstance(value, dict):
             kwargs[key] = _build(type(default), value, f"{where}.{key}" if where else key)
         else:
-            kwargs[key] = value
+            kwargs[key] = _coerce(str(hints[key].type), value, f"{where}.{key}" if where else key)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where or 'config'}: {e}") from e
+
+
+def _coerce(annotation: str, value: Any, where: str) -> Any:
+    """YAML reads `3e-4` as a string (no dot) and `1` as an int: coerce to the field's type."""
+    kinds = annotation.replace(" ", "").split("|")
+    if value is None and "None" in kinds:
+        return None
+    if "float" in kinds and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if "int" in kinds and isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if kinds == ["bool"] and not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    return value
 
 
 def _set(tree: dict, path: str, value: Any) -> None:

@@ -69,13 +69,14 @@ class DataSection:
 
     tasks: built-in verifiable toy tasks to mix ("addition", "sorting").
     jsonl: a JSONL prompt file ({"prompt", "label", optional "task"} per line) instead of tasks.
-    reward: reward function name ("exact_match", "math").
+    reward: reward function name for every prompt ("exact_match", "math"); null = each task's
+        own reward (JSONL rows: exact_match).
     heldout_size: held-out problems for evaluation. seed: data seed.
     """
 
     tasks: list = field(default_factory=lambda: ["addition"])
     jsonl: str | None = None
-    reward: str = "exact_match"
+    reward: str | None = None
     heldout_size: int = 500
     seed: int = 0
 

@@ -15,11 +15,13 @@ row; a row that hits a stop token or max_tokens is dropped from the batch and it
 
 Sampling (one step, pure functions below): logits / T -> reported log-prob = log_softmax of the
 sampled token in fp32 before truncation -> top-k then top-p keep-mask -> inverse-CDF draw
-from the renormalised kept distribution. T = 0 is greedy argmax (log-prob at T = 1).
+from the renormalised kept distribution. T = 0 is greedy argmax (log-prob and kept set at T = 1).
 
 Randomness: sequence (i, j) owns a torch.Generator seeded with a hash of (seed, i, j) and draws
 one uniform per generated position, so a sample depends only on (weights, prompt, seed, i, j),
-never on batching, chunking or which rows finished first.
+never on batching, chunking or which rows finished first. In fp32 the logits are batch-invariant
+to ~1e-6; in bf16/fp16 the kernels' batch-shape dependence can move log-probs by ~1e-2 (and, at
+a near-tie, a token) between max_batch_size settings, as in any batched inference server.
 
 Routing (Qwen3-MoE): forward hooks on every MoE layer's router record the top-k experts of
 each processed position in the engine's own dtype; a Sample gets them as
@@ -28,7 +30,7 @@ each processed position in the engine's own dtype; a Sample gets them as
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -123,7 +125,8 @@ class EmbeddedEngine:
     """`RolloutEngine` backed by an in-process `transformers` model of `arch`.
 
     dtype: "fp32" | "bf16" | "fp16" for the model's weights and compute.
-    max_batch_size: sequences decoded together (a chunk); results do not depend on it.
+    max_batch_size: sequences decoded together (a chunk); samples do not depend on it (up to
+        low-precision kernel effects, see the module docstring).
     attn_implementation: transformers attention backend ("eager", "sdpa").
     The model starts with random weights and policy_version -1 until update_weights.
     """
@@ -219,6 +222,18 @@ class EmbeddedEngine:
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
+    def _prefill(self, prompts: list[list[int]], cache):
+        """Left-padded forward of distinct prompts -> (last logits [U, V], mask [U, W], routes [U, W, L, k])."""
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(ids, mask, pos, cache)
+        return logits, mask, self._take_routes(len(prompts))
+
     @torch.no_grad()
     def _generate_chunk(self, prompts, seqs, sampling: SamplingParams) -> list[Sample]:
         from transformers import DynamicCache
@@ -229,26 +244,17 @@ class EmbeddedEngine:
         uniforms = stream_uniforms(sampling.seed, seqs, steps)
         stops = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long)
 
-        # prefill each distinct prompt once, left-padded
         uniq = sorted({i for i, _ in seqs})
-        lens = torch.tensor([len(prompts[i]) for i in uniq])
-        width = int(lens.max())
-        ids = torch.zeros(len(uniq), width, dtype=torch.long)
-        mask = torch.zeros(len(uniq), width, dtype=torch.long)
-        for r, i in enumerate(uniq):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, pos, cache)
-        prompt_routes = self._take_routes(len(uniq))  # [U, width, L, k]
+        logits, mask, prompt_routes = self._prefill([prompts[i] for i in uniq], cache)
+        width = mask.shape[1]
 
         # one row per sequence
         row_of = {i: r for r, i in enumerate(uniq)}
         rows = torch.tensor([row_of[i] for i, _ in seqs])
         cache.batch_select_indices(rows)
         mask, logits = mask[rows], logits[rows]
-        next_pos = lens[rows]
+        next_pos = mask.sum(-1)
 
         num = len(seqs)
         tokens = torch.full((num, steps), -1, dtype=torch.long)
@@ -282,7 +288,7 @@ class EmbeddedEngine:
             if routes is not None:
                 routes[alive, t] = self._take_routes(len(alive))[:, 0]
 
-        kept_ids = self._kept_ids(kept, length) if sampling.return_kept_ids else [None] * num
+        kept_ids = self._kept_ids(kept, num) if sampling.return_kept_ids else [None] * num
         samples = []
         for s, (i, j) in enumerate(seqs):
             r = int(length[s])
@@ -298,9 +304,9 @@ class EmbeddedEngine:
         return samples
 
     @staticmethod
-    def _kept_ids(kept, length: torch.Tensor) -> list[torch.Tensor]:
+    def _kept_ids(kept, num: int) -> list[torch.Tensor]:
         """Per sequence [R, K] kept token ids (ascending), padded with -1 to the widest position."""
-        per_seq: list[list[torch.Tensor]] = [[] for _ in range(len(length))]
+        per_seq: list[list[torch.Tensor]] = [[] for _ in range(num)]
         for alive, keep in kept:
             for row, s in enumerate(alive.tolist()):
                 per_seq[s].append(keep[row].nonzero().squeeze(-1))

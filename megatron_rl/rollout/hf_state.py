@@ -16,8 +16,8 @@ are data (`FUSED_RULES`), so a model that has per-expert modules simply matches 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 

@@ -78,8 +78,10 @@ def setup(cfg: RunConfig, groups: ParallelGroups) -> RunContext:
     random.seed(cfg.train.seed)
     tokenizer = CharTokenizer()
     prompts = make_prompts(cfg, tokenizer)
-    rewards = RewardRunner(prompts.rewards() if hasattr(prompts, "rewards") else cfg.data.reward,
-                           default=cfg.data.reward)
+    if cfg.data.reward is not None:
+        rewards = RewardRunner(cfg.data.reward)
+    else:  # each task's own reward; JSONL rows use exact match
+        rewards = RewardRunner(prompts.rewards() if hasattr(prompts, "rewards") else {}, default="exact_match")
     arch = arch_from_config(cfg.model, vocab_size=tokenizer.vocab_size)
     policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed)
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
@@ -105,6 +107,20 @@ def _progress(total: int, desc: str, enabled: bool):
 def run(cfg: RunConfig, groups: ParallelGroups) -> dict:
     """Run SFT (if configured and not resuming) and RL; return the summary (all ranks)."""
     ctx = setup(cfg, groups)
+    try:
+        return train(ctx)
+    finally:
+        close(ctx)
+
+
+def close(ctx: RunContext) -> None:
+    ctx.sink.close()
+    if ctx.engine is not None:
+        ctx.engine.close()
+
+
+def train(ctx: RunContext) -> dict:
+    cfg, groups = ctx.cfg, ctx.groups
     rank0 = dist.get_rank() == 0
     ckpt_root = os.path.join(cfg.train.run_dir, "checkpoints")
     heldout = _heldout(ctx)
@@ -156,11 +172,7 @@ def run(cfg: RunConfig, groups: ParallelGroups) -> dict:
                                    "rng": _rng_state(), "config": config_to_dict(cfg)})
     if bar is not None:
         bar.close()
-    summary = summarize(ctx, last)
-    ctx.sink.close()
-    if ctx.engine is not None:
-        ctx.engine.close()
-    return summary
+    return summarize(ctx, last)
 
 
 def summarize(ctx: RunContext, last: dict) -> dict:

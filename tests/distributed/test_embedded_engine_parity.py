@@ -71,7 +71,7 @@ def _parity(rank, world, arch_kw):
         samples = [s for row in engine.generate(prompts, n=4, sampling=sampling) for s in row]
         trainer = _trainer_pass(model, arch, groups, samples)
         diff = torch.cat([(s.rollout_logprobs - lp).abs() for s, (lp, _) in zip(samples, trainer)])
-        report[dtype] = dict(max=diff.max().item(), mean=diff.mean().item(), tokens=diff.numel())
+        report[dtype] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
         if arch.is_moe:
             same = torch.cat([(s.routed_experts.long() == r).all(-1).flatten() for s, (_, r) in zip(samples, trainer)])
             report[dtype]["routing_mismatch"] = 1.0 - same.float().mean().item()
@@ -81,7 +81,7 @@ def _parity(rank, world, arch_kw):
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_engine_logprobs_match_trainer(arch):
-    [report] = run_ranks(_parity, world_size=1, timeout=180, arch_kw=dict(arch=arch))
+    [report] = run_ranks(_parity, world_size=1, timeout=180, arch_kw={"arch": arch})
     print(f"\n{arch}: {report}")
     assert report["fp32"]["max"] <= 1e-4, report
     assert report["bf16"]["mean"] > 1e-3, report  # a real, measurable mismatch

@@ -14,7 +14,8 @@ def make_checkpoint(tmp_path_factory, seed=0, **arch_kw):
     path = tmp_path_factory.mktemp("hf")
     ref.save_pretrained(path)
     reader = SafetensorsReader(str(path))
-    return arch, ref, {k: reader(k) for k in reader.keys()}
+    names = reader.keys()
+    return arch, ref, {k: reader(k) for k in names}
 
 
 @pytest.fixture(scope="session")

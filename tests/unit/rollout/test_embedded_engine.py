@@ -9,6 +9,10 @@ from tests.unit.rollout.conftest import prompts_of
 LENGTHS = [5, 9, 1, 14, 7]
 
 
+def flat(rows):
+    return [s for row in rows for s in row]
+
+
 def _engine(checkpoint, **kw):
     arch, _, ckpt = checkpoint
     engine = EmbeddedEngine(arch, **kw)
@@ -74,18 +78,18 @@ def test_same_seed_same_samples_whatever_the_batch_size(moe_checkpoint, moe_engi
     big = moe_engine.generate(prompts, n=4, sampling=sampling)
     for mbs in (1, 3):
         small = _engine(moe_checkpoint, max_batch_size=mbs).generate(prompts, n=4, sampling=sampling)
-        for a, b in zip(sum(big, []), sum(small, [])):
+        for a, b in zip(flat(big), flat(small)):
             assert torch.equal(a.response_ids, b.response_ids) and a.finish_reason == b.finish_reason
             torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5, rtol=0)
             assert torch.equal(a.routed_experts, b.routed_experts)
     other = moe_engine.generate(prompts, n=4, sampling=SamplingParams(top_k=20, max_tokens=6, seed=12))
-    assert any(not torch.equal(a.response_ids, b.response_ids) for a, b in zip(sum(big, []), sum(other, [])))
+    assert any(not torch.equal(a.response_ids, b.response_ids) for a, b in zip(flat(big), flat(other)))
 
 
 def test_stop_tokens_and_lengths(moe_engine):
     stops = tuple(range(0, 64, 4))
     sampling = SamplingParams(max_tokens=7, stop_token_ids=stops, seed=5)
-    samples = sum(moe_engine.generate(prompts_of(LENGTHS, 64), n=8, sampling=sampling), [])
+    samples = flat(moe_engine.generate(prompts_of(LENGTHS, 64), n=8, sampling=sampling))
     reasons = {s.finish_reason for s in samples}
     assert reasons == {"stop", "length"}
     for s in samples:
@@ -106,7 +110,7 @@ def test_kept_ids(moe_checkpoint, moe_engine, top_k, top_p):
     sampling = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p, max_tokens=5, seed=2,
                               return_kept_ids=True)
     widths = set()
-    for s in sum(moe_engine.generate(prompts_of(LENGTHS, 64), n=2, sampling=sampling), []):
+    for s in flat(moe_engine.generate(prompts_of(LENGTHS, 64), n=2, sampling=sampling)):
         kept = s.kept_ids
         assert kept.dtype == torch.int64 and kept.shape[0] == len(s.response_ids)
         logits, _ = _full_forward(ref, s)

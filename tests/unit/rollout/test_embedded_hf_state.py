@@ -27,8 +27,9 @@ def test_layout_per_expert_modules_is_identity():
     assert checkpoint_layout(shapes) == {n: Target(n) for n in shapes}
 
 
-@pytest.mark.parametrize("arch_kw", [dict(arch="qwen3_moe"), dict(arch="qwen3_moe", mlp_only_layers=(0,)),
-                                     dict(arch="qwen3"), dict(arch="qwen3", tie_word_embeddings=True)],
+@pytest.mark.parametrize("arch_kw", [
+    {"arch": "qwen3_moe"}, {"arch": "qwen3_moe", "mlp_only_layers": (0,)},
+    {"arch": "qwen3"}, {"arch": "qwen3", "tie_word_embeddings": True}],
                          ids=["moe", "moe_dense0", "dense", "dense_tied"])
 def test_checkpoint_roundtrip_logits_equal(tmp_path_factory, arch_kw):
     arch, ref, ckpt = make_checkpoint(tmp_path_factory, seed=3, **arch_kw)

@@ -4,8 +4,16 @@ import math
 import pytest
 import torch
 
-from megatron_rl.rollout.embedded import (apply_temperature, sample_inverse_cdf, sample_step, stream_seed,
-                                          stream_uniforms, top_k_mask, top_p_mask, truncation_mask)
+from megatron_rl.rollout.embedded import (
+    apply_temperature,
+    sample_inverse_cdf,
+    sample_step,
+    stream_seed,
+    stream_uniforms,
+    top_k_mask,
+    top_p_mask,
+    truncation_mask,
+)
 from megatron_rl.rollout.types import SamplingParams
 
 # probabilities 0.5, 0.3, 0.15, 0.05 in a shuffled vocabulary order
@@ -55,7 +63,10 @@ def test_inverse_cdf(u, token):
 def test_inverse_cdf_respects_keep_mask():
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
     keep = torch.tensor([[True, False, True]])  # renormalised: 5/7, 0, 2/7
-    draw = lambda u: sample_inverse_cdf(logits, keep, torch.tensor([u], dtype=torch.float64)).item()  # noqa: E731
+
+    def draw(u):
+        return sample_inverse_cdf(logits, keep, torch.tensor([u], dtype=torch.float64)).item()
+
     assert [draw(0.7), draw(0.72), draw(1 - 1e-15)] == [0, 2, 2]
     # vocabulary entries after the last kept one are never picked, even when u * total rounds up
     keep = torch.tensor([[True, True, False]])

@@ -1,0 +1,46 @@
+import pytest
+
+from megatron_rl.config import ConfigError, LossSection, load_config
+from megatron_rl.trainer.loss_setup import resolve_loss
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train: {steps: 7}\nloss: {recipe: dapo}\n")
+    cfg = load_config(str(path), ["train.steps=3", "--tensor-model-parallel-size", "2", "--lr", "3e-4",
+                                  "loss.corrections=[{name: tis_token, C: 4}]", "--use-distributed-optimizer"])
+    assert cfg.train.steps == 3 and cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.optim.lr == 3e-4 and cfg.optim.use_distributed_optimizer
+    assert cfg.loss.recipe == "dapo" and cfg.loss.corrections == [{"name": "tis_token", "C": 4}]
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("train.stepz=3", "did you mean train.steps"),
+    ("rollout.backend=sglang", "rollout.backend"),
+    ("parallel.tensor_model_parallel_size=0", "tensor_model_parallel_size"),
+    ("optim.dtype=bf16", "must equal model.dtype"),
+    ("nonsense", "cannot parse"),
+])
+def test_bad_config_names_the_key(override, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("section,msg", [
+    (LossSection(recipe=None, surrogate="ppo_clipp"), "ppo_clipp"),
+    (LossSection(recipe="grpo", surrogate="gspo", aggregation="token_mean"), "sequence-level"),
+    (LossSection(recipe="p3o", aggregation="seq_mean_token_mean"), "token_mean"),
+    (LossSection(recipe="p3o", surrogate_params={"ess": 0.5}), "computed by the trainer"),
+    (LossSection(corrections=["tis_token"]), r"corrections\[0\]"),
+])
+def test_invalid_loss_combinations_fail_at_startup(section, msg):
+    with pytest.raises((ValueError, KeyError), match=msg):
+        resolve_loss(section, 8)
+
+
+def test_recipe_defaults_and_overrides():
+    r = resolve_loss(LossSection(recipe="minirl"), max_response_len=12)
+    assert (r.surrogate, r.aggregation, r.advantages) == ("minirl", "token_sum_norm", "mean_centered")
+    assert r.agg_params == {"l_norm": 12.0}
+    r = resolve_loss(LossSection(recipe="dapo", surrogate_params={"eps_high": 0.3}), 8)
+    assert r.surrogate_params == {"eps_low": 0.2, "eps_high": 0.3}

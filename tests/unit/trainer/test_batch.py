@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from megatron_rl.rollout.types import Sample
+from megatron_rl.trainer.batch import build_batch, minibatch_slices, padded_length, shard_rows
+from megatron_rl.trainer.rl_step import group_advantages
+
+
+def _sample(p, r, version=0):
+    return Sample(prompt_ids=torch.tensor(p), response_ids=torch.tensor(r),
+                  rollout_logprobs=-0.1 * torch.arange(1, len(r) + 1, dtype=torch.float32),
+                  finish_reason="stop", policy_version=version)
+
+
+def test_build_batch_layout():
+    s = [_sample([5, 6, 7], [8, 9]), _sample([5], [1, 2, 3], version=3)]
+    b = build_batch(s, [1.0, 0.0], pad_id=0, seq_len=5)
+    assert b.tokens.tolist() == [[5, 6, 7, 8, 9], [5, 1, 2, 3, 0]]
+    # label index t predicts tokens[t + 1]: response tokens of row 0 are predicted at t = 2, 3
+    assert b.loss_mask.tolist() == [[False, False, True, True], [True, True, True, False]]
+    assert torch.allclose(b.rollout_logprobs[0], torch.tensor([0, 0, -0.1, -0.2]))
+    assert b.positions[1].tolist() == [0, 1, 2, 0]
+    assert b.versions.tolist() == [0, 3]
+    adv = b.with_advantages(torch.tensor([2.0, -1.0])).advantages
+    assert adv.tolist() == [[0, 0, 2, 2], [-1, -1, -1, 0]]
+
+
+def test_padded_length_makes_inputs_divisible():
+    s = [_sample([1, 2, 3], [4, 5, 6])]  # 6 tokens, 5 inputs
+    assert padded_length(s) == 6
+    assert padded_length(s, 2) == 7 and (7 - 1) % 2 == 0
+    assert padded_length(s, 4) == 9
+
+
+def test_sample_longer_than_row_is_an_error():
+    with pytest.raises(ValueError, match="sample 0"):
+        build_batch([_sample([1, 2], [3, 4])], [0.0], 0, 3)
+
+
+def test_minibatch_and_shard_arithmetic():
+    assert shard_rows(8, 2, 1) == slice(4, 8)
+    mbs = minibatch_slices(8, 2, 2)
+    assert mbs == [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 8)]]
+    with pytest.raises(ValueError, match="micro_batch_size=3"):
+        minibatch_slices(8, 2, 3)
+    with pytest.raises(ValueError, match="num_minibatches=3"):
+        minibatch_slices(8, 3, 1)
+
+
+def test_group_advantages_and_zero_variance_filter():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0])  # groups of 3: mixed, all-0
+    adv, keep, zero_var = group_advantages(rewards, 3, "mean_centered", filter_zero_var=True)
+    assert torch.allclose(adv, torch.tensor([1 / 3, -2 / 3, 1 / 3, 0, 0, 0]))
+    assert zero_var.tolist() == [False, True]
+    assert keep.tolist() == [True, True, True, False, False, False]
+    _, keep, _ = group_advantages(rewards, 3, "grpo", filter_zero_var=False)
+    assert keep.all()
