@@ -14,11 +14,15 @@ one forward+backward of `Σ logprob + 0.1·Σ entropy`, and reports peak memory 
 the end minus that RSS (so it counts everything the computation allocates, gradients of h and W
 included, but not the inputs). CP=2 runs two gloo processes with one thread each, each holding
 half of the tokens, and includes the CP all-reduce of the weight gradient (what megatron's DDP
-does over DP×CP); its memory is per process. Each child measures this machine's fp32 GEMM
-throughput (2048³ matmul, same thread count) right before and right after its run; GEMM
-efficiency = the GEMM FLOPs ours executes (4 projections: forward, recomputation, dh, dW =
-8·T·V·H) per second over the mean of the two. The machine may be shared: both throughputs are
-then taken under (nearly) the same load, and the table prints the load average.
+does over DP×CP); its memory is per process.
+
+Speed: wall time, and CPU time (`time.process_time`, summed over CP processes), since the
+machine may be shared (the table prints the 1-minute load average). Each child measures this
+machine's fp32 GEMM throughput (2048³ matmul, same thread count) right before and right after its
+run, both per wall second and per CPU second. GEMM efficiency = the projection FLOPs ours
+executes (4 GEMMs: forward, recomputation, dh, dW = 8·T·V·H) per second over that throughput:
+`wall` uses wall seconds, `cpu` uses CPU seconds on both sides (robust to other processes taking
+cores, not to them thrashing caches).
 """
 from __future__ import annotations
 
@@ -36,15 +40,17 @@ GiB = 2**30
 
 
 # ------------------------------------------------------------------------------------- child
-def _gemm_gflops(reps: int = 4) -> float:
+def _gemm_rates(reps: int = 4) -> tuple[float, float]:
+    """fp32 GEMM throughput in GFLOP per wall second and per CPU second (2048³ matmul)."""
     import torch
 
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     for _ in range(reps):
         a @ b
-    return 2 * 2048**3 * reps / (time.perf_counter() - t) / 1e9
+    flops = 2 * 2048**3 * reps / 1e9
+    return flops / (time.perf_counter() - t), flops / (time.process_time() - c)
 
 
 def _rss_bytes() -> int:
@@ -87,16 +93,17 @@ def _child(args) -> dict:
     step(h[:16].detach().requires_grad_(), y[:16])
     w.grad = None
     barrier()
-    gemm_before = _gemm_gflops()
+    before = _gemm_rates()
     barrier()
     base = _rss_bytes()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     step(h, y)
-    sec = time.perf_counter() - t
+    sec, cpu = time.perf_counter() - t, time.process_time() - c
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     barrier()
-    gemm_after = _gemm_gflops()
-    return {"sec": sec, "peak": peak, "gemm": (gemm_before + gemm_after) / 2}
+    after = _gemm_rates()
+    return {"sec": sec, "cpu": cpu, "peak": peak,
+            "gemm": (before[0] + after[0]) / 2, "gemm_cpu": (before[1] + after[1]) / 2}
 
 
 # ------------------------------------------------------------------------------------ parent
@@ -123,16 +130,19 @@ def _run(path: str, tokens: int, chunk: int, cp: int = 1, timeout: int = 1800) -
             print(f"  [{path} T={tokens} cp={cp}] exited {p.returncode}: {err.strip()[-300:]}", flush=True)
             return None
         results.append(json.loads(out.strip().splitlines()[-1]))
-    return {"sec": max(r["sec"] for r in results), "peak": max(r["peak"] for r in results),
-            "gemm": sum(r["gemm"] for r in results), "load": max(load, os.getloadavg()[0])}
+    return {"sec": max(r["sec"] for r in results), "cpu": sum(r["cpu"] for r in results),
+            "peak": max(r["peak"] for r in results), "gemm": sum(r["gemm"] for r in results),
+            "gemm_cpu": sum(r["gemm_cpu"] for r in results) / len(results),
+            "load": max(load, os.getloadavg()[0])}
 
 
 def _k(t: int) -> str:
     return f"{t // 1024}k"
 
 
-def _eff(r: dict, tokens: int) -> float:
-    return 8 * tokens * V * HID / r["sec"] / 1e9 / r["gemm"]
+def _eff(r: dict, tokens: int, cpu: bool = False) -> float:
+    flops = 8 * tokens * V * HID / 1e9
+    return flops / r["cpu"] / r["gemm_cpu"] if cpu else flops / r["sec"] / r["gemm"]
 
 
 def main() -> None:
@@ -161,14 +171,14 @@ def main() -> None:
           f"{os.cpu_count()} CPUs; ours: chunk={chunk} tokens")
     print("peak = ru_maxrss at the end of the run minus RSS before it (fresh process per configuration,"
           " inputs allocated, 16-token warm-up); gradients of h and W are included, inputs are not.")
-    print("GEMM eff = executed projection FLOPs (8·T·V·H, incl. the backward recomputation) per second"
-          " / fp32 GEMM throughput (2048³ matmul) measured in the same process(es) right before and after"
-          " the run (mean; the machine is shared: 'load' is the 1-min load average).\n")
+    print("speed: wall s / CPU s; GEMM eff wall/cpu = executed projection FLOPs (8·T·V·H, incl. the"
+          " backward recomputation) per wall/CPU second over the fp32 GEMM throughput (2048³) measured per"
+          " wall/CPU second in the same process(es) right before and after the run; load = 1-min load avg.\n")
 
     side = [2048] if args.quick else [1024, 2048, 4096]
     print("(i) side by side, TP=1, 2 threads")
-    print(f"{'T':>4} | {'naive peak':>10} {'naive s':>8} | {'ours peak':>9} {'ours s':>7} | "
-          f"{'mem ratio':>9} {'speedup':>7} | {'GEMM GF/s':>9} {'GEMM eff':>8} | {'load':>9}")
+    print(f"{'T':>4} | {'naive peak':>10} {'wall/cpu s':>11} | {'ours peak':>9} {'wall/cpu s':>11} | "
+          f"{'mem ratio':>9} {'speedup wall/cpu':>16} | {'GEMM eff wall/cpu':>17} | {'load':>9}")
     ref_4k = None
     for t in side:
         ours = _run("fused", t, chunk)
@@ -178,35 +188,38 @@ def main() -> None:
             continue
         if t == 4096:
             ref_4k = ours
-        n_peak = f"{naive['peak'] / GiB:.2f} GiB" if naive else "killed"
-        n_sec = f"{naive['sec']:.1f}" if naive else "-"
-        mem = f"{naive['peak'] / ours['peak']:.1f}x" if naive else "-"
-        spd = f"{naive['sec'] / ours['sec']:.2f}x" if naive else "-"
-        print(f"{_k(t):>4} | {n_peak:>10} {n_sec:>8} | {ours['peak'] / GiB:>5.2f} GiB {ours['sec']:>7.1f} | "
-              f"{mem:>9} {spd:>7} | {ours['gemm']:>9.0f} {_eff(ours, t):>8.0%} | "
-              f"{ours['load']:>4.1f} {naive['load'] if naive else 0:>4.1f}", flush=True)
+        o_time = f"{ours['sec']:.1f}/{ours['cpu']:.1f}"
+        if naive:
+            n_peak, n_time = f"{naive['peak'] / GiB:.2f} GiB", f"{naive['sec']:.1f}/{naive['cpu']:.1f}"
+            mem = f"{naive['peak'] / ours['peak']:.1f}x"
+            spd = f"{naive['sec'] / ours['sec']:.2f}x/{naive['cpu'] / ours['cpu']:.2f}x"
+            load = f"{ours['load']:.1f} {naive['load']:.1f}"
+        else:
+            n_peak, n_time, mem, spd, load = "killed", "-", "-", "-", f"{ours['load']:.1f}"
+        eff = f"{_eff(ours, t):.0%}/{_eff(ours, t, cpu=True):.0%}"
+        print(f"{_k(t):>4} | {n_peak:>10} {n_time:>11} | {ours['peak'] / GiB:>5.2f} GiB {o_time:>11} | "
+              f"{mem:>9} {spd:>16} | {eff:>17} | {load:>9}", flush=True)
     if args.quick:
         return
 
     print("\n(ii) ours alone (the full-logits path does not fit: its [T, V] fp32 logits alone are the"
           " last column)")
-    print("'vs 4k': time per token relative to ours at T=4k, raw and normalised by the GEMM throughput"
-          " measured with each run (= ratio of GEMM efficiencies).")
-    print(f"{'T':>4} {'layout':>18} | {'peak':>9} {'time s':>7} {'us/token':>8} {'vs 4k raw/norm':>14} | "
-          f"{'GEMM GF/s':>9} {'GEMM eff':>8} | {'load':>4} | {'naive logits':>12}")
+    print("'vs 4k': CPU time per token relative to ours at T=4k (TP=1).")
+    print(f"{'T':>4} {'layout':>17} | {'peak':>9} {'wall/cpu s':>12} {'us/token wall/cpu':>17} {'vs 4k':>6} | "
+          f"{'GEMM eff wall/cpu':>17} | {'load':>4} | {'naive logits':>12}")
     for t in (8192, 32768, 65536):
         for cp in (1, 2):
             r = _run("fused", t, chunk, cp=cp)
-            layout = "TP=1 (2 threads)" if cp == 1 else "CP=2 (2 procs x1)"
+            layout = "TP=1, 2 threads" if cp == 1 else "CP=2, 2 procs x1"
             if r is None:
-                print(f"{_k(t):>4} {layout:>18} | failed")
+                print(f"{_k(t):>4} {layout:>17} | failed")
                 continue
-            rel = "-"
-            if ref_4k and cp == 1:
-                rel = f"{r['sec'] / t / (ref_4k['sec'] / 4096):.2f}x/{_eff(ref_4k, 4096) / _eff(r, t):.2f}x"
-            print(f"{_k(t):>4} {layout:>18} | {r['peak'] / GiB:>5.2f} GiB {r['sec']:>7.1f} "
-                  f"{r['sec'] / t * 1e6:>8.0f} {rel:>14} | {r['gemm']:>9.0f} {_eff(r, t):>8.0%} | "
-                  f"{r['load']:>4.1f} | {t * V * 4 / GiB:>8.1f} GiB", flush=True)
+            rel = f"{r['cpu'] / t / (ref_4k['cpu'] / 4096):.2f}x" if ref_4k and cp == 1 else "-"
+            times = f"{r['sec']:.1f}/{r['cpu']:.1f}"
+            per_tok = f"{r['sec'] / t * 1e6:.0f}/{r['cpu'] / t * 1e6:.0f}"
+            eff = f"{_eff(r, t):.0%}/{_eff(r, t, cpu=True):.0%}"
+            print(f"{_k(t):>4} {layout:>17} | {r['peak'] / GiB:>5.2f} GiB {times:>12} {per_tok:>17} {rel:>6} | "
+                  f"{eff:>17} | {r['load']:>4.1f} | {t * V * 4 / GiB:>8.1f} GiB", flush=True)
 
 
 if __name__ == "__main__":

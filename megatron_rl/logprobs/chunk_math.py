@@ -105,10 +105,10 @@ def chunk_forward(
     if compute_entropy:
         out["entropy"] = log_s - sums[:, 2] / s
     if kept_ids is not None:
-        ok = valid & (kept_ids >= 0).any(dim=1)
-        log_zk = torch.where(ok, m_k + torch.log(sums[:, -1]), torch.zeros_like(m_k))
+        nonempty = (kept_ids >= 0).any(dim=1)
+        log_zk = torch.where(nonempty, m_k + torch.log(sums[:, -1]), torch.zeros_like(m_k))
         out["logZ_K"] = log_zk
-        out["kept_logprob"] = torch.where(ok, z_y - log_zk, torch.zeros_like(z_y))
+        out["kept_logprob"] = torch.where(valid & nonempty, z_y - log_zk, torch.zeros_like(z_y))
     return out
 
 

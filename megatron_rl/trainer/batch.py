@@ -36,7 +36,7 @@ class TrainBatch:
         return self.tokens.shape[1]
 
     def select(self, index) -> "TrainBatch":
-        """Rows `index` (slice, list or tensor) of every field."""
+        """Rows `index` (slice or index tensor) of every field."""
         return TrainBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
     def with_advantages(self, advantages_per_row: torch.Tensor) -> "TrainBatch":
@@ -74,6 +74,23 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
                       advantages=torch.zeros(n, seq_len - 1), positions=pos,
                       rewards=torch.tensor(rewards, dtype=torch.float32),
                       versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long))
+
+
+def local_rows(n: int, num_minibatches: int, dp_size: int, dp_rank: int) -> torch.Tensor:
+    """Global row indices this DP rank trains on, mini-batch by mini-batch.
+
+    Mini-batch m is the global rows [m*n/N, (m+1)*n/N) whatever the DP size (so an optimizer
+    step sees the same data at any DP), and each mini-batch is split evenly over DP ranks.
+    The result is laid out so that minibatch_slices(len, N, mbs) finds each mini-batch's
+    local share contiguously.
+    """
+    if n % (num_minibatches * dp_size):
+        raise ValueError(f"{n} samples per step do not split into train.num_minibatches={num_minibatches} "
+                         f"x {dp_size} data-parallel ranks")
+    per = n // num_minibatches
+    share = per // dp_size
+    return torch.cat([torch.arange(m * per + dp_rank * share, m * per + (dp_rank + 1) * share)
+                      for m in range(num_minibatches)])
 
 
 def shard_rows(n: int, parts: int, index: int) -> slice:

@@ -96,8 +96,8 @@ def logprob_pass(model, groups: ParallelGroups, batch: TrainBatch, settings: Pas
     return logprobs, entropy
 
 
-def train_pass(model, groups: ParallelGroups, batch: TrainBatch, slices: list[slice], settings: PassSettings,
-               loss_fn: Callable, need_entropy: bool = False) -> list[dict]:
+def train_pass(model, optimizer, groups: ParallelGroups, batch: TrainBatch, slices: list[slice],
+               settings: PassSettings, loss_fn: Callable, need_entropy: bool = False) -> list[dict]:
     """Forward + backward of `loss_fn` over the micro-batches `slices` of one mini-batch.
 
     Returns the per-micro-batch metrics dicts (last stage; [] elsewhere). Gradients are
@@ -105,7 +105,8 @@ def train_pass(model, groups: ParallelGroups, batch: TrainBatch, slices: list[sl
     """
     return forward_backward(model, _make_forward_step(groups, settings, loss_fn, need_entropy),
                             iter(_micro_batches(batch, slices)), len(slices),
-                            seq_length=batch.seq_len - 1, micro_batch_size=settings.micro_batch_size)
+                            seq_length=batch.seq_len - 1, micro_batch_size=settings.micro_batch_size,
+                            optimizer=optimizer)
 
 
 def all_reduce_dp(values: dict[str, torch.Tensor], groups: ParallelGroups, ops: dict[str, str] | None = None):

@@ -24,7 +24,7 @@ from megatron_rl.losses import (
 )
 from megatron_rl.metrics.mismatch import finish_mismatch, mismatch_sums, reduce_op
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.trainer.batch import build_batch, minibatch_slices, padded_length, shard_rows
+from megatron_rl.trainer.batch import build_batch, local_rows, minibatch_slices, padded_length
 from megatron_rl.trainer.passes import PassSettings, all_reduce_dp, logprob_pass, train_pass
 from megatron_rl.trainer.rollout_io import broadcast, generate_and_score, sync_weights
 
@@ -85,7 +85,7 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     if not keep_rows.all():
         full = type(full)(**{**full.__dict__, "loss_mask": full.loss_mask & keep_rows[:, None]})
     dp, dp_rank = groups.dp_size, dist.get_rank(groups.dp_group)
-    local = full.select(shard_rows(full.size, dp, dp_rank))
+    local = full.select(local_rows(full.size, cfg.train.num_minibatches, dp, dp_rank))
     settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature or 1.0)
 
     # ---- old log-probs (π_old: trainer, rollout weights) and mismatch diagnostics
@@ -116,7 +116,7 @@ def rl_step(ctx, step: int) -> dict[str, float]:
                 metrics["loss/value"] = loss.detach().double()
                 return loss, metrics
 
-            outs = train_pass(policy.model, groups, local, slices, settings, loss_fn)
+            outs = train_pass(policy.model, policy.optimizer, groups, local, slices, settings, loss_fn)
             for o in outs:
                 for k, v in o.items():
                     step_metrics[k] = step_metrics.get(k, 0) + v.detach().double()

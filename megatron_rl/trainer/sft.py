@@ -59,7 +59,7 @@ def run_sft(ctx, eval_examples, progress=None) -> dict:
             loss = token_mean(-logprobs, mb["loss_mask"], n_tok)
             return loss, {"nll": loss.detach().double()}
 
-        outs = train_pass(policy.model, groups, local, slices, settings, loss_fn)
+        outs = train_pass(policy.model, policy.optimizer, groups, local, slices, settings, loss_fn)
         policy.optimizer.step()
         nll = all_reduce_dp({"nll": sum(o["nll"] for o in outs) if outs else torch.zeros(())}, groups)["nll"]
         if progress is not None:

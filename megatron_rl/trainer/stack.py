@@ -85,9 +85,10 @@ def build_optimizer(model, settings: OptimSettings):
 
 
 def forward_backward(model, forward_step: Callable, data_iterator, num_microbatches: int, seq_length: int,
-                     micro_batch_size: int, forward_only: bool = False) -> list[dict]:
+                     micro_batch_size: int, forward_only: bool = False, optimizer=None) -> list[dict]:
     """One pass of megatron's schedule (PP-aware) over `num_microbatches`; grads finalised.
 
+    optimizer: the optimizer that will step on these gradients (its grads are reset first).
     forward_step(data_iterator, model) -> (output, loss_func) as in Megatron-LM; loss_func must
     return (loss, num_tokens, metrics) with `loss` already globally normalised.
     Returns the per-micro-batch metrics dicts (last pipeline stage only; [] elsewhere).
@@ -97,6 +98,10 @@ def forward_backward(model, forward_step: Callable, data_iterator, num_microbatc
 
     if not forward_only:
         model.zero_grad_buffer()
+        if optimizer is not None:
+            # after a step, param.grad aliases the grad buffer: without this, autograd would
+            # accumulate into it in place and megatron's hook would then add it a second time
+            optimizer.zero_grad()
     out = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,

@@ -101,16 +101,20 @@ def test_large_logits_are_stable(dtype):
     precision of the dtype (fp64 inputs are computed in fp64)."""
     h, w, y = _inputs(seed=7)
     w = w * 300.0
-    grads = [torch.ones(N), torch.ones(N) * 0.1, None]
-    ref = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, grads)
-    ours = _run(token_logprobs_and_entropy, h.to(dtype), w.to(dtype), y, grads, chunk_size=6)
-    for x in (*ours[0][:2], ours[1], ours[2]):
+    kept = _kept_sets(y, V, 4, seed=15)
+    kept[3, 0] = (h[3] @ w.t()).argmax()           # ignored label, kept set with a huge logit
+    grads = [torch.ones(N), torch.ones(N) * 0.1, torch.ones(N) * 0.5]
+    ref = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, grads, kept_ids=kept)
+    ours = _run(token_logprobs_and_entropy, h.to(dtype), w.to(dtype), y, grads, chunk_size=6, kept_ids=kept)
+    for x in (*ours[0], ours[1], ours[2]):
         assert torch.isfinite(x).all() and x.dtype == dtype
     if dtype == torch.float64:
         _assert_same(ours, ref)
-    else:   # fp32 logits of size 1e3 carry ~1e-4 absolute rounding
-        for a, b in zip((*ours[0][:2], ours[1], ours[2]), (*ref[0][:2], ref[1], ref[2])):
+    else:   # fp32 logits of size 1e3 carry ~1e-4 absolute rounding, amplified in the grads
+        for a, b in zip(ours[0], ref[0]):
             torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=1e-4)
+        for a, b in zip(ours[1:], ref[1:]):
+            torch.testing.assert_close(a.double(), b, atol=1e-2, rtol=2e-3)
 
 
 def test_bf16_inputs_give_fp32_outputs_close_to_reference():

@@ -119,7 +119,7 @@ def _train_step(model, settings):
         out = m(tokens[:, :-1], torch.arange(8).expand(2, -1), causal_mask(8), labels=tokens[:, 1:])
         return out, lambda o: (o.float().mean(), torch.tensor(1), {})
 
-    forward_backward(model, step, None, 1, 8, 2)
+    forward_backward(model, step, None, 1, 8, 2, optimizer=optimizer)
     optimizer.step()
     return model, optimizer
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.types import Sample
-from megatron_rl.trainer.batch import build_batch, minibatch_slices, padded_length, shard_rows
+from megatron_rl.trainer.batch import build_batch, local_rows, minibatch_slices, padded_length, shard_rows
 from megatron_rl.trainer.rl_step import group_advantages
 
 
@@ -55,3 +55,13 @@ def test_group_advantages_and_zero_variance_filter():
     assert keep.tolist() == [True, True, True, False, False, False]
     _, keep, _ = group_advantages(rewards, 3, "grpo", filter_zero_var=False)
     assert keep.all()
+
+
+def test_local_rows_keep_each_minibatch_global():
+    # 8 rows, 2 mini-batches (rows 0-3, 4-7), 2 DP ranks: rank 1 trains rows 2,3 then 6,7
+    assert local_rows(8, 2, 2, 0).tolist() == [0, 1, 4, 5]
+    assert local_rows(8, 2, 2, 1).tolist() == [2, 3, 6, 7]
+    together = sorted(local_rows(8, 2, 2, 0).tolist()[:2] + local_rows(8, 2, 2, 1).tolist()[:2])
+    assert together == [0, 1, 2, 3]  # the first optimizer step sees exactly mini-batch 0
+    with pytest.raises(ValueError, match="num_minibatches=2"):
+        local_rows(6, 2, 2, 0)
