@@ -23,7 +23,7 @@ $(STAMP):
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) tools/check_parity.py --arch qwen3_moe
+	$(PY) pretrain_rl.py --config examples/demo_cpu.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -21,6 +21,14 @@ through the same TP mapping it would have applied (see `fused`): sequence parall
 tensor is therefore the full sequence on every TP rank and ready for
 `token_logprobs_and_entropy(..., reduce_grad_input=False)`.
 
+Use (labels shifted before any CP split; packed THD batches have B = 1):
+
+    hidden = gpt_hidden_states(model, input_ids, position_ids, attention_mask,
+                               packed_seq_params=packed_seq_params)          # [S, B, H]
+    out = token_logprobs_and_entropy(hidden, output_weight(model), labels.t(),  # labels [B, S]
+                                     tp_group=tp_group, temperature=rollout_temperature)
+    logprobs, entropy = out.logprobs.t(), out.entropy.t()                     # [B, S]
+
 Not supported: multi-token prediction (`mtp_num_layers`; the MTP head needs labels and calls the
 output layer again) and pipeline stages without the output layer.
 """
