@@ -147,12 +147,13 @@ class SFTSection:
 
 @dataclass
 class LogSection:
-    """Where metrics go. tensorboard / jsonl: write under run_dir. progress: tqdm bars."""
+    """Where metrics go. tensorboard / jsonl: write under run_dir. progress: tqdm bars.
+    figure_every: steps between TensorBoard figures of the mismatch-by-μ table (0 = never)."""
 
     tensorboard: bool = True
     jsonl: bool = True
     progress: bool = True
-    every: int = 1
+    figure_every: int = 10
 
 
 @dataclass

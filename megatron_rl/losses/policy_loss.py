@@ -91,6 +91,12 @@ register_recipe("gspo", LossRecipe("gspo", aggregation="seq_mean_token_mean"))
 register_recipe("minirl", LossRecipe("minirl", aggregation="token_sum_norm", advantage="mean_centered"))
 register_recipe("mu_grpo", LossRecipe("mu_grpo", corrections=(("nav", {}),), aggregation="seq_mean_token_mean"))
 register_recipe("p3o", LossRecipe("p3o"))
+# GRPO with one training-inference mismatch correction each (TIM blog; IcePop: Ring; KPop)
+register_recipe("tis", LossRecipe("ppo_clip", corrections=(("tis_token", {"C": 2.0}),), aggregation="seq_mean_token_mean"))
+register_recipe("mis", LossRecipe("ppo_clip", corrections=(("mis_token", {"C": 2.0}),), aggregation="seq_mean_token_mean"))
+register_recipe("icepop", LossRecipe("ppo_clip", corrections=(("icepop", {"alpha": 0.5, "beta": 5.0}),),
+                                     aggregation="seq_mean_token_mean"))
+register_recipe("kpop", LossRecipe("ppo_clip", corrections=(("kpop", {}),), aggregation="seq_mean_token_mean"))
 
 
 # ----------------------------------------------------------------------------- top-p / top-k action space

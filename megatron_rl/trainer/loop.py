@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import RunConfig, config_to_dict
 from megatron_rl.data import CharTokenizer, JsonlPrompts, PromptStream, make_task
+from megatron_rl.metrics.report import bucket_figure, bucket_rows
 from megatron_rl.metrics.sink import MetricsSink
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.rewards import RewardRunner
@@ -160,6 +161,10 @@ def train(ctx: RunContext) -> dict:
         ctx.state["curve"].append({k: metrics[k] for k in ("rollout/reward_mean", "mismatch/kl_k3",
                                                           "eval/heldout_accuracy", "loss/policy") if k in metrics})
         ctx.sink.log(step + 1, metrics, echo=None if bar is not None else f"step {step + 1}")
+        if cfg.log.figure_every and (step + 1) % cfg.log.figure_every == 0 and ctx.sink.enabled:
+            figure = bucket_figure(bucket_rows(metrics), step + 1)
+            if figure is not None:
+                ctx.sink.log_figure("mismatch/by_rollout_probability", figure, step + 1)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",

@@ -22,7 +22,7 @@ from megatron_rl.losses import (
     p3o_ess_stats,
     zero_variance_groups,
 )
-from megatron_rl.metrics.mismatch import finish_mismatch, mismatch_sums, reduce_op
+from megatron_rl.metrics.mismatch import combine_sums, finish_mismatch, mismatch_sums, ratio_quantiles, reduce_op
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.trainer.batch import build_batch, local_rows, minibatch_slices, padded_length
 from megatron_rl.trainer.passes import PassSettings, all_reduce_dp, logprob_pass, train_pass
@@ -94,8 +94,9 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     sums = {}
     if old is not None:
         sums = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy)
-    sums = all_reduce_dp(sums, groups, {k: reduce_op(k) for k in sums})  # last stage's values, everywhere
-    m.update(finish_mismatch(sums))
+        # quantiles do not reduce exactly: report the most extreme per-rank value over DP ranks
+        lo, hi = ratio_quantiles(old - local.rollout_logprobs, local.loss_mask)
+        sums["mismatch/w/p01/min"], sums["mismatch/w/p99/max"] = lo, hi
     old = old if old is not None else torch.zeros_like(local.rollout_logprobs)
 
     # ---- N optimizer steps over mini-batches
@@ -114,17 +115,27 @@ def rl_step(ctx, step: int) -> dict[str, float]:
                                     advantages=mb["advantages"], loss_mask=mb["loss_mask"], positions=mb["positions"])
                 loss, metrics = compute_policy_loss(batch, normaliser=counts, **loss_kw)
                 metrics["loss/value"] = loss.detach().double()
+                ratios = mismatch_sums(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                                       logprobs=logprobs.detach())  # r = π_θ/π_old, ρ = π_θ/μ
+                metrics.update({k: v for k, v in ratios.items() if k.startswith(("mismatch/r/", "mismatch/rho/"))})
                 return loss, metrics
 
             outs = train_pass(policy.model, policy.optimizer, groups, local, slices, settings, loss_fn)
             for o in outs:
-                for k, v in o.items():
-                    step_metrics[k] = step_metrics.get(k, 0) + v.detach().double()
+                o = {k: v.detach().double() for k, v in o.items()}
+                step_metrics = combine_sums(step_metrics, o) if step_metrics else o
             ok, grad_norm, _ = policy.optimizer.step()
             if ctx.scheduler is not None:
                 ctx.scheduler.step(increment=1)
             skipped += int(not ok)
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+    ratio_keys = [k for k in step_metrics if k.startswith("mismatch/")]
+    sums.update({k: step_metrics.pop(k) for k in ratio_keys})
+    sums = all_reduce_dp(sums, groups, {k: reduce_op(k) for k in sums})  # last stage's values, everywhere
+    m.update(finish_mismatch(sums))
+    for q in ("p01/min", "p99/max"):
+        if f"mismatch/w/{q}" in sums:
+            m[f"mismatch/w/{q.split('/')[0]}"] = float(sums[f"mismatch/w/{q}"])
     reduced = all_reduce_dp(step_metrics, groups)
     finished = finish_metrics(reduced)
     m["loss/policy"] = finished.pop("loss/value", 0.0) / cfg.train.num_minibatches

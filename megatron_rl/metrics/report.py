@@ -1,0 +1,65 @@
+"""Human-readable mismatch views: the bucket table (text) and its TensorBoard figure.
+
+The table answers "where does the engine disagree with the trainer?": tokens bucketed by the
+rollout probability μ_t, with the count, mean |log π_old − log μ| and the k3 KL per bucket.
+"""
+from __future__ import annotations
+
+from megatron_rl.metrics.mismatch import bucket_labels
+
+COLUMNS = ("count", "abs_diff", "kl_k3")
+
+
+def bucket_rows(metrics: dict[str, float]) -> list[tuple[str, float, float, float]]:
+    """(bucket label, count, mean |Δ|, k3) for every μ bucket present in a finished metrics dict."""
+    rows = []
+    for label in bucket_labels():
+        key = f"mismatch/bucket/{label}"
+        if f"{key}/count" in metrics:
+            rows.append((label, *(float(metrics[f"{key}/{c}"]) for c in COLUMNS)))
+    return rows
+
+
+def merge_bucket_rows(history: list[dict[str, float]]) -> list[tuple[str, float, float, float]]:
+    """Count-weighted aggregate of the bucket table over several steps."""
+    acc: dict[str, list[float]] = {}
+    for metrics in history:
+        for label, count, absd, k3 in bucket_rows(metrics):
+            a = acc.setdefault(label, [0.0, 0.0, 0.0])
+            a[0] += count
+            a[1] += count * absd
+            a[2] += count * k3
+    return [(label, c, s1 / c if c else 0.0, s2 / c if c else 0.0)
+            for label in bucket_labels() if label in acc for c, s1, s2 in [acc[label]]]
+
+
+def format_bucket_table(rows, title: str = "mismatch by rollout probability μ") -> str:
+    total = sum(r[1] for r in rows) or 1.0
+    lines = [title, f"{'μ bucket':>14} {'tokens':>10} {'share':>7} {'mean |Δlogp|':>13} {'KL k3':>11}"]
+    for label, count, absd, k3 in rows:
+        lines.append(f"{label:>14} {int(count):>10d} {100 * count / total:>6.1f}% {absd:>13.3e} {k3:>11.3e}")
+    return "\n".join(lines)
+
+
+def bucket_figure(rows, step: int):
+    """A matplotlib figure (bars: token share; line: k3 per bucket, log scale) or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    labels = [r[0] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(labels, [r[1] for r in rows], color="#9ecae1", label="tokens")
+    ax.set_ylabel("tokens")
+    ax.set_xlabel("rollout probability μ bucket")
+    ax.tick_params(axis="x", rotation=30)
+    ax2 = ax.twinx()
+    ax2.plot(labels, [max(r[3], 1e-12) for r in rows], "o-", color="#d62728", label="KL k3")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("KL k3 (log)")
+    ax.set_title(f"training-inference mismatch by μ, step {step}")
+    fig.tight_layout()
+    return fig
