@@ -92,6 +92,8 @@ class LossSection:
     aggregation / aggregation_params: "token_mean" | "seq_mean_token_mean" | "token_sum_norm".
     advantages: "grpo" | "mean_centered" | "rloo".
     filter_zero_variance_groups: drop groups whose rewards are all equal (DAPO dynamic sampling).
+    keep_sampling_mask: with top-p/top-k sampling, the engine reports the kept token set and its
+        renormalised log-probs, and the trainer renormalises π over the same set (DeepSeek-V3.2).
     """
 
     recipe: str | None = "grpo"
@@ -102,6 +104,7 @@ class LossSection:
     aggregation_params: dict = field(default_factory=dict)
     advantages: str | None = None
     filter_zero_variance_groups: bool = False
+    keep_sampling_mask: bool = False
 
 
 @dataclass
@@ -174,3 +177,6 @@ class RunConfig:
                              f"(the optimizer keeps fp32 master weights for bf16/fp16 models)")
         if self.train.num_minibatches < 1:
             raise ValueError("train.num_minibatches must be >= 1")
+        if self.loss.keep_sampling_mask and self.rollout.top_p >= 1.0 and self.rollout.top_k == -1:
+            raise ValueError("loss.keep_sampling_mask needs truncated sampling: set rollout.top_p < 1 or "
+                             "rollout.top_k > 0 (without truncation the kept set is the whole vocabulary)")

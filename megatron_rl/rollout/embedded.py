@@ -101,7 +101,8 @@ def sample_step(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParams)
         tokens = scaled.argmax(-1)
     else:
         tokens = sample_inverse_cdf(scaled, keep, u)
-    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    dist = scaled.masked_fill(~keep, float("-inf")) if sampling.logprobs_mode == "processed" else scaled
+    logprobs = torch.log_softmax(dist, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs, keep
 
 

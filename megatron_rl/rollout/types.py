@@ -9,7 +9,8 @@ and async schedules drop or weight samples by staleness).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -26,6 +27,9 @@ class SamplingParams:
     seed: base seed; sample j of prompt i uses a stream derived from (seed, i, j), so a batch
         is reproducible regardless of batching.
     return_kept_ids: also return the token ids kept by top-p/top-k at every position.
+    logprobs_mode: "raw" = log_softmax(logits / T) before truncation (vLLM raw_logprobs);
+        "processed" = renormalised over the kept top-p/top-k set, i.e. the distribution actually
+        sampled from (vLLM processed_logprobs; what keep_sampling_mask pairs with).
     """
 
     temperature: float = 1.0
@@ -35,8 +39,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     return_kept_ids: bool = False
+    logprobs_mode: str = "raw"
 
     def __post_init__(self):
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"sampling.logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
         if self.temperature < 0:
             raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -26,6 +26,7 @@ class TrainBatch:
     positions: torch.Tensor  # [N, S-1] int64, index inside the response (0 off-mask)
     rewards: torch.Tensor  # [N] fp32
     versions: torch.Tensor  # [N] int64: policy version that generated each sample
+    kept_ids: torch.Tensor | None = None  # [N, S-1, K] int64, -1 padded: rollout's top-p/top-k sets
 
     @property
     def size(self) -> int:
@@ -37,7 +38,8 @@ class TrainBatch:
 
     def select(self, index) -> "TrainBatch":
         """Rows `index` (slice or index tensor) of every field."""
-        return TrainBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                             for f in fields(self)})
 
     def with_advantages(self, advantages_per_row: torch.Tensor) -> "TrainBatch":
         adv = advantages_per_row.float().unsqueeze(1) * self.loss_mask.float()
@@ -52,8 +54,12 @@ def padded_length(samples: list[Sample], multiple: int = 1) -> int:
     return -(-(longest - 1) // multiple) * multiple + 1
 
 
-def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_len: int) -> TrainBatch:
-    """Pack samples into a TrainBatch of rows of length `seq_len` (advantages left at 0)."""
+def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_len: int,
+                with_kept_ids: bool = False) -> TrainBatch:
+    """Pack samples into a TrainBatch of rows of length `seq_len` (advantages left at 0).
+
+    with_kept_ids: also pack each sample's kept top-p/top-k token ids (required on every sample).
+    """
     n = len(samples)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
     mask = torch.zeros(n, seq_len - 1, dtype=torch.bool)
@@ -70,10 +76,20 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
         mask[i, p - 1:p - 1 + r] = True
         logp[i, p - 1:p - 1 + r] = s.rollout_logprobs.float()
         pos[i, p - 1:p - 1 + r] = torch.arange(r)
+    kept = None
+    if with_kept_ids:
+        missing = [i for i, s in enumerate(samples) if s.kept_ids is None]
+        if missing:
+            raise ValueError(f"keep_sampling_mask needs kept ids from the engine; samples {missing[:5]} have none")
+        k = max(s.kept_ids.shape[1] for s in samples)
+        kept = torch.full((n, seq_len - 1, k), -1, dtype=torch.long)
+        for i, s in enumerate(samples):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            kept[i, p - 1:p - 1 + r, :s.kept_ids.shape[1]] = s.kept_ids
     return TrainBatch(tokens=tokens, loss_mask=mask, rollout_logprobs=logp,
                       advantages=torch.zeros(n, seq_len - 1), positions=pos,
                       rewards=torch.tensor(rewards, dtype=torch.float32),
-                      versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long))
+                      versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long), kept_ids=kept)
 
 
 def local_rows(n: int, num_minibatches: int, dp_size: int, dp_rank: int) -> torch.Tensor:

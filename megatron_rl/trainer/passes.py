@@ -55,12 +55,17 @@ def _make_forward_step(groups: ParallelGroups, settings: PassSettings,
         hidden = gpt_hidden_states(model, inp, pos, mask)  # [S-1, b, H]
         labels = mb["tokens"][:, 1:]
 
+        kept = mb.get("kept_ids")
+
         def loss_func(h):
-            out = token_logprobs_and_entropy(h, output_weight(model), labels.t(), tp_group=groups.tp_group,
-                                             chunk_size=settings.chunk_size, compute_entropy=need_entropy,
-                                             temperature=settings.temperature)
+            out = token_logprobs_and_entropy(
+                h, output_weight(model), labels.t(), tp_group=groups.tp_group, chunk_size=settings.chunk_size,
+                compute_entropy=need_entropy, temperature=settings.temperature,
+                kept_ids=kept.transpose(0, 1) if kept is not None else None)
             entropy = out.entropy.t() if need_entropy else None
-            loss, metrics = loss_fn(mb, out.logprobs.t(), entropy)
+            # keep_sampling_mask: π renormalised over the rollout's kept set (one action space)
+            logprobs = out.kept_logprobs.t() if kept is not None else out.logprobs.t()
+            loss, metrics = loss_fn(mb, logprobs, entropy)
             return loss, torch.tensor(1), metrics
 
         return hidden, loss_func
@@ -72,7 +77,8 @@ def _micro_batches(batch: TrainBatch, slices: list[slice]) -> list[dict[str, Any
     """Micro-batch dicts; "rows" lets a loss index per-row tensors it holds (e.g. old_logprobs)."""
     return [{"rows": sl, "tokens": batch.tokens[sl], "loss_mask": batch.loss_mask[sl],
              "rollout_logprobs": batch.rollout_logprobs[sl], "advantages": batch.advantages[sl],
-             "positions": batch.positions[sl]} for sl in slices]
+             "positions": batch.positions[sl],
+             "kept_ids": batch.kept_ids[sl] if batch.kept_ids is not None else None} for sl in slices]
 
 
 @torch.no_grad()

@@ -46,9 +46,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, fil
 
 
 def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
-    r = cfg.rollout
+    r, keep = cfg.rollout, cfg.loss.keep_sampling_mask
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                          stop_token_ids=(tokenizer.eos_id,), seed=cfg.train.seed * 1_000_003 + step)
+                          stop_token_ids=(tokenizer.eos_id,), seed=cfg.train.seed * 1_000_003 + step,
+                          return_kept_ids=keep, logprobs_mode="processed" if keep else "raw")
 
 
 def _global_counts(batch, slices, groups, needs) -> GlobalCounts:
@@ -81,7 +82,8 @@ def rl_step(ctx, step: int) -> dict[str, float]:
                                                 ctx.loss.filter_zero_variance_groups)
     seq_len = padded_length(samples, multiple=groups.config.tp * 2 * groups.config.cp if groups.config.cp > 1
                             else groups.config.tp)
-    full = build_batch(samples, rewards, ctx.tokenizer.pad_id, seq_len).with_advantages(adv)
+    full = build_batch(samples, rewards, ctx.tokenizer.pad_id, seq_len,
+                       with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
     if not keep_rows.all():
         full = type(full)(**{**full.__dict__, "loss_mask": full.loss_mask & keep_rows[:, None]})
     dp, dp_rank = groups.dp_size, dist.get_rank(groups.dp_group)

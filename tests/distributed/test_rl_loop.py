@@ -110,3 +110,21 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         assert s_res[2][k] == s_full[2][k], k
     for k in w_full:
         assert torch.equal(w_full[k], w_res[k]), k
+
+
+def test_keep_sampling_mask_shares_the_action_space(tmp_path, hf_dir):
+    """top-p sampling: the engine reports log-probs renormalised over its kept set; the trainer
+    renormalises π over the same set, so an fp32 engine and the fp32 trainer agree exactly (were
+    the trainer to use the full vocabulary, every token with mass outside the set would differ)."""
+    common = ["train.steps=1", f"model.hf_dir={hf_dir}", "rollout.top_p=0.7", "rollout.temperature=1.0"]
+    [(_, _, steps)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "on"),
+                                overrides=common + ["loss.keep_sampling_mask=true"])
+    assert steps[0]["mismatch/kl_k3"] < 1e-8
+    assert steps[0]["mismatch/w/max"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_keep_sampling_mask_requires_truncation():
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="keep_sampling_mask needs truncated sampling"):
+        load_config(None, ["loss.keep_sampling_mask=true"])

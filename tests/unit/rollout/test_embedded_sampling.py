@@ -98,3 +98,17 @@ def test_streams_are_per_sequence():
     b = stream_uniforms(7, [(3, 1)], 5)
     assert torch.equal(a[1], b[0]) and not torch.equal(a[0], a[1])
     assert ((a >= 0) & (a < 1)).all()
+
+
+def test_processed_logprobs_are_renormalised_over_the_kept_set():
+    import torch
+
+    from megatron_rl.rollout.embedded import sample_step
+    from megatron_rl.rollout.types import SamplingParams
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    u = torch.tensor([0.0])  # picks the first (most likely) token
+    raw = sample_step(logits, u, SamplingParams(top_k=2))[1]
+    processed = sample_step(logits, u, SamplingParams(top_k=2, logprobs_mode="processed"))[1]
+    assert raw.item() == pytest.approx(torch.log(torch.tensor(0.5)).item(), abs=1e-6)
+    assert processed.item() == pytest.approx(torch.log(torch.tensor(0.5 / 0.8)).item(), abs=1e-6)
