@@ -14,9 +14,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_rl.metrics.report import format_bucket_table, merge_bucket_rows  # noqa: E402
+from megatron_rl.metrics.report import format_bucket_table, merge_bucket_rows
 
 HEADLINE = ("mismatch/kl_k3", "mismatch/kl_k1", "mismatch/abs_logprob_diff", "mismatch/w/ess", "mismatch/w/max",
             "mismatch/entropy")

@@ -1,5 +1,11 @@
 """Run configuration: dataclass tree (schema.py) + YAML/CLI loading (loader.py)."""
-from megatron_rl.config.loader import MEGATRON_FLAGS, ConfigError, config_to_dict, load_config, parse_overrides
+from megatron_rl.config.loader import (
+    MEGATRON_FLAGS,
+    ConfigError,
+    config_to_dict,
+    load_config,
+    parse_overrides,
+)
 from megatron_rl.config.schema import (
     DataSection,
     LogSection,

@@ -96,7 +96,7 @@ class ModelArch:
                               decoder_sparse_step=self.decoder_sparse_step, **common)
 
     @classmethod
-    def from_hf_config(cls, cfg) -> "ModelArch":
+    def from_hf_config(cls, cfg) -> ModelArch:
         """From a `transformers` config object or its dict (config.json)."""
         d = cfg if isinstance(cfg, dict) else cfg.to_dict()
         model_type = d.get("model_type")

@@ -13,8 +13,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist

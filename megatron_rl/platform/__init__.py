@@ -10,9 +10,9 @@ megatron-core version: when upstream fixes a line, that test fails and the patch
 from megatron_rl.platform.registry import (
     WORKAROUNDS,
     Workaround,
-    apply_cpu_workarounds,
     applied_workarounds,
+    apply_cpu_workarounds,
     cpu_only,
 )
 
-__all__ = ["WORKAROUNDS", "Workaround", "apply_cpu_workarounds", "applied_workarounds", "cpu_only"]
+__all__ = ["WORKAROUNDS", "Workaround", "applied_workarounds", "apply_cpu_workarounds", "cpu_only"]

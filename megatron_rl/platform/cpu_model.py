@@ -62,7 +62,7 @@ def _current_device() -> None:
 def _te_general_gemm() -> None:
     # 0.16.1: moe_utils binds te_general_gemm only inside a TE import try-block, but
     # RouterGatingLinearFunction tests it unconditionally: "NameError: name 'te_general_gemm'".
-    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
@@ -136,7 +136,7 @@ def _split_sizes_numpy() -> None:
     # maybe_move_tensor_to_cpu(..., as_numpy=True) converts only CUDA tensors; on CPU the
     # alltoall split sizes stay tensors and gloo's all_to_all_single raises
     # "TypeError: all_to_all_single(): incompatible function arguments".
-    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    from megatron.core.transformer.moe import token_dispatcher
 
     def to_cpu(tensor, as_numpy=False, record_stream=False):
         if torch.is_tensor(tensor):
@@ -150,7 +150,7 @@ def _split_sizes_numpy() -> None:
 
 def _schedules_device() -> None:
     # pipeline_parallel.schedules: torch.zeros([], dtype=torch.int, device="cuda").
-    import megatron.core.pipeline_parallel.schedules as schedules
+    from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = torch_proxy()
 

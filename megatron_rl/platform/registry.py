@@ -1,8 +1,8 @@
 """Registry of CPU workarounds and the single entry point that applies them."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 

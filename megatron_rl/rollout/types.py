@@ -8,8 +8,8 @@ and async schedules drop or weight samples by staleness).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch

@@ -36,12 +36,12 @@ class TrainBatch:
     def seq_len(self) -> int:
         return self.tokens.shape[1]
 
-    def select(self, index) -> "TrainBatch":
+    def select(self, index) -> TrainBatch:
         """Rows `index` (slice or index tensor) of every field."""
         return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
                              for f in fields(self)})
 
-    def with_advantages(self, advantages_per_row: torch.Tensor) -> "TrainBatch":
+    def with_advantages(self, advantages_per_row: torch.Tensor) -> TrainBatch:
         adv = advantages_per_row.float().unsqueeze(1) * self.loss_mask.float()
         return replace(self, advantages=adv)
 

@@ -54,7 +54,7 @@ def make_engine(cfg: RunConfig, arch, run_dir: str):
         from megatron_rl.rollout.embedded import EmbeddedEngine
 
         return EmbeddedEngine(arch, dtype=cfg.rollout.dtype, max_batch_size=cfg.rollout.max_batch_size)
-    from megatron_rl.rollout.vllm import make_vllm_engine  # noqa: PLC0415 - optional backend
+    from megatron_rl.rollout.vllm import make_vllm_engine
 
     return make_vllm_engine(cfg, arch, run_dir)
 
@@ -121,7 +121,7 @@ def close(ctx: RunContext) -> None:
 
 
 def train(ctx: RunContext) -> dict:
-    cfg, groups = ctx.cfg, ctx.groups
+    cfg = ctx.cfg
     rank0 = dist.get_rank() == 0
     ckpt_root = os.path.join(cfg.train.run_dir, "checkpoints")
     heldout = _heldout(ctx)

@@ -9,8 +9,9 @@ Values that the losses need per row live on the last pipeline stage (where the l
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

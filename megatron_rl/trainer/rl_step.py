@@ -22,7 +22,13 @@ from megatron_rl.losses import (
     p3o_ess_stats,
     zero_variance_groups,
 )
-from megatron_rl.metrics.mismatch import combine_sums, finish_mismatch, mismatch_sums, ratio_quantiles, reduce_op
+from megatron_rl.metrics.mismatch import (
+    combine_sums,
+    finish_mismatch,
+    mismatch_sums,
+    ratio_quantiles,
+    reduce_op,
+)
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.trainer.batch import build_batch, local_rows, minibatch_slices, padded_length
 from megatron_rl.trainer.passes import PassSettings, all_reduce_dp, logprob_pass, train_pass
@@ -52,7 +58,8 @@ def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
                           return_kept_ids=keep, logprobs_mode="processed" if keep else "raw")
 
 
-def _global_counts(batch, slices, groups, needs) -> GlobalCounts:
+def _global_counts(batch, slices, groups) -> GlobalCounts:
+    """The mini-batch's token and sequence counts summed over its micro-batches and DP x CP ranks."""
     total = GlobalCounts()
     for sl in slices:
         total = total + local_counts(batch.loss_mask[sl])
@@ -104,10 +111,10 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     # ---- N optimizer steps over mini-batches
     loss_kw = ctx.loss.loss_kwargs()
     step_metrics: dict[str, torch.Tensor] = {}
-    losses, grad_norms, skipped = [], [], 0
+    grad_norms, skipped = [], 0
     with timed(m, "train"):
         for slices in minibatch_slices(local.size, cfg.train.num_minibatches, cfg.train.micro_batch_size):
-            counts = _global_counts(local, slices, groups, ctx.loss.counts)
+            counts = _global_counts(local, slices, groups)
             if ctx.loss.needs_ess:
                 loss_kw["surrogate_params"]["ess"] = _global_ess(policy, groups, local, slices, settings, old)
 

@@ -55,7 +55,7 @@ def run_sft(ctx, eval_examples, progress=None) -> dict:
             counts = counts + local_counts(local.loss_mask[sl])
         n_tok = all_reduce_dp({"n": counts.num_tokens}, groups)["n"]
 
-        def loss_fn(mb, logprobs, _entropy):
+        def loss_fn(mb, logprobs, _entropy, n_tok=n_tok):
             loss = token_mean(-logprobs, mb["loss_mask"], n_tok)
             return loss, {"nll": loss.detach().double()}
 

@@ -11,8 +11,8 @@ we call `finalize_model_grads` ourselves without a token count.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -91,7 +91,11 @@ BATCH, SEQ = 4, 16
 
 def _fwd_bwd(rank, world, sizes):
     """Loss = sum of token CE / (BATCH*SEQ) over the global batch; returns (loss, HF-named grads)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_rl.model import causal_mask
