@@ -11,12 +11,13 @@ from megatron_rl.config.schema import (
     LogSection,
     LossSection,
     ModelSection,
+    MoESection,
     RolloutSection,
     RunConfig,
     SFTSection,
     TrainSection,
 )
 
-__all__ = ["MEGATRON_FLAGS", "ConfigError", "DataSection", "LogSection", "LossSection", "ModelSection",
+__all__ = ["MEGATRON_FLAGS", "ConfigError", "DataSection", "LogSection", "LossSection", "ModelSection", "MoESection",
            "RolloutSection", "RunConfig", "SFTSection", "TrainSection", "config_to_dict", "load_config",
            "parse_overrides"]

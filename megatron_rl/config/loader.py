@@ -34,6 +34,7 @@ MEGATRON_FLAGS = {
     "--run-dir": "train.run_dir",
     "--rollout-backend": "rollout.backend",
     "--recipe": "loss.recipe",
+    "--router-replay": "moe.router_replay",
     "--sft-steps": "sft.steps",
 }
 _BOOL_FLAGS = {"--use-distributed-optimizer"}

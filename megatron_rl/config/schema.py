@@ -149,6 +149,22 @@ class SFTSection:
 
 
 @dataclass
+class MoESection:
+    """Mixture-of-Experts training options.
+
+    router_replay: "none" | "r2" | "r3". R2 records each MoE layer's top-k during the π_old pass
+        and replays it in every update; R3 replays the rollout engine's routing in both (the
+        engine must report routing). Gate weights stay differentiable; only the selection is fixed.
+    """
+
+    router_replay: str = "none"
+
+    def __post_init__(self):
+        if self.router_replay not in ("none", "r2", "r3"):
+            raise ValueError(f"moe.router_replay={self.router_replay!r}; choose none, r2 or r3")
+
+
+@dataclass
 class LogSection:
     """Where metrics go. tensorboard / jsonl: write under run_dir. progress: tqdm bars.
     figure_every: steps between TensorBoard figures of the mismatch-by-μ table (0 = never)."""
@@ -169,6 +185,7 @@ class RunConfig:
     optim: OptimSettings = field(default_factory=OptimSettings)
     train: TrainSection = field(default_factory=TrainSection)
     sft: SFTSection = field(default_factory=SFTSection)
+    moe: MoESection = field(default_factory=MoESection)
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self):
@@ -177,6 +194,15 @@ class RunConfig:
                              f"(the optimizer keeps fp32 master weights for bf16/fp16 models)")
         if self.train.num_minibatches < 1:
             raise ValueError("train.num_minibatches must be >= 1")
+        replay_recipe = {"minirl_r2": "r2", "minirl_r3": "r3"}.get(self.loss.recipe or "")
+        if replay_recipe:
+            if self.moe.router_replay not in ("none", replay_recipe):
+                raise ValueError(f"loss.recipe={self.loss.recipe} implies moe.router_replay={replay_recipe}, "
+                                 f"but moe.router_replay={self.moe.router_replay}")
+            self.moe.router_replay = replay_recipe
+        if self.moe.router_replay == "r3" and self.rollout.backend == "vllm":
+            raise ValueError("moe.router_replay=r3 needs routing from the rollout engine; vLLM on the CPU lane "
+                             "cannot return routed experts. Use rollout.backend=embedded or router_replay=r2")
         if self.loss.keep_sampling_mask and self.rollout.top_p >= 1.0 and self.rollout.top_k == -1:
             raise ValueError("loss.keep_sampling_mask needs truncated sampling: set rollout.top_p < 1 or "
                              "rollout.top_k > 0 (without truncation the kept set is the whole vocabulary)")

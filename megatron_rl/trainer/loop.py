@@ -42,6 +42,8 @@ class RunContext:
     sink: MetricsSink
     loss: ResolvedLoss
     scheduler: object | None = None
+    replay: object | None = None  # RouterReplayController when moe.router_replay != none
+    router_replay: str = "none"
     policy_version: int = 0
     state: dict = field(default_factory=dict)  # carried across resume (before-RL accuracy, curves)
 
@@ -84,12 +86,24 @@ def setup(cfg: RunConfig, groups: ParallelGroups) -> RunContext:
     else:  # each task's own reward; JSONL rows use exact match
         rewards = RewardRunner(prompts.rewards() if hasattr(prompts, "rewards") else {}, default="exact_match")
     arch = arch_from_config(cfg.model, vocab_size=tokenizer.vocab_size)
-    policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed)
+    mode = cfg.moe.router_replay
+    if mode != "none" and not arch.is_moe:
+        raise ValueError(f"moe.router_replay={mode} needs a MoE model; model arch is {arch.arch}")
+    if mode != "none":
+        from megatron_rl.moe import RouterReplayController
+
+        RouterReplayController.forget_global_instances()  # megatron keeps them process-wide
+    policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed, routing_replay=mode != "none")
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
     sink = MetricsSink(cfg.train.run_dir, enabled=dist.get_rank() == 0, tensorboard=cfg.log.tensorboard,
                        jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
     engine = make_engine(cfg, arch, cfg.train.run_dir)
-    return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss)
+    ctx = RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss, router_replay=mode)
+    if mode != "none":
+        from megatron_rl.moe import RouterReplayController
+
+        ctx.replay = RouterReplayController(policy.model)
+    return ctx
 
 
 def _heldout(ctx: RunContext):

@@ -84,13 +84,18 @@ def _micro_batches(batch: TrainBatch, slices: list[slice]) -> list[dict[str, Any
 
 @torch.no_grad()
 def logprob_pass(model, groups: ParallelGroups, batch: TrainBatch, settings: PassSettings,
-                 need_entropy: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """log π(y_t) [N, S-1] (and entropy) of every row on this rank; (None, None) off the last stage."""
+                 need_entropy: bool = True, wrap_step: Callable | None = None,
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """log π(y_t) [N, S-1] (and entropy) of every row on this rank; (None, None) off the last stage.
+
+    wrap_step: wraps the forward step (router replay hooks in per micro-batch there).
+    """
     mbs = settings.micro_batch_size
     slices = [slice(i, i + mbs) for i in range(0, batch.size, mbs)]
     step = _make_forward_step(groups, settings,
                               lambda mb, lp, ent: (torch.zeros(()), {"logprobs": lp, "entropy": ent}),
                               need_entropy)
+    step = wrap_step(step) if wrap_step is not None else step
     was_training = model.training
     model.eval()
     outs = forward_backward(model, step, iter(_micro_batches(batch, slices)), len(slices),
@@ -104,14 +109,16 @@ def logprob_pass(model, groups: ParallelGroups, batch: TrainBatch, settings: Pas
 
 
 def train_pass(model, optimizer, groups: ParallelGroups, batch: TrainBatch, slices: list[slice],
-               settings: PassSettings, loss_fn: Callable, need_entropy: bool = False) -> list[dict]:
+               settings: PassSettings, loss_fn: Callable, need_entropy: bool = False,
+               wrap_step: Callable | None = None) -> list[dict]:
     """Forward + backward of `loss_fn` over the micro-batches `slices` of one mini-batch.
 
     Returns the per-micro-batch metrics dicts (last stage; [] elsewhere). Gradients are
     finalised (DP/TP reductions); the caller steps the optimizer.
     """
-    return forward_backward(model, _make_forward_step(groups, settings, loss_fn, need_entropy),
-                            iter(_micro_batches(batch, slices)), len(slices),
+    step = _make_forward_step(groups, settings, loss_fn, need_entropy)
+    step = wrap_step(step) if wrap_step is not None else step
+    return forward_backward(model, step, iter(_micro_batches(batch, slices)), len(slices),
                             seq_length=batch.seq_len - 1, micro_batch_size=settings.micro_batch_size,
                             optimizer=optimizer)
 

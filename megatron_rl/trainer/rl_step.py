@@ -29,10 +29,12 @@ from megatron_rl.metrics.mismatch import (
     ratio_quantiles,
     reduce_op,
 )
+from megatron_rl.moe.metrics import add_sums
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.trainer.batch import build_batch, local_rows, minibatch_slices, padded_length
 from megatron_rl.trainer.passes import PassSettings, all_reduce_dp, logprob_pass, train_pass
 from megatron_rl.trainer.rollout_io import broadcast, generate_and_score, sync_weights
+from megatron_rl.trainer.routing import old_pass
 
 
 @contextmanager
@@ -94,12 +96,15 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     if not keep_rows.all():
         full = type(full)(**{**full.__dict__, "loss_mask": full.loss_mask & keep_rows[:, None]})
     dp, dp_rank = groups.dp_size, dist.get_rank(groups.dp_group)
-    local = full.select(local_rows(full.size, cfg.train.num_minibatches, dp, dp_rank))
+    rows = local_rows(full.size, cfg.train.num_minibatches, dp, dp_rank)
+    local = full.select(rows)
     settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature or 1.0)
 
     # ---- old log-probs (π_old: trainer, rollout weights) and mismatch diagnostics
     with timed(m, "old_logprobs"):
-        old, entropy = logprob_pass(policy.model, groups, local, settings)
+        old, entropy, routing = old_pass(ctx.router_replay, ctx.replay, policy, groups, local, samples, rows,
+                                         settings)
+    wrap = ctx.replay.wrap_forward_step if routing.replay is not None else None
     sums = {}
     if old is not None:
         sums = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy)
@@ -116,7 +121,9 @@ def rl_step(ctx, step: int) -> dict[str, float]:
         for slices in minibatch_slices(local.size, cfg.train.num_minibatches, cfg.train.micro_batch_size):
             counts = _global_counts(local, slices, groups)
             if ctx.loss.needs_ess:
-                loss_kw["surrogate_params"]["ess"] = _global_ess(policy, groups, local, slices, settings, old)
+                with routing.update_context(ctx.replay, slices, settings.micro_batch_size, probe=False):
+                    loss_kw["surrogate_params"]["ess"] = _global_ess(policy, groups, local, slices, settings, old,
+                                                                     wrap)
 
             def loss_fn(mb, logprobs, _entropy, counts=counts):
                 rows = mb["rows"]
@@ -129,7 +136,12 @@ def rl_step(ctx, step: int) -> dict[str, float]:
                 metrics.update({k: v for k, v in ratios.items() if k.startswith(("mismatch/r/", "mismatch/rho/"))})
                 return loss, metrics
 
-            outs = train_pass(policy.model, policy.optimizer, groups, local, slices, settings, loss_fn)
+            probe = ctx.router_replay == "r2"  # θ_old vs θ agreement (under R3 it would be engine vs θ)
+            with routing.update_context(ctx.replay, slices, settings.micro_batch_size, probe) as session:
+                outs = train_pass(policy.model, policy.optimizer, groups, local, slices, settings, loss_fn,
+                                  wrap_step=wrap)
+            if session is not None and probe:
+                routing.sums = add_sums(routing.sums, session.agreement_sums("route_agree_old_new"))
             for o in outs:
                 o = {k: v.detach().double() for k, v in o.items()}
                 step_metrics = combine_sums(step_metrics, o) if step_metrics else o
@@ -149,6 +161,7 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     finished = finish_metrics(reduced)
     m["loss/policy"] = finished.pop("loss/value", 0.0) / cfg.train.num_minibatches
     m.update({f"loss/{k}" if not k.startswith(("loss/", "policy/")) else k: v for k, v in finished.items()})
+    m.update(routing.metrics())  # collective over all ranks
     m["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
     m["optim/skipped_steps"] = skipped
     m["optim/lr"] = policy.optimizer.param_groups[0]["lr"]
@@ -172,10 +185,10 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     return m
 
 
-def _global_ess(policy, groups, local, slices, settings, old) -> torch.Tensor:
+def _global_ess(policy, groups, local, slices, settings, old, wrap=None) -> torch.Tensor:
     """P3O: ESS of r = π_θ/π_old over the mini-batch's valid tokens on all ranks (no-grad pass)."""
     sub = local.select(slice(slices[0].start, slices[-1].stop))
-    logprobs, _ = logprob_pass(policy.model, groups, sub, settings, need_entropy=False)
+    logprobs, _ = logprob_pass(policy.model, groups, sub, settings, need_entropy=False, wrap_step=wrap)
     stats = {"sum_r": torch.zeros((), dtype=torch.float64), "sum_mask": torch.zeros((), dtype=torch.float64),
              "sum_r2": torch.zeros((), dtype=torch.float64)}
     if logprobs is not None:

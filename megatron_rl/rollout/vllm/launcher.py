@@ -1,0 +1,252 @@
+"""Start, watch and stop the vLLM OpenAI-compatible server, or connect to a running one.
+
+    server = LocalServer(python, args, env, log_path="runs/x/vllm/server.log")
+    server.start(model_dir)          # child process on 127.0.0.1:<free port>; waits for /health
+    server.alive(); server.restart(new_model_dir); server.stop()
+
+The child runs in its own process group (so a stop takes vLLM's engine-core process with it)
+and gets SIGTERM from the kernel if the thread that launched it dies (PR_SET_PDEATHSIG, set in
+a two-line exec wrapper: no preexec_fn, which is unsafe with threads). Servers still running when
+the trainer exits are stopped by an atexit hook and, if the process gets SIGTERM, by a signal
+handler that then re-delivers the signal; Ctrl-C unwinds through KeyboardInterrupt into both.
+Every start appends the server's output to `log_path` under a header line.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import Protocol
+
+from megatron_rl.rollout.vllm.errors import VllmServerDiedError, VllmStartError
+from megatron_rl.rollout.vllm.http import healthy
+
+HOST = "127.0.0.1"
+SERVED_MODEL_NAME = "policy"
+
+# ---- reaping servers on exit (the one piece of process-wide state: atexit and signals are) ----
+_LIVE: dict[int, subprocess.Popen] = {}
+_LOCK = threading.Lock()
+_HANDLERS_INSTALLED = False
+
+
+def _kill_group(proc: subprocess.Popen, term_timeout: float = 20.0) -> None:
+    """SIGTERM the process group led by `proc`, SIGKILL it after `term_timeout` s (0: at once), reap it."""
+    if proc.poll() is None and term_timeout > 0:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGCONT)  # a stopped (hung) server must run to handle SIGTERM
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=term_timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # whatever is left of the group (vLLM's engine core), even after the leader exited
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _stop_all() -> None:
+    with _LOCK:
+        procs = list(_LIVE.values())
+        _LIVE.clear()
+    for proc in procs:
+        _kill_group(proc, term_timeout=10.0)
+
+
+def _on_sigterm(signum, frame):
+    _stop_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _track(proc: subprocess.Popen) -> None:
+    global _HANDLERS_INSTALLED
+    with _LOCK:
+        _LIVE[proc.pid] = proc
+        if not _HANDLERS_INSTALLED:
+            atexit.register(_stop_all)
+            if threading.current_thread() is threading.main_thread() and \
+                    signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, _on_sigterm)
+            _HANDLERS_INSTALLED = True
+
+
+def _untrack(proc: subprocess.Popen) -> None:
+    with _LOCK:
+        _LIVE.pop(proc.pid, None)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+# Runs in the child before vLLM: die with the launching thread, and not at all if it is gone.
+_EXEC_WRAPPER = (
+    "import ctypes, os, signal, sys\n"
+    "try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "except Exception: pass\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(3)\n"
+    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n"
+)
+
+
+class ServerHandle(Protocol):
+    """What the client needs from a server: where it is, whether it lives, and (when we launched
+    it) restarting it on a model directory."""
+
+    url: str
+    model_name: str
+    can_restart: bool
+
+    def start(self, model_dir: str) -> float: ...
+    def restart(self, model_dir: str) -> float: ...
+    def alive(self) -> bool: ...
+    def stop(self, graceful: bool = True) -> None: ...
+
+
+class LocalServer:
+    """A vLLM server we launch and own.
+
+    python: the vLLM environment's interpreter. args: vLLM options after the model and port
+    (see VllmEngine). env: the child's extra environment. log_path: output of every start.
+    """
+
+    can_restart = True
+    model_name = SERVED_MODEL_NAME
+
+    def __init__(self, python: str, args: list[str], env: dict[str, str], log_path: str,
+                 startup_timeout_s: float = 600.0, health_timeout_s: float = 10.0):
+        self.python, self.args, self.env = python, list(args), dict(env)
+        self.log_path = log_path
+        self.startup_timeout_s, self.health_timeout_s = startup_timeout_s, health_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.model_dir: str | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self, model_dir: str, port: int) -> list[str]:
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--served-model-name", SERVED_MODEL_NAME, "--host", HOST, "--port", str(port), *self.args]
+
+    def start(self, model_dir: str) -> float:
+        """Launch on `model_dir` and wait until healthy; seconds it took. Raises VllmStartError."""
+        if self.proc is not None:
+            raise RuntimeError("server already started; use restart()")
+        t0 = time.perf_counter()
+        for attempt in range(3):  # a free port can be taken between bind-probe and vLLM's bind
+            self.port = free_port()
+            self._spawn(model_dir)
+            try:
+                self._wait_healthy(t0)
+                break
+            except VllmStartError as e:
+                if attempt == 2 or "address already in use" not in str(e).lower():
+                    raise
+        self.model_dir = model_dir
+        return time.perf_counter() - t0
+
+    def restart(self, model_dir: str) -> float:
+        self.stop()
+        return self.start(model_dir)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and healthy(self.url, self.health_timeout_s)
+
+    def stop(self, graceful: bool = True) -> None:
+        """SIGTERM the server's process group (SIGKILL after 20 s); graceful=False: SIGKILL at once
+        (a dead or hung server has nothing to finish)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            _kill_group(proc, term_timeout=20.0 if graceful else 0.0)
+            _untrack(proc)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _spawn(self, model_dir: str) -> None:
+        cmd = self.command(model_dir, self.port)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env.update(self.env)
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        self.starts += 1
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== start {self.starts} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                      f"{' '.join(cmd)}\n".encode())
+            log.flush()
+            wrapped = [self.python, "-c", _EXEC_WRAPPER, str(os.getpid()), *cmd[1:]]
+            self.proc = subprocess.Popen(wrapped, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        _track(self.proc)
+
+    def _wait_healthy(self, t0: float) -> None:
+        while True:
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                self.stop()
+                raise VllmStartError(f"vLLM server exited with code {rc} during start-up; log "
+                                     f"{self.log_path}:\n{self.log_tail()}")
+            if healthy(self.url, timeout=2.0):
+                return
+            if time.perf_counter() - t0 > self.startup_timeout_s:
+                self.stop()
+                raise VllmStartError(f"vLLM server not healthy after {self.startup_timeout_s:g} s; log "
+                                     f"{self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 400 * lines))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class RemoteServer:
+    """A server someone else runs at `url` (must have VLLM_SERVER_DEV_MODE=1 for weight sync).
+    We never restart it: if it dies, that is an error."""
+
+    can_restart = False
+
+    def __init__(self, url: str, health_timeout_s: float = 10.0, model_name: str | None = None):
+        self.url = url.rstrip("/")
+        self.health_timeout_s = health_timeout_s
+        self.model_name = model_name
+        self.model_dir: str | None = None
+
+    def start(self, model_dir: str) -> float:
+        from megatron_rl.rollout.vllm.http import request_json
+
+        t0 = time.perf_counter()
+        if not healthy(self.url, self.health_timeout_s):
+            raise VllmStartError(f"no healthy vLLM server at {self.url}")
+        if self.model_name is None:
+            models = request_json(self.url + "/v1/models", timeout=self.health_timeout_s)
+            self.model_name = models["data"][0]["id"]
+        return time.perf_counter() - t0
+
+    def restart(self, model_dir: str) -> float:
+        raise VllmServerDiedError(f"the vLLM server at {self.url} is not answering and was not launched by "
+                                  f"us, so it cannot be restarted")
+
+    def alive(self) -> bool:
+        return healthy(self.url, self.health_timeout_s)
+
+    def stop(self, graceful: bool = True) -> None:
+        pass

@@ -1,0 +1,64 @@
+"""The parity probe: does the server run the weights we just gave it?
+
+After a sync the server scores a fixed token sequence (`prompt_logprobs`: log p(x_t | x_<t) at
+temperature 1, no sampling involved) and a reference scores the same tokens in-process; the
+largest absolute difference is the metric `vllm/probe_max_abs_diff`. The reference is a callable
+`tokens -> [len - 1] fp32 log-probs` (e.g. the trainer's own forward); by default
+`hf_reference` runs `transformers` in fp32 on the exported directory.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megatron_rl.rollout.vllm.http import request_json
+from megatron_rl.rollout.vllm.protocol import parse_prompt_logprobs, prompt_logprobs_body
+
+Reference = Callable[[list[int]], torch.Tensor]
+
+
+def probe_tokens(vocab_size: int, length: int, seed: int = 20240611) -> list[int]:
+    """A fixed pseudo-random token sequence (the same for every sync of a run)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
+
+
+def hf_reference(model_dir: str) -> Reference:
+    """fp32 `transformers` log-probs of the model in `model_dir` (loaded on first call)."""
+    model = None
+
+    @torch.no_grad()
+    def reference(tokens: list[int]) -> torch.Tensor:
+        nonlocal model
+        if model is None:
+            from transformers import AutoModelForCausalLM
+
+            from megatron_rl.model.hf_io import SafetensorsReader, load_arch
+            from megatron_rl.rollout.hf_state import load_checkpoint_tensors
+
+            model = AutoModelForCausalLM.from_config(load_arch(model_dir).to_hf_config(), dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+            read = SafetensorsReader(model_dir)
+            load_checkpoint_tensors(model, ((name, read(name)) for name in read.keys()))  # noqa: SIM118 - a reader, not a dict
+        ids = torch.tensor([tokens])
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+
+    return reference
+
+
+def server_logprobs(url: str, model: str, tokens: list[int], timeout: float) -> torch.Tensor:
+    """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t])."""
+    return parse_prompt_logprobs(request_json(url + "/v1/completions", prompt_logprobs_body(model, tokens),
+                                              timeout=timeout), tokens)
+
+
+def probe_diff(url: str, model: str, tokens: list[int], reference: Reference, timeout: float) -> float:
+    """max |server - reference| over the probe's log-probs."""
+    got = server_logprobs(url, model, tokens, timeout)
+    want = reference(tokens).float().reshape(-1)
+    if want.shape != got.shape:
+        raise ValueError(f"reference gave {tuple(want.shape)} log-probs for {len(tokens)} tokens, expected "
+                         f"{tuple(got.shape)}")
+    return float((got - want).abs().max())

@@ -1,0 +1,231 @@
+"""The wire format: request bodies for /v1/completions and strict parsing of the answers.
+
+Token in, token out: the prompt goes as a list of token ids, the server runs with
+--skip-tokenizer-init, and every answer must carry the sampled token ids (`token_ids`, with
+`logprobs.tokens` as "token_id:N" cross-checking them), one finite log-prob per token and a
+finish reason consistent with them. Anything else raises `BadResponse` naming what is wrong;
+the client counts and retries it, and never turns it into a sample.
+
+Log-prob semantics. vLLM has one server-wide `--logprobs-mode`:
+    raw_logprobs        log_softmax(logits)                  (no temperature, no truncation)
+    processed_logprobs  log_softmax(truncate(logits / T))    (after temperature and top-k/top-p)
+and greedy requests (T = 0) always get the untruncated T = 1 log-probs. A request's
+`SamplingParams.logprobs_mode` asks for "raw" = log_softmax(logits / T) before truncation, or
+"processed" = renormalised over the kept set. `serves(mode, sampling)` says when the server's
+numbers are exactly the requested ones; otherwise the client refuses the call.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import math
+
+import torch
+
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm.errors import BadResponse, VllmUnsupportedError
+
+_DROPPED = -9000.0  # vLLM writes -inf log-probs as -9999.0 in JSON
+
+
+def _truncates(sampling: SamplingParams, vocab_size: int) -> bool:
+    return sampling.top_p < 1.0 or (sampling.top_k != -1 and sampling.top_k < vocab_size)
+
+
+def serves(server_mode: str, sampling: SamplingParams, vocab_size: int) -> bool:
+    """True when a server in `server_mode` reports exactly the log-probs `sampling` asks for."""
+    t, trunc = sampling.temperature, _truncates(sampling, vocab_size)
+    if t == 0:  # vLLM: greedy rows get untruncated log-probs at T = 1 in both modes
+        return not (sampling.logprobs_mode == "processed" and trunc)
+    if server_mode == "raw_logprobs":
+        return t == 1.0 and not (sampling.logprobs_mode == "processed" and trunc)
+    # processed_logprobs: temperature applied, truncation applied
+    return sampling.logprobs_mode == "processed" or not trunc
+
+
+def check_served(server_mode: str, sampling: SamplingParams, vocab_size: int) -> None:
+    """Raise VllmUnsupportedError when the server cannot report what `sampling` asks for."""
+    if sampling.return_kept_ids and server_mode != "processed_logprobs":
+        raise VllmUnsupportedError(
+            "return_kept_ids needs a server with --logprobs-mode processed_logprobs (the kept set is read "
+            "from the truncated top log-probs); set rollout.vllm.logprobs_mode=processed_logprobs")
+    if not serves(server_mode, sampling, vocab_size):
+        raise VllmUnsupportedError(
+            f"the vLLM server runs --logprobs-mode {server_mode}, which does not report "
+            f"logprobs_mode={sampling.logprobs_mode!r} log-probs at temperature={sampling.temperature}, "
+            f"top_p={sampling.top_p}, top_k={sampling.top_k}: raw_logprobs has no temperature (exact only at "
+            f"T in {{0, 1}}), processed_logprobs is renormalised after top-k/top-p. Set "
+            f"rollout.vllm.logprobs_mode to the other mode or 'auto', or change the sampling settings")
+
+
+def server_logprobs_mode(temperature: float, top_p: float, top_k: int, logprobs_mode: str, vocab_size: int) -> str:
+    """The --logprobs-mode that serves a run's training sampling (and its greedy evaluation)."""
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, logprobs_mode=logprobs_mode)
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        if serves(mode, sampling, vocab_size):
+            return mode
+    raise VllmUnsupportedError(
+        f"no vLLM --logprobs-mode reports raw (untruncated) log-probs at temperature={temperature} with "
+        f"top_p={top_p}, top_k={top_k}: vLLM gives either no temperature (raw) or temperature and truncation "
+        f"(processed). Use temperature 1, or no top-k/top-p, or loss.keep_sampling_mask (processed log-probs)")
+
+
+def completion_body(model: str, prompt: list[int], sampling: SamplingParams, seed: int,
+                    num_logprobs: int = 0) -> dict:
+    """One sample of one prompt. `num_logprobs` top log-probs per position besides the sampled
+    one (used to read the kept set)."""
+    return {
+        "model": model,
+        "prompt": list(prompt),
+        "n": 1,
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "seed": seed,
+        "stop_token_ids": sorted(set(sampling.stop_token_ids)),
+        "ignore_eos": True,  # only stop_token_ids end a response, as in every engine
+        "min_tokens": 0,
+        "logprobs": num_logprobs,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
+
+
+def _token_id(s) -> int:
+    if not isinstance(s, str) or not s.startswith("token_id:"):
+        raise BadResponse(f"token {s!r} is not 'token_id:N' (return_tokens_as_token_ids ignored?)")
+    try:
+        return int(s[len("token_id:"):])
+    except ValueError:
+        raise BadResponse(f"token {s!r} is not 'token_id:N'") from None
+
+
+def _finite_logprob(x, where: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise BadResponse(f"{where}: log-prob {x!r} is not a number")
+    x = float(x)
+    if not math.isfinite(x) or x <= _DROPPED:
+        raise BadResponse(f"{where}: log-prob {x} is not finite")
+    if x > 1e-4:
+        raise BadResponse(f"{where}: log-prob {x} > 0")
+    return x
+
+
+def _choice(resp) -> dict:
+    if not isinstance(resp, dict):
+        raise BadResponse(f"answer is {type(resp).__name__}, not a JSON object")
+    choices = resp.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise BadResponse(f"answer needs exactly one choice, got {choices!r:.200}")
+    return choices[0]
+
+
+def parse_completion(resp, prompt_len: int, sampling: SamplingParams, vocab_size: int,
+                     max_model_len: int | None = None, num_logprobs: int = 0):
+    """Validate one answer -> (token ids [R] int64, log-probs [R] fp32, finish_reason, kept_ids or
+    None, routed-experts base64 or None). Raises BadResponse."""
+    c = _choice(resp)
+    ids = c.get("token_ids")
+    lp = c.get("logprobs")
+    if not isinstance(ids, list) or not ids:
+        raise BadResponse(f"token_ids missing or empty: {ids!r:.100}")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise BadResponse(f"token_ids has entries outside [0, {vocab_size}): {ids!r:.200}")
+    if len(ids) > sampling.max_tokens:
+        raise BadResponse(f"{len(ids)} tokens > max_tokens={sampling.max_tokens}")
+    if not isinstance(lp, dict):
+        raise BadResponse("logprobs missing")
+    values, tokens = lp.get("token_logprobs"), lp.get("tokens")
+    if not isinstance(values, list) or not isinstance(tokens, list):
+        raise BadResponse("logprobs.token_logprobs / logprobs.tokens missing")
+    if len(values) != len(ids) or len(tokens) != len(ids):
+        raise BadResponse(f"lengths differ: {len(ids)} token_ids, {len(values)} log-probs, {len(tokens)} tokens")
+    if [_token_id(t) for t in tokens] != ids:
+        raise BadResponse("logprobs.tokens do not match token_ids")
+    logprobs = [_finite_logprob(x, f"position {t}") for t, x in enumerate(values)]
+
+    stops = set(sampling.stop_token_ids)
+    early = [t for t, tok in enumerate(ids[:-1]) if tok in stops]
+    if early:
+        raise BadResponse(f"stop token at position {early[0]} but the response goes on")
+    finish = c.get("finish_reason")
+    if finish == "stop":
+        if ids[-1] not in stops:
+            raise BadResponse(f"finish_reason 'stop' but the last token {ids[-1]} is not a stop token")
+    elif finish == "length":
+        at_cap = len(ids) == sampling.max_tokens or (max_model_len is not None and prompt_len + len(ids) >= max_model_len)
+        if not at_cap:
+            raise BadResponse(f"finish_reason 'length' after {len(ids)} of max_tokens={sampling.max_tokens}")
+        if ids[-1] in stops:
+            finish = "stop"
+    else:
+        raise BadResponse(f"finish_reason {finish!r} (expected 'stop' or 'length')")
+
+    kept = _kept_ids(lp, ids, num_logprobs, vocab_size) if sampling.return_kept_ids else None
+    return (torch.tensor(ids, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32), finish, kept,
+            c.get("routed_experts"))
+
+
+def _kept_ids(lp: dict, ids: list[int], num_logprobs: int, vocab_size: int) -> torch.Tensor:
+    """[R, K] ascending kept ids (-1 padded) from processed top log-probs (dropped ones are -9999)."""
+    top = lp.get("top_logprobs")
+    if not isinstance(top, list) or len(top) != len(ids):
+        raise BadResponse("top_logprobs missing or of the wrong length (needed for return_kept_ids)")
+    rows = []
+    for t, entry in enumerate(top):
+        if not isinstance(entry, dict):
+            raise BadResponse(f"top_logprobs[{t}] is not an object")
+        kept = sorted(_token_id(k) for k, v in entry.items() if isinstance(v, (int, float)) and v > _DROPPED)
+        if ids[t] not in kept:
+            raise BadResponse(f"position {t}: the sampled token {ids[t]} is not in the kept set")
+        if len(kept) >= num_logprobs and num_logprobs < vocab_size:
+            raise VllmUnsupportedError(
+                f"the kept top-p/top-k set at position {t} has >= {num_logprobs} tokens, more than the server "
+                f"returns (--max-logprobs); raise rollout.vllm.max_logprobs")
+        rows.append(kept)
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    for t, r in enumerate(rows):
+        out[t, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+def decode_routed_experts(blob, num_positions: int, top_k: int) -> torch.Tensor:
+    """vLLM's routed experts (base64 of a .npy array [positions, moe_layers, top_k]) -> int16
+    tensor sorted ascending per position (the engines' convention)."""
+    import numpy as np
+
+    if not isinstance(blob, str):
+        raise BadResponse("routed_experts missing (is the server running with --enable-return-routed-experts?)")
+    try:
+        arr = np.load(io.BytesIO(base64.b64decode(blob)), allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 - any decoding failure is a bad answer
+        raise BadResponse(f"routed_experts is not base64 .npy: {e}") from None
+    if arr.ndim != 3 or arr.shape[0] != num_positions or arr.shape[2] != top_k:
+        raise BadResponse(f"routed_experts shape {arr.shape}, expected ({num_positions}, layers, {top_k})")
+    return torch.from_numpy(arr.astype("int64")).sort(dim=-1).values.to(torch.int16)
+
+
+def prompt_logprobs_body(model: str, tokens: list[int]) -> dict:
+    """Score fixed tokens: the log-prob of every token given the ones before (one greedy token out)."""
+    return {"model": model, "prompt": list(tokens), "max_tokens": 1, "temperature": 0.0,
+            "prompt_logprobs": 0, "return_token_ids": True, "ignore_eos": True}
+
+
+def parse_prompt_logprobs(resp, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens) - 1] fp32: log p(tokens[t] | tokens[:t]) for t >= 1, from `prompt_logprobs`."""
+    c = _choice(resp)
+    entries = c.get("prompt_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(tokens):
+        raise BadResponse(f"prompt_logprobs missing or of length {len(entries) if isinstance(entries, list) else None}, "
+                          f"expected {len(tokens)}")
+    out = []
+    for t in range(1, len(tokens)):
+        entry = entries[t]
+        item = entry.get(str(tokens[t])) if isinstance(entry, dict) else None
+        if not isinstance(item, dict):
+            raise BadResponse(f"prompt_logprobs[{t}] has no entry for token {tokens[t]}")
+        out.append(_finite_logprob(item.get("logprob"), f"prompt position {t}"))
+    return torch.tensor(out, dtype=torch.float32)

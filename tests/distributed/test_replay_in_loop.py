@@ -1,0 +1,45 @@
+"""Router replay inside the RL step: R3 with a bf16 engine, R2's first mini-batch identity."""
+import pytest
+
+from tests.distributed.test_rl_loop import _run, hf_dir  # noqa: F401 - fixture
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.slow
+BF16 = ["train.steps=1", "rollout.dtype=bf16", "rollout.prompts_per_step=8", "rollout.max_tokens=6"]
+
+
+def _step(tmp_path, name, hf, extra):
+    [(_, _, steps)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / name),
+                                overrides=BF16 + [f"model.hf_dir={hf}"] + extra)
+    return steps[0]
+
+
+def test_r3_replays_engine_routing_and_lowers_mismatch(tmp_path, hf_dir):  # noqa: F811
+    free = _step(tmp_path, "none", hf_dir, [])
+    r3 = _step(tmp_path, "r3", hf_dir, ["--router-replay", "r3"])
+    # the probe: how often θ_old's live router picks the engine's experts (the flips R3 prevents;
+    # that the replayed routing maps equal the engine's is asserted in test_router_replay.py)
+    assert 0.9 < r3["moe/route_agree_rollout_train"] < 1.0
+    assert r3["moe/replayed_token_fraction"] > 0.5
+    # same samples (same engine, same seeds); replaying the engine's experts removes the routing
+    # part of the training-inference mismatch
+    assert r3["rollout/reward_mean"] == free["rollout/reward_mean"]
+    assert r3["mismatch/kl_k3"] < free["mismatch/kl_k3"], (r3["mismatch/kl_k3"], free["mismatch/kl_k3"])
+
+
+def test_r2_keeps_the_first_minibatch_and_reports_routing(tmp_path, hf_dir):  # noqa: F811
+    one = ["train.num_minibatches=1", "rollout.dtype=fp32"]
+    free = _step(tmp_path, "none", hf_dir, one)
+    r2 = _step(tmp_path, "r2", hf_dir, one + ["--router-replay", "r2"])
+    # θ = θ_old in the first mini-batch: replaying θ_old's own routing changes nothing
+    assert r2["loss/policy"] == pytest.approx(free["loss/policy"], rel=1e-6, abs=1e-9)
+    assert r2["optim/grad_norm"] == pytest.approx(free["optim/grad_norm"], rel=1e-5)
+    assert r2["moe/route_agree_old_new"] == 1.0
+    assert 0.9 < r2["moe/route_agree_rollout_train"] <= 1.0  # fp32 engine vs fp32 trainer
+
+
+def test_r2_with_two_minibatches_replays_after_an_update(tmp_path, hf_dir):  # noqa: F811
+    r2 = _step(tmp_path, "r2n2", hf_dir, ["--router-replay", "r2", "optim.lr=5e-2"])
+    # after the first optimizer step the live router would choose differently on some tokens;
+    # replay keeps θ_old's choice (the probe measures the disagreement it prevents)
+    assert r2["moe/route_agree_old_new"] < 1.0

