@@ -47,12 +47,13 @@ def print_summary(summary: dict) -> None:
     sft = summary.get("sft") or {}
     rows = [
         ("SFT warm start", f"{sft.get('steps', 0)} steps, {sft.get('seconds', 0):.0f}s" if sft else "skipped"),
-        ("held-out accuracy before RL", pct(summary["before_rl_accuracy"])),
-        ("held-out accuracy after RL", pct(summary["after_rl_accuracy"])),
     ]
-    if summary["before_rl_accuracy"] is not None and summary["after_rl_accuracy"] is not None:
-        gain = 100 * (summary["after_rl_accuracy"] - summary["before_rl_accuracy"])
-        rows.append(("RL gain", f"{gain:+.1f} points"))
+    for kind, key in (("greedy", "rl_accuracy"), ("sampled", "rl_sampled_accuracy")):
+        before, after = summary.get(f"before_{key}"), summary.get(f"after_{key}")
+        if before is None and after is None:
+            continue
+        gain = f"  ({100 * (after - before):+.1f} points)" if before is not None and after is not None else ""
+        rows.append((f"held-out accuracy, {kind}: before -> after RL", f"{pct(before)} -> {pct(after)}{gain}"))
     if summary["reward_first"] is not None:
         rows.append(("sampled reward (first -> last steps)",
                      f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f} over {summary['steps']} steps"))

@@ -111,6 +111,15 @@ def _heldout(ctx: RunContext):
     return examples[: ctx.cfg.train.eval_size]
 
 
+def _evaluate_both(ctx: RunContext, heldout) -> dict[str, float]:
+    """Greedy and sampled (rollout temperature, fixed seed) held-out accuracy."""
+    cfg = ctx.cfg
+    return {"eval/heldout_accuracy": evaluate(ctx.engine, ctx.tokenizer, heldout, ctx.rewards, cfg.rollout.max_tokens),
+            "eval/heldout_sampled_accuracy": evaluate(ctx.engine, ctx.tokenizer, heldout, ctx.rewards,
+                                                      cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+                                                      seed=cfg.train.seed)}
+
+
 def _progress(total: int, desc: str, enabled: bool):
     if not enabled:
         return None
@@ -157,8 +166,10 @@ def train(ctx: RunContext) -> dict:
                 bar.close()
             ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)  # fresh Adam for RL
         sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
-        ctx.state["before_rl_accuracy"] = evaluate(ctx.engine, ctx.tokenizer, heldout, ctx.rewards,
-                                                   cfg.rollout.max_tokens) if heldout else None
+        if heldout:
+            before = _evaluate_both(ctx, heldout)
+            ctx.state["before_rl_accuracy"] = before["eval/heldout_accuracy"]
+            ctx.state["before_rl_sampled_accuracy"] = before["eval/heldout_sampled_accuracy"]
         ctx.state["curve"] = []
     if resume_from:
         sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
@@ -170,10 +181,10 @@ def train(ctx: RunContext) -> dict:
     for step in range(start, cfg.train.steps):
         metrics = rl_step(ctx, step)
         if heldout and cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
-            metrics["eval/heldout_accuracy"] = evaluate(ctx.engine, ctx.tokenizer, heldout, ctx.rewards,
-                                                        cfg.rollout.max_tokens)
+            metrics.update(_evaluate_both(ctx, heldout))
         ctx.state["curve"].append({k: metrics[k] for k in ("rollout/reward_mean", "mismatch/kl_k3",
-                                                          "eval/heldout_accuracy", "loss/policy") if k in metrics})
+                                                          "eval/heldout_accuracy", "eval/heldout_sampled_accuracy",
+                                                          "loss/policy") if k in metrics})
         ctx.sink.log(step + 1, metrics, echo=None if bar is not None else f"step {step + 1}")
         if cfg.log.figure_every and (step + 1) % cfg.log.figure_every == 0 and ctx.sink.enabled:
             figure = bucket_figure(bucket_rows(metrics), step + 1)
@@ -199,11 +210,14 @@ def summarize(ctx: RunContext, last: dict) -> dict:
     rewards = [c["rollout/reward_mean"] for c in curve]
     k = max(1, min(10, len(rewards) // 4 or 1))
     evals = [c["eval/heldout_accuracy"] for c in curve if "eval/heldout_accuracy" in c]
+    sampled = [c["eval/heldout_sampled_accuracy"] for c in curve if "eval/heldout_sampled_accuracy" in c]
     kls = [c["mismatch/kl_k3"] for c in curve if "mismatch/kl_k3" in c]
     return {
         "sft": ctx.state.get("sft"),
         "before_rl_accuracy": ctx.state.get("before_rl_accuracy"),
         "after_rl_accuracy": evals[-1] if evals else None,
+        "before_rl_sampled_accuracy": ctx.state.get("before_rl_sampled_accuracy"),
+        "after_rl_sampled_accuracy": sampled[-1] if sampled else None,
         "reward_first": sum(rewards[:k]) / k if rewards else None,
         "reward_last": sum(rewards[-k:]) / k if rewards else None,
         "steps": len(curve),

@@ -43,12 +43,14 @@ def generate_and_score(engine, tokenizer, examples, n: int, sampling: SamplingPa
     return samples, rewards
 
 
-def evaluate(engine, tokenizer, examples, reward_runner, max_tokens: int) -> float:
-    """Rank 0: greedy held-out accuracy (mean reward) of the engine's current weights; other
-    ranks get the value by broadcast."""
+def evaluate(engine, tokenizer, examples, reward_runner, max_tokens: int, temperature: float = 0.0,
+             seed: int = 0) -> float:
+    """Rank 0: held-out accuracy (mean reward) of the engine's current weights, greedy by default
+    or sampled at `temperature` (one sample per problem); other ranks get it by broadcast."""
     acc = None
     if engine is not None:
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=(tokenizer.eos_id,))
+        sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                  stop_token_ids=(tokenizer.eos_id,))
         _, rewards = generate_and_score(engine, tokenizer, examples, 1, sampling, reward_runner)
         acc = sum(rewards) / max(len(rewards), 1)
     return broadcast(acc)

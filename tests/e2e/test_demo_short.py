@@ -1,4 +1,4 @@
-"""A shortened `make demo`: SFT warm start then RL on reversed addition; the reward must improve."""
+"""A shortened `make demo`: SFT warm start then RL on sorting; reward and sampled accuracy must improve."""
 import json
 import os
 import subprocess
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_short_demo_improves_reward(tmp_path):
     summary_path = tmp_path / "summary.json"
     cmd = [sys.executable, "pretrain_rl.py", "--config", "examples/demo_cpu.yaml",
-           f"train.run_dir={tmp_path / 'run'}", "train.steps=30", "train.eval_every=30", "train.eval_size=200",
+           f"train.run_dir={tmp_path / 'run'}", "train.steps=40", "train.eval_every=40", "train.eval_size=300",
            "log.progress=false", "--summary-json", str(summary_path)]
     env = dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1")
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
@@ -21,7 +21,7 @@ def test_short_demo_improves_reward(tmp_path):
     summary = json.loads(summary_path.read_text())
     assert summary["sft"]["heldout_accuracy"] > 0.05  # the warm start worked
     assert summary["reward_last"] > summary["reward_first"], summary
-    assert summary["after_rl_accuracy"] >= summary["before_rl_accuracy"], summary
+    assert summary["after_rl_sampled_accuracy"] > summary["before_rl_sampled_accuracy"], summary
     assert summary["kl_k3_mean"] > 0  # a bf16 engine against an fp32 trainer: the mismatch is real
-    assert "held-out accuracy after RL" in run.stdout
+    assert "held-out accuracy, greedy: before -> after RL" in run.stdout
     assert os.path.isdir(summary["tensorboard"])
