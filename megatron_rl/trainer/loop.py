@@ -164,6 +164,10 @@ def train(ctx: RunContext) -> dict:
             ctx.state["sft"] = run_sft(ctx, heldout, bar)
             if bar is not None:
                 bar.close()
+            # reusable warm start: `train.init_checkpoint=<run_dir>/sft/iter_...` skips SFT next time
+            ctx.state["sft"]["checkpoint"] = save_checkpoint(
+                os.path.join(cfg.train.run_dir, "sft"), ctx.state["sft"]["steps"], ctx.policy.model,
+                extra={"step": 0, "sft": True})
             ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)  # fresh Adam for RL
         sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
         if heldout:

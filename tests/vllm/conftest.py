@@ -4,7 +4,7 @@ when it is absent, and install it first when MEGATRON_RL_INSTALL_VLLM=1 (tools/i
 import pytest
 
 from megatron_rl.model.presets import preset_arch
-from megatron_rl.rollout.vllm.env import ENV_INSTALL, ensure_vllm_python
+from megatron_rl.rollout.vllm.env import ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import VllmError
 
 
@@ -26,4 +26,4 @@ def vllm_python():
     try:
         return ensure_vllm_python()
     except VllmError as e:
-        pytest.skip(f"{e} (or set {ENV_INSTALL}=1)")
+        pytest.skip(str(e))

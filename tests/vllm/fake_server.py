@@ -59,6 +59,8 @@ class FakeVllm:
                 if fake.dead:
                     self.close_connection = True
                     return
+                if self.path == "/v1/models":
+                    return self._send(200, json.dumps({"data": [{"id": fake.model_name}]}).encode())
                 self._send(200, b"")
 
             def do_POST(self):

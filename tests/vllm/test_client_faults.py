@@ -173,3 +173,18 @@ def test_restarts_are_bounded(tmp_path, weights):
         engine.generate(PROMPTS, 1, SAMPLING)
     assert fake.restarts == 2
     engine.close()
+
+
+def test_a_server_at_a_url_is_used_but_never_restarted(tmp_path, weights):
+    fake = FakeVllm(ARCH.vocab_size)
+    fake.start("unused")
+    cfg = VllmConfig(url=fake.url, warmup=False, probe_every=0, health_interval_s=0.5, health_timeout_s=1.0)
+    engine = VllmEngine(ARCH, cfg, str(tmp_path))
+    engine.update_weights(weights, version=0)
+    assert engine.server.model_name == "fake" and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
+    fake.behaviour = lambda body, answer: "drop"
+    with pytest.raises(VllmServerDiedError, match="cannot be restarted"):
+        engine.generate(PROMPTS, 1, SAMPLING)
+    assert fake.restarts == 0
+    engine.close()
+    fake.stop()

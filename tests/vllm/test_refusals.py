@@ -1,7 +1,10 @@
 """Configurations the vLLM backend refuses instead of training on wrong numbers."""
+from types import SimpleNamespace
+
 import pytest
 
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError, make_vllm_engine
 from megatron_rl.rollout.vllm.weight_sync import check_supported
 from tests.vllm.conftest import hf_weights, tiny_arch
 from tests.vllm.fake_server import FakeVllm
@@ -58,3 +61,11 @@ def test_restart_sync_needs_a_server_we_launch(tmp_path):
 def test_head_dim_the_cpu_attention_cannot_run_is_refused(tmp_path):
     with pytest.raises(VllmUnsupportedError, match="head_dim=16"):
         check_supported(tiny_arch(head_dim=16), "reload", "cpu", routed_experts=False, can_restart=True)
+
+
+def test_router_replay_r3_in_the_run_config_is_refused_by_a_cpu_server(tmp_path):
+    base = RunConfig()
+    base.rollout.vllm = {"device": "cpu", "weight_sync": "restart"}  # refused before any launch
+    cfg = SimpleNamespace(rollout=base.rollout, loss=base.loss, moe=SimpleNamespace(router_replay="r3"))
+    with pytest.raises(VllmUnsupportedError, match="R3"):
+        make_vllm_engine(cfg, MOE, str(tmp_path))

@@ -10,6 +10,16 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = """
+model: {{arch: qwen3, size: tiny, overrides: {{head_dim: 32}}, dtype: fp32}}
+rollout: {{backend: vllm, dtype: fp32, prompts_per_step: 8, group_size: 4, temperature: 1.0, max_tokens: 8}}
+data: {{tasks: [addition], heldout_size: 32}}
+loss: {{recipe: grpo}}
+train: {{steps: 2, num_minibatches: 2, micro_batch_size: 16, eval_every: 2, eval_size: 32, run_dir: {run_dir},
+        resume: false}}
+sft: {{steps: 0}}
+log: {{progress: false}}
+"""
 
 
 def _free_port() -> int:
@@ -20,10 +30,9 @@ def _free_port() -> int:
 
 def test_rl_steps_with_the_vllm_backend(tmp_path, vllm_python):
     summary_path = tmp_path / "summary.json"
-    cmd = [sys.executable, "pretrain_rl.py", "--config", "examples/demo_cpu.yaml", "model.arch=qwen3",
-           "rollout.backend=vllm", "rollout.dtype=fp32", "rollout.prompts_per_step=8", "train.micro_batch_size=32",
-           "train.steps=2", "train.eval_every=2", "train.eval_size=32", "data.heldout_size=32", "sft.steps=0",
-           "log.progress=false", f"train.run_dir={tmp_path / 'run'}", "--summary-json", str(summary_path)]
+    config = tmp_path / "vllm_cpu.yaml"
+    config.write_text(CONFIG.format(run_dir=tmp_path / "run"))
+    cmd = [sys.executable, "pretrain_rl.py", "--config", str(config), "--summary-json", str(summary_path)]
     env = dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), MEGATRON_RL_VLLM_PYTHON=vllm_python)
     run = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

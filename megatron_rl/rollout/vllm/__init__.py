@@ -37,15 +37,18 @@ from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, We
 def resolve_config(cfg, arch) -> VllmConfig:
     """VllmConfig of a RunConfig: `cfg.rollout.vllm` (a mapping) with its "auto" fields resolved
     from the rollout section: dtype <- rollout.dtype, max_num_seqs <- rollout.max_batch_size,
-    logprobs_mode <- the sampling settings (processed_logprobs when loss.keep_sampling_mask)."""
+    logprobs_mode <- the sampling settings (processed_logprobs when loss.keep_sampling_mask);
+    moe.router_replay=r3 turns on enable_return_routed_experts (refused on CPU servers)."""
     r = cfg.rollout
     vcfg = VllmConfig.from_dict(getattr(r, "vllm", None) or {})
     mode = vcfg.logprobs_mode
     if mode == "auto":
         keep = bool(getattr(getattr(cfg, "loss", None), "keep_sampling_mask", False))
         mode = server_logprobs_mode(r.temperature, r.top_p, r.top_k, "processed" if keep else "raw", arch.vocab_size)
+    r3 = getattr(getattr(cfg, "moe", None), "router_replay", "none") == "r3"
     return replace(vcfg, dtype=vcfg.resolved_dtype(r.dtype), logprobs_mode=mode,
-                   max_num_seqs=vcfg.max_num_seqs or r.max_batch_size)
+                   max_num_seqs=vcfg.max_num_seqs or r.max_batch_size,
+                   enable_return_routed_experts=vcfg.enable_return_routed_experts or r3)
 
 
 def make_vllm_engine(cfg, arch, run_dir: str) -> VllmEngine:

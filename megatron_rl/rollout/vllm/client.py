@@ -98,8 +98,11 @@ class VllmEngine:
                 server = RemoteServer(cfg.url, cfg.health_timeout_s)
                 device = device or (cfg.device if cfg.device != "auto" else "unknown")
             else:
+                device = device or (cfg.device if cfg.device != "auto" else None)
+                if device is not None:  # refuse before looking for (or installing) the environment
+                    check_supported(arch, cfg.weight_sync, device, cfg.enable_return_routed_experts, True)
                 python = ensure_vllm_python(cfg.python)
-                device = device or (cfg.device if cfg.device != "auto" else detect_device(python))
+                device = device or detect_device(python)
                 server = LocalServer(python, self._server_args(), self._server_env(device),
                                      os.path.join(self.root, "server.log"), cfg.startup_timeout_s,
                                      cfg.health_timeout_s)
@@ -236,6 +239,7 @@ class VllmEngine:
         done: dict[Key, Sample] = {}
         tries = dict.fromkeys(keys, 0)
         restarts, backoff = 0, self.cfg.retry_backoff_s
+        bad_before = self._stats["vllm/bad_responses"]
         while len(done) < len(keys):
             pending = [k for k in keys if k not in done]
             ok, failed, down = self._round(pending, prompts, sampling)
@@ -253,13 +257,13 @@ class VllmEngine:
                 restarts += 1
                 self._restart(self.store.latest, down)
                 continue
-            self._count_failures(failed, tries)
+            self._count_failures(failed, tries, bad_before)
             if failed:
                 time.sleep(backoff)
                 backoff *= 2
         return [[done[(i, j)] for j in range(n)] for i in range(len(prompts))]
 
-    def _count_failures(self, failed: dict[Key, Exception], tries: dict[Key, int]) -> None:
+    def _count_failures(self, failed: dict[Key, Exception], tries: dict[Key, int], bad_before: float) -> None:
         for k, e in failed.items():
             if isinstance(e, HttpStatusError) and e.status < 500:
                 raise VllmRequestError(f"the vLLM server refused sample {k}: {e}", e.status)
@@ -271,10 +275,10 @@ class VllmEngine:
             bad = [k for k in over if isinstance(failed[k], BadResponse)]
             reasons = [f"{k}: {failed[k]}" for k in over[:3]]
             if bad:
+                count = int(self._stats["vllm/bad_responses"] - bad_before)
                 raise VllmBadResponseError(
                     f"{len(over)} samples still got invalid answers after {self.cfg.max_retries} retries "
-                    f"({int(self._stats['vllm/bad_responses'])} bad answers so far); e.g. {reasons}",
-                    count=int(self._stats["vllm/bad_responses"]), examples=reasons)
+                    f"({count} bad answers in this call); e.g. {reasons}", count=count, examples=reasons)
             raise VllmServerDiedError(f"{len(over)} samples kept failing after {self.cfg.max_retries} retries: "
                                       f"{reasons}")
 
@@ -317,9 +321,10 @@ class VllmEngine:
                     f.cancel()
                 if down is not None and self.server.can_restart:
                     self.server.stop(graceful=False)  # in-flight requests now fail fast
-                elif fatal is not None:
+                    continue
+                if fatal is not None:
                     wait(remaining)
-                    remaining = set()
+                break  # a server we cannot restart: the caller raises, stragglers time out on their own
         if fatal is not None:
             raise fatal
         return ok, failed, down

@@ -238,7 +238,10 @@ class RemoteServer:
             raise VllmStartError(f"no healthy vLLM server at {self.url}")
         if self.model_name is None:
             models = request_json(self.url + "/v1/models", timeout=self.health_timeout_s)
-            self.model_name = models["data"][0]["id"]
+            try:
+                self.model_name = models["data"][0]["id"]
+            except (TypeError, KeyError, IndexError):
+                raise VllmStartError(f"{self.url}/v1/models lists no model: {models!r:.200}") from None
         return time.perf_counter() - t0
 
     def restart(self, model_dir: str) -> float:

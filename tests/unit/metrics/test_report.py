@@ -1,0 +1,41 @@
+"""The mismatch bucket table: aggregation over steps, text report from a run directory, figure."""
+import json
+
+from megatron_rl.metrics.mismatch import bucket_labels
+from megatron_rl.metrics.report import bucket_figure, bucket_rows, format_bucket_table, merge_bucket_rows
+
+
+def _step(step, counts, absd, k3):
+    d = {"step": step, "mismatch/kl_k3": sum(c * k for c, k in zip(counts, k3)) / sum(counts)}
+    for label, c, a, k in zip(bucket_labels(), counts, absd, k3):
+        d.update({f"mismatch/bucket/{label}/count": c, f"mismatch/bucket/{label}/abs_diff": a,
+                  f"mismatch/bucket/{label}/kl_k3": k})
+    return d
+
+
+def test_merge_is_count_weighted():
+    a = _step(1, [1, 0, 0, 0, 0, 0, 3], [0.5] * 7, [0.2] * 7)
+    b = _step(2, [3, 0, 0, 0, 0, 0, 1], [0.1] * 7, [0.0] * 7)
+    rows = dict((r[0], r[1:]) for r in merge_bucket_rows([a, b]))
+    first, last = bucket_labels()[0], bucket_labels()[-1]
+    assert rows[first] == (4, (0.5 + 3 * 0.1) / 4, 0.2 / 4)
+    assert rows[last] == (4, (3 * 0.5 + 0.1) / 4, 3 * 0.2 / 4)
+    assert len(bucket_rows(a)) == 7
+
+
+def test_report_tool_prints_the_table(tmp_path, capsys):
+    from tools.mismatch_report import main
+
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 1, "sft/nll": 1.0}) + "\n")
+        f.write(json.dumps(_step(1, [10, 0, 0, 0, 5, 5, 80], [1e-1] * 7, [2e-2] * 7)) + "\n")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0-0.0001" in out and "0.9-1" in out and "80.0%" in out
+    assert main([str(tmp_path / "nope")]) == 2
+
+
+def test_figure_and_text():
+    rows = bucket_rows(_step(1, [1, 2, 3, 4, 5, 6, 7], [0.1] * 7, [1e-3] * 7))
+    assert "KL k3" in format_bucket_table(rows)
+    assert bucket_figure(rows, 1) is not None

@@ -1,0 +1,87 @@
+"""Convert a Hugging Face checkpoint to a megatron-core distributed checkpoint, and back.
+
+    # HF -> mcore (the checkpoint loads at any TP/EP/PP layout later: dist_checkpointing reshards)
+    python tools/convert_hf_to_mcore.py --hf-dir Qwen3-30B-A3B --mcore-dir ckpt/qwen3moe
+    torchrun --nproc_per_node=2 tools/convert_hf_to_mcore.py --hf-dir ... --mcore-dir ... --expert-model-parallel-size 2
+    # mcore -> HF (config.json comes from --arch-from, an HF dir or the checkpoint's saved arch)
+    python tools/convert_hf_to_mcore.py --reverse --mcore-dir ckpt/qwen3moe/iter_0000000 --hf-dir out_hf
+
+The mcore checkpoint is our trainer's format (megatron_rl.trainer.checkpoint): usable as
+`train.init_checkpoint` of pretrain_rl.py. Supported architectures: qwen3, qwen3_moe.
+Tensors stream one at a time through the weight mapping (megatron_rl/model/mappings).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (input, or output with --reverse)")
+    p.add_argument("--mcore-dir", required=True,
+                   help="mcore checkpoint root (output; iter_0000000 is created) or, with --reverse, the iter dir")
+    p.add_argument("--reverse", action="store_true", help="mcore -> HF")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    warnings.filterwarnings("ignore", category=UserWarning)
+    args = parse_args(argv)
+    import torch.distributed as dist
+
+    from megatron_rl.model import BuildOptions, ModelArch, build_gpt_model
+    from megatron_rl.model.hf_io import SafetensorsReader, export_hf_weights, load_arch, load_hf_weights, save_hf_checkpoint
+    from megatron_rl.parallel import ParallelConfig, destroy_parallel, init_distributed, init_parallel
+    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    apply_cpu_workarounds()
+    rank, _ = init_distributed()
+    groups = init_parallel(ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size))
+    try:
+        if not args.reverse:
+            arch = load_arch(args.hf_dir)
+            model = build_gpt_model(arch, groups, BuildOptions(dtype=args.dtype))
+            load_hf_weights(model, arch, groups, SafetensorsReader(args.hf_dir))
+            out = save_checkpoint(args.mcore_dir, 0, model, extra={"step": 0, "arch": arch.to_dict()})
+            if rank == 0:
+                print(f"wrote {out} ({arch.arch}, {sum(p.numel() for p in model.parameters())} params on rank 0)")
+        else:
+            with open(os.path.join(args.mcore_dir, "extra", "rank_00000.pt"), "rb") as f:
+                import torch
+
+                extra = torch.load(f, weights_only=False)
+            if "arch" in extra:
+                arch = ModelArch(**extra["arch"])
+            elif os.path.exists(os.path.join(args.hf_dir, "config.json")):
+                arch = load_arch(args.hf_dir)
+            else:
+                print("the checkpoint does not record its architecture; pass an --hf-dir holding its "
+                      "config.json", file=sys.stderr)
+                return 2
+            model = build_gpt_model(arch, groups, BuildOptions(dtype=args.dtype))
+            load_checkpoint(args.mcore_dir, model)
+            save_hf_checkpoint(args.hf_dir, arch, export_hf_weights(model, arch, groups), write=rank == 0)
+            if rank == 0:
+                print(f"wrote {args.hf_dir}: {json.dumps(arch.to_dict())}")
+        dist.barrier()
+    finally:
+        destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
