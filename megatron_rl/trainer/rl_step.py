@@ -181,6 +181,8 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     m["rollout/advantage_abs_mean"] = float(adv.abs().mean())
     for k, v in (reward_stats or {}).items():
         m[k] = float(v)
+    if ctx.engine is not None and hasattr(ctx.engine, "stats"):  # rank 0: restarts, retries, probe diff
+        m.update({k: float(v) for k, v in ctx.engine.stats().items()})
     m["timing/step"] = time.perf_counter() - t_step
     return m
 
