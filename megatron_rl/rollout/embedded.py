@@ -36,7 +36,7 @@ import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.hf_state import load_checkpoint_tensors
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -196,13 +196,7 @@ class EmbeddedEngine:
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
         """n samples per prompt; result[i][j] is sample j of prompt i (see the module docstring)."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if min(p) < 0 or max(p) >= self.arch.vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.arch.vocab_size})")
+        check_prompts(prompts, n, self.arch.vocab_size)
         seqs = [(i, j) for i in range(len(prompts)) for j in range(n)]
         out: list[list[Sample | None]] = [[None] * n for _ in prompts]
         for start in range(0, len(seqs), self.max_batch_size):

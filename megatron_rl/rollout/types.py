@@ -81,6 +81,17 @@ class Sample:
     metadata: dict = field(default_factory=dict)
 
 
+def check_prompts(prompts: list[list[int]], n: int, vocab_size: int) -> None:
+    """The argument checks every engine's generate() starts with (named errors, not garbage)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+
+
 class RolloutEngine(Protocol):
     """A backend that samples responses and receives weight updates."""
 

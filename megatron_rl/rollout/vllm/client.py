@@ -37,7 +37,7 @@ import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.embedded import stream_seed
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import (
@@ -355,13 +355,8 @@ class VllmEngine:
         if not self._started:
             raise VllmError("the vLLM engine has no weights yet: call update_weights() first (the server starts "
                             "on the first weights it is given)")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+        check_prompts(prompts, n, self.arch.vocab_size)
         for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if min(p) < 0 or max(p) >= self.arch.vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.arch.vocab_size})")
             if len(p) + sampling.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt {i} ({len(p)} tokens) + max_tokens={sampling.max_tokens} exceeds "
                                  f"max_model_len={self.max_model_len} (rollout.vllm.max_model_len)")
