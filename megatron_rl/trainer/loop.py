@@ -21,7 +21,7 @@ from megatron_rl.rewards import RewardRunner
 from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.trainer.loss_setup import ResolvedLoss, resolve_loss
 from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
-from megatron_rl.trainer.rl_step import rl_step
+from megatron_rl.trainer.rl_step import RolloutFailed, rl_step
 from megatron_rl.trainer.rollout_io import evaluate, sync_weights
 from megatron_rl.trainer.sft import run_sft
 from megatron_rl.trainer.stack import build_optimizer
@@ -183,7 +183,13 @@ def train(ctx: RunContext) -> dict:
         bar.update(start)
     last = {}
     for step in range(start, cfg.train.steps):
-        metrics = rl_step(ctx, step)
+        try:
+            metrics = rl_step(ctx, step)
+        except RolloutFailed as e:
+            # nothing of this step was applied yet: keep what the previous steps learned
+            path = _save(ctx, ckpt_root, step)
+            raise RolloutFailed(f"{e}. Saved a checkpoint of the {step} completed steps to {path}; fix the "
+                                f"engine and rerun with train.resume=true") from e
         if heldout and cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
             metrics.update(_evaluate_both(ctx, heldout))
         ctx.state["curve"].append({k: metrics[k] for k in ("rollout/reward_mean", "mismatch/kl_k3",
@@ -201,12 +207,16 @@ def train(ctx: RunContext) -> dict:
         last = metrics
         done = step + 1 == cfg.train.steps
         if (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0) or done:
-            save_checkpoint(ckpt_root, step + 1, ctx.policy.model, ctx.policy.optimizer,
-                            extra={"step": step + 1, "policy_version": ctx.policy_version, "state": ctx.state,
-                                   "rng": _rng_state(), "config": config_to_dict(cfg)})
+            _save(ctx, ckpt_root, step + 1)
     if bar is not None:
         bar.close()
     return summarize(ctx, last)
+
+
+def _save(ctx: RunContext, root: str, completed_steps: int) -> str:
+    return save_checkpoint(root, completed_steps, ctx.policy.model, ctx.policy.optimizer,
+                           extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
+                                  "rng": _rng_state(), "config": config_to_dict(ctx.cfg)})
 
 
 def summarize(ctx: RunContext, last: dict) -> dict:

@@ -37,6 +37,10 @@ from megatron_rl.trainer.rollout_io import broadcast, generate_and_score, sync_w
 from megatron_rl.trainer.routing import old_pass
 
 
+class RolloutFailed(RuntimeError):
+    """The engine could not produce this step's samples (after its own restarts/retries)."""
+
+
 @contextmanager
 def timed(metrics: dict, key: str):
     t0 = time.perf_counter()
@@ -80,10 +84,16 @@ def rl_step(ctx, step: int) -> dict[str, float]:
         examples = ctx.prompts.batch(step, B)
         payload = None
         if ctx.engine is not None:
-            samples, rewards = generate_and_score(ctx.engine, ctx.tokenizer, examples, G,
-                                                  sampling_for(cfg, ctx.tokenizer, step), ctx.rewards)
-            payload = (samples, rewards, ctx.rewards.stats())
-        samples, rewards, reward_stats = broadcast(payload)
+            try:
+                samples, rewards = generate_and_score(ctx.engine, ctx.tokenizer, examples, G,
+                                                      sampling_for(cfg, ctx.tokenizer, step), ctx.rewards)
+                payload = (samples, rewards, ctx.rewards.stats())
+            except Exception as e:  # every rank must learn of it, or they wait in the broadcast forever
+                payload = RolloutFailed(f"rollout engine failed at step {step + 1}: {type(e).__name__}: {e}")
+        payload = broadcast(payload)
+        if isinstance(payload, RolloutFailed):
+            raise payload
+        samples, rewards, reward_stats = payload
 
     # ---- advantages and the training batch
     rewards_t = torch.tensor(rewards, dtype=torch.float32)

@@ -128,3 +128,39 @@ def test_keep_sampling_mask_requires_truncation():
 
     with pytest.raises(ConfigError, match="keep_sampling_mask needs truncated sampling"):
         load_config(None, ["loss.keep_sampling_mask=true"])
+
+
+def _failing_engine(rank, world, run_dir, hf):
+    from megatron_rl.config import load_config
+    from megatron_rl.parallel import init_parallel
+    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.trainer.checkpoint import latest_checkpoint
+    from megatron_rl.trainer.loop import close, setup, train
+    from megatron_rl.trainer.rl_step import RolloutFailed
+
+    apply_cpu_workarounds()
+    cfg = load_config(None, BASE + [f"train.run_dir={run_dir}", "train.steps=3", f"model.hf_dir={hf}",
+                                    "--tensor-model-parallel-size", str(world)])
+    ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
+    if ctx.engine is not None:  # rank 0 holds the engine: it dies during the second step
+        real, calls = ctx.engine.generate, []
+
+        def generate(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 4:  # 1-2: greedy + sampled eval before RL, 3: step 1, 4: step 2
+                raise ConnectionError("server went away")
+            return real(*args, **kwargs)
+
+        ctx.engine.generate = generate
+    try:
+        with pytest.raises(RolloutFailed, match="resume"):
+            train(ctx)
+    finally:
+        close(ctx)
+    return os.path.basename(latest_checkpoint(os.path.join(run_dir, "checkpoints")))
+
+
+def test_engine_failure_stops_every_rank_with_a_resumable_checkpoint(tmp_path, hf_dir):
+    # two ranks: the rank without the engine must not hang waiting for samples
+    out = run_ranks(_failing_engine, world_size=2, timeout=300, run_dir=str(tmp_path), hf=hf_dir)
+    assert out == ["iter_0000001", "iter_0000001"]
