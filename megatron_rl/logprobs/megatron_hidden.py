@@ -68,7 +68,7 @@ def gpt_hidden_states(model: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
     if layer is None or not getattr(gpt, "post_process", True):
         raise ValueError("model has no output layer on this pipeline stage")
     if getattr(gpt.config, "mtp_num_layers", None):
-        raise NotImplementedError("multi-token prediction is not supported by gpt_hidden_states")
+        raise ValueError("multi-token prediction (mtp_num_layers) is not supported by gpt_hidden_states")
     if kwargs.get("labels") is not None:
         raise ValueError("do not pass labels: the log-probs are computed from the hidden states")
 

@@ -163,7 +163,7 @@ class EmbeddedEngine:
         for i in self.moe_layers:
             experts = self.model.model.layers[i].mlp.experts
             if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
-                raise NotImplementedError(f"layer {i}: transformers stores experts transposed or gate/up "
+                raise ValueError(f"layer {i}: transformers stores experts transposed or gate/up "
                                           f"interleaved; megatron_rl.rollout.hf_state expects [E, 2I, H] "
                                           f"with gate then up")
 
