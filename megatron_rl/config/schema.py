@@ -205,10 +205,6 @@ class RunConfig:
                              f"(the optimizer keeps fp32 master weights for bf16/fp16 models)")
         if self.train.num_minibatches < 1:
             raise ValueError("train.num_minibatches must be >= 1")
-        if self.parallel.context_parallel_size > 1:
-            raise ValueError("parallel.context_parallel_size > 1: the log-prob kernels and losses support CP "
-                             "(megatron_rl.logprobs, CPSeqOps), but the RL trainer does not yet shard rollout "
-                             "batches over CP ranks; use CP=1 (CP attention also needs Transformer Engine)")
         replay_recipe = {"minirl_r2": "r2", "minirl_r3": "r3"}.get(self.loss.recipe or "")
         if replay_recipe:
             if self.moe.router_replay not in ("none", replay_recipe):

@@ -156,9 +156,12 @@ def build_gpt_model(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions 
                            f"CUDA={torch.cuda.is_available()}. Use spec='local' or 'auto'.")
     use_te = opts.spec == "te" or (opts.spec == "auto" and te_ok)
     if par.cp > 1 and not use_te:
-        raise RuntimeError("context_parallel_size > 1 needs Transformer Engine attention "
-                           "(megatron-core: 'Context parallelism is only supported by "
-                           "TEDotProductAttention'); it is a GPU-only path. Use CP=1 on CPU.")
+        raise RuntimeError(
+            f"parallel.context_parallel_size={par.cp} (--context-parallel-size) needs Transformer Engine "
+            "attention on CUDA (megatron-core: 'Context parallelism is only supported by "
+            f"TEDotProductAttention'); this process has TE={te_ok}, CUDA={torch.cuda.is_available()}. "
+            "CP is a GPU-only path: install the 'te' extra on a GPU machine, or use "
+            "parallel.context_parallel_size=1 on CPU.")
     config = transformer_config(arch, groups, opts, use_te)
     torch.manual_seed(opts.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(opts.seed)

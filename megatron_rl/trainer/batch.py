@@ -1,12 +1,19 @@
-"""Samples -> padded training tensors, and the split into mini-batches / micro-batches.
+"""Samples -> padded training tensors, the split into mini-batches / micro-batches, and the
+context-parallel shard of every row.
 
-Layout (one row per response, right padded to a common length S):
-    tokens      [N, S]    prompt + response token ids (pad id after the response)
-    label index t predicts tokens[:, t + 1]; every per-token tensor below is [N, S - 1]:
-    loss_mask   1 at the response tokens' label positions (P-1 .. P+R-2), else 0
-    rollout_logprobs, advantages, positions (index of the token inside its response)
-A sample with prompt length P and response length R has its response token r at tokens[P + r]
-and its log-prob at label index P - 1 + r.
+Layout (one row per response; rows right padded to a common length S; L = S - 1 model inputs):
+    input_ids     [N, L]  the row's tokens but the last (pad id after the response)
+    labels        [N, L]  labels[:, t] = token t + 1 of the row: the label shift happens here, on the
+                          whole row, before any context-parallel split
+    position_ids  [N, L]  index of each input token inside its row
+    loss_mask     [N, L]  1 at the response tokens' label positions (P-1 .. P+R-2), else 0
+    rollout_logprobs, advantages, positions (index of the token inside its response): [N, L]
+A sample with prompt length P and response length R has its response token r at row index P + r,
+i.e. it is labels[:, P - 1 + r], and its log-prob at label index P - 1 + r.
+
+Under context parallelism (`cp_shard`) every [N, L] tensor holds this CP rank's zig-zag shard of
+each row, [N, L / CP], sharded by megatron-core's own `get_batch_on_this_cp_rank`; per-row tensors
+(rewards, versions) stay whole.
 """
 from __future__ import annotations
 
@@ -16,34 +23,82 @@ import torch
 
 from megatron_rl.rollout.types import Sample
 
+_PER_TOKEN = ("input_ids", "labels", "position_ids", "loss_mask", "rollout_logprobs", "advantages", "positions",
+              "kept_ids")
+
 
 @dataclass(frozen=True)
 class TrainBatch:
-    tokens: torch.Tensor  # [N, S] int64
-    loss_mask: torch.Tensor  # [N, S-1] bool
-    rollout_logprobs: torch.Tensor  # [N, S-1] fp32 (0 off-mask)
-    advantages: torch.Tensor  # [N, S-1] fp32 (the sample's advantage on its response tokens)
-    positions: torch.Tensor  # [N, S-1] int64, index inside the response (0 off-mask)
+    input_ids: torch.Tensor  # [N, L] int64
+    labels: torch.Tensor  # [N, L] int64: next token of each input position
+    position_ids: torch.Tensor  # [N, L] int64: index of each input token in its row
+    loss_mask: torch.Tensor  # [N, L] bool
+    rollout_logprobs: torch.Tensor  # [N, L] fp32 (0 off-mask)
+    advantages: torch.Tensor  # [N, L] fp32 (the sample's advantage on its response tokens)
+    positions: torch.Tensor  # [N, L] int64, index inside the response (0 off-mask)
     rewards: torch.Tensor  # [N] fp32
     versions: torch.Tensor  # [N] int64: policy version that generated each sample
-    kept_ids: torch.Tensor | None = None  # [N, S-1, K] int64, -1 padded: rollout's top-p/top-k sets
+    kept_ids: torch.Tensor | None = None  # [N, L, K] int64, -1 padded: rollout's top-p/top-k sets
+    cp_size: int = 1  # > 1: the [N, L] tensors are this rank's zig-zag shard (1/cp_size of each row)
 
     @property
     def size(self) -> int:
-        return self.tokens.shape[0]
+        return self.input_ids.shape[0]
 
     @property
-    def seq_len(self) -> int:
-        return self.tokens.shape[1]
+    def input_len(self) -> int:
+        """The model's (global) input length per row, L·CP: megatron's schedules divide it by CP."""
+        return self.input_ids.shape[1] * self.cp_size
 
     def select(self, index) -> TrainBatch:
-        """Rows `index` (slice or index tensor) of every field."""
-        return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
-                             for f in fields(self)})
+        """Rows `index` (slice or index tensor) of every tensor field."""
+        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """Every tensor field on `device` (the model's: the micro-batches feed it directly)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def with_advantages(self, advantages_per_row: torch.Tensor) -> TrainBatch:
         adv = advantages_per_row.float().unsqueeze(1) * self.loss_mask.float()
         return replace(self, advantages=adv)
+
+
+def cp_shard(batch: TrainBatch, cp_group) -> TrainBatch:
+    """This rank's context-parallel shard of every row: each [N, L] tensor -> [N, L / CP].
+
+    Zig-zag (2·CP chunks per row, rank r keeps chunks r and 2·CP−1−r) by megatron-core's
+    `get_batch_on_this_cp_rank`, the same split its GPTModel expects under CP. L must be a multiple
+    of 2·CP (`padded_length(..., row_multiple(tp, cp))`). A CP group of size 1 returns `batch`.
+    """
+    import torch.distributed as dist
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    cp = dist.get_world_size(cp_group)
+    if cp == 1:
+        return batch
+    if batch.cp_size != 1:
+        raise ValueError("batch is already a context-parallel shard")
+    length = batch.input_ids.shape[1]
+    if length % (2 * cp):
+        raise ValueError(f"rows have {length} inputs, not a multiple of 2*CP={2 * cp}; "
+                         "pad them with padded_length(samples, row_multiple(tp, cp))")
+    tensors = {k: getattr(batch, k).contiguous() for k in _PER_TOKEN if getattr(batch, k) is not None}
+    local = get_batch_on_this_cp_rank(tensors, cp_group=cp_group)
+    return replace(batch, **local, cp_size=cp)
+
+
+def model_device() -> torch.device:
+    """Where the megatron model lives: the current CUDA device when there is one (megatron builds
+    its parameters there), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def row_multiple(tp: int, cp: int) -> int:
+    """What the input length L must be a multiple of: TP (sequence parallelism splits the
+    sequence over TP ranks) times 2·CP under context parallelism (zig-zag chunks)."""
+    return tp * (2 * cp if cp > 1 else 1)
 
 
 def padded_length(samples: list[Sample], multiple: int = 1) -> int:
@@ -86,8 +141,9 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
         for i, s in enumerate(samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
             kept[i, p - 1:p - 1 + r, :s.kept_ids.shape[1]] = s.kept_ids
-    return TrainBatch(tokens=tokens, loss_mask=mask, rollout_logprobs=logp,
-                      advantages=torch.zeros(n, seq_len - 1), positions=pos,
+    return TrainBatch(input_ids=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                      position_ids=torch.arange(seq_len - 1).expand(n, -1).contiguous(),
+                      loss_mask=mask, rollout_logprobs=logp, advantages=torch.zeros(n, seq_len - 1), positions=pos,
                       rewards=torch.tensor(rewards, dtype=torch.float32),
                       versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long), kept_ids=kept)
 

@@ -6,6 +6,8 @@
 Log-probs come from the final hidden states and the vocab-parallel output weight through the
 chunked fused kernel (megatron_rl.logprobs): full-vocabulary logits are never materialised.
 Values that the losses need per row live on the last pipeline stage (where the loss is).
+Under context parallelism every per-token tensor, in and out, is in the rank's CP-local layout
+(`batch.cp_shard`); losses finish per-sequence values with CPSeqOps.
 """
 from __future__ import annotations
 
@@ -34,33 +36,37 @@ class PassSettings:
     chunk_size: int | None = None
 
 
-def _inputs(tokens: torch.Tensor):
-    inp = tokens[:, :-1]
-    s = inp.shape[1]
-    return inp, torch.arange(s).expand(inp.shape[0], -1), causal_mask(s)
+LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
 
 
-def _make_forward_step(groups: ParallelGroups, settings: PassSettings,
-                       loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]],
-                       need_entropy: bool):
+def make_forward_step(groups: ParallelGroups, settings: PassSettings, loss_fn: LossFn, need_entropy: bool,
+                      hidden_states: Callable = gpt_hidden_states, head_weight: Callable = output_weight):
     """A Megatron-LM style forward_step(data_iterator, model) -> (output, loss_func).
 
-    loss_fn(micro_batch, logprobs [b, S-1], entropy [b, S-1] | None) -> (loss, metrics).
+    loss_fn(micro_batch, logprobs [b, L], entropy [b, L] | None) -> (loss, metrics), all in the
+    micro-batch's (CP-local) token layout.
+
+    Under context parallelism the micro-batch already holds this rank's zig-zag shard of inputs,
+    labels and positions (`batch.cp_shard`); the model gets no attention mask, because megatron's
+    CP attention (Transformer Engine) applies the causal mask itself, across the shards.
+    hidden_states(model, input_ids, position_ids, attention_mask) -> [L, b, H] and
+    head_weight(model) -> [V/TP, H] are where the log-probs read the model; the defaults take
+    megatron's GPTModel (tests feed hidden states sharded as megatron shards them).
     """
+    cp = groups.config.cp
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        inp, pos, mask = _inputs(mb["tokens"])
+        inp, pos = mb["input_ids"], mb["position_ids"]
+        mask = causal_mask(inp.shape[1]) if cp == 1 else None
         if not groups.is_last_stage:
             return model(inp, pos, mask), None
-        hidden = gpt_hidden_states(model, inp, pos, mask)  # [S-1, b, H]
-        labels = mb["tokens"][:, 1:]
-
-        kept = mb.get("kept_ids")
+        hidden = hidden_states(model, inp, pos, mask)  # [L, b, H]
+        labels, kept = mb["labels"], mb.get("kept_ids")
 
         def loss_func(h):
             out = token_logprobs_and_entropy(
-                h, output_weight(model), labels.t(), tp_group=groups.tp_group, chunk_size=settings.chunk_size,
+                h, head_weight(model), labels.t(), tp_group=groups.tp_group, chunk_size=settings.chunk_size,
                 compute_entropy=need_entropy, temperature=settings.temperature,
                 kept_ids=kept.transpose(0, 1) if kept is not None else None)
             entropy = out.entropy.t() if need_entropy else None
@@ -74,9 +80,15 @@ def _make_forward_step(groups: ParallelGroups, settings: PassSettings,
     return forward_step
 
 
-def _micro_batches(batch: TrainBatch, slices: list[slice]) -> list[dict[str, Any]]:
+def collect_logprobs(_mb, logprobs, entropy):
+    """The forward-only pass's "loss": no loss, the log-probs and entropy as its outputs."""
+    return torch.zeros(()), {"logprobs": logprobs, "entropy": entropy}
+
+
+def micro_batches(batch: TrainBatch, slices: list[slice]) -> list[dict[str, Any]]:
     """Micro-batch dicts; "rows" lets a loss index per-row tensors it holds (e.g. old_logprobs)."""
-    return [{"rows": sl, "tokens": batch.tokens[sl], "loss_mask": batch.loss_mask[sl],
+    return [{"rows": sl, "input_ids": batch.input_ids[sl], "labels": batch.labels[sl],
+             "position_ids": batch.position_ids[sl], "loss_mask": batch.loss_mask[sl],
              "rollout_logprobs": batch.rollout_logprobs[sl], "advantages": batch.advantages[sl],
              "positions": batch.positions[sl],
              "kept_ids": batch.kept_ids[sl] if batch.kept_ids is not None else None} for sl in slices]
@@ -92,14 +104,12 @@ def logprob_pass(model, groups: ParallelGroups, batch: TrainBatch, settings: Pas
     """
     mbs = settings.micro_batch_size
     slices = [slice(i, i + mbs) for i in range(0, batch.size, mbs)]
-    step = _make_forward_step(groups, settings,
-                              lambda mb, lp, ent: (torch.zeros(()), {"logprobs": lp, "entropy": ent}),
-                              need_entropy)
+    step = make_forward_step(groups, settings, collect_logprobs, need_entropy)
     step = wrap_step(step) if wrap_step is not None else step
     was_training = model.training
     model.eval()
-    outs = forward_backward(model, step, iter(_micro_batches(batch, slices)), len(slices),
-                            seq_length=batch.seq_len - 1, micro_batch_size=mbs, forward_only=True)
+    outs = forward_backward(model, step, iter(micro_batches(batch, slices)), len(slices),
+                            seq_length=batch.input_len, micro_batch_size=mbs, forward_only=True)
     model.train(was_training)
     if not groups.is_last_stage:
         return None, None
@@ -116,10 +126,10 @@ def train_pass(model, optimizer, groups: ParallelGroups, batch: TrainBatch, slic
     Returns the per-micro-batch metrics dicts (last stage; [] elsewhere). Gradients are
     finalised (DP/TP reductions); the caller steps the optimizer.
     """
-    step = _make_forward_step(groups, settings, loss_fn, need_entropy)
+    step = make_forward_step(groups, settings, loss_fn, need_entropy)
     step = wrap_step(step) if wrap_step is not None else step
-    return forward_backward(model, step, iter(_micro_batches(batch, slices)), len(slices),
-                            seq_length=batch.seq_len - 1, micro_batch_size=settings.micro_batch_size,
+    return forward_backward(model, step, iter(micro_batches(batch, slices)), len(slices),
+                            seq_length=batch.input_len, micro_batch_size=settings.micro_batch_size,
                             optimizer=optimizer)
 
 

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.losses import (
+    LOCAL,
+    CPSeqOps,
     GlobalCounts,
     PolicyBatch,
+    SeqOps,
     compute_policy_loss,
     ess_from_stats,
     finish_metrics,
@@ -31,7 +35,15 @@ from megatron_rl.metrics.mismatch import (
 )
 from megatron_rl.moe.metrics import add_sums
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.trainer.batch import build_batch, local_rows, minibatch_slices, padded_length
+from megatron_rl.trainer.batch import (
+    build_batch,
+    cp_shard,
+    local_rows,
+    minibatch_slices,
+    model_device,
+    padded_length,
+    row_multiple,
+)
 from megatron_rl.trainer.passes import PassSettings, all_reduce_dp, logprob_pass, train_pass
 from megatron_rl.trainer.rollout_io import broadcast, generate_and_score, sync_weights
 from megatron_rl.trainer.routing import old_pass
@@ -64,13 +76,44 @@ def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
                           return_kept_ids=keep, logprobs_mode="processed" if keep else "raw")
 
 
-def _global_counts(batch, slices, groups) -> GlobalCounts:
-    """The mini-batch's token and sequence counts summed over its micro-batches and DP x CP ranks."""
+def seq_ops(groups) -> SeqOps:
+    """Per-sequence reductions: local, or finished over the CP group when rows are CP shards."""
+    return CPSeqOps(groups.cp_group) if groups.config.cp > 1 else LOCAL
+
+
+def global_counts(batch, slices, groups, seq: SeqOps = LOCAL) -> GlobalCounts:
+    """The mini-batch's token and sequence counts summed over its micro-batches and DP x CP ranks
+    (sequences counted once: on their CP owner rank)."""
     total = GlobalCounts()
     for sl in slices:
-        total = total + local_counts(batch.loss_mask[sl])
+        total = total + local_counts(batch.loss_mask[sl], seq)
     vals = all_reduce_dp({"num_tokens": total.num_tokens, "num_seqs": total.num_seqs}, groups)
     return GlobalCounts(vals["num_tokens"], vals["num_seqs"])
+
+
+def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: SeqOps = LOCAL):
+    """The update pass's loss_fn(micro_batch, logprobs, entropy) -> (loss, metrics).
+
+    old: [N, L] π_old log-probs of the rank's rows (indexed by the micro-batch's "rows"), in the
+    same (CP-local) layout as the micro-batch; counts: the mini-batch's global normalisers.
+    """
+
+    def loss_fn(mb, logprobs, _entropy):
+        batch = PolicyBatch(logprobs=logprobs, old_logprobs=old[mb["rows"]], rollout_logprobs=mb["rollout_logprobs"],
+                            advantages=mb["advantages"], loss_mask=mb["loss_mask"], positions=mb["positions"],
+                            seq=seq)
+        loss, metrics = compute_policy_loss(batch, normaliser=counts, **loss_kw)
+        for k in [k for k in metrics if not k.endswith(("/num", "/den"))]:
+            # a global value (the same on every rank, e.g. p3o/ess) is summed over micro-batches and
+            # ranks like the rest: log it as its mean
+            metrics[f"{k}/num"], metrics[f"{k}/den"] = metrics.pop(k).double(), torch.ones((), dtype=torch.float64)
+        metrics["loss/value"] = loss.detach().double()
+        ratios = mismatch_sums(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                               logprobs=logprobs.detach(), seq=seq)  # r = π_θ/π_old, ρ = π_θ/μ
+        metrics.update({k: v for k, v in ratios.items() if k.startswith(("mismatch/r/", "mismatch/rho/"))})
+        return loss, metrics
+
+    return loss_fn
 
 
 def rl_step(ctx, step: int) -> dict[str, float]:
@@ -99,15 +142,15 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     rewards_t = torch.tensor(rewards, dtype=torch.float32)
     adv, keep_rows, zero_var = group_advantages(rewards_t, G, ctx.loss.advantages,
                                                 ctx.loss.filter_zero_variance_groups)
-    seq_len = padded_length(samples, multiple=groups.config.tp * 2 * groups.config.cp if groups.config.cp > 1
-                            else groups.config.tp)
+    seq_len = padded_length(samples, row_multiple(groups.config.tp, groups.config.cp))
     full = build_batch(samples, rewards, ctx.tokenizer.pad_id, seq_len,
                        with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
     if not keep_rows.all():
-        full = type(full)(**{**full.__dict__, "loss_mask": full.loss_mask & keep_rows[:, None]})
+        full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
     dp, dp_rank = groups.dp_size, dist.get_rank(groups.dp_group)
     rows = local_rows(full.size, cfg.train.num_minibatches, dp, dp_rank)
-    local = full.select(rows)
+    local = cp_shard(full.select(rows), groups.cp_group).to(model_device())  # CP: each row's zig-zag shard
+    seq = seq_ops(groups)
     settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature or 1.0)
 
     # ---- old log-probs (π_old: trainer, rollout weights) and mismatch diagnostics
@@ -117,7 +160,7 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     wrap = ctx.replay.wrap_forward_step if routing.replay is not None else None
     sums = {}
     if old is not None:
-        sums = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy)
+        sums = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy, seq=seq)
         # quantiles do not reduce exactly: report the most extreme per-rank value over DP ranks
         lo, hi = ratio_quantiles(old - local.rollout_logprobs, local.loss_mask)
         sums["mismatch/w/p01/min"], sums["mismatch/w/p99/max"] = lo, hi
@@ -129,22 +172,12 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     grad_norms, skipped = [], 0
     with timed(m, "train"):
         for slices in minibatch_slices(local.size, cfg.train.num_minibatches, cfg.train.micro_batch_size):
-            counts = _global_counts(local, slices, groups)
+            counts = global_counts(local, slices, groups, seq)
             if ctx.loss.needs_ess:
                 with routing.update_context(ctx.replay, slices, settings.micro_batch_size, probe=False):
                     loss_kw["surrogate_params"]["ess"] = _global_ess(policy, groups, local, slices, settings, old,
                                                                      wrap)
-
-            def loss_fn(mb, logprobs, _entropy, counts=counts):
-                rows = mb["rows"]
-                batch = PolicyBatch(logprobs=logprobs, old_logprobs=old[rows], rollout_logprobs=mb["rollout_logprobs"],
-                                    advantages=mb["advantages"], loss_mask=mb["loss_mask"], positions=mb["positions"])
-                loss, metrics = compute_policy_loss(batch, normaliser=counts, **loss_kw)
-                metrics["loss/value"] = loss.detach().double()
-                ratios = mismatch_sums(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
-                                       logprobs=logprobs.detach())  # r = π_θ/π_old, ρ = π_θ/μ
-                metrics.update({k: v for k, v in ratios.items() if k.startswith(("mismatch/r/", "mismatch/rho/"))})
-                return loss, metrics
+            loss_fn = policy_loss_fn(loss_kw, counts, old, seq)
 
             probe = ctx.router_replay == "r2"  # θ_old vs θ agreement (under R3 it would be engine vs θ)
             with routing.update_context(ctx.replay, slices, settings.micro_batch_size, probe) as session:
@@ -199,14 +232,18 @@ def rl_step(ctx, step: int) -> dict[str, float]:
 
 def _global_ess(policy, groups, local, slices, settings, old, wrap=None) -> torch.Tensor:
     """P3O: ESS of r = π_θ/π_old over the mini-batch's valid tokens on all ranks (no-grad pass)."""
-    sub = local.select(slice(slices[0].start, slices[-1].stop))
+    rows = slice(slices[0].start, slices[-1].stop)
+    sub = local.select(rows)
     logprobs, _ = logprob_pass(policy.model, groups, sub, settings, need_entropy=False, wrap_step=wrap)
-    stats = {"sum_r": torch.zeros((), dtype=torch.float64), "sum_mask": torch.zeros((), dtype=torch.float64),
-             "sum_r2": torch.zeros((), dtype=torch.float64)}
+    return global_ess(logprobs, old[rows], sub.loss_mask, groups)
+
+
+def global_ess(logprobs: torch.Tensor | None, old: torch.Tensor, mask: torch.Tensor, groups) -> torch.Tensor:
+    """ESS of r = exp(logprobs − old) over the valid tokens of every DP×CP rank ([N, L] local
+    tensors; logprobs None off the last pipeline stage, which contributes nothing)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    stats = {"sum_r": zero, "sum_mask": zero, "sum_r2": zero}
     if logprobs is not None:
-        rows = slice(slices[0].start, slices[-1].stop)
-        a, b, c = p3o_ess_stats(logprobs, old[rows], sub.loss_mask)
-        stats = {"sum_r": a, "sum_mask": b, "sum_r2": c}
+        stats = dict(zip(stats, p3o_ess_stats(logprobs, old, mask), strict=True))
     stats = all_reduce_dp(stats, groups)
     return ess_from_stats(stats["sum_r"], stats["sum_mask"], stats["sum_r2"])
-

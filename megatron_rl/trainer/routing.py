@@ -60,7 +60,7 @@ def old_pass(mode: str, controller: RouterReplayController | None, policy, group
     mbs = settings.micro_batch_size
     slices = [slice(i, i + mbs) for i in range(0, local.size, mbs)]
     layout = TokenLayout.from_groups(groups, controller.config.sequence_parallel)
-    routing = RolloutRouting.from_samples(samples, local.seq_len).select(rows)
+    routing = RolloutRouting.from_samples(samples, local.input_len + 1).select(rows)
     wrap = controller.wrap_forward_step
     sums: dict = {}
     if mode == "r2":

@@ -13,7 +13,15 @@ import torch.distributed as dist
 
 from megatron_rl.losses import GlobalCounts, local_counts, token_mean
 from megatron_rl.rollout.types import Sample
-from megatron_rl.trainer.batch import build_batch, minibatch_slices, padded_length, shard_rows
+from megatron_rl.trainer.batch import (
+    build_batch,
+    cp_shard,
+    minibatch_slices,
+    model_device,
+    padded_length,
+    row_multiple,
+    shard_rows,
+)
 from megatron_rl.trainer.passes import PassSettings, all_reduce_dp, train_pass
 from megatron_rl.trainer.rollout_io import evaluate, sync_weights
 
@@ -47,8 +55,8 @@ def run_sft(ctx, eval_examples, progress=None) -> dict:
         examples = ctx.prompts.batch(10_000_000 + step, sft.batch_size)  # disjoint from RL steps' draws
         samples = sft_samples(ctx.tokenizer, examples)
         full = build_batch(samples, [0.0] * len(samples), ctx.tokenizer.pad_id,
-                           padded_length(samples, groups.config.tp))
-        local = full.select(shard_rows(full.size, dp, dp_rank))
+                           padded_length(samples, row_multiple(groups.config.tp, groups.config.cp)))
+        local = cp_shard(full.select(shard_rows(full.size, dp, dp_rank)), groups.cp_group).to(model_device())
         [slices] = minibatch_slices(local.size, 1, mbs)
         counts = GlobalCounts()
         for sl in slices:

@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from megatron_rl.rollout.types import Sample
-from megatron_rl.trainer.batch import build_batch, local_rows, minibatch_slices, padded_length, shard_rows
+from megatron_rl.trainer.batch import (
+    build_batch,
+    local_rows,
+    minibatch_slices,
+    padded_length,
+    row_multiple,
+    shard_rows,
+)
 from megatron_rl.trainer.rl_step import group_advantages
 
 
@@ -15,14 +22,24 @@ def _sample(p, r, version=0):
 def test_build_batch_layout():
     s = [_sample([5, 6, 7], [8, 9]), _sample([5], [1, 2, 3], version=3)]
     b = build_batch(s, [1.0, 0.0], pad_id=0, seq_len=5)
-    assert b.tokens.tolist() == [[5, 6, 7, 8, 9], [5, 1, 2, 3, 0]]
-    # label index t predicts tokens[t + 1]: response tokens of row 0 are predicted at t = 2, 3
+    assert b.input_ids.tolist() == [[5, 6, 7, 8], [5, 1, 2, 3]]
+    assert b.labels.tolist() == [[6, 7, 8, 9], [1, 2, 3, 0]]  # shifted on the whole row
+    assert b.position_ids.tolist() == [[0, 1, 2, 3]] * 2
+    assert b.input_len == 4 and b.cp_size == 1
+    # label index t predicts token t + 1: response tokens of row 0 are predicted at t = 2, 3
     assert b.loss_mask.tolist() == [[False, False, True, True], [True, True, True, False]]
     assert torch.allclose(b.rollout_logprobs[0], torch.tensor([0, 0, -0.1, -0.2]))
     assert b.positions[1].tolist() == [0, 1, 2, 0]
     assert b.versions.tolist() == [0, 3]
     adv = b.with_advantages(torch.tensor([2.0, -1.0])).advantages
     assert adv.tolist() == [[0, 0, 2, 2], [-1, -1, -1, 0]]
+    one = b.select(torch.tensor([1]))
+    assert one.labels.tolist() == [[1, 2, 3, 0]] and one.versions.tolist() == [3] and one.cp_size == 1
+
+
+def test_row_multiple():
+    assert row_multiple(1, 1) == 1 and row_multiple(2, 1) == 2
+    assert row_multiple(1, 2) == 4 and row_multiple(2, 4) == 16  # TP x 2*CP zig-zag chunks
 
 
 def test_padded_length_makes_inputs_divisible():
