@@ -58,7 +58,7 @@ def make_forward_step(groups: ParallelGroups, settings: PassSettings, loss_fn: L
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         inp, pos = mb["input_ids"], mb["position_ids"]
-        mask = causal_mask(inp.shape[1]) if cp == 1 else None
+        mask = causal_mask(inp.shape[1], device=inp.device) if cp == 1 else None
         if not groups.is_last_stage:
             return model(inp, pos, mask), None
         hidden = hidden_states(model, inp, pos, mask)  # [L, b, H]
