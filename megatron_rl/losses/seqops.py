@@ -72,9 +72,7 @@ class CPSeqOps(SeqOps):
     def sum(self, x: Tensor) -> Tensor:
         local = x.sum(dim=-1)
         if local.requires_grad:
-            import torch.distributed.nn.functional as dist_fn
-
-            return dist_fn.all_reduce(local, op=dist.ReduceOp.SUM, group=self.group)
+            return _AllReduceSum.apply(local, self.group)
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.group)
         return local
 
@@ -88,6 +86,23 @@ class CPSeqOps(SeqOps):
 
     def max(self, x: Tensor) -> Tensor:
         return self._reduce(x.detach().amax(dim=-1), dist.ReduceOp.MAX)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """y = Σ_ranks x in forward; dL/dx = Σ_ranks dL/dy in backward (every rank's loss uses y)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
 
 
 LOCAL = LocalSeqOps()
