@@ -12,6 +12,8 @@ Two CPU processes (gloo), tensor or expert parallel:
     torchrun --nproc_per_node=2 pretrain_rl.py --config examples/demo_cpu.yaml --tensor-model-parallel-size 2
 One GPU node (NCCL; vLLM rollouts):
     torchrun --nproc_per_node=8 pretrain_rl.py --config my_run.yaml --rollout-backend vllm
+32k-64k token responses (GPUs with Transformer Engine): split every row over CP ranks
+    torchrun --nproc_per_node=8 pretrain_rl.py --config my_run.yaml --context-parallel-size 2
 A SLURM allocation: see examples/ for srun/torchrun launch scripts.
 
 Overrides: any `section.field=value` (e.g. train.steps=20 loss.recipe=minirl) or a Megatron flag

@@ -23,8 +23,9 @@ class ParallelConfig:
     expert_model_parallel_size: EP [--expert-model-parallel-size]; experts are split over EP ranks.
     expert_tensor_parallel_size: expert-TP [--expert-tensor-parallel-size]; None means = TP.
         TP=2 x EP=2 on 2 ranks needs expert-TP 1.
-    context_parallel_size: CP [--context-parallel-size]; the model forward under CP needs
-        Transformer Engine (GPU).
+    context_parallel_size: CP [--context-parallel-size]; every rollout row is split zig-zag
+        over CP ranks (long responses). The model forward under CP needs Transformer Engine's
+        CP attention (GPU); on CPU a CP run stops at start-up.
     """
 
     tensor_model_parallel_size: int = 1
