@@ -9,6 +9,9 @@ build_batch -> cp_shard (megatron's `get_batch_on_this_cp_rank`) -> micro-batche
 step (fused vocab log-probs from hidden states) -> old log-probs, mismatch sums and P3O's ESS ->
 global counts -> policy_loss_fn with CPSeqOps -> backward. The CP ranks' summed gradient (what
 megatron's DDP all-reduce over DP×CP does) must equal the single-rank gradient, for every recipe.
+A second test runs one optimizer step through megatron's schedule, DDP, finalize_model_grads and
+optimizer themselves (the toy encoder as a MegatronModule) and checks the reduced gradients and
+updated weights against CP=1.
 """
 import pytest
 import torch
@@ -219,6 +222,79 @@ def test_cp2_trainer_path_matches_single_rank():
     assert len(moving) >= len(recipes) - 1, sorted(set(recipes) - set(moving))
     assert len({round(ref[r]["metrics"]["loss/value"], 6) for r in recipes}) >= len(recipes) // 2
 
+
+
+def _ddp_worker(rank, world):
+    """One optimizer step through megatron's schedule, DDP (grad reduction over DP×CP),
+    finalize_model_grads and optimizer, with the toy encoder as a MegatronModule."""
+    import torch.nn.functional as F
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    from megatron_rl.config.schema import LossSection
+    from megatron_rl.parallel import ParallelConfig, init_parallel
+    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.trainer.batch import build_batch, cp_shard, minibatch_slices, padded_length, row_multiple
+    from megatron_rl.trainer.loss_setup import resolve_loss
+    from megatron_rl.trainer.passes import PassSettings, make_forward_step, micro_batches
+    from megatron_rl.trainer.rl_step import global_counts, group_advantages, policy_loss_fn, seq_ops
+    from megatron_rl.trainer.stack import OptimSettings, build_optimizer, forward_backward, wrap_model
+
+    apply_cpu_workarounds()
+    groups = init_parallel(ParallelConfig(context_parallel_size=world))
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, context_parallel_size=world,
+                               calculate_per_token_loss=True, use_cpu_initialization=True,
+                               gradient_accumulation_fusion=False, activation_func=F.silu)
+    toy = ToyCausalModel(groups.cp_group, world)
+
+    class Module(MegatronModule):
+        def __init__(self):
+            super().__init__(config)
+            self.model_type = ModelType.encoder_or_decoder
+            self.E, self.P, self.W = (torch.nn.Parameter(t.detach().clone()) for t in toy.params())
+
+        def set_input_tensor(self, _tensor):  # the schedule's PP hook (one stage here)
+            pass
+
+    model = wrap_model(Module(), OptimSettings())
+    inner = model.module
+    toy.E, toy.P, toy.W = inner.E, inner.P, inner.W  # the seam reads the DDP-managed parameters
+    optimizer = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=0.0))
+
+    samples, rewards = _samples(with_kept=False)
+    loss = resolve_loss(LossSection(recipe="gspo"), max_response_len=9)
+    adv, _, _ = group_advantages(torch.tensor(rewards), G, loss.advantages, False)
+    full = build_batch(samples, rewards, 0, padded_length(samples, row_multiple(1, world))).with_advantages(adv)
+    local = cp_shard(full, groups.cp_group)
+    seq = seq_ops(groups)
+    old = local.rollout_logprobs + 0.1 * local.loss_mask  # any fixed π_old: ratios ≠ 1
+    settings = PassSettings(micro_batch_size=3)
+    [slices] = minibatch_slices(local.size, 1, 3)
+    counts = global_counts(local, slices, groups, seq)
+    step = make_forward_step(groups, settings, policy_loss_fn(loss.loss_kwargs(), counts, old, seq), False,
+                             lambda m, *a: toy.hidden_states(toy, *a), lambda m: toy.W)
+    outs = forward_backward(model, step, iter(micro_batches(local, slices)), len(slices),
+                            seq_length=local.input_len, micro_batch_size=3, optimizer=optimizer)
+    grads = {n: p.main_grad.detach().clone() for n, p in (("E", inner.E), ("P", inner.P), ("W", inner.W))}
+    ok, grad_norm, _ = optimizer.step()
+    assert ok
+    loss_value = torch.stack([o["loss/value"] for o in outs]).sum()
+    torch.distributed.all_reduce(loss_value, group=groups.dp_cp_group)
+    return {"grads": grads, "grad_norm": float(grad_norm), "loss": float(loss_value),
+            "after": {n: p.detach().clone() for n, p in (("E", inner.E), ("P", inner.P), ("W", inner.W))}}
+
+
+def test_cp2_megatron_ddp_step_matches_single_rank():
+    """megatron's DDP sums (calculate_per_token_loss) the CP shards' gradients: same step as CP=1."""
+    [ref] = run_ranks(_ddp_worker, world_size=1, timeout=180)
+    for got in run_ranks(_ddp_worker, world_size=2, timeout=180):
+        _close(got["loss"], ref["loss"], "loss")
+        _close(got["grad_norm"], ref["grad_norm"], "grad_norm")
+        assert ref["grad_norm"] > 0
+        for k in ref["grads"]:
+            torch.testing.assert_close(got["grads"][k], ref["grads"][k], rtol=2e-5, atol=1e-7)
+            torch.testing.assert_close(got["after"][k], ref["after"][k], rtol=2e-5, atol=1e-7)
 
 def _setup_cp2(rank, world):
     from megatron_rl.config import load_config
