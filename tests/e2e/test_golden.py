@@ -1,0 +1,66 @@
+"""Golden numbers: a 3-step CPU RL run per loss recipe (and R2/R3 router replay) against the file.
+
+Runs every case of tests/golden.py (each recipe in megatron_rl.losses.RECIPES, GRPO with R2 and
+R3, IcePop with a narrow band, GRPO with top-p kept-set log-probs) through the real RL loop for
+3 steps in one fresh single-rank process, and compares loss/policy, optim/grad_norm,
+mismatch/kl_k3 (and kl_k1, reward_mean, the router-replay agreement metrics) per step with
+tests/assets/golden/rl_3step.json. A refactor of the trainer that does not change the math must
+leave every number in place; the failure lists each (case, step, key) that moved, with both values.
+
+Regenerate (only when the math is MEANT to change, or the pinned stack changed; say why in the
+commit, and run on the reference stack recorded in the file's "versions"):
+
+    python tools/record_golden.py                        # every case
+    python tools/record_golden.py --cases grpo,p3o       # refresh or add some, keep the rest
+    MEGATRON_RL_REGEN_GOLDEN=1 python -m pytest tests/e2e/test_golden.py   # every case, via the test
+
+About 30-50 s on 2 CPU cores; marked slow (make test / CI, not make test-fast).
+"""
+import os
+
+import pytest
+
+from tests.golden import (
+    GOLDEN_PATH,
+    REGEN_ENV,
+    compare,
+    load_golden,
+    run_fresh,
+    sanity,
+    versions,
+    write_golden,
+)
+
+pytestmark = pytest.mark.slow
+
+# Tolerance. The run is bit-reproducible: three fresh processes (and any subset or order of the
+# cases) gave identical doubles, so the tolerance only has to absorb re-associated float64
+# reductions of the logged metrics (~1e-15 relative) or float32 rounding of a metric that does
+# not feed back into training (~1e-7 relative). Real math changes, measured on this run (grpo;
+# the largest relative move over the keys): clip eps 0.2 -> 0.2001: 6e-4; optim.clip_grad
+# 1.0 -> 0.999: 2e-3 (mismatch/kl_k1, step 2); lr x (1 + 1e-4): 1.0; aggregation token_mean
+# instead of seq_mean_token_mean: 2.3. rtol 1e-6 is >= 100x below every one of them; atol 1e-9
+# only matters for values near 0 (kl_k1, loss/policy can cross 0; kl_k3 is ~1e-4 here).
+# A change that alters float32 bits of the gradients or weights (even by reordering a sum) moves
+# steps 2-3 far beyond this: the bf16 engine re-rounds the weights and re-samples the responses.
+RTOL, ATOL = 1e-6, 1e-9
+
+
+def test_golden_numbers(tmp_path):
+    got = run_fresh(str(tmp_path))
+    degenerate = sanity(got)
+    assert not degenerate, "the golden run is degenerate:\n" + "\n".join(degenerate)
+    if os.environ.get(REGEN_ENV) == "1":
+        write_golden(got)
+        pytest.skip(f"{REGEN_ENV}=1: rewrote {GOLDEN_PATH}")
+    golden = load_golden()
+    moved = compare(golden["values"], got, RTOL, ATOL)
+    if moved:
+        here, there = versions(), golden.get("versions", {})
+        stack = [f"  {k}: recorded {there.get(k)!r}, here {v!r}" for k, v in here.items() if there.get(k) != v]
+        note = ("\nThe stack differs from the one the numbers were recorded on (this alone moves them):\n"
+                + "\n".join(stack)) if stack else ""
+        pytest.fail(f"{len(moved)} golden value(s) moved beyond rtol={RTOL}, atol={ATOL} "
+                    f"({os.path.relpath(GOLDEN_PATH)}):\n" + "\n".join(moved) + note
+                    + f"\nIf the math is meant to change: python tools/record_golden.py (or {REGEN_ENV}=1).",
+                    pytrace=False)
