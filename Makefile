@@ -40,3 +40,12 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# GPU lane (a GPU machine without a package index): `make gpu-wheels` here downloads the wheels into
+# .whl/, then on the GPU machine `make gpu-check` installs them and runs tests + benchmark (tools/gpu_check.sh)
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	PYTHON=$(PYTHON) bash tools/gpu_wheels.sh
+
+gpu-check:
+	bash tools/gpu_check.sh

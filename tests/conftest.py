@@ -10,5 +10,5 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser = torc
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+        if item.get_closest_marker("gpu") is not None and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA; this machine has no GPU"))

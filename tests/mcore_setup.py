@@ -10,11 +10,11 @@ from megatron_rl.model.arch import ModelArch
 
 
 def setup_parallel(seed: int = 1234, **sizes):
-    """CPU workarounds + megatron parallel groups for the given sizes (torch.distributed is up)."""
+    """platform workarounds + megatron parallel groups for the given sizes (torch.distributed is up)."""
     from megatron_rl.parallel import ParallelConfig, init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     return init_parallel(ParallelConfig(**sizes), seed=seed)
 
 

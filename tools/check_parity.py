@@ -42,9 +42,9 @@ def main(argv=None) -> int:
     from megatron_rl.model.parity import compare_logits, mcore_logits, random_hf_model
     from megatron_rl.model.presets import preset_arch
     from megatron_rl.parallel import ParallelConfig, destroy_parallel, init_distributed, init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     rank, world = init_distributed()
     groups = init_parallel(ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                           expert_model_parallel_size=args.expert_model_parallel_size,

@@ -69,6 +69,27 @@ class ModelArch:
         return (self.is_moe and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the model (no linear biases; QK-norm; RMSNorm weights included).
+
+        active: count only the moe_topk routed experts of each MoE layer (the parameters one
+        token passes through), as MoE model names such as "30B-A3B" do.
+        """
+        h, d = self.hidden_size, self.head_dim
+        attention = (h * d * (self.num_attention_heads + 2 * self.num_kv_heads)  # q, k, v
+                     + self.num_attention_heads * d * h  # output projection
+                     + 2 * d)  # q/k norms
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h  # + final norm
+        for layer in range(self.num_layers):
+            total += attention + 2 * h  # + input and pre-MLP norms
+            if self.is_moe_layer(layer):
+                experts = self.moe_topk if active else self.num_experts
+                total += self.num_experts * h + experts * 3 * h * self.moe_ffn_hidden_size  # router + SwiGLU
+                total += 3 * h * self.moe_shared_expert_ffn_hidden_size
+            else:
+                total += 3 * h * self.ffn_hidden_size
+        return total
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["mlp_only_layers"] = list(self.mlp_only_layers)
@@ -107,13 +128,13 @@ class ModelArch:
         if rope_theta is None:  # transformers 5 keeps it under rope_parameters
             rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         heads = d["num_attention_heads"]
-        kw = dict(arch=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-                  num_layers=d["num_hidden_layers"], num_attention_heads=heads,
-                  num_kv_heads=d.get("num_key_value_heads") or heads,
-                  head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-                  ffn_hidden_size=d["intermediate_size"], rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                  rope_theta=float(rope_theta), max_position_embeddings=d.get("max_position_embeddings", 4096),
-                  tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+        kw = {"arch": model_type, "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
+              "num_layers": d["num_hidden_layers"], "num_attention_heads": heads,
+              "num_kv_heads": d.get("num_key_value_heads") or heads,
+              "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
+              "ffn_hidden_size": d["intermediate_size"], "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
+              "rope_theta": float(rope_theta), "max_position_embeddings": d.get("max_position_embeddings", 4096),
+              "tie_word_embeddings": bool(d.get("tie_word_embeddings", False))}
         if model_type == "qwen3_moe":
             kw.update(num_experts=d.get("num_experts") or d["num_local_experts"], moe_ffn_hidden_size=d["moe_intermediate_size"],
                       moe_topk=d["num_experts_per_tok"], norm_topk_prob=bool(d.get("norm_topk_prob", True)),

@@ -1,28 +1,23 @@
 """Build a megatron-core `GPTModel` (dense Qwen3 or Qwen3-MoE) from a `ModelArch`.
 
-Local (pure megatron-core) layer spec on CPU; Transformer Engine spec when TE is importable
-and CUDA is present. Parallel sizes come from the `ParallelGroups` built by
-megatron_rl.parallel (megatron reads its own globals for the layer layout, set there).
+Transformer Engine's layer spec when TE is usable (importable, and CUDA), else megatron-core's
+local spec. Where the model lives and which fused kernels it uses follow from this process's
+capabilities (`build_plan`, a pure function). Parallel sizes come from the `ParallelGroups`
+built by megatron_rl.parallel (megatron reads its own globals for the layer layout, set there).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.parallel import ParallelGroups
+from megatron_rl.platform.capabilities import Capabilities, capabilities
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # ImportError, or a broken build without CUDA
-        return False
-    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -58,12 +53,144 @@ class BuildOptions:
         return _DTYPES[self.dtype]
 
 
-def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions, use_te: bool):
-    """The megatron-core TransformerConfig for `arch` under `groups`' parallel sizes."""
+@dataclass(frozen=True)
+class Kernels:
+    """Optional fused kernels, as megatron-core itself finds them at import (TE version dependent).
+
+    te_grouped_gemm: TE's grouped linear layers (megatron's TEGroupedMLP).
+    te_fused_rope: TE's fused RoPE (megatron's rope_utils.fused_apply_rotary_pos_emb).
+    te_fused_router: TE's fused top-k + score function (moe_utils.fused_topk_with_score_function).
+    te_fused_permute: TE's fused token (un)permutation (moe_utils.fused_permute and friends).
+    wgrad_accum_fusion: the `fused_weight_gradient_mlp_cuda` extension (Apex built with --cuda_ext).
+    fused_softmax: the `scaled_*masked_softmax_cuda` extensions (Apex / Megatron-LM fused kernels).
+    """
+
+    te_grouped_gemm: bool = False
+    te_fused_rope: bool = False
+    te_fused_router: bool = False
+    te_fused_permute: bool = False
+    wgrad_accum_fusion: bool = False
+    fused_softmax: bool = False
+
+
+def detect_kernels(caps: Capabilities) -> Kernels:
+    """The fused kernels available to megatron-core in this process (none without CUDA)."""
+    if not caps.cuda:
+        return Kernels()
+    from megatron.core.tensor_parallel import layers
+
+    softmax = all(importlib.util.find_spec(m) is not None for m in (
+        "scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda"))
+    found = {"wgrad_accum_fusion": bool(getattr(layers, "_grad_accum_fusion_available", False)),
+             "fused_softmax": softmax}
+    if caps.te_usable:
+        from megatron.core.extensions import transformer_engine as te_ext
+        from megatron.core.models.common.embeddings import rope_utils
+        from megatron.core.transformer.moe import moe_utils
+
+        permute = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                   "fused_sort_chunks_by_index_with_probs", "fused_unpermute")
+        found.update(
+            te_grouped_gemm=getattr(te_ext, "TEColumnParallelGroupedLinear", None) is not None,
+            te_fused_rope=getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is not None,
+            te_fused_router=getattr(moe_utils, "fused_topk_with_score_function", None) is not None,
+            te_fused_permute=all(getattr(moe_utils, name, None) is not None for name in permute))
+    return Kernels(**found)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Where the model lives, which layer spec builds it, and the TransformerConfig switches that
+    depend on the platform. `build_plan` decides it; see its table."""
+
+    device: str  # "cuda" | "cpu"
+    use_te: bool
+    use_cpu_initialization: bool
+    moe_grouped_gemm: bool
+    bias_activation_fusion: bool
+    masked_softmax_fusion: bool
+    bias_dropout_fusion: bool
+    apply_rope_fusion: bool
+    persist_layer_norm: bool
+    gradient_accumulation_fusion: bool
+    moe_router_fusion: bool
+    moe_permute_fusion: bool
+
+    def config_kwargs(self) -> dict:
+        """The TransformerConfig fields of the plan."""
+        out = asdict(self)
+        del out["device"], out["use_te"]
+        return out
+
+
+def build_plan(caps: Capabilities, kernels: Kernels = Kernels(), spec: str = "auto",
+               routing_replay: bool = False) -> BuildPlan:
+    """Platform capabilities -> how to build the model (a pure function: tested on CPU for every case).
+
+    spec: "auto" (TE when usable) | "local" | "te" (raises without usable TE).
+    What each switch needs, from megatron-core's code:
+      device                  CUDA when available: megatron allocates its parallel layers on the current
+                              CUDA device, torch norms are created on the CPU, so the model is moved
+                              (Megatron-LM's `model.cuda(torch.cuda.current_device())`).
+      use_cpu_initialization  only without CUDA (init on the CPU, then nothing moves it).
+      moe_grouped_gemm        TE in use and TE has grouped linears (TEGroupedMLP); never the legacy
+                              GroupedMLP, which needs the separate `grouped_gemm` package.
+      bias_activation_fusion  CUDA: megatron's jit_fuser (torch.compile) SwiGLU; needs no TE.
+      bias_dropout_fusion     CUDA: megatron's jit_fuser residual add; needs no TE.
+      masked_softmax_fusion   only megatron's local DotProductAttention reads it (TE attention fuses
+                              its own softmax): CUDA, local spec and the compiled softmax extensions,
+                              which it imports at forward time when the shapes fit.
+      apply_rope_fusion       TE in use and TE's fused RoPE present (TransformerConfig rejects it otherwise).
+      persist_layer_norm      never: only Apex's persistent LayerNorm kernel reads it; these models use
+                              RMSNorm (TENorm, or torch's RMSNorm whose wrapper asserts it is off).
+      gradient_accumulation_fusion  CUDA and `fused_weight_gradient_mlp_cuda` (Apex): megatron's own
+                              ColumnParallelLinear (the output layer under either spec) raises without it.
+      moe_router_fusion       TE in use and TE's fused top-k present, and no routing replay: the fused
+                              path skips megatron's RouterReplay entirely.
+      moe_permute_fusion      TE in use and TE's fused permutation ops present.
+    Without CUDA every switch is off: the CPU lane's numbers do not depend on this function.
+    """
+    if spec not in ("auto", "local", "te"):
+        raise ValueError(f"spec={spec!r}; choose auto, local or te")
+    if spec == "te" and not caps.te_usable:
+        raise RuntimeError(f"spec='te' needs Transformer Engine and CUDA; this process has {caps.describe()}. "
+                           "Use spec='local' or 'auto'.")
+    use_te = caps.te_usable and spec in ("auto", "te")
+    cuda = caps.cuda
+    return BuildPlan(
+        device="cuda" if cuda else "cpu",
+        use_te=use_te,
+        use_cpu_initialization=not cuda,
+        moe_grouped_gemm=use_te and kernels.te_grouped_gemm,
+        bias_activation_fusion=cuda,
+        masked_softmax_fusion=cuda and not use_te and kernels.fused_softmax,
+        bias_dropout_fusion=cuda,
+        apply_rope_fusion=use_te and kernels.te_fused_rope,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=cuda and kernels.wgrad_accum_fusion,
+        moe_router_fusion=use_te and kernels.te_fused_router and not routing_replay,
+        moe_permute_fusion=use_te and kernels.te_fused_permute,
+    )
+
+
+def plan_for(opts: BuildOptions, spec: str | None = None) -> BuildPlan:
+    """This process's plan for `opts` (spec: override opts.spec)."""
+    caps = capabilities()
+    return build_plan(caps, detect_kernels(caps), spec or opts.spec, opts.routing_replay)
+
+
+def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions, use_te: bool,
+                       plan: BuildPlan | None = None):
+    """The megatron-core TransformerConfig for `arch` under `groups`' parallel sizes.
+
+    plan: the platform switches (default: this process's plan for the TE or local spec).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     par = groups.config
-    cpu = not torch.cuda.is_available()
+    plan = plan if plan is not None else plan_for(opts, "te" if use_te else "local")
+    fused = plan.config_kwargs()
+    moe_only = {k: fused.pop(k) for k in ("moe_grouped_gemm", "moe_router_fusion", "moe_permute_fusion")}
     moe = {}
     if arch.is_moe:
         moe = dict(
@@ -77,12 +204,10 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
             moe_router_load_balancing_type="aux_loss" if opts.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
             moe_token_dispatcher_type=opts.moe_token_dispatcher,
-            moe_grouped_gemm=False,
             moe_layer_freq=[1 if arch.is_moe_layer(i) else 0 for i in range(arch.num_layers)],
             moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size or None,
             moe_enable_routing_replay=opts.routing_replay,
-            moe_router_fusion=False,
-            moe_permute_fusion=False,
+            **moe_only,
         )
     dtype = opts.torch_dtype
     return TransformerConfig(
@@ -96,15 +221,14 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        # Platform workaround #4: a linear bias breaks the MoE backward on CPU (in-place add on a
-        # custom-Function view); Qwen3 has no linear biases anyway.
+        # Platform workaround #4: with the local spec (no TE, any device) a linear bias breaks the
+        # MoE backward (in-place add on a custom-Function view); Qwen3 has no linear biases anyway.
         add_bias_linear=False,
         add_qkv_bias=False,
         qk_layernorm=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=opts.init_std,
-        use_cpu_initialization=cpu,
         bf16=opts.dtype == "bf16",
         fp16=opts.dtype == "fp16",
         params_dtype=dtype,
@@ -115,13 +239,8 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.etp,
         sequence_parallel=par.tp > 1 and arch.is_moe,
-        # fused kernels need CUDA/Apex/TE
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=not cpu and use_te,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        # device-dependent switches: use_cpu_initialization and the fused kernels (see build_plan)
+        **fused,
         # Our losses arrive already divided by a global normaliser (tokens or sequences summed
         # over every DP/CP rank and micro-batch of the step). Per-token mode makes megatron's
         # DDP sum (not average) gradients over DP and its schedules not divide by the number of
@@ -150,23 +269,20 @@ def build_gpt_model(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions 
     if arch.num_layers % par.pp:
         raise ValueError(f"model.num_layers={arch.num_layers} must be divisible by "
                          f"pipeline_model_parallel_size={par.pp}")
-    te_ok = have_transformer_engine()
-    if opts.spec == "te" and not te_ok:
-        raise RuntimeError("spec='te' needs Transformer Engine and CUDA; this process has "
-                           f"CUDA={torch.cuda.is_available()}. Use spec='local' or 'auto'.")
-    use_te = opts.spec == "te" or (opts.spec == "auto" and te_ok)
+    plan = plan_for(opts)
+    use_te = plan.use_te
     if par.cp > 1 and not use_te:
         raise RuntimeError(
             f"parallel.context_parallel_size={par.cp} (--context-parallel-size) needs Transformer Engine "
             "attention on CUDA (megatron-core: 'Context parallelism is only supported by "
-            f"TEDotProductAttention'); this process has TE={te_ok}, CUDA={torch.cuda.is_available()}. "
+            f"TEDotProductAttention'); this process has {capabilities().describe()}. "
             "CP is a GPU-only path: install the 'te' extra on a GPU machine, or use "
             "parallel.context_parallel_size=1 on CPU.")
-    config = transformer_config(arch, groups, opts, use_te)
+    config = transformer_config(arch, groups, opts, use_te, plan)
     torch.manual_seed(opts.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(opts.seed)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
@@ -178,6 +294,11 @@ def build_gpt_model(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions 
         rotary_base=int(arch.rope_theta),
         pg_collection=groups.pgs,
     )
+    if plan.device == "cuda":
+        # As Megatron-LM's get_model: megatron builds its parallel layers on the current device
+        # (torch.cuda.set_device(LOCAL_RANK) in init_distributed), torch's norms on the CPU.
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:

@@ -57,7 +57,7 @@ def _tp(param: Param, groups: ParallelGroups):
 
 
 def _shape_kwargs(arch: ModelArch) -> dict:
-    return dict(num_heads=arch.num_attention_heads, num_groups=arch.num_kv_heads, head_dim=arch.head_dim)
+    return {"num_heads": arch.num_attention_heads, "num_groups": arch.num_kv_heads, "head_dim": arch.head_dim}
 
 
 def local_plan(model, arch: ModelArch, groups: ParallelGroups) -> dict[str, _Slot]:
@@ -215,7 +215,7 @@ class SafetensorsReader:
             if not os.path.exists(single):
                 raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
             with safe_open(single, "pt") as f:
-                self._where = {k: "model.safetensors" for k in f.keys()}
+                self._where = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - not a dict
         self._open = {}
         self._safe_open = safe_open
 

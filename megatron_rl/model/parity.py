@@ -40,8 +40,8 @@ def mcore_logits(model, tokens: torch.Tensor, groups: ParallelGroups) -> torch.T
     if groups.config.pp != 1:
         raise ValueError("mcore_logits runs a plain forward; use PP=1")
     b, s = tokens.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
-    logits = model(tokens, pos, causal_mask(s))  # [B, S, V/TP]
+    pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
+    logits = model(tokens, pos, causal_mask(s, device=tokens.device))  # [B, S, V/TP]
     tp = dist.get_world_size(groups.tp_group)
     if tp > 1:
         parts = [torch.empty_like(logits) for _ in range(tp)]

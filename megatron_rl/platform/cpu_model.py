@@ -1,4 +1,5 @@
-"""Workarounds #1-#9: building and running megatron-core GPT/MoE models on CPU with gloo.
+"""Workarounds #1-#9: building and running megatron-core GPT/MoE models without CUDA (gloo) or
+without Transformer Engine (megatron-core's local layer spec). Each declares its condition.
 
 (#4, `add_bias_linear=False`, is a model setting, not a patch: see megatron_rl.model.builder.)
 """
@@ -9,6 +10,7 @@ import types
 
 import torch
 
+from megatron_rl.platform.capabilities import Condition
 from megatron_rl.platform.registry import Workaround
 
 
@@ -59,9 +61,16 @@ def _current_device() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
 
 
+def _te_general_gemm_unbound() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return not hasattr(moe_utils, "te_general_gemm")
+
+
 def _te_general_gemm() -> None:
-    # 0.16.1: moe_utils binds te_general_gemm only inside a TE import try-block, but
-    # RouterGatingLinearFunction tests it unconditionally: "NameError: name 'te_general_gemm'".
+    # Without Transformer Engine (any device): megatron-core 0.16 binds moe_utils.te_general_gemm
+    # only inside its `import transformer_engine` try-block, but RouterGatingLinearFunction tests
+    # it unconditionally: "NameError: name 'te_general_gemm'". (0.19 binds it to None itself.)
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -113,7 +122,9 @@ def _streams() -> None:
 
 
 def _sp_torch_norm() -> None:
-    # MoE with TP>1 requires sequence parallelism, but the local spec's WrappedTorchNorm asserts
+    # Without Transformer Engine (any device) the local layer spec builds its RMSNorms as
+    # WrappedTorchNorm (TE's spec uses TENorm). MoE with TP>1 requires sequence parallelism,
+    # but WrappedTorchNorm asserts
     # "sequence parallel not supported by torch LayerNorm". A plain torch norm is correct under
     # SP as long as its parameters carry `sequence_parallel=True`, so that finalize_model_grads
     # all-reduces their gradients over TP.
@@ -156,18 +167,20 @@ def _schedules_device() -> None:
 
 
 WORKAROUNDS = (
-    Workaround(1, "rng_tracker", "AssertionError: Torch not compiled with CUDA enabled (RNG tracker)",
-               _rng_tracker),
-    Workaround(2, "current_device", "AssertionError: Torch not compiled with CUDA enabled (current_device)",
-               _current_device),
-    Workaround(3, "te_general_gemm", "NameError: name 'te_general_gemm' is not defined", _te_general_gemm),
-    Workaround(5, "synchronize", "AssertionError: Torch not compiled with CUDA enabled (synchronize)",
-               _synchronize),
-    Workaround(6, "streams", "RuntimeError: torch.cuda.Stream requires CUDA support", _streams),
-    Workaround(7, "sp_torch_norm", "AssertionError: sequence parallel not supported by torch LayerNorm",
-               _sp_torch_norm),
-    Workaround(8, "split_sizes_numpy", "TypeError: all_to_all_single(): incompatible function arguments",
-               _split_sizes_numpy),
-    Workaround(9, "schedules_device", "AssertionError: Torch not compiled with CUDA enabled (schedules)",
-               _schedules_device),
+    Workaround(1, "rng_tracker", Condition.NO_CUDA,
+               "AssertionError: Torch not compiled with CUDA enabled (RNG tracker)", _rng_tracker),
+    Workaround(2, "current_device", Condition.NO_CUDA,
+               "AssertionError: Torch not compiled with CUDA enabled (current_device)", _current_device),
+    Workaround(3, "te_general_gemm", Condition.NO_TE, "NameError: name 'te_general_gemm' is not defined",
+               _te_general_gemm, defect_present=_te_general_gemm_unbound),
+    Workaround(5, "synchronize", Condition.NO_CUDA,
+               "AssertionError: Torch not compiled with CUDA enabled (synchronize)", _synchronize),
+    Workaround(6, "streams", Condition.NO_CUDA, "RuntimeError: torch.cuda.Stream requires CUDA support",
+               _streams),
+    Workaround(7, "sp_torch_norm", Condition.NO_TE,
+               "AssertionError: sequence parallel not supported by torch LayerNorm", _sp_torch_norm),
+    Workaround(8, "split_sizes_numpy", Condition.NO_CUDA,
+               "TypeError: all_to_all_single(): incompatible function arguments", _split_sizes_numpy),
+    Workaround(9, "schedules_device", Condition.NO_CUDA,
+               "AssertionError: Torch not compiled with CUDA enabled (schedules)", _schedules_device),
 )

@@ -1,8 +1,9 @@
-"""Workarounds #10-#15: megatron-core's DDP, optimizer, checkpointing and tied embeddings on CPU.
+"""Workarounds #10-#15: megatron-core's DDP, optimizer, checkpointing and tied embeddings without
+CUDA, without Transformer Engine and Apex, or anywhere (each declares its condition).
 
-#11 and #15 change torch process-wide; like all workarounds they are applied only in CPU-only
-processes (see registry.apply_cpu_workarounds). The platform notes' #12 (grad scaler .cuda())
-is covered by #15 and is not a separate patch.
+#11 and #15 change torch process-wide; they are applied only in processes without CUDA (see
+registry.apply_platform_workarounds). #12 (the grad scaler's .cuda(); docs/platform.md) is
+covered by #15 and is not a separate patch.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import importlib
 
 import torch
 
+from megatron_rl.platform.capabilities import Condition
 from megatron_rl.platform.cpu_model import torch_proxy
 from megatron_rl.platform.registry import Workaround
 
@@ -54,13 +56,14 @@ def _type_strings() -> None:
 def _tensor_cuda_identity() -> None:
     # Tensor.cuda() on CPU tensors: LanguageModule.setup_embeddings_and_output_layer (tied
     # embeddings under PP > 1: `weight.data = weight.data.cuda()`), the fp16 grad scaler's
-    # load_state_dict (`state_dict['scale'].cuda(...)`; the platform notes' #12, which this
+    # load_state_dict (`state_dict['scale'].cuda(...)`; #12 in docs/platform.md, which this
     # makes unnecessary) and `fully_reshardable` optimizer checkpoints. Identity on CPU.
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def _adamw_step_on_load() -> None:
-    # DistributedOptimizer falling back to torch.optim.AdamW (no TE/Apex) keeps a per-param
+    # Without TE and Apex (any device) DistributedOptimizer falls back to torch.optim.AdamW
+    # (megatron's `HAVE_APEX_OR_TE = False` branches), which keeps a per-param
     # 0-dim state['step']. Three defects on checkpoint load: (a) a fresh optimizer has no state,
     # and state_dict() asserts one common step; (b) the pre-load step overwrites the restored one;
     # (c) one shared step tensor is set into every param's state and incremented once per param.
@@ -103,9 +106,10 @@ def _adamw_step_on_load() -> None:
 
 
 def _load_under_no_grad() -> None:
-    # fp32 params + distributed optimizer: loading copies into a view of a leaf Parameter that
-    # requires grad ("a view of a leaf Variable that requires grad is being used in an in-place
-    # operation"). Not CPU specific, but only seen without TE/Apex. Load under no_grad.
+    # Any platform: with fp32 params the distributed optimizer's main params are views of the
+    # model's Parameters (`model_param.view(-1)[start:end]`, no detach), and
+    # load_parameter_state_from_dp_reshardable copies into them outside no_grad ("a view of a leaf
+    # Variable that requires grad is being used in an in-place operation"). Load under no_grad.
     from megatron.core.optimizer import distrib_optimizer
 
     cls = distrib_optimizer.DistributedOptimizer
@@ -122,14 +126,14 @@ def _load_under_no_grad() -> None:
 
 
 WORKAROUNDS = (
-    Workaround(10, "cuda_strings", "AssertionError: Torch not compiled with CUDA enabled (optimizer)",
-               _cuda_strings),
-    Workaround(11, "type_strings", "TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor",
-               _type_strings),
-    Workaround(13, "adamw_step_on_load", "AssertionError in DistributedOptimizer.state_dict (step)",
-               _adamw_step_on_load),
-    Workaround(14, "load_under_no_grad", "RuntimeError: a view of a leaf Variable that requires grad",
-               _load_under_no_grad),
-    Workaround(15, "tensor_cuda_identity", "AssertionError: Torch not compiled with CUDA enabled (.cuda())",
-               _tensor_cuda_identity),
+    Workaround(10, "cuda_strings", Condition.NO_CUDA,
+               "AssertionError: Torch not compiled with CUDA enabled (optimizer)", _cuda_strings),
+    Workaround(11, "type_strings", Condition.NO_CUDA,
+               "TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor", _type_strings),
+    Workaround(13, "adamw_step_on_load", Condition.NO_TE_NO_APEX,
+               "AssertionError in DistributedOptimizer.state_dict (step)", _adamw_step_on_load),
+    Workaround(14, "load_under_no_grad", Condition.ALWAYS,
+               "RuntimeError: a view of a leaf Variable that requires grad", _load_under_no_grad),
+    Workaround(15, "tensor_cuda_identity", Condition.NO_CUDA,
+               "AssertionError: Torch not compiled with CUDA enabled (.cuda())", _tensor_cuda_identity),
 )

@@ -15,7 +15,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-OVERRIDES = ["model.size=tiny", "model.dtype=bf16", "optim.dtype=bf16", "rollout.dtype=bf16",
+OVERRIDES = ["model.size=tiny", "model.dtype=bf16", "rollout.dtype=bf16",
              "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_tokens=8", "train.steps=1",
              "train.micro_batch_size=2", "train.num_minibatches=1", "train.eval_every=0", "sft.steps=0",
              "log.tensorboard=false", "log.progress=false"]

@@ -34,7 +34,8 @@ class Param:
 
     Templates use {layer} (global 0-based layer index; mcore names use the stage-local index)
     and {expert} (HF: global expert id; mcore: local expert id on this EP rank).
-    te_mcore: the name under Transformer Engine's layer spec where it differs (fused norms).
+    te_mcore: the name under Transformer Engine's layer spec where it differs (fused norms, grouped
+        experts of TEGroupedMLP).
     stage: "first" | "last" | None; for GLOBAL params that live on one pipeline stage.
     export: False for an alias that must not be written back (tied output layer copy).
     """

@@ -45,14 +45,17 @@ DENSE_MLP = (
 )
 
 _E = _L + "mlp.experts.local_experts.{expert}."
+# TE spec with moe_grouped_gemm (TEGroupedMLP): one grouped linear per projection, weight{j} per local expert
+_GE = _L + "mlp.experts."
 _HE = _H + "mlp.experts.{expert}."
 MOE_MLP = (
     Param(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED,
           Scope.MOE),
     Param(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), Kind.REPLICATED, Scope.MOE),
     Param(_E + "linear_fc1.weight", (_HE + "gate_proj.weight", _HE + "up_proj.weight"), Kind.GATED,
-          Scope.EXPERT),
-    Param(_E + "linear_fc2.weight", (_HE + "down_proj.weight",), Kind.ROW, Scope.EXPERT),
+          Scope.EXPERT, te_mcore=_GE + "linear_fc1.weight{expert}"),
+    Param(_E + "linear_fc2.weight", (_HE + "down_proj.weight",), Kind.ROW, Scope.EXPERT,
+          te_mcore=_GE + "linear_fc2.weight{expert}"),
 )
 
 QWEN3 = GLOBAL + ATTENTION + DENSE_MLP

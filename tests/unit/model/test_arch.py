@@ -19,10 +19,10 @@ def test_moe_layer_rule_follows_hf():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(arch="llama"), "not supported"),
-    (dict(num_attention_heads=4, num_kv_heads=3), "multiple"),
-    (dict(arch="qwen3_moe", num_experts=0), "num_experts"),
-    (dict(arch="qwen3_moe", num_experts=4, moe_ffn_hidden_size=8, moe_topk=5), "moe_topk"),
+    ({"arch": "llama"}, "not supported"),
+    ({"num_attention_heads": 4, "num_kv_heads": 3}, "multiple"),
+    ({"arch": "qwen3_moe", "num_experts": 0}, "num_experts"),
+    ({"arch": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 8, "moe_topk": 5}, "moe_topk"),
 ])
 def test_validation_messages(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -34,7 +34,7 @@ def test_shard_roundtrip(kind, size):
         hf = [torch.randn(8, h, generator=g), torch.randn(8, h, generator=g)]
     else:
         hf = [torch.randn(8, 12, generator=g)]
-    kw = dict(num_heads=nh, num_groups=ng, head_dim=d)
+    kw = {"num_heads": nh, "num_groups": ng, "head_dim": d}
     shards = [to_local_shard(kind, hf, r, size, **kw) for r in range(size)]
     back = from_shards(kind, shards, **kw)
     assert len(back) == len(hf)

@@ -1,10 +1,11 @@
-"""One probe per CPU workaround: the smallest real megatron-core call that needs it.
+"""One probe per platform workaround: the smallest real megatron-core call that needs it.
 
     python -m tests.unit.platform.probes N [--without]
 
-applies every workaround (all but N with --without), runs probe N, prints the outcome and
-exits 0 when the call worked, 3 when it raised (the message is printed). A fresh process per
-run, because patches are process-wide.
+applies every workaround this process needs (all but N with --without), runs probe N, prints the
+outcome and exits 0 when the call worked, 3 when it raised (the message is printed). A fresh
+process per run, because patches are process-wide. Runs on CPU (gloo) and, for the workarounds
+about Transformer Engine or Apex being absent, on a GPU (NCCL) too.
 """
 from __future__ import annotations
 
@@ -18,12 +19,20 @@ import torch
 import torch.distributed as dist
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _dist():
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
     from tests.spawn import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
 
 
 def _groups(**sizes):
@@ -54,8 +63,9 @@ def _model(arch="qwen3_moe", **opts):
 def _forward(model):
     from megatron_rl.model import causal_mask
 
-    tokens = torch.randint(0, 64, (2, 8))
-    return model(tokens, torch.arange(8).expand(2, -1), causal_mask(8), labels=tokens)
+    dev = _device()
+    tokens = torch.randint(0, 64, (2, 8), device=dev)
+    return model(tokens, torch.arange(8, device=dev).expand(2, -1), causal_mask(8, device=dev), labels=tokens)
 
 
 def probe_1():
@@ -111,13 +121,15 @@ def _train_step(model, settings):
 
     model = wrap_model(model, settings)
     optimizer = build_optimizer(model, settings)
-    tokens = torch.randint(0, 64, (2, 9))
+    dev = _device()
+    tokens = torch.randint(0, 64, (2, 9), device=dev)
 
     def step(_, m):
         from megatron_rl.model import causal_mask
 
-        out = m(tokens[:, :-1], torch.arange(8).expand(2, -1), causal_mask(8), labels=tokens[:, 1:])
-        return out, lambda o: (o.float().mean(), torch.tensor(1), {})
+        out = m(tokens[:, :-1], torch.arange(8, device=dev).expand(2, -1), causal_mask(8, device=dev),
+                labels=tokens[:, 1:])
+        return out, lambda o: (o.float().mean(), torch.tensor(1, device=dev), {})
 
     forward_backward(model, step, None, 1, 8, 2, optimizer=optimizer)
     optimizer.step()
@@ -143,12 +155,13 @@ def probe_11():
 
 
 def _dist_opt_reload():
+    from megatron_rl.config.schema import OptimSection
     from megatron_rl.model import BuildOptions, build_gpt_model
     from megatron_rl.model.presets import preset_arch
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.stack import OptimSettings, build_optimizer, wrap_model
 
-    settings = OptimSettings(use_distributed_optimizer=True)
+    settings = OptimSettings(OptimSection(use_distributed_optimizer=True))
     model, optimizer = _train_step(_model()[0], settings)
     with tempfile.TemporaryDirectory() as d:
         save_checkpoint(d, 1, model, optimizer)
@@ -179,14 +192,18 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore")
     number = int(argv[0])
     without = "--without" in argv
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
 
-    apply_cpu_workarounds(skip={number} if without else ())
+    apply_platform_workarounds(skip={number} if without else ())
     _dist()
     try:
         globals()[f"probe_{number}"]()
-    except Exception as e:  # the failure this workaround exists for
-        print(f"PROBE {number} RAISED {type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - the failure this workaround exists for
+        chain, seen = [], e  # callers may wrap megatron's error: print the whole chain
+        while seen is not None and len(chain) < 5:
+            chain.append(f"{type(seen).__name__}: {seen}")
+            seen = seen.__cause__ or seen.__context__
+        print(f"PROBE {number} RAISED " + " <- ".join(chain))
         traceback.print_exc()
         return 3
     print(f"PROBE {number} OK")

@@ -1,0 +1,62 @@
+"""Short runs of pretrain_rl.py for the GPU tests: the shrunk demo, their overrides, and how to launch them.
+
+The demo (examples/demo_cpu.yaml: a tiny Qwen3-MoE learning to sort digits, embedded engine)
+shrunk to a few steps and small batches. `launch` runs pretrain_rl.py under torchrun with one
+process (NCCL on the GPU); `launch_many` runs several in one process through tests.gpu.driver
+(`pretrain_rl.main` once per run) to save the start-up time of each.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = "examples/demo_cpu.yaml"
+QUIET = ["log.tensorboard=false", "log.progress=false", "log.figure_every=0"]
+# a few RL steps on 8 prompts x 4 samples (2 mini-batches of 16 rows, micro-batches of 8), a short
+# SFT warm start, one held-out evaluation on 32 problems
+DEMO_SHORT = ["train.steps=3", "rollout.prompts_per_step=8", "rollout.group_size=4", "train.micro_batch_size=8",
+              "train.num_minibatches=2", "train.eval_every=3", "train.eval_size=32", "data.heldout_size=32",
+              "sft.steps=4", "sft.batch_size=16", "sft.eval_every=2", *QUIET]
+# one RL step, no SFT, no evaluation
+ONE_STEP = ["train.steps=1", "rollout.prompts_per_step=8", "rollout.group_size=4", "train.micro_batch_size=8",
+            "train.num_minibatches=2", "train.eval_size=0", "data.heldout_size=32", "sft.steps=0", *QUIET]
+# metrics every RL step reports, all of which must be finite
+STEP_KEYS = ("loss/policy", "rollout/reward_mean", "mismatch/kl_k3")
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "4", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def _read(run_dir: Path, summary: Path) -> tuple[dict, list[dict]]:
+    metrics = run_dir / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return json.loads(summary.read_text()), steps
+
+
+def launch(tmp_path: Path, name: str, overrides: list[str], timeout: int = 900) -> tuple[dict, list[dict]]:
+    """`torchrun --nproc-per-node=1 pretrain_rl.py --config DEMO ...`; (summary, metrics.jsonl rows)."""
+    run_dir, summary = tmp_path / name, tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "pretrain_rl.py",
+           "--config", DEMO, "--summary-json", str(summary), f"train.run_dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return _read(run_dir, summary)
+
+
+def launch_many(tmp_path: Path, runs: dict[str, list[str]], timeout: int = 1800) -> dict[str, tuple | str]:
+    """Several runs in one process (tests.gpu.driver): name -> (summary, rows), or the error text."""
+    spec = {name: ["--config", DEMO, "--summary-json", str(tmp_path / f"{name}.json"),
+                   f"train.run_dir={tmp_path / name}", *overrides] for name, overrides in runs.items()}
+    spec_file, result_file = tmp_path / "runs.json", tmp_path / "results.json"
+    spec_file.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "tests.gpu.driver", str(spec_file), str(result_file)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    assert result_file.exists(), f"driver died: exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    errors = json.loads(result_file.read_text())
+    return {name: errors[name] or _read(tmp_path / name, tmp_path / f"{name}.json") for name in runs}

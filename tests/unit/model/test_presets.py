@@ -1,0 +1,116 @@
+"""Real Qwen3 shapes: parameter counts match the published sizes; arch consistency; a shrunk one builds.
+
+References: the Qwen3 model cards on Hugging Face (Qwen/Qwen3-*) state total parameters and, for
+the dense models, non-embedding parameters; the MoE cards state total and activated parameters:
+0.6B (0.44B non-embedding), 1.7B (1.4B), 4B (3.6B), 8B (8.2B; 6.95B), 14B (14.8B; 13.2B),
+32B (32.8B; 31.2B), 30B-A3B (30.5B total, 3.3B activated), 235B-A22B (235B total, 22B activated).
+"""
+import pytest
+
+from megatron_rl.model.arch import ModelArch
+from megatron_rl.model.presets import REAL_PRESETS, preset_arch, preset_names
+from tests.spawn import run_ranks
+
+B = 1e9
+# name: (total, non-embedding or None, activated or None), in parameters
+PUBLISHED = {
+    "qwen3-0.6b": (0.6 * B, 0.44 * B, None),
+    "qwen3-1.7b": (1.7 * B, 1.4 * B, None),
+    "qwen3-4b": (4.0 * B, 3.6 * B, None),
+    "qwen3-8b": (8.2 * B, 6.95 * B, None),
+    "qwen3-14b": (14.8 * B, 13.2 * B, None),
+    "qwen3-32b": (32.8 * B, 31.2 * B, None),
+    "qwen3-moe-30b-a3b": (30.5 * B, None, 3.3 * B),
+    "qwen3-moe-235b-a22b": (235 * B, None, 22 * B),
+}
+
+
+def _arch(name: str, **kw) -> ModelArch:
+    return preset_arch(REAL_PRESETS[name]["arch"], name, **kw)
+
+
+def test_every_real_preset_has_a_reference():
+    assert sorted(PUBLISHED) == sorted(REAL_PRESETS)
+    assert set(REAL_PRESETS) <= set(preset_names())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_count_matches_published(name):
+    arch = _arch(name)
+    total, non_embedding, activated = PUBLISHED[name]
+    # the model cards round to one or two significant digits ("0.6B" is 0.596B): 4% covers that
+    assert arch.num_parameters() == pytest.approx(total, rel=0.04)
+    if non_embedding is not None:
+        embeddings = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+        assert arch.num_parameters() - embeddings == pytest.approx(non_embedding, rel=0.04)
+    if activated is not None:
+        assert arch.num_parameters(active=True) == pytest.approx(activated, rel=0.04)
+
+
+def test_shared_shape_facts():
+    for name in REAL_PRESETS:
+        a = _arch(name)
+        assert (a.vocab_size, a.head_dim, a.rope_theta, a.rms_norm_eps) == (151936, 128, 1e6, 1e-6), name
+        assert a.max_position_embeddings == 40960, name
+        assert a.tie_word_embeddings == (name in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b")), name
+        if a.is_moe:
+            assert (a.num_experts, a.moe_topk, a.norm_topk_prob) == (128, 8, True), name
+            assert all(a.is_moe_layer(i) for i in range(a.num_layers)), name
+
+
+@pytest.mark.parametrize("name", sorted(REAL_PRESETS))
+def test_hf_config_roundtrip(name):
+    a = _arch(name)
+    assert ModelArch.from_hf_config(a.to_hf_config().to_dict()) == a
+
+
+def test_arch_must_agree_with_the_preset():
+    with pytest.raises(ValueError, match="model.size=qwen3-1.7b is a qwen3 model, but model.arch=qwen3_moe"):
+        preset_arch("qwen3_moe", "qwen3-1.7b")
+    with pytest.raises(ValueError, match="set model.arch=qwen3_moe"):
+        preset_arch("qwen3", "qwen3-moe-30b-a3b")
+
+
+def test_unknown_size_lists_the_presets():
+    with pytest.raises(KeyError, match="qwen3-moe-30b-a3b"):
+        preset_arch("qwen3", "qwen3-2b")
+
+
+def test_overrides_shrink_a_real_preset():
+    a = _arch("qwen3-moe-30b-a3b", num_layers=2)
+    assert (a.num_layers, a.hidden_size, a.num_experts) == (2, 2048, 128)
+    assert a.num_parameters() < 2 * B
+
+
+def test_small_presets_unchanged():
+    assert preset_arch("qwen3_moe") == ModelArch(arch="qwen3_moe", vocab_size=64, hidden_size=64, num_layers=2,
+                                                 num_attention_heads=4, num_kv_heads=2, head_dim=16,
+                                                 ffn_hidden_size=128, max_position_embeddings=256, num_experts=4,
+                                                 moe_ffn_hidden_size=64, moe_topk=2)
+
+
+def _build(rank, world, name, overrides):
+    import torch
+
+    from megatron_rl.model import BuildOptions, build_gpt_model, causal_mask
+    from tests.mcore_setup import setup_parallel
+
+    arch = _arch(name, **overrides)
+    model = build_gpt_model(arch, setup_parallel(), BuildOptions())
+    dev = next(model.parameters()).device  # the CPU here; the current GPU on a GPU machine
+    tokens = torch.randint(0, arch.vocab_size, (1, 8), device=dev)
+    with torch.no_grad():
+        loss = model(tokens, torch.arange(8, device=dev)[None], causal_mask(8, device=dev), labels=tokens)
+    return sum(p.numel() for p in model.parameters()), arch.num_parameters(), bool(torch.isfinite(loss).all())
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("qwen3-0.6b", {"num_layers": 1, "vocab_size": 512}),
+    ("qwen3-moe-30b-a3b", {"num_layers": 1, "vocab_size": 512, "num_experts": 8}),
+], ids=["dense", "moe"])
+def test_shrunk_real_shape_builds(name, overrides):
+    """Real hidden size, heads, head_dim and FFN widths, one layer: megatron builds it (on the CPU
+    here), runs it, and has exactly the parameters num_parameters() counts."""
+    [(built, counted, finite)] = run_ranks(_build, world_size=1, timeout=240, name=name, overrides=overrides)
+    assert built == counted
+    assert finite

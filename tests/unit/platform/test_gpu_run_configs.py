@@ -1,0 +1,29 @@
+"""The GPU lane's run configurations (tests/gpu) are valid: checked here, on any machine (no GPU needed), so a
+config change that would break the GPU lane shows up in the CPU suite too. Nothing is run."""
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.losses import RECIPES
+from tests.gpu.runs import DEMO, DEMO_SHORT, ONE_STEP, ROOT
+
+CONFIGS = {
+    **{f"demo_{d}": DEMO_SHORT + [f"model.dtype={d}"] for d in ("fp32", "bf16", "fp16")},
+    **{f"recipe_{r}": ONE_STEP + [f"loss.recipe={r}", "model.dtype=bf16"] for r in sorted(RECIPES.names())},
+    **{f"replay_{m}": ONE_STEP + ["--router-replay", m, "model.dtype=bf16"] for m in ("r2", "r3")},
+    "sft_only": ONE_STEP + ["train.steps=0", "sft.steps=6", "sft.batch_size=16", "sft.eval_every=3",
+                            "train.eval_size=32"],
+    "resume": ONE_STEP + ["model.dtype=fp32", "rollout.dtype=fp32", "train.steps=3", "train.resume=true"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gpu_run_config_loads(name, tmp_path):
+    cfg = load_config(str(ROOT / DEMO), CONFIGS[name] + [f"train.run_dir={tmp_path}"])
+    assert cfg.log.tensorboard is False  # the GPU machine has no TensorBoard wheel (tools/gpu_wheels.sh)
+
+
+def test_context_parallel_config_loads(tmp_path):
+    from tests.gpu.test_context_parallel_loop import OVERRIDES
+
+    cfg = load_config(str(ROOT / DEMO), OVERRIDES + [f"train.run_dir={tmp_path}", "--context-parallel-size", "2"])
+    assert cfg.parallel.context_parallel_size == 2 and cfg.model.dtype == "bf16"
