@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 import warnings
 
 
@@ -38,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--config", default=None, help="YAML run config (examples/*.yaml); overrides follow")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--summary-json", default=None, help="write the final summary here (rank 0)")
+    p.add_argument("--debug", action="store_true",
+                   help="print the full traceback of an error (otherwise one line, traceback in run_dir/error.log)")
     args, overrides = p.parse_known_args(argv)
     return args, overrides
 
@@ -70,31 +73,74 @@ def print_summary(summary: dict) -> None:
     print("=" * (width + 40), flush=True)
 
 
+def report_error(e: BaseException, rank: int, run_dir: str, debug: bool) -> None:
+    """One line per failing rank on stderr; the traceback goes to run_dir/error-rank<r>.log (and to
+    stderr with --debug)."""
+    trace = "".join(traceback.format_exception(e))
+    log = os.path.join(run_dir, f"error-rank{rank}.log")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(log, "w") as f:
+            f.write(trace)
+    except OSError:
+        log = None
+    if debug:
+        print(trace, file=sys.stderr)
+    where = f" (traceback: {log})" if log and not debug else ""
+    message = str(e).strip() or type(e).__name__
+    if not isinstance(e, (ValueError, OSError, RuntimeError)):  # not one of ours: say what kind it is
+        message = f"{type(e).__name__}: {message}"
+    print(f"error{f' on rank {rank}' if rank else ''}: {message}{where}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
+    """Exit codes: 0 done, 1 an error (one line on stderr), 2 a config error, 128 + signal number
+    when SIGTERM/SIGINT stopped the run after saving its completed steps."""
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's "no Apex/TE" notices
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser = torch.compile: slow first call
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed.checkpoint's deprecation notes
     args, overrides = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():  # megatron's jit_fuser is torch.compile: minutes of CPU compiles
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     from megatron_rl.config import ConfigError, config_to_dict, load_config
 
     try:
         cfg = load_config(args.config, overrides)
-    except (ConfigError, FileNotFoundError) as e:
+        cfg.check_layout(int(os.environ.get("WORLD_SIZE", "1")))
+    except (ConfigError, ValueError, OSError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
         print(json.dumps(config_to_dict(cfg), indent=2, default=str))
         return 0
     from megatron_rl.parallel import destroy_parallel, init_distributed, init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import run
+    from megatron_rl.trainer.stop import Stopped, StopSignals
 
-    apply_cpu_workarounds()
-    rank, _ = init_distributed()
-    groups = init_parallel(cfg.parallel, seed=cfg.train.seed)
+    stop = StopSignals.install()  # SIGTERM like Ctrl-C: finish the step, save, exit
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        summary = run(cfg, groups)
+        apply_platform_workarounds()
+        rank, _ = init_distributed()
+        groups = init_parallel(cfg.parallel, seed=cfg.train.seed)
+        try:
+            summary = run(cfg, groups, stop)
+        finally:
+            destroy_parallel()
+    except Stopped as e:
+        if rank == 0:
+            print(str(e), file=sys.stderr, flush=True)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print(f"interrupted{f' (rank {rank})' if rank else ''}: stopped without saving", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the top level: one clear line, the traceback in a file
+        report_error(e, rank, cfg.train.run_dir, args.debug)
+        return 1
     finally:
-        destroy_parallel()
+        stop.uninstall()
     if rank == 0:
         print_summary(summary)
         if args.summary_json:

@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     from megatron_rl.model import BuildOptions, ModelArch, build_gpt_model
     from megatron_rl.model.hf_io import SafetensorsReader, export_hf_weights, load_arch, load_hf_weights, save_hf_checkpoint
     from megatron_rl.parallel import ParallelConfig, destroy_parallel, init_distributed, init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
-    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.platform import apply_platform_workarounds
+    from megatron_rl.trainer.checkpoint import load_checkpoint, read_extra, save_checkpoint
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     rank, _ = init_distributed()
     groups = init_parallel(ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -60,10 +60,7 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(f"wrote {out} ({arch.arch}, {sum(p.numel() for p in model.parameters())} params on rank 0)")
         else:
-            with open(os.path.join(args.mcore_dir, "extra", "rank_00000.pt"), "rb") as f:
-                import torch
-
-                extra = torch.load(f, weights_only=False)
+            extra = read_extra(args.mcore_dir)  # JSON: nothing in a checkpoint is unpickled
             if "arch" in extra:
                 arch = ModelArch(**extra["arch"])
             elif os.path.exists(os.path.join(args.hf_dir, "config.json")):

@@ -30,9 +30,17 @@ def main(argv=None) -> int:
     if not os.path.exists(path):
         print(f"{path} not found: is {args.run_dir} a run directory of pretrain_rl.py?", file=sys.stderr)
         return 2
+    history = []
     with open(path) as f:
-        history = [json.loads(line) for line in f if line.strip()]
-    history = [h for h in history if "mismatch/kl_k3" in h]
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                history.append(json.loads(line))
+            except ValueError as e:  # a row cut short by a crash: report it and use the others
+                print(f"{path}:{lineno}: skipped, not a complete JSON row ({e.msg}); the run was probably "
+                      f"interrupted while writing it", file=sys.stderr)
+    history = [h for h in history if "mismatch/kl_k3" in h and h.get("phase", "rl") == "rl"]
     if args.step is not None:
         history = [h for h in history if h["step"] == args.step]
     elif args.last:

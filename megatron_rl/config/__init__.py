@@ -12,12 +12,27 @@ from megatron_rl.config.schema import (
     LossSection,
     ModelSection,
     MoESection,
+    OptimSection,
     RolloutSection,
     RunConfig,
     SFTSection,
     TrainSection,
 )
 
-__all__ = ["MEGATRON_FLAGS", "ConfigError", "DataSection", "LogSection", "LossSection", "ModelSection", "MoESection",
-           "RolloutSection", "RunConfig", "SFTSection", "TrainSection", "config_to_dict", "load_config",
-           "parse_overrides"]
+__all__ = [
+    "MEGATRON_FLAGS",
+    "ConfigError",
+    "DataSection",
+    "LogSection",
+    "LossSection",
+    "MoESection",
+    "ModelSection",
+    "OptimSection",
+    "RolloutSection",
+    "RunConfig",
+    "SFTSection",
+    "TrainSection",
+    "config_to_dict",
+    "load_config",
+    "parse_overrides",
+]

@@ -38,6 +38,9 @@ MEGATRON_FLAGS = {
     "--sft-steps": "sft.steps",
 }
 _BOOL_FLAGS = {"--use-distributed-optimizer"}
+# settings that moved, with what to use instead
+MOVED = {"optim.dtype": "the training precision is model.dtype (the optimizer keeps fp32 master weights "
+                        "for bf16/fp16 models)"}
 
 
 class ConfigError(ValueError):
@@ -56,6 +59,9 @@ def _build(cls, data: dict, where: str):
     hints = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in data.items():
         if key not in names:
+            path = f"{where}.{key}" if where else key
+            if path in MOVED:
+                raise ConfigError(f"{path} is no longer a setting: {MOVED[path]}")
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {where + '.' if where else ''}{close[0]}?" if close else \
                 f"; valid keys: {', '.join(names)}"
@@ -69,26 +75,34 @@ def _build(cls, data: dict, where: str):
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where or 'config'}: {e}") from e
+        msg = str(e)  # section checks name their field already; others get the section's name
+        raise ConfigError(msg if not where or msg.startswith(where) else f"{where}: {msg}") from e
 
 
 def _coerce(annotation: str, value: Any, where: str) -> Any:
-    """YAML reads `3e-4` as a string (no dot) and `1` as an int: coerce to the field's type."""
+    """YAML reads `3e-4` as a string (no dot) and `1` as an int: coerce to the field's type.
+
+    Only lossless conversions: an int field refuses 2.5 and true, a float field refuses true."""
     kinds = annotation.replace(" ", "").split("|")
     if value is None and "None" in kinds:
         return None
+    if value is None:
+        raise ConfigError(f"{where}: a value is required (null is not allowed here)")
     if "float" in kinds and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:
             return float(value)
         except ValueError:
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if "int" in kinds and isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-    if kinds == ["bool"] and not isinstance(value, bool):
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            raise ConfigError(f"{where}={value!r}: expected a number") from None
+    if "int" in kinds and "float" not in kinds:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"{where}={value!r}: expected an integer") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}={value!r}: expected an integer")
+    if "bool" in kinds and not isinstance(value, bool):
+        raise ConfigError(f"{where}={value!r}: expected true or false")
     return value
 
 
@@ -137,12 +151,44 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def expand_recipe(data: dict) -> dict:
+    """Fill in the settings the loss recipe implies (LossRecipe.implies, e.g. minirl_r3 ->
+    moe.router_replay=r3); a config that sets one of them to something else is an error."""
+    loss = data.get("loss") if isinstance(data.get("loss"), dict) else {}
+    name = loss.get("recipe", _default("loss", "recipe"))
+    from megatron_rl.losses import RECIPES
+
+    if not isinstance(name, str) or name not in RECIPES:
+        return data  # resolve_loss names the problem with the valid recipes
+    out = dict(data)
+    for path, value in RECIPES.get(name).implies.items():
+        section, key = path.split(".")
+        given = (out.get(section) or {}).get(key) if isinstance(out.get(section), dict) else None
+        if given is not None and given != value and given != _default(section, key):
+            raise ConfigError(f"loss.recipe={name} implies {path}={value}, but the config sets {path}={given}; "
+                              f"remove one of them")
+        out[section] = {**(out.get(section) or {}), key: value}
+    return out
+
+
+def _default(section: str, key: str):
+    """A field's default, read off the dataclass (no instance: that would run the validation)."""
+    cls = {f.name: f for f in dataclasses.fields(RunConfig)}[section].default_factory
+    spec = {f.name: f for f in dataclasses.fields(cls)}[key]
+    return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
     data: dict = {}
     if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    data = _merge(data, parse_overrides(overrides or []))
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); check the line it names") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, rollout:, ...)")
+    data = expand_recipe(_merge(data, parse_overrides(overrides or [])))
     return _build(RunConfig, data, "")
 
 

@@ -1,15 +1,19 @@
 """The run configuration: a tree of dataclasses, one section per concern, per-field docs.
 
-YAML files (examples/*.yaml) and command-line overrides fill it (see loader.py). Validation
-lives in each section's __post_init__ and in `RunConfig.__post_init__` for cross-section
-rules, so a bad combination fails at start-up with a message that names the fields.
+YAML files (examples/*.yaml) and command-line overrides fill it (see loader.py). Every value is
+checked in its section's __post_init__ and cross-section rules in `RunConfig.__post_init__`, so
+a bad value or combination fails at start-up with a message that names the field and the fix.
+Rules that need the world size (the batch layout over data-parallel ranks) are in
+`RunConfig.check_layout`, called by the entry point before any model is built.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_rl.config import checks
 from megatron_rl.parallel import ParallelConfig
-from megatron_rl.trainer.stack import OptimSettings
+
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -17,7 +21,7 @@ class ModelSection:
     """The policy model.
 
     arch: "qwen3" | "qwen3_moe" (random init from a preset size) — ignored when hf_dir is set.
-    size: preset size name (megatron_rl/model/presets.py: tiny, small).
+    size: preset size name (megatron_rl/model/presets.py).
     hf_dir: start from this Hugging Face checkpoint directory (config.json + safetensors).
     overrides: ModelArch field overrides on top of the preset (e.g. {num_layers: 4}).
     dtype: training parameter precision "fp32" | "bf16" | "fp16" (bf16/fp16 train with fp32
@@ -33,6 +37,15 @@ class ModelSection:
     init_std: float = 0.02
     moe_aux_loss_coeff: float = 0.0
 
+    def __post_init__(self):
+        if self.hf_dir is None:
+            checks.choice("model.arch", self.arch, ("qwen3", "qwen3_moe"))
+        checks.choice("model.dtype", self.dtype, DTYPES)
+        checks.number("model.init_std", self.init_std, lo=0, lo_open=True)
+        checks.number("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, lo=0)
+        if not isinstance(self.overrides, dict):
+            raise TypeError(f"model.overrides={self.overrides!r}: must be a mapping, e.g. {{num_layers: 4}}")
+
 
 @dataclass
 class RolloutSection:
@@ -42,7 +55,8 @@ class RolloutSection:
     dtype: engine precision "fp32" | "bf16" | "fp16"; bf16 makes the training-inference
         mismatch real on CPU.
     prompts_per_step: B prompts per RL step. group_size: G responses per prompt.
-    temperature, top_p, top_k, max_tokens: sampling (vLLM names; see SamplingParams).
+    temperature (> 0), top_p (in (0, 1]), top_k (-1 = off, else >= 1), max_tokens (>= 1):
+        sampling (vLLM names; see SamplingParams).
     max_batch_size: sequences the embedded engine decodes at once.
     vllm: vLLM backend settings, a mapping of megatron_rl.rollout.vllm.VllmConfig fields (url,
         python, device, tensor_parallel_size, dtype, max_model_len, max_num_seqs, quantization,
@@ -64,14 +78,21 @@ class RolloutSection:
     vllm: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.backend not in ("embedded", "vllm"):
-            raise ValueError(f"rollout.backend={self.backend!r}; choose embedded or vllm")
+        checks.choice("rollout.backend", self.backend, ("embedded", "vllm"))
+        checks.choice("rollout.dtype", self.dtype, DTYPES)
+        checks.integer("rollout.prompts_per_step", self.prompts_per_step, lo=1)
+        checks.integer("rollout.group_size", self.group_size, lo=1)
+        checks.number("rollout.temperature", self.temperature, lo=0, lo_open=True,
+                      hint="RL samples at a positive temperature; evaluation is greedy on its own")
+        checks.number("rollout.top_p", self.top_p, lo=0, hi=1, lo_open=True, hint="1 = no nucleus truncation")
+        if self.top_k != -1:
+            checks.integer("rollout.top_k", self.top_k, lo=1, hint="-1 = no top-k truncation")
+        checks.integer("rollout.max_tokens", self.max_tokens, lo=1)
+        checks.integer("rollout.max_batch_size", self.max_batch_size, lo=1)
         if self.backend == "vllm":
-            from megatron_rl.rollout.vllm.config import VllmConfig  # noqa: PLC0415 - optional backend
+            from megatron_rl.rollout.vllm.config import VllmConfig
 
             VllmConfig.from_dict(self.vllm)  # unknown keys / bad values fail at start-up
-        if self.group_size < 1 or self.prompts_per_step < 1:
-            raise ValueError("rollout.group_size and rollout.prompts_per_step must be >= 1")
 
 
 @dataclass
@@ -83,6 +104,10 @@ class DataSection:
     reward: reward function name for every prompt ("exact_match", "math"); null = each task's
         own reward (JSONL rows: exact_match).
     heldout_size: held-out problems for evaluation. seed: data seed.
+    overlong_prompts: what to do with a JSONL prompt too long for the model and engine (prompt
+        tokens + rollout.max_tokens > the maximum sequence length): "error" (the default: refuse
+        at start-up, naming the first such line and the count) | "skip" (drop those rows and
+        report how many). Task prompts are checked against the same budget at start-up.
     """
 
     tasks: list = field(default_factory=lambda: ["addition"])
@@ -90,6 +115,22 @@ class DataSection:
     reward: str | None = None
     heldout_size: int = 500
     seed: int = 0
+    overlong_prompts: str = "error"
+
+    def __post_init__(self):
+        from megatron_rl.data.tasks import TASKS
+        from megatron_rl.rewards import REWARDS
+
+        if self.jsonl is None:
+            if not isinstance(self.tasks, list) or not self.tasks:
+                raise ValueError(f"data.tasks={self.tasks!r}: list at least one task, e.g. [sorting]")
+            for i, t in enumerate(self.tasks):
+                checks.choice(f"data.tasks[{i}]", t, sorted(TASKS))
+        if self.reward is not None:
+            checks.choice("data.reward", self.reward, sorted(REWARDS))
+        checks.integer("data.heldout_size", self.heldout_size, lo=0)
+        checks.integer("data.seed", self.seed)
+        checks.choice("data.overlong_prompts", self.overlong_prompts, ("error", "skip"))
 
 
 @dataclass
@@ -105,6 +146,8 @@ class LossSection:
     filter_zero_variance_groups: drop groups whose rewards are all equal (DAPO dynamic sampling).
     keep_sampling_mask: with top-p/top-k sampling, the engine reports the kept token set and its
         renormalised log-probs, and the trainer renormalises π over the same set (DeepSeek-V3.2).
+    The combination is resolved and validated by megatron_rl.losses.setup.resolve_loss, from
+    `RunConfig.__post_init__`.
     """
 
     recipe: str | None = "grpo"
@@ -119,15 +162,62 @@ class LossSection:
 
 
 @dataclass
+class OptimSection:
+    """Optimizer and fp16 loss scaling (Megatron-LM flag names in brackets). The training
+    precision is model.dtype (bf16/fp16 keep fp32 master weights).
+
+    lr [--lr], min_lr, weight_decay, adam_beta1/2, adam_eps, clip_grad [--clip-grad] (0 = off).
+    initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale: fp16 dynamic loss scaler;
+        loss_scale set to a number makes it constant.
+    use_distributed_optimizer [--use-distributed-optimizer]: shard optimizer state over DP.
+    """
+
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0 ** 16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        checks.number("optim.lr", self.lr, lo=0, lo_open=True)
+        checks.number("optim.min_lr", self.min_lr, lo=0, hi=self.lr)
+        checks.number("optim.weight_decay", self.weight_decay, lo=0)
+        checks.number("optim.adam_beta1", self.adam_beta1, lo=0, hi=1, hi_open=True)
+        checks.number("optim.adam_beta2", self.adam_beta2, lo=0, hi=1, hi_open=True)
+        checks.number("optim.adam_eps", self.adam_eps, lo=0, lo_open=True)
+        checks.number("optim.clip_grad", self.clip_grad, lo=0, hint="0 = no clipping")
+        if self.loss_scale is not None:
+            checks.number("optim.loss_scale", self.loss_scale, lo=0, lo_open=True, hint="null = dynamic")
+        checks.number("optim.initial_loss_scale", self.initial_loss_scale, lo=0, lo_open=True)
+        checks.number("optim.min_loss_scale", self.min_loss_scale, lo=0, lo_open=True)
+        checks.integer("optim.loss_scale_window", self.loss_scale_window, lo=1)
+        checks.integer("optim.hysteresis", self.hysteresis, lo=1)
+        checks.boolean("optim.use_distributed_optimizer", self.use_distributed_optimizer)
+
+
+@dataclass
 class TrainSection:
     """The RL loop.
 
-    steps: RL steps (one rollout batch each). num_minibatches: N optimizer steps per rollout
-        batch (off-policy degree N). micro_batch_size: sequences per forward/backward.
-    seed: trainer seed. eval_every / eval_size: greedy held-out accuracy cadence and size.
-    save_every: checkpoint cadence (steps; 0 = only at the end).
+    steps: RL steps (one rollout batch each; 0 = SFT only). num_minibatches: N optimizer steps
+        per rollout batch (off-policy degree N). micro_batch_size: sequences per forward/backward.
+    seed: trainer seed. eval_size: held-out problems per evaluation (0 = no evaluation).
+    eval_every: held-out accuracy every this many steps; the evaluations before and after RL
+        always run (0 = only those two).
+    save_every: checkpoint cadence in steps (0 = only at the end; the end always saves).
+    keep_checkpoints: complete checkpoints of this run to retain (>= 1). The newest, and the
+        one `latest` names, are never deleted; nor is a checkpoint of another run.
     run_dir: logs, TensorBoard events, checkpoints (run_dir/checkpoints).
-    resume: continue from run_dir/checkpoints/latest when it exists.
+    resume: continue from run_dir/checkpoints/latest when it exists. A fresh run (resume=false)
+        in a run_dir that holds checkpoints moves them to run_dir/checkpoints/previous/<time>/.
     init_checkpoint: start RL from this checkpoint dir's model weights (e.g. the SFT result).
     """
 
@@ -138,9 +228,23 @@ class TrainSection:
     eval_every: int = 10
     eval_size: int = 500
     save_every: int = 0
+    keep_checkpoints: int = 2
     run_dir: str = "runs/rl"
     resume: bool = True
     init_checkpoint: str | None = None
+
+    def __post_init__(self):
+        checks.integer("train.steps", self.steps, lo=0)
+        checks.integer("train.num_minibatches", self.num_minibatches, lo=1)
+        checks.integer("train.micro_batch_size", self.micro_batch_size, lo=1)
+        checks.integer("train.seed", self.seed)
+        checks.integer("train.eval_every", self.eval_every, lo=0, hint="0 = only before and after RL")
+        checks.integer("train.eval_size", self.eval_size, lo=0)
+        checks.integer("train.save_every", self.save_every, lo=0, hint="0 = only at the end")
+        checks.integer("train.keep_checkpoints", self.keep_checkpoints, lo=1)
+        if not isinstance(self.run_dir, str) or not self.run_dir:
+            raise ValueError(f"train.run_dir={self.run_dir!r}: name a directory")
+        checks.boolean("train.resume", self.resume)
 
 
 @dataclass
@@ -148,8 +252,8 @@ class SFTSection:
     """Supervised warm start on the task's (prompt, label) pairs before RL.
 
     steps: max SFT steps (0 = skip). batch_size, lr. eval_every: held-out greedy accuracy
-    cadence; target_accuracy: stop as soon as held-out accuracy reaches it (RL needs a
-    non-zero success rate but room to improve).
+    cadence (0 = only at the end); target_accuracy: stop as soon as held-out accuracy reaches it
+    (RL needs a non-zero success rate but room to improve; null = run all steps).
     """
 
     steps: int = 0
@@ -157,6 +261,14 @@ class SFTSection:
     lr: float = 1e-3
     eval_every: int = 25
     target_accuracy: float | None = 0.35
+
+    def __post_init__(self):
+        checks.integer("sft.steps", self.steps, lo=0)
+        checks.integer("sft.batch_size", self.batch_size, lo=1)
+        checks.number("sft.lr", self.lr, lo=0, lo_open=True)
+        checks.integer("sft.eval_every", self.eval_every, lo=0, hint="0 = only at the end")
+        if self.target_accuracy is not None:
+            checks.number("sft.target_accuracy", self.target_accuracy, lo=0, hi=1, hint="null = run all steps")
 
 
 @dataclass
@@ -171,19 +283,27 @@ class MoESection:
     router_replay: str = "none"
 
     def __post_init__(self):
-        if self.router_replay not in ("none", "r2", "r3"):
-            raise ValueError(f"moe.router_replay={self.router_replay!r}; choose none, r2 or r3")
+        checks.choice("moe.router_replay", self.router_replay, ("none", "r2", "r3"))
 
 
 @dataclass
 class LogSection:
-    """Where metrics go. tensorboard / jsonl: write under run_dir. progress: tqdm bars.
+    """Where metrics go. tensorboard / jsonl: write under run_dir.
+    progress: tqdm bars; null (default) = bars only when stderr is a terminal (a log file gets
+        one line per step instead of carriage-return redraws).
     figure_every: steps between TensorBoard figures of the mismatch-by-μ table (0 = never)."""
 
     tensorboard: bool = True
     jsonl: bool = True
-    progress: bool = True
+    progress: bool | None = None
     figure_every: int = 10
+
+    def __post_init__(self):
+        checks.boolean("log.tensorboard", self.tensorboard)
+        checks.boolean("log.jsonl", self.jsonl)
+        if self.progress is not None:
+            checks.boolean("log.progress", self.progress)
+        checks.integer("log.figure_every", self.figure_every, lo=0, hint="0 = never")
 
 
 @dataclass
@@ -193,27 +313,56 @@ class RunConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     data: DataSection = field(default_factory=DataSection)
     loss: LossSection = field(default_factory=LossSection)
-    optim: OptimSettings = field(default_factory=OptimSettings)
+    optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     sft: SFTSection = field(default_factory=SFTSection)
     moe: MoESection = field(default_factory=MoESection)
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self):
-        if self.optim.dtype != self.model.dtype:
-            raise ValueError(f"optim.dtype={self.optim.dtype!r} must equal model.dtype={self.model.dtype!r} "
-                             f"(the optimizer keeps fp32 master weights for bf16/fp16 models)")
-        if self.train.num_minibatches < 1:
-            raise ValueError("train.num_minibatches must be >= 1")
-        replay_recipe = {"minirl_r2": "r2", "minirl_r3": "r3"}.get(self.loss.recipe or "")
-        if replay_recipe:
-            if self.moe.router_replay not in ("none", replay_recipe):
-                raise ValueError(f"loss.recipe={self.loss.recipe} implies moe.router_replay={replay_recipe}, "
-                                 f"but moe.router_replay={self.moe.router_replay}")
-            self.moe.router_replay = replay_recipe
+        from megatron_rl.losses.setup import resolve_loss
+
+        try:
+            resolve_loss(self.loss, self.rollout.max_tokens)
+        except KeyError as e:  # a registry's unknown name
+            raise ValueError(f"loss: {e.args[0]}") from None
+        n = self.rollout.prompts_per_step * self.rollout.group_size
+        if n % self.train.num_minibatches:
+            raise ValueError(f"rollout.prompts_per_step x rollout.group_size = {n} samples per step do not split "
+                             f"into train.num_minibatches={self.train.num_minibatches}; choose a divisor of {n}")
+        if self.moe.router_replay != "none" and self.model.hf_dir is None and self.model.arch != "qwen3_moe":
+            raise ValueError(f"moe.router_replay={self.moe.router_replay} needs a MoE model; model.arch="
+                             f"{self.model.arch}. Use model.arch=qwen3_moe or moe.router_replay=none")
         if self.moe.router_replay == "r3" and self.rollout.backend == "vllm":
             raise ValueError("moe.router_replay=r3 needs routing from the rollout engine; vLLM on the CPU lane "
                              "cannot return routed experts. Use rollout.backend=embedded or router_replay=r2")
         if self.loss.keep_sampling_mask and self.rollout.top_p >= 1.0 and self.rollout.top_k == -1:
             raise ValueError("loss.keep_sampling_mask needs truncated sampling: set rollout.top_p < 1 or "
                              "rollout.top_k > 0 (without truncation the kept set is the whole vocabulary)")
+
+    def check_layout(self, world_size: int) -> None:
+        """The batch layout over `world_size` ranks: rows split evenly into mini-batches, DP ranks
+        and micro-batches (megatron's schedules need equal micro-batches). Raises naming the sizes."""
+        par = self.parallel
+        model_ranks = par.tp * par.pp * par.cp
+        if world_size % model_ranks:
+            raise ValueError(f"world size {world_size} is not a multiple of tensor x pipeline x context parallel "
+                             f"sizes = {par.tp} x {par.pp} x {par.cp}; launch a multiple of {model_ranks} ranks")
+        dp = world_size // model_ranks
+        n = self.rollout.prompts_per_step * self.rollout.group_size
+        N, mbs = self.train.num_minibatches, self.train.micro_batch_size
+        if n % (N * dp):
+            raise ValueError(f"{n} samples per step (rollout.prompts_per_step x rollout.group_size) do not split "
+                             f"into train.num_minibatches={N} x {dp} data-parallel ranks")
+        if (n // (N * dp)) % mbs:
+            per = n // (N * dp)
+            raise ValueError(f"a mini-batch of {per} samples per data-parallel rank does not split into "
+                             f"train.micro_batch_size={mbs}; choose a divisor of {per}")
+        if self.sft.steps > 0:
+            if self.sft.batch_size % dp:
+                raise ValueError(f"sft.batch_size={self.sft.batch_size} does not split over {dp} data-parallel "
+                                 f"ranks; choose a multiple of {dp}")
+            per = self.sft.batch_size // dp
+            if per % min(mbs, per):
+                raise ValueError(f"an SFT batch of {per} samples per data-parallel rank does not split into "
+                                 f"train.micro_batch_size={mbs}; choose a divisor of {per}")

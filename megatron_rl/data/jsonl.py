@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from megatron_rl.data.types import Example, derive_seed
@@ -50,7 +50,8 @@ def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | N
     try:
         row = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); {_ROW_HINT}") from None
+        cut = "" if text.endswith("\n") else " (the file's last line, with no newline: is the file truncated?)"
+        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno}){cut}; {_ROW_HINT}") from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {_type_name(row)}; {_ROW_HINT}")
     for field in REQUIRED:
@@ -81,16 +82,23 @@ def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | N
 
 
 def load_jsonl(
-    path: str | os.PathLike, default_task: str = "jsonl", tokenizer: _Encoder | None = None
-) -> list[Example]:
+    path: str | os.PathLike, default_task: str = "jsonl", tokenizer: _Encoder | None = None,
+    fits: Callable[[Example], str | None] | None = None, overlong: str = "error",
+) -> tuple[list[Example], int]:
     """Read and validate every row of `path` (see the module docstring for the format).
 
     tokenizer: optional; when given, each prompt and label must encode without ValueError (the
     error names the line, the field and, for CharTokenizer, the character and its position).
-    Raises DataError on the first bad row, or when the file has no rows.
+    fits: optional length check, example -> None when it fits, else why not (e.g. "412 prompt
+    tokens + 8 response tokens > 256"). overlong: "error" raises at the first row that does not
+    fit, with the count of all such rows; "skip" drops them.
+    Returns (examples, number of rows skipped as too long). Raises DataError on the first bad
+    row, or when the file has no (remaining) rows.
     """
+    if overlong not in ("error", "skip"):
+        raise ValueError(f"overlong={overlong!r}; choose error or skip")
     name = os.fspath(path)
-    examples = []
+    examples, too_long = [], []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{name}:{lineno}"
@@ -98,15 +106,28 @@ def load_jsonl(
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{where}: not valid UTF-8 (byte {e.start}); save the file as UTF-8") from None
-            if text.strip():
-                examples.append(_parse_row(where, text, default_task, tokenizer))
+            if not text.strip():
+                continue
+            ex = _parse_row(where, text, default_task, tokenizer)
+            why = fits(ex) if fits is not None else None
+            if why is None:
+                examples.append(ex)
+            else:
+                too_long.append((where, why))
+    if too_long and overlong == "error":
+        where, why = too_long[0]
+        raise DataError(f"{where}: the prompt is too long ({why}); {len(too_long)} row(s) of {name} are. Shorten "
+                        f"them, raise the model's maximum length, lower rollout.max_tokens, or set "
+                        f"data.overlong_prompts=skip to drop them")
     if not examples:
-        raise DataError(f"{name}: no rows; {_ROW_HINT}")
-    return examples
+        raise DataError(f"{name}: no rows{' that fit the model' if too_long else ''}; {_ROW_HINT}")
+    return examples, len(too_long)
 
 
 class JsonlPrompts:
     """Prompts from a JSONL file (or a list of Examples), in seeded per-epoch permutations.
+
+    fits / overlong: the length check applied while loading (see load_jsonl).
 
     shuffle=False serves rows in file order every epoch. Keep `size` fixed for a run: changing it
     changes which rows step k maps to.
@@ -119,10 +140,14 @@ class JsonlPrompts:
         shuffle: bool = True,
         default_task: str = "jsonl",
         tokenizer: _Encoder | None = None,
+        fits: Callable[[Example], str | None] | None = None,
+        overlong: str = "error",
     ):
+        self.skipped_overlong = 0  # rows dropped by overlong="skip"
         if isinstance(source, (str, os.PathLike)):
             self.path: str | None = os.fspath(source)
-            self.examples = load_jsonl(source, default_task=default_task, tokenizer=tokenizer)
+            self.examples, self.skipped_overlong = load_jsonl(source, default_task=default_task, tokenizer=tokenizer,
+                                                              fits=fits, overlong=overlong)
         else:
             self.path = None
             self.examples = list(source)

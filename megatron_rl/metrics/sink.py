@@ -1,7 +1,9 @@
 """One metrics sink for the whole run: stdout line, metrics.jsonl, TensorBoard. Rank-0 gated here.
 
 Keys are namespaced (`rollout/reward_mean`, `mismatch/kl_k3`, `timing/generate`). Values are
-floats; anything else (tables) goes through `log_table` / `log_figure`.
+floats; anything else (tables) goes through `log_table` / `log_figure`. Each metrics.jsonl row is
+{"step", "time", "phase" ("sft" | "rl"), <metrics>}; `drop_rows_after(step)` removes the RL rows a
+resumed run is about to write again.
 """
 from __future__ import annotations
 
@@ -35,13 +37,13 @@ class MetricsSink:
     def tensorboard_dir(self) -> str:
         return os.path.join(self.run_dir, "tensorboard")
 
-    def log(self, step: int, metrics: dict[str, float], echo: str | None = None) -> None:
-        """Record `metrics` at `step`; print the stdout keys (prefixed by `echo`) when given."""
+    def log(self, step: int, metrics: dict[str, float], echo: str | None = None, phase: str = "rl") -> None:
+        """Record `metrics` at `step` of `phase`; print the stdout keys (prefixed by `echo`) when given."""
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), "phase": phase, **clean}) + "\n")
         if self._tb is not None:
             for k, v in clean.items():
                 if math.isfinite(v):
@@ -49,6 +51,34 @@ class MetricsSink:
         if echo is not None:
             shown = " ".join(f"{k.split('/')[-1]}={clean[k]:.4g}" for k in self.stdout_keys if k in clean)
             print(f"{echo} {shown}", flush=True)
+
+    def drop_rows_after(self, step: int) -> int:
+        """Rewrite metrics.jsonl without the RL rows of steps > `step` (a resume redoes them);
+        returns how many were dropped. The rewrite is atomic (temp file + rename)."""
+        if self._jsonl is None:
+            return 0
+        path = self._jsonl.name
+        self._jsonl.close()
+        kept, dropped = [], 0
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:  # a line cut short by a crash
+                    dropped += 1
+                    continue
+                if row.get("phase", "rl") == "rl" and row.get("step", 0) > step:
+                    dropped += 1
+                else:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the sink
+        return dropped
 
     def log_figure(self, tag: str, figure, step: int) -> None:
         if self.enabled and self._tb is not None:

@@ -81,8 +81,10 @@ class Sample:
     metadata: dict = field(default_factory=dict)
 
 
-def check_prompts(prompts: list[list[int]], n: int, vocab_size: int) -> None:
-    """The argument checks every engine's generate() starts with (named errors, not garbage)."""
+def check_prompts(prompts: list[list[int]], n: int, vocab_size: int, max_len: int | None = None,
+                  max_tokens: int = 0) -> None:
+    """The argument checks every engine's generate() starts with (named errors, not garbage or an
+    out-of-memory kill): ids in the vocabulary, and prompt + max_tokens within `max_len`."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     for i, p in enumerate(prompts):
@@ -90,6 +92,9 @@ def check_prompts(prompts: list[list[int]], n: int, vocab_size: int) -> None:
             raise ValueError(f"prompt {i} is empty")
         if min(p) < 0 or max(p) >= vocab_size:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+        if max_len is not None and len(p) + max_tokens > max_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_tokens={max_tokens} that exceeds the "
+                             f"engine's maximum length {max_len}")
 
 
 class RolloutEngine(Protocol):

@@ -1,43 +1,82 @@
-"""Atomic, resumable checkpoints with megatron-core `dist_checkpointing`.
+"""Atomic, verified, resumable checkpoints with megatron-core `dist_checkpointing`.
 
 Layout under `root/`:
-    iter_0000012/            dist_checkpointing dir (model [+ optimizer] sharded state)
-    iter_0000012/extra/rank_00003.pt   per-rank host state (step, data position, RNG states, ...)
-    latest                   text file naming the newest *complete* iteration dir
+    iter_0000012/                    dist_checkpointing dir (model [+ optimizer] sharded state)
+    iter_0000012/extra/rank_00003.json  per-rank host state (step, data position, RNG, ...) as JSON
+    iter_0000012/manifest.json       run id, step, write time, size + sha256 of every file
+    latest                           text file naming the newest complete iteration dir
+    previous/<time>/                 checkpoints of an earlier run, moved aside by a fresh run
 
-A save writes into `iter_XXXXXXX.tmp`, all ranks barrier, rank 0 renames it and only then
-rewrites `latest` (via a temp file + os.replace). A crash at any point leaves `latest`
-pointing at a checkpoint that loads.
+Saving writes into `iter_XXXXXXX.tmp`, all ranks barrier, the manifest is computed (collective)
+and written, rank 0 renames the directory into place and only then rewrites `latest` (temp file
++ fsync + os.replace). A crash at any point leaves `latest` naming a checkpoint that loads.
+
+Loading verifies the manifest first. Nothing here unpickles: host state is JSON and tensors go
+through dist_checkpointing, so a crafted checkpoint cannot run code. A checkpoint that fails
+verification is renamed `iter_XXXXXXX.corrupt` (kept for inspection, never deleted) and
+`resume_checkpoint` falls back to the newest older checkpoint of the same run that verifies.
+
+Retention (`keep`) only ever deletes checkpoints of this run (same run id in the manifest) that
+are neither among the `keep` newest by step, nor among the `keep` newest by write time, nor the
+one `latest` names.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import time
 
-import torch
 import torch.distributed as dist
+
+from megatron_rl.platform.reaping import reaped_checkpoint_queue
+from megatron_rl.trainer.manifest import MANIFEST, build_manifest, read_manifest, verify_manifest, write_json
 
 # The distributed optimizer's checkpoint layout: megatron-core's own default raises
 # "ShardedTensor.flattened_range is not supported"; this is Megatron-LM's default.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+_ITER = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the directory or file and what is wrong."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint's bytes differ from its manifest (or a file is missing or unreadable)."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _iter_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{step:07d}")
 
 
+def complete_checkpoints(root: str) -> list[str]:
+    """Published checkpoint dirs under `root`, oldest step first."""
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, d) for d in sorted(os.listdir(root)) if _ITER.match(d)]
+
+
 def latest_checkpoint(root: str) -> str | None:
-    """Path of the newest complete checkpoint under `root`, or None."""
+    """The dir `root/latest` names when it exists; else the highest-step checkpoint; else None."""
     marker = os.path.join(root, "latest")
-    if not os.path.exists(marker):
-        return None
-    with open(marker) as f:
-        name = f.read().strip()
-    path = os.path.join(root, name)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{marker} names {name!r}, which does not exist; remove the marker or "
-                                f"restore the directory")
-    return path
+    if os.path.exists(marker):
+        with open(marker) as f:
+            path = os.path.join(root, f.read().strip())
+        if os.path.isdir(path):
+            return path
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
 
 
 def _sharded_state(model, optimizer, is_loading: bool) -> dict:
@@ -48,27 +87,32 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
     return state
 
 
-def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | None = None, keep: int = 2) -> str:
-    """Save model (and optimizer) sharded state plus per-rank `extra`; return the final dir.
+def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | None = None, keep: int = 2,
+                    run_id: str = "") -> str:
+    """Save model (and optimizer) sharded state plus per-rank JSON `extra`; return the final dir.
 
-    Collective over all ranks. `keep`: how many complete checkpoints to retain (older ones are
-    deleted after the new one is published).
+    Collective over all ranks. `keep` >= 1: checkpoints of this `run_id` to retain (see the
+    module docstring). `extra` must be JSON-serialisable (plain numbers, strings, lists, dicts).
     """
     from megatron.core import dist_checkpointing
 
-    rank = dist.get_rank()
+    reaped_checkpoint_queue()  # megatron's writer helper process must not outlive a killed trainer
+    rank = _rank()
     final = _iter_dir(root, step)
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
+    _barrier()
     dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
     os.makedirs(os.path.join(tmp, "extra"), exist_ok=True)
-    torch.save(extra or {}, os.path.join(tmp, "extra", f"rank_{rank:05d}.pt"))
-    dist.barrier()
+    write_json(os.path.join(tmp, "extra", f"rank_{rank:05d}.json"), extra or {})
+    _barrier()
+    build_manifest(tmp, {"run_id": run_id, "step": step, "written_at": time.time()})
+    _barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        if os.path.isdir(final):
+            _set_aside(root, final, run_id)
         os.replace(tmp, final)
         marker_tmp = os.path.join(root, "latest.tmp")
         with open(marker_tmp, "w") as f:
@@ -76,25 +120,133 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
             f.flush()
             os.fsync(f.fileno())
         os.replace(marker_tmp, os.path.join(root, "latest"))
-        done = sorted(d for d in os.listdir(root) if d.startswith("iter_") and not d.endswith(".tmp"))
-        for old in done[:-keep] if keep > 0 else []:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    dist.barrier()
+        _fsync_dir(root)
+        for old in retired_checkpoints(root, run_id, keep):
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
     return final
 
 
-def load_checkpoint(path: str, model, optimizer=None) -> dict:
-    """Load a checkpoint dir into `model` (and `optimizer`); return this rank's `extra` dict.
+def _set_aside(root: str, path: str, run_id: str) -> None:
+    """An existing dir at the step being saved: this run's own earlier save of the same step is
+    replaced; anything else (another run's, or unreadable) is moved to previous/, not deleted."""
+    manifest = read_manifest_or_none(path)
+    if manifest is not None and manifest.get("run_id") == run_id and run_id:
+        shutil.rmtree(path)
+        return
+    dest = os.path.join(root, "previous", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(dest, exist_ok=True)
+    os.replace(path, os.path.join(dest, os.path.basename(path)))
 
-    The parallel layout may differ from the one that saved (dist_checkpointing reshards).
-    """
+
+def retired_checkpoints(root: str, run_id: str, keep: int) -> list[str]:
+    """This run's checkpoints that retention may delete: not among the `keep` newest by step nor
+    the `keep` newest by write time, and not the one `latest` names."""
+    mine = []
+    for path in complete_checkpoints(root):
+        manifest = read_manifest_or_none(path)
+        if manifest is not None and manifest.get("run_id") == run_id:
+            mine.append((int(manifest["step"]), float(manifest["written_at"]), path))
+    protected = {p for *_, p in sorted(mine)[-keep:]}
+    protected |= {p for _, _, p in sorted(mine, key=lambda m: m[1])[-keep:]}
+    protected.add(latest_checkpoint(root))
+    return [p for *_, p in mine if p not in protected]
+
+
+def archive_checkpoints(root: str) -> str | None:
+    """Rank 0: move every checkpoint and `latest` under root/previous/<time>/ (a fresh run in a
+    used run_dir keeps the earlier run's checkpoints, out of the way). Returns the new folder."""
+    found = complete_checkpoints(root) + [p for p in (os.path.join(root, "latest"),) if os.path.exists(p)]
+    if not found:
+        return None
+    dest = os.path.join(root, "previous", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(dest, exist_ok=True)
+    for path in found:
+        os.replace(path, os.path.join(dest, os.path.basename(path)))
+    return dest
+
+
+def read_extra(path: str, rank: int = 0) -> dict:
+    """Rank `rank`'s host state of checkpoint dir `path` (rank 0's when the checkpoint has fewer
+    ranks: a resume with more ranks than saved)."""
+    name = os.path.join(path, "extra", f"rank_{rank:05d}.json")
+    if not os.path.exists(name):
+        name = os.path.join(path, "extra", "rank_00000.json")
+    if not os.path.exists(name):
+        raise CorruptCheckpoint(f"{path} has no host state (extra/rank_*.json); it is incomplete or was not "
+                                f"written by this version of megatron-rl")
+    try:
+        with open(name) as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(f"{name} is damaged ({e})") from None
+
+
+def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> dict:
+    """Verify, then load a checkpoint dir into `model` (and `optimizer`); return this rank's
+    host state. The parallel layout may differ from the one that saved (dist_checkpointing
+    reshards). Raises CheckpointError naming the damaged file."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), path)
+    if verify:
+        if not os.path.exists(os.path.join(path, MANIFEST)):
+            raise CheckpointError(f"{path} has no manifest.json: it was written by an older version of megatron-rl "
+                                  f"or not by megatron-rl; start a fresh run (train.resume=false) or re-save it")
+        problems = verify_manifest(path)
+        if problems:
+            raise CorruptCheckpoint(f"checkpoint {path} failed verification: " + "; ".join(problems[:3]) +
+                                  (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
+    extra = read_extra(path, _rank())
+    try:
+        state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), path)
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0]  # a bare assert has no message
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {first}") from e
     model.load_state_dict(state["model"], strict=False)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-    extra_file = os.path.join(path, "extra", f"rank_{dist.get_rank():05d}.pt")
-    if not os.path.exists(extra_file):  # resumed with more ranks than saved: rank 0's host state
-        extra_file = os.path.join(path, "extra", "rank_00000.pt")
-    return torch.load(extra_file, weights_only=False)
+    return extra
+
+
+def resume_checkpoint(root: str, model, optimizer=None, log=print) -> tuple[str, dict] | None:
+    """Load the newest checkpoint under `root` that verifies: `latest` first, then older ones of
+    the same run. A damaged one is renamed `<dir>.corrupt` and reported through `log`, never
+    deleted. Returns (path, host state), or None when `root` holds no checkpoint. Collective."""
+    first = latest_checkpoint(root)
+    if first is None:
+        return None
+    run_id = _run_id_of(first)
+    candidates = [first] + [p for p in reversed(complete_checkpoints(root)) if p != first and p < first]
+    for path in candidates:
+        if path != first and _run_id_of(path) != run_id:
+            continue
+        try:
+            return path, load_checkpoint(path, model, optimizer)
+        except CorruptCheckpoint as e:
+            if _rank() == 0:
+                log(f"{e}\n  keeping it as {path}.corrupt and trying the previous checkpoint")
+                os.replace(path, path + ".corrupt")
+            _barrier()
+    raise CheckpointError(f"no checkpoint under {root} passed verification (damaged ones were renamed *.corrupt); "
+                          f"restore one or start a fresh run with train.resume=false")
+
+
+def read_manifest_or_none(path: str) -> dict | None:
+    """The manifest, or None when it is missing or unreadable."""
+    try:
+        return read_manifest(path)
+    except ValueError:
+        return None
+
+
+def _run_id_of(path: str) -> str | None:
+    manifest = read_manifest_or_none(path)
+    return manifest.get("run_id") if manifest else None
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,12 +1,21 @@
 """The run: set up once, optionally warm-start with SFT, then RL steps with eval, logs, checkpoints.
 
-    summary = run(cfg)      # inside torchrun / a single process; see pretrain_rl.py
+    summary = run(cfg, groups, stop)   # inside torchrun / a single process; see pretrain_rl.py
+
+Start-up refuses, before any step, what would fail or lose work later: prompts longer than the
+model and engine take, a checkpoint directory that is not writable or lacks the space for one
+checkpoint. A fresh run in a used run_dir moves the earlier run's checkpoints, metrics.jsonl and
+TensorBoard events to run_dir/previous/<time>/ (nothing is deleted); a resumed run drops the
+metrics rows of steps it is about to redo.
 """
 from __future__ import annotations
 
 import os
 import random
+import signal
+import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -14,17 +23,26 @@ import torch.distributed as dist
 
 from megatron_rl.config import RunConfig, config_to_dict
 from megatron_rl.data import CharTokenizer, JsonlPrompts, PromptStream, make_task
+from megatron_rl.losses.setup import ResolvedLoss, resolve_loss
 from megatron_rl.metrics.report import bucket_figure, bucket_rows
 from megatron_rl.metrics.sink import MetricsSink
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.rewards import RewardRunner
-from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from megatron_rl.trainer.loss_setup import ResolvedLoss, resolve_loss
+from megatron_rl.trainer import run_dir as run_files
+from megatron_rl.trainer.batch import model_device
+from megatron_rl.trainer.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
+from megatron_rl.trainer.replay import NoReplay, make_replay
 from megatron_rl.trainer.rl_step import RolloutFailed, rl_step
-from megatron_rl.trainer.rollout_io import evaluate, sync_weights
+from megatron_rl.trainer.rollout_io import broadcast, evaluate, sync_weights
 from megatron_rl.trainer.sft import run_sft
 from megatron_rl.trainer.stack import build_optimizer
+from megatron_rl.trainer.stop import Stopped, StopSignals
 
 STDOUT_KEYS = ("rollout/reward_mean", "rollout/accuracy", "mismatch/kl_k3", "loss/policy", "optim/grad_norm",
                "eval/heldout_accuracy", "timing/step")
@@ -41,10 +59,12 @@ class RunContext:
     engine: object | None
     sink: MetricsSink
     loss: ResolvedLoss
+    replay: object = field(default_factory=NoReplay)  # the router replay strategy (none / R2 / R3)
+    stop: StopSignals = field(default_factory=StopSignals)
     scheduler: object | None = None
-    replay: object | None = None  # RouterReplayController when moe.router_replay != none
-    router_replay: str = "none"
     policy_version: int = 0
+    run_id: str = ""  # names this run's checkpoints (retention never touches another run's)
+    resuming: bool = False
     state: dict = field(default_factory=dict)  # carried across resume (before-RL accuracy, curves)
 
 
@@ -61,49 +81,115 @@ def make_engine(cfg: RunConfig, arch, run_dir: str):
     return make_vllm_engine(cfg, arch, run_dir)
 
 
-def make_prompts(cfg: RunConfig, tokenizer):
+def max_sequence_length(cfg: RunConfig, arch) -> int:
+    """The longest prompt + response the model and the rollout engine both take."""
+    limit = arch.max_position_embeddings
+    if cfg.rollout.backend == "vllm":
+        limit = min(limit, (cfg.rollout.vllm or {}).get("max_model_len") or limit)
+    return limit
+
+
+def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
+    """The prompt source, with every prompt checked against `max_len` at start-up: prompt +
+    rollout.max_tokens (and, before SFT, prompt + label + eos) must fit."""
+    budget = max_len - cfg.rollout.max_tokens
     if cfg.data.jsonl:
-        return JsonlPrompts(cfg.data.jsonl, seed=cfg.data.seed, tokenizer=tokenizer)
-    return PromptStream([make_task(t) for t in cfg.data.tasks], seed=cfg.data.seed)
+        def fits(e):
+            n = len(tokenizer.encode(e.prompt))
+            if n > budget:
+                return f"{n} prompt tokens + rollout.max_tokens={cfg.rollout.max_tokens} > {max_len}"
+            if cfg.sft.steps and n + len(tokenizer.encode(e.label)) + 1 > max_len:
+                return f"{n} prompt + {len(tokenizer.encode(e.label))} label tokens + eos > {max_len} (SFT)"
+            return None
+
+        prompts = JsonlPrompts(cfg.data.jsonl, seed=cfg.data.seed, tokenizer=tokenizer, fits=fits,
+                               overlong=cfg.data.overlong_prompts)
+        if prompts.skipped_overlong and dist.get_rank() == 0:
+            print(f"data.overlong_prompts=skip: dropped {prompts.skipped_overlong} prompt(s) of {cfg.data.jsonl} "
+                  f"longer than the model takes ({max_len} tokens with rollout.max_tokens={cfg.rollout.max_tokens})",
+                  flush=True)
+        return prompts
+    stream = PromptStream([make_task(t) for t in cfg.data.tasks], seed=cfg.data.seed)
+    longest = stream.max_prompt_len() + max(cfg.rollout.max_tokens, stream.max_label_len() + 1 if cfg.sft.steps else 0)
+    if longest > max_len:
+        raise ValueError(f"data.tasks={cfg.data.tasks}: prompts of up to {stream.max_prompt_len()} tokens + "
+                         f"rollout.max_tokens={cfg.rollout.max_tokens} exceed the model's maximum length {max_len}; "
+                         f"lower rollout.max_tokens or raise model.overrides.max_position_embeddings")
+    return stream
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """Host RNG streams as JSON (torch CPU and CUDA generators as byte lists)."""
+    state = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
 
 
 def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def setup(cfg: RunConfig, groups: ParallelGroups) -> RunContext:
+def _jsonable(obj):
+    return [_jsonable(o) for o in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None) -> RunContext:
+    """Build everything the run needs, after checking what would otherwise fail later."""
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
+    rank0 = dist.get_rank() == 0
     tokenizer = CharTokenizer()
-    prompts = make_prompts(cfg, tokenizer)
+    arch = arch_from_config(cfg.model, vocab_size=tokenizer.vocab_size)
+    prompts = make_prompts(cfg, tokenizer, max_sequence_length(cfg, arch))
     if cfg.data.reward is not None:
         rewards = RewardRunner(cfg.data.reward)
     else:  # each task's own reward; JSONL rows use exact match
         rewards = RewardRunner(prompts.rewards() if hasattr(prompts, "rewards") else {}, default="exact_match")
-    arch = arch_from_config(cfg.model, vocab_size=tokenizer.vocab_size)
     mode = cfg.moe.router_replay
     if mode != "none" and not arch.is_moe:
         raise ValueError(f"moe.router_replay={mode} needs a MoE model; model arch is {arch.arch}")
+    resuming = cfg.train.resume and latest_checkpoint(_ckpt_root(cfg)) is not None
+    if rank0 and not resuming:
+        moved = run_files.archive_previous_run(cfg.train.run_dir)
+        if moved:
+            print(f"fresh run (train.resume={cfg.train.resume}): moved the earlier run's checkpoints and logs in "
+                  f"{cfg.train.run_dir} to {moved}", flush=True)
+    dist.barrier()
     if mode != "none":
         from megatron_rl.moe import RouterReplayController
 
         RouterReplayController.forget_global_instances()  # megatron keeps them process-wide
     policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed, routing_replay=mode != "none")
+    _check_checkpoint_dirs(cfg, policy, groups)
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
-    sink = MetricsSink(cfg.train.run_dir, enabled=dist.get_rank() == 0, tensorboard=cfg.log.tensorboard,
+    sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
                        jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
     engine = make_engine(cfg, arch, cfg.train.run_dir)
-    ctx = RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss, router_replay=mode)
-    if mode != "none":
-        from megatron_rl.moe import RouterReplayController
+    return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss,
+                      replay=make_replay(mode, policy.model), stop=stop or StopSignals(), resuming=resuming,
+                      run_id=broadcast(uuid.uuid4().hex[:12] if rank0 else None))
 
-        ctx.replay = RouterReplayController(policy.model)
-    return ctx
+
+def _ckpt_root(cfg: RunConfig) -> str:
+    return os.path.join(cfg.train.run_dir, "checkpoints")
+
+
+def _check_checkpoint_dirs(cfg: RunConfig, policy: Policy, groups: ParallelGroups) -> None:
+    """Every rank raises the same error when a checkpoint could not be written (rank 0 decides)."""
+    need = run_files.checkpoint_bytes(policy.model, groups, policy.model.module.config.params_dtype)
+    problem = None
+    if dist.get_rank() == 0:
+        problem = run_files.check_writable(_ckpt_root(cfg), need, "train.run_dir")
+        if problem is None and cfg.sft.steps > 0 and not cfg.train.resume:
+            problem = run_files.check_writable(os.path.join(cfg.train.run_dir, "sft"), need, "train.run_dir")
+    problem = broadcast(problem)
+    if problem:
+        raise OSError(problem)
 
 
 def _heldout(ctx: RunContext):
@@ -120,6 +206,13 @@ def _evaluate_both(ctx: RunContext, heldout) -> dict[str, float]:
                                                       seed=cfg.train.seed)}
 
 
+def show_progress(cfg: RunConfig) -> bool:
+    """tqdm bars on rank 0 when log.progress says so; by default only on a terminal, so a log
+    file gets plain step lines instead of thousands of carriage-return redraws."""
+    wanted = cfg.log.progress if cfg.log.progress is not None else sys.stderr.isatty()
+    return wanted and dist.get_rank() == 0
+
+
 def _progress(total: int, desc: str, enabled: bool):
     if not enabled:
         return None
@@ -128,9 +221,10 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, dynamic_ncols=True, leave=True)
 
 
-def run(cfg: RunConfig, groups: ParallelGroups) -> dict:
-    """Run SFT (if configured and not resuming) and RL; return the summary (all ranks)."""
-    ctx = setup(cfg, groups)
+def run(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None) -> dict:
+    """Run SFT (if configured and not resuming) and RL; return the summary (all ranks).
+    Raises Stopped after saving when `stop` saw SIGTERM/SIGINT."""
+    ctx = setup(cfg, groups, stop)
     try:
         return train(ctx)
     finally:
@@ -143,45 +237,53 @@ def close(ctx: RunContext) -> None:
         ctx.engine.close()
 
 
+def _start(ctx: RunContext, heldout) -> int:
+    """Resume from the newest verified checkpoint, or warm-start (init checkpoint, SFT) and take
+    the before-RL evaluation. Returns the first RL step to run."""
+    cfg, rank0 = ctx.cfg, dist.get_rank() == 0
+    if ctx.resuming:
+        found = resume_checkpoint(_ckpt_root(cfg), ctx.policy.model, ctx.policy.optimizer,
+                                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if found is not None:
+            path, extra = found
+            start, ctx.policy_version, ctx.state = extra["step"], extra["policy_version"], extra["state"]
+            ctx.run_id = extra["run_id"]
+            _set_rng_state(extra["rng"])
+            ctx.sink.drop_rows_after(start)  # steps after the checkpoint run again
+            if rank0:
+                print(f"resumed from {path} at step {start}", flush=True)
+            sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
+            return start
+    if cfg.train.init_checkpoint:
+        load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model)
+    if cfg.sft.steps > 0:
+        bar = _progress(cfg.sft.steps, "SFT", show_progress(cfg))
+        ctx.state["sft"] = run_sft(ctx, heldout, bar)
+        if bar is not None:
+            bar.close()
+        # reusable warm start: `train.init_checkpoint=<run_dir>/sft/iter_...` skips SFT next time
+        ctx.state["sft"]["checkpoint"] = save_checkpoint(
+            os.path.join(cfg.train.run_dir, "sft"), ctx.state["sft"]["steps"], ctx.policy.model,
+            extra={"step": 0, "sft": True}, run_id=ctx.run_id)
+        ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)  # fresh Adam for RL
+    sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
+    if heldout:
+        before = _evaluate_both(ctx, heldout)
+        ctx.state["before_rl_accuracy"] = before["eval/heldout_accuracy"]
+        ctx.state["before_rl_sampled_accuracy"] = before["eval/heldout_sampled_accuracy"]
+    ctx.state["curve"] = []
+    return 0
+
+
 def train(ctx: RunContext) -> dict:
     cfg = ctx.cfg
-    rank0 = dist.get_rank() == 0
-    ckpt_root = os.path.join(cfg.train.run_dir, "checkpoints")
+    ckpt_root = _ckpt_root(cfg)
     heldout = _heldout(ctx)
-    start = 0
-    resume_from = latest_checkpoint(ckpt_root) if cfg.train.resume else None
-    if resume_from:
-        extra = load_checkpoint(resume_from, ctx.policy.model, ctx.policy.optimizer)
-        start, ctx.policy_version, ctx.state = extra["step"], extra["policy_version"], extra["state"]
-        _set_rng_state(extra["rng"])
-        if rank0:
-            print(f"resumed from {resume_from} at step {start}", flush=True)
-    else:
-        if cfg.train.init_checkpoint:
-            load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model)
-        if cfg.sft.steps > 0:
-            bar = _progress(cfg.sft.steps, "SFT", rank0 and cfg.log.progress)
-            ctx.state["sft"] = run_sft(ctx, heldout, bar)
-            if bar is not None:
-                bar.close()
-            # reusable warm start: `train.init_checkpoint=<run_dir>/sft/iter_...` skips SFT next time
-            ctx.state["sft"]["checkpoint"] = save_checkpoint(
-                os.path.join(cfg.train.run_dir, "sft"), ctx.state["sft"]["steps"], ctx.policy.model,
-                extra={"step": 0, "sft": True})
-            ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)  # fresh Adam for RL
-        sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
-        if heldout:
-            before = _evaluate_both(ctx, heldout)
-            ctx.state["before_rl_accuracy"] = before["eval/heldout_accuracy"]
-            ctx.state["before_rl_sampled_accuracy"] = before["eval/heldout_sampled_accuracy"]
-        ctx.state["curve"] = []
-    if resume_from:
-        sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
-
-    bar = _progress(cfg.train.steps, "RL", rank0 and cfg.log.progress)
+    start = _start(ctx, heldout)
+    bar = _progress(cfg.train.steps, "RL", show_progress(cfg))
     if bar is not None:
         bar.update(start)
-    last = {}
+    last, saved = {}, start
     for step in range(start, cfg.train.steps):
         try:
             metrics = rl_step(ctx, step)
@@ -190,7 +292,8 @@ def train(ctx: RunContext) -> dict:
             path = _save(ctx, ckpt_root, step)
             raise RolloutFailed(f"{e}. Saved a checkpoint of the {step} completed steps to {path}; fix the "
                                 f"engine and rerun with train.resume=true") from e
-        if heldout and cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+        done = step + 1 == cfg.train.steps
+        if heldout and (done or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)):
             metrics.update(_evaluate_both(ctx, heldout))
         ctx.state["curve"].append({k: metrics[k] for k in ("rollout/reward_mean", "mismatch/kl_k3",
                                                           "eval/heldout_accuracy", "eval/heldout_sampled_accuracy",
@@ -205,9 +308,14 @@ def train(ctx: RunContext) -> dict:
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
                             kl=f"{metrics.get('mismatch/kl_k3', 0):.2e}")
         last = metrics
-        done = step + 1 == cfg.train.steps
         if (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0) or done:
             _save(ctx, ckpt_root, step + 1)
+            saved = step + 1
+        if not done and ctx.stop.agreed(model_device()):
+            path = _save(ctx, ckpt_root, step + 1) if saved != step + 1 else latest_checkpoint(ckpt_root)
+            raise Stopped(ctx.stop.signum, f"stopped by {signal.Signals(ctx.stop.signum).name} after step "
+                                           f"{step + 1} of {cfg.train.steps}; checkpoint {path}; rerun with "
+                                           f"train.resume=true to continue")
     if bar is not None:
         bar.close()
     return summarize(ctx, last)
@@ -216,7 +324,8 @@ def train(ctx: RunContext) -> dict:
 def _save(ctx: RunContext, root: str, completed_steps: int) -> str:
     return save_checkpoint(root, completed_steps, ctx.policy.model, ctx.policy.optimizer,
                            extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
-                                  "rng": _rng_state(), "config": config_to_dict(ctx.cfg)})
+                                  "rng": _rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg)},
+                           keep=ctx.cfg.train.keep_checkpoints, run_id=ctx.run_id)
 
 
 def summarize(ctx: RunContext, last: dict) -> dict:

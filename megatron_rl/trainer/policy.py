@@ -1,7 +1,8 @@
 """The trainable policy: megatron model + optimizer + the weight export that feeds engines."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -31,21 +32,31 @@ def arch_from_config(model_section, vocab_size: int | None = None) -> ModelArch:
     vocab_size: the tokenizer's size, used for presets (a HF dir brings its own).
     """
     if model_section.hf_dir:
-        return load_arch(model_section.hf_dir)
+        path = os.path.join(model_section.hf_dir, "config.json")
+        try:
+            return load_arch(model_section.hf_dir)
+        except FileNotFoundError:
+            raise ValueError(f"model.hf_dir={model_section.hf_dir}: {path} does not exist; point model.hf_dir at "
+                             f"a Hugging Face checkpoint directory") from None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # bad JSON or missing/odd fields
+            raise ValueError(f"{path} cannot be read as a Qwen3 / Qwen3-MoE config ({type(e).__name__}: {e}); "
+                             f"is the file complete?") from None
     overrides = dict(model_section.overrides or {})
     if vocab_size is not None:
         overrides.setdefault("vocab_size", vocab_size)
     return preset_arch(model_section.arch, model_section.size, **overrides)
 
 
-def build_policy(model_section, optim: OptimSettings, groups: ParallelGroups, arch: ModelArch, seed: int,
+def build_policy(model_section, optim, groups: ParallelGroups, arch: ModelArch, seed: int,
                  routing_replay: bool = False) -> Policy:
-    """Build, (optionally) load HF weights, wrap for training and attach the optimizer."""
+    """Build, (optionally) load HF weights, wrap for training and attach the optimizer.
+
+    optim: the config's OptimSection; the training precision is model_section.dtype."""
     opts = BuildOptions(dtype=model_section.dtype, seed=seed, init_std=model_section.init_std,
                         moe_aux_loss_coeff=model_section.moe_aux_loss_coeff, routing_replay=routing_replay)
     model = build_gpt_model(arch, groups, opts)
     if model_section.hf_dir:
         load_hf_weights(model, arch, groups, SafetensorsReader(model_section.hf_dir))
-    settings = replace(optim, dtype=model_section.dtype)
+    settings = OptimSettings(optim, dtype=model_section.dtype)
     wrapped = wrap_model(model, settings)
     return Policy(arch, groups, wrapped, build_optimizer(wrapped, settings), settings)

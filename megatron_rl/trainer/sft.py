@@ -22,7 +22,7 @@ from megatron_rl.trainer.batch import (
     row_multiple,
     shard_rows,
 )
-from megatron_rl.trainer.passes import PassSettings, all_reduce_dp, train_pass
+from megatron_rl.trainer.passes import PassSettings, reduce_dp, train_pass
 from megatron_rl.trainer.rollout_io import evaluate, sync_weights
 
 
@@ -61,24 +61,25 @@ def run_sft(ctx, eval_examples, progress=None) -> dict:
         counts = GlobalCounts()
         for sl in slices:
             counts = counts + local_counts(local.loss_mask[sl])
-        n_tok = all_reduce_dp({"n": counts.num_tokens}, groups)["n"]
+        n_tok = reduce_dp({"n/sum": counts.num_tokens}, groups)["n/sum"]
 
         def loss_fn(mb, logprobs, _entropy, n_tok=n_tok):
             loss = token_mean(-logprobs, mb["loss_mask"], n_tok)
-            return loss, {"nll": loss.detach().double()}
+            return loss, {"nll/sum": loss.detach().double()}
 
         outs = train_pass(policy.model, policy.optimizer, groups, local, slices, settings, loss_fn)
         policy.optimizer.step()
-        nll = all_reduce_dp({"nll": sum(o["nll"] for o in outs) if outs else torch.zeros(())}, groups)["nll"]
+        nll = reduce_dp({"nll/sum": sum(o["nll/sum"] for o in outs) if outs else torch.zeros(())}, groups)["nll/sum"]
         if progress is not None:
             progress.update(1)
             progress.set_postfix(nll=f"{float(nll):.3f}", acc=f"{acc:.2f}")
-        ctx.sink.log(step, {"sft/nll": float(nll)})
-        if step % sft.eval_every == 0 or step == sft.steps:
+        ctx.sink.log(step, {"sft/nll": float(nll)}, phase="sft")
+        if step == sft.steps or (sft.eval_every and step % sft.eval_every == 0):  # 0: only at the end
             sync_weights(policy, ctx.engine, ctx.policy_version)
             acc = evaluate(ctx.engine, ctx.tokenizer, eval_examples, ctx.rewards, cfg.rollout.max_tokens)
             history.append((step, acc))
-            ctx.sink.log(step, {"sft/heldout_accuracy": acc})
+            ctx.sink.log(step, {"sft/heldout_accuracy": acc}, phase="sft",
+                         echo=f"SFT step {step}" if progress is None else None)
             if sft.target_accuracy is not None and acc >= sft.target_accuracy:
                 break
     return {"steps": step, "heldout_accuracy": acc, "history": history, "seconds": time.perf_counter() - t0}

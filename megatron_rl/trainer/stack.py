@@ -1,7 +1,8 @@
 """megatron-core's own training stack, assembled the way Megatron-LM does it.
 
-    model = wrap_model(gpt_model, OptimSettings(...))       # Float16Module (bf16/fp16) -> DDP
-    optimizer = build_optimizer(model, OptimSettings(...))   # get_megatron_optimizer
+    settings = OptimSettings(cfg.optim, dtype=cfg.model.dtype)
+    model = wrap_model(gpt_model, settings)                  # Float16Module (bf16/fp16) -> DDP
+    optimizer = build_optimizer(model, settings)             # get_megatron_optimizer
     forward_backward(model, optimizer, forward_step, num_microbatches, ...)  # schedules + finalize
     ok, grad_norm, _ = optimizer.step()
 
@@ -12,36 +13,20 @@ we call `finalize_model_grads` ourselves without a token count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from megatron_rl.config.schema import OptimSection
 
 
 @dataclass(frozen=True)
 class OptimSettings:
-    """Optimizer and mixed-precision settings (Megatron-LM flag names in brackets).
+    """What the stack needs: the optimizer section of the config and the training precision
+    (model.dtype: "fp32" | "bf16" | "fp16"; bf16/fp16 keep fp32 master weights)."""
 
-    lr [--lr], min_lr, weight_decay, adam_beta1/2, adam_eps, clip_grad [--clip-grad].
-    dtype: "fp32" | "bf16" | "fp16" training precision (bf16/fp16 keep fp32 master weights).
-    initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale: fp16 dynamic loss scaler;
-        loss_scale set to a number makes it constant.
-    use_distributed_optimizer [--use-distributed-optimizer]: shard optimizer state over DP.
-    """
-
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    optim: OptimSection = field(default_factory=OptimSection)
     dtype: str = "fp32"
-    loss_scale: float | None = None
-    initial_loss_scale: float = 2.0 ** 16
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    use_distributed_optimizer: bool = False
 
 
 def wrap_model(model, settings: OptimSettings):
@@ -55,7 +40,7 @@ def wrap_model(model, settings: OptimSettings):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,  # Megatron-LM --accumulate-allreduce-grads-in-fp32
         overlap_grad_reduce=False,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
+        use_distributed_optimizer=settings.optim.use_distributed_optimizer,
         check_for_nan_in_grad=False,
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -67,13 +52,14 @@ def build_optimizer(model, settings: OptimSettings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[settings.dtype]
+    o = settings.optim
     config = OptimizerConfig(
-        optimizer="adam", lr=settings.lr, min_lr=settings.min_lr, weight_decay=settings.weight_decay,
-        adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
-        clip_grad=settings.clip_grad, bf16=settings.dtype == "bf16", fp16=settings.dtype == "fp16",
-        params_dtype=dtype, loss_scale=settings.loss_scale, initial_loss_scale=settings.initial_loss_scale,
-        min_loss_scale=settings.min_loss_scale, loss_scale_window=settings.loss_scale_window,
-        hysteresis=settings.hysteresis, use_distributed_optimizer=settings.use_distributed_optimizer,
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad, bf16=settings.dtype == "bf16", fp16=settings.dtype == "fp16",
+        params_dtype=dtype, loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
+        min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
+        hysteresis=o.hysteresis, use_distributed_optimizer=o.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, [model])
     mcfg = model.config

@@ -37,6 +37,10 @@ class Addition(Task):
     def max_label_len(self) -> int:
         return self.digits + 1
 
+    @property
+    def max_prompt_len(self) -> int:
+        return 2 * self.digits + 2  # "a+b="
+
     def generate(self, rng: random.Random) -> Example:
         a = rng.randrange(10**self.digits)
         b = rng.randrange(10**self.digits)

@@ -84,6 +84,11 @@ class Task(ABC):
     def max_label_len(self) -> int:
         """Longest label in characters (a response budget is this + 1 for <eos>)."""
 
+    @property
+    @abstractmethod
+    def max_prompt_len(self) -> int:
+        """Longest prompt in characters (checked against the model's maximum length at start-up)."""
+
     @abstractmethod
     def generate(self, rng: random.Random) -> Example:
         """One problem drawn from rng, held-out or not. Use `sample` for training."""

@@ -37,6 +37,10 @@ class Sorting(Task):
     def max_label_len(self) -> int:
         return self.max_len
 
+    @property
+    def max_prompt_len(self) -> int:
+        return 2 * self.max_len + 2  # "s:" + comma-separated digits + "="
+
     def generate(self, rng: random.Random) -> Example:
         n = rng.randint(self.min_len, self.max_len)
         digits = [rng.randrange(10) for _ in range(n)]

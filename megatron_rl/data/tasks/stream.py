@@ -62,6 +62,9 @@ class PromptStream:
     def max_label_len(self) -> int:
         return max(t.max_label_len for t in self.tasks)
 
+    def max_prompt_len(self) -> int:
+        return max(t.max_prompt_len for t in self.tasks)
+
     def state_dict(self) -> dict:
         return {"kind": "PromptStream", "seed": self.seed, "weights": list(self.weights),
                 "tasks": [t.config() for t in self.tasks]}

@@ -1,7 +1,7 @@
 import pytest
 
 from megatron_rl.config import ConfigError, LossSection, load_config
-from megatron_rl.trainer.loss_setup import resolve_loss
+from megatron_rl.losses.setup import resolve_loss
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -18,7 +18,7 @@ def test_yaml_and_overrides(tmp_path):
     ("train.stepz=3", "did you mean train.steps"),
     ("rollout.backend=sglang", "rollout.backend"),
     ("parallel.tensor_model_parallel_size=0", "tensor_model_parallel_size"),
-    ("optim.dtype=bf16", "must equal model.dtype"),
+    ("optim.dtype=bf16", "precision is model.dtype"),
     ("nonsense", "cannot parse"),
 ])
 def test_bad_config_names_the_key(override, msg):

@@ -27,8 +27,8 @@ def _error(tmp_path, bad_row, line=3, **kwargs) -> str:
 
 def test_loads_rows_and_ignores_extra_fields(tmp_path):
     path = _write(tmp_path, [GOOD, "", '{"prompt": "s:2,1=", "label": "12", "task": "sorting", "id": 7}', "  "])
-    assert load_jsonl(path) == [Example("1+2=", "3", "jsonl"), Example("s:2,1=", "12", "sorting")]
-    assert load_jsonl(path, default_task="add")[0].task == "add"
+    assert load_jsonl(path) == ([Example("1+2=", "3", "jsonl"), Example("s:2,1=", "12", "sorting")], 0)
+    assert load_jsonl(path, default_task="add")[0][0].task == "add"
 
 
 def test_invalid_json(tmp_path):
@@ -96,3 +96,24 @@ def test_jsonl_prompts_epochs_and_determinism(tmp_path):
     with pytest.raises(ValueError, match="seed"):
         src.load_state_dict(JsonlPrompts(path, seed=2).state_dict())
     assert JsonlPrompts([Example("a", "b", "t")], seed=0).batch(3, 2) == [Example("a", "b", "t")] * 2
+
+
+def test_overlong_prompts_error_or_skip(tmp_path):
+    """A prompt that does not fit the model is refused at load (first line named, all counted),
+    or dropped and counted with overlong="skip"."""
+    rows = [json.dumps({"prompt": "x" * n, "label": "1"}) for n in (3, 30, 4, 300)]
+    path = _write(tmp_path, rows)
+
+    def fits(e):
+        return None if len(e.prompt) <= 10 else f"{len(e.prompt)} prompt tokens > 10"
+
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: the prompt is too long (30 prompt tokens > 10); "
+                                                  f"2 row(s)")) as err:
+        load_jsonl(path, fits=fits)
+    assert "data.overlong_prompts=skip" in str(err.value)
+    examples, skipped = load_jsonl(path, fits=fits, overlong="skip")
+    assert [len(e.prompt) for e in examples] == [3, 4] and skipped == 2
+    src = JsonlPrompts(path, seed=0, fits=fits, overlong="skip")
+    assert len(src) == 2 and src.skipped_overlong == 2
+    with pytest.raises(DataError, match="no rows that fit"):
+        load_jsonl(path, fits=lambda e: "too long", overlong="skip")

@@ -1,0 +1,74 @@
+"""The run directory: what a fresh run moves aside, and the start-up checks that keep saves possible.
+
+    run_dir/checkpoints/   iter_XXXXXXX/ + latest (trainer.checkpoint)
+    run_dir/sft/           the SFT warm start's checkpoint (reusable as train.init_checkpoint)
+    run_dir/metrics.jsonl  one JSON row per logged step
+    run_dir/tensorboard/   event files
+    run_dir/previous/<time>/   an earlier run's checkpoints, metrics and events, moved by a fresh run
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+MOVED_BY_FRESH_RUN = ("checkpoints", "metrics.jsonl", "tensorboard")
+
+
+def archive_previous_run(run_dir: str) -> str | None:
+    """Rank 0, before a fresh run writes anything: move the checkpoints, metrics.jsonl and
+    TensorBoard events of an earlier run to run_dir/previous/<time>/. Returns that folder
+    (None when there was nothing to move). The SFT checkpoint stays: a fresh run may start
+    from it (train.init_checkpoint)."""
+    found = [n for n in MOVED_BY_FRESH_RUN if os.path.exists(os.path.join(run_dir, n))]
+    ckpts = os.path.join(run_dir, "checkpoints")  # only a non-empty directory (a file there is
+    found = [n for n in found if n != "checkpoints" or (os.path.isdir(ckpts) and os.listdir(ckpts))]  # reported later)
+    if not found:
+        return None
+    parent = os.path.join(run_dir, "previous")
+    os.makedirs(parent, exist_ok=True)
+    dest = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=parent)
+    for name in found:
+        os.replace(os.path.join(run_dir, name), os.path.join(dest, name))
+    return dest
+
+
+def checkpoint_bytes(model, groups, dtype: torch.dtype, with_optimizer: bool = True) -> int:
+    """Size of one checkpoint of `model` (collective): every parameter counted once over its
+    replicas (dense ones are replicated over DP x CP, experts over the expert-DP group), at the
+    model's dtype, plus fp32 master weights (bf16/fp16) and Adam's two fp32 moments."""
+    per_param = torch.finfo(dtype).bits // 8
+    if with_optimizer:
+        per_param += (4 if dtype != torch.float32 else 0) + 8
+    dense = dist.get_world_size(groups.dp_cp_group)
+    expert = dist.get_world_size(groups.pgs.expt_dp)
+    params = list(model.parameters())
+    local = sum(p.numel() / (dense if getattr(p, "allreduce", True) else expert) for p in params)
+    total = torch.tensor([local], dtype=torch.float64, device=params[0].device)  # the collective's device
+    dist.all_reduce(total)
+    return int(total.item() * per_param)
+
+
+def check_writable(directory: str, need_bytes: int, field: str) -> str | None:
+    """None when `directory` can be created, written, and has `need_bytes` free (plus 5%); else
+    the reason, naming the directory, the sizes and the config field that chose it."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        return (f"cannot write checkpoints to {directory} ({e.strerror or e}); make it writable or choose "
+                f"another {field}")
+    free = shutil.disk_usage(directory).free
+    if free < need_bytes * 1.05:
+        return (f"{directory} has {free / 2**30:.2f} GiB free, one checkpoint needs about "
+                f"{need_bytes / 2**30:.2f} GiB; free some space or choose another {field}")
+    return None

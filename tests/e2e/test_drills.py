@@ -1,0 +1,261 @@
+"""Fault drills: each defect a reliability review found, reproduced through `pretrain_rl.py` as a
+user would meet it, and what must happen now. Faults are triggered by events (a checkpoint
+directory appears, a metrics row is written), never by timers; deadlines only guard hangs.
+
+Numbers refer to the review's list: 1 retention, 2 no unpickling, 4 corrupt bytes, 5 unwritable
+checkpoints, 6 children reaped on SIGTERM / SIGKILL, 7 metrics rows on resume, 8 prompt length,
+9 config values, 10 clear errors, 12 progress bars in a log file. (3, the vLLM server's key,
+and 11, fault tests without timers, live in tests/vllm.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow
+HANG_GUARD_S = 600  # a deadline against hangs only; no assertion depends on speed
+
+BASE = ["--config", "examples/demo_cpu.yaml", "model.overrides={}", "sft.steps=0", "rollout.prompts_per_step=2",
+        "rollout.group_size=2", "train.micro_batch_size=2", "train.num_minibatches=1", "train.eval_size=4",
+        "log.tensorboard=false"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+
+
+def cmd(run_dir, *overrides):
+    return [sys.executable, "pretrain_rl.py", *BASE, f"train.run_dir={run_dir}", *overrides]
+
+
+def run(run_dir, *overrides) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd(run_dir, *overrides), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metric_steps(run_dir) -> list[int]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f if json.loads(line).get("phase") == "rl"]
+
+
+def wait_for(predicate, what: str):
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"hang guard: still waiting for {what}"
+        time.sleep(0.005)
+
+
+def wait_gone(pids: list[int]):
+    procs = [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    assert not alive, f"left running: {[(p.pid, p.cmdline()[:3]) for p in alive]}"
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A completed 2-step run with a checkpoint after each step (copied by the tests that damage it)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    ok(run(run_dir, "train.steps=2", "train.save_every=1"))
+    return run_dir
+
+
+def copy_of(finished_run, tmp_path):
+    dest = tmp_path / "run"
+    shutil.copytree(finished_run, dest)
+    return dest
+
+
+# ---- 1: a fresh run in a used run_dir never deletes its own newest checkpoint
+def test_1_fresh_run_in_used_run_dir_keeps_its_checkpoints(tmp_path):
+    r = tmp_path / "R"
+    ok(run(r, "train.steps=4", "train.save_every=1"))
+    second = ok(run(r, "train.steps=2", "train.save_every=1"))
+    assert "moved the earlier run's checkpoints" in second.stdout
+    ckpts = r / "checkpoints"
+    assert (ckpts / "latest").read_text() == "iter_0000002" and (ckpts / "iter_0000002").is_dir()
+    [previous] = os.listdir(r / "previous")
+    assert sorted(os.listdir(r / "previous" / previous / "checkpoints")) == ["iter_0000003", "iter_0000004", "latest"]
+    third = ok(run(r, "train.steps=3", "train.resume=true"))
+    assert "at step 2" in third.stdout
+    assert (ckpts / "latest").read_text() == "iter_0000003"
+
+
+# ---- 2: resuming never unpickles what is in the checkpoint
+def test_2_crafted_pickles_in_a_checkpoint_do_not_run(finished_run, tmp_path):
+    from megatron_rl.trainer.manifest import build_manifest
+
+    r = copy_of(finished_run, tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    latest = r / "checkpoints" / "iter_0000002"
+    (latest / "extra" / "rank_00000.pt").write_bytes(pickle.dumps({"step": 2, "x": Payload()}))
+    (latest / "common.pt").write_bytes(pickle.dumps(Payload()))
+    os.remove(latest / "manifest.json")
+    build_manifest(str(latest), {"run_id": json.loads((r / "checkpoints" / "iter_0000001" / "manifest.json")
+                                                      .read_text())["run_id"], "step": 2, "written_at": time.time()})
+    proc = run(r, "train.steps=3", "train.resume=true")
+    assert not marker.exists(), "code from the checkpoint ran"
+    assert proc.returncode == 1 and "iter_0000002" in proc.stderr, proc.stderr[-2000:]
+
+
+# ---- 4: flipped bits are found; the run falls back to the last good checkpoint, deleting nothing
+def test_4_corrupt_bytes_fall_back_to_the_previous_good_checkpoint(finished_run, tmp_path):
+    r = copy_of(finished_run, tmp_path)
+    ckpts = r / "checkpoints"
+    weights = ckpts / "iter_0000002" / "__0_0.distcp"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    weights.write_bytes(bytes(data))
+    proc = ok(run(r, "train.steps=3", "train.resume=true", "train.save_every=1"))
+    assert "__0_0.distcp does not match its sha256" in proc.stderr
+    assert "resumed from" in proc.stdout and "iter_0000001 at step 1" in proc.stdout
+    # the damaged one is kept aside; step 1 went only once two newer good checkpoints existed
+    assert sorted(os.listdir(ckpts)) == ["iter_0000002", "iter_0000002.corrupt", "iter_0000003", "latest"]
+    assert (ckpts / "latest").read_text() == "iter_0000003"
+    assert metric_steps(r) == [1, 2, 3]  # the redone step 2 is logged once
+
+
+# ---- 5: an unwritable checkpoint directory stops the run before any step
+def test_5_unwritable_checkpoints_fail_at_start_up(tmp_path):
+    r = tmp_path / "R"
+    r.mkdir()
+    (r / "checkpoints").write_text("a file where the checkpoint directory should be")
+    proc = run(r, "train.steps=2", "train.save_every=0")
+    assert proc.returncode == 1
+    assert f"cannot write checkpoints to {r / 'checkpoints'}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (r / "metrics.jsonl").exists() or metric_steps(r) == []
+
+
+# ---- 6 + 7: SIGKILL while a checkpoint is being written: no process left, no row logged twice
+def test_6_7_sigkill_mid_save_leaves_no_process_and_no_duplicate_rows(tmp_path):
+    r = tmp_path / "R"
+    proc = subprocess.Popen(cmd(r, "train.steps=200", "train.save_every=1"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        caught = None
+        for k in range(2, 40):  # freeze it inside the save of step k (tmp dir present, not yet published)
+            tmp, final = r / "checkpoints" / f"iter_{k:07d}.tmp", r / "checkpoints" / f"iter_{k:07d}"
+            wait_for(lambda: tmp.exists() or final.exists(), f"the save of step {k}")
+            os.kill(proc.pid, signal.SIGSTOP)
+            if not final.exists():
+                caught = k
+                break
+            os.kill(proc.pid, signal.SIGCONT)
+        assert caught is not None, "never caught a save in flight"
+        children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert children, "expected megatron's checkpoint writer helper"
+        proc.kill()
+        proc.wait()
+        wait_gone(children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    resumed = ok(run(r, f"train.steps={caught + 1}", "train.resume=true", "train.save_every=1"))
+    assert f"at step {caught - 1}" in resumed.stdout
+    assert metric_steps(r) == list(range(1, caught + 2))
+
+
+def test_6_sigterm_finishes_the_step_saves_and_reaps(tmp_path):
+    r = tmp_path / "R"
+    proc = subprocess.Popen(cmd(r, "train.steps=200", "train.save_every=1000"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (r / "metrics.jsonl").exists() and metric_steps(r), "the first step")
+    children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM after step" in err and "rerun with train.resume=true" in err
+    wait_gone(children)
+    saved = int((r / "checkpoints" / "latest").read_text().split("_")[1])
+    assert saved == metric_steps(r)[-1]  # the checkpoint holds every logged step
+    resumed = ok(run(r, f"train.steps={saved + 1}", "train.resume=true"))
+    assert f"at step {saved}" in resumed.stdout
+
+
+# ---- 8: prompts longer than the model takes are refused (or skipped) at start-up, never OOM
+@pytest.mark.parametrize("length", [301, 50_000])
+def test_8_overlong_jsonl_prompt_is_refused_at_start_up(tmp_path, length):
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n" +
+                    json.dumps({"prompt": "1" * length, "label": "1"}) + "\n")
+    proc = run(tmp_path / "R", f"data.jsonl={data}", "train.steps=1")
+    assert proc.returncode == 1 and f"{data}:2: the prompt is too long" in proc.stderr, proc.stderr[-2000:]
+    assert "data.overlong_prompts=skip" in proc.stderr
+
+
+def test_8_overlong_prompts_can_be_skipped_with_a_count(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "label": "3"}) + "\n" for p in ("1+2=", "2+1=", "1" * 301)))
+    proc = ok(run(tmp_path / "R", f"data.jsonl={data}", "data.overlong_prompts=skip", "train.steps=1"))
+    assert "dropped 1 prompt(s)" in proc.stdout
+
+
+# ---- 9: every bad value is a start-up error naming the field (exit 2, before a model is built)
+@pytest.mark.parametrize("override,field", [
+    ("train.steps=-1", "train.steps"), ("train.eval_every=-2", "train.eval_every"),
+    ("sft.eval_every=-1", "sft.eval_every"), ("train.micro_batch_size=0", "train.micro_batch_size"),
+    ("train.steps=2.5", "train.steps"), ("rollout.top_p=1.5", "rollout.top_p"), ("rollout.top_k=0", "rollout.top_k"),
+    ("rollout.temperature=-1", "rollout.temperature"), ("train.micro_batch_size=3", "train.micro_batch_size"),
+    ("train.num_minibatches=3", "train.num_minibatches"), ("data.tasks=[sortin]", "data.tasks[0]"),
+])
+def test_9_bad_config_values_fail_at_start_up(tmp_path, override, field):
+    proc = run(tmp_path / "R", override)
+    assert proc.returncode == 2 and field in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "R").exists()  # nothing started
+
+
+def test_9_zero_eval_every_means_only_before_and_after(tmp_path):
+    proc = ok(run(tmp_path / "R", "train.steps=2", "train.eval_every=0", "sft.eval_every=0", "sft.steps=1",
+                  "sft.batch_size=2"))
+    assert "held-out accuracy, greedy: before -> after RL" in proc.stdout
+
+
+# ---- 10: damaged files are named, in one line
+def test_10_corrupt_hf_config_is_named_in_one_line(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "qwen3", "hidden_si')
+    proc = run(tmp_path / "R", f"model.hf_dir={hf}", "train.steps=1")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert str(hf / "config.json") in line and "error-rank0.log" in line
+    assert "Traceback" in (tmp_path / "R" / "error-rank0.log").read_text()
+
+
+def test_10_zeroed_checkpoint_file_is_named(finished_run, tmp_path):
+    r = copy_of(finished_run, tmp_path)
+    target = r / "checkpoints" / "iter_0000002" / "common.pt"
+    target.write_bytes(b"\0" * target.stat().st_size)
+    proc = run(tmp_path / "R2", f"train.init_checkpoint={r / 'checkpoints' / 'iter_0000002'}", "train.steps=1")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert str(target) in proc.stderr and "weights_only=False" not in proc.stderr
+
+
+def test_10_truncated_jsonl_says_so(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n" + '{"prompt": "2+')
+    proc = run(tmp_path / "R", f"data.jsonl={data}", "train.steps=1")
+    assert proc.returncode == 1 and f"{data}:2" in proc.stderr and "truncated" in proc.stderr
+
+
+# ---- 12: a log file gets step lines, not carriage-return redraws
+def test_12_no_progress_bar_redraws_in_a_log_file(tmp_path):
+    proc = ok(run(tmp_path / "R", "train.steps=2", "sft.steps=2", "sft.batch_size=2", "sft.eval_every=1"))
+    assert "\r" not in proc.stdout + proc.stderr
+    assert "step 2 " in proc.stdout and "SFT step 2" in proc.stdout
