@@ -58,6 +58,8 @@ class RolloutSection:
     temperature (> 0), top_p (in (0, 1]), top_k (-1 = off, else >= 1), max_tokens (>= 1):
         sampling (vLLM names; see SamplingParams).
     max_batch_size: sequences the embedded engine decodes at once.
+    device: where the embedded engine runs: null (default) = the trainer's GPU when there is one,
+        else the CPU; or "cpu", "cuda", "cuda:N". Weights are synced on-device.
     vllm: vLLM backend settings, a mapping of megatron_rl.rollout.vllm.VllmConfig fields (url,
         python, device, tensor_parallel_size, dtype, max_model_len, max_num_seqs, quantization,
         logprobs_mode, seed, enforce_eager, weight_sync, probe_every, probe_tolerance,
@@ -75,6 +77,7 @@ class RolloutSection:
     top_k: int = -1
     max_tokens: int = 8
     max_batch_size: int = 256
+    device: str | None = None
     vllm: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -89,6 +92,9 @@ class RolloutSection:
             checks.integer("rollout.top_k", self.top_k, lo=1, hint="-1 = no top-k truncation")
         checks.integer("rollout.max_tokens", self.max_tokens, lo=1)
         checks.integer("rollout.max_batch_size", self.max_batch_size, lo=1)
+        if self.device is not None and not (self.device in ("cpu", "cuda") or
+                                            (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ValueError(f"rollout.device={self.device!r}: use cpu, cuda, cuda:N or null (the trainer's device)")
         if self.backend == "vllm":
             from megatron_rl.rollout.vllm.config import VllmConfig
 

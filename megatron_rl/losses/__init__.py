@@ -6,10 +6,13 @@
   tis_seq, mis_token, mis_seq, mis_geo, veto, icepop, kpop, opsm, nav;
 - aggregation (`aggregation.py`): token_mean, seq_mean_token_mean, token_sum_norm, always with a
   GLOBAL normaliser passed in;
-- advantages (`advantages.py`): grpo, mean_centered, rloo, zero_variance_groups.
+- advantages (`advantages.py`): grpo, mean_centered, rloo, zero_variance_groups;
+- per-step statistics (`step_stats.py`): values of the current policy over the optimizer step that a
+  surrogate declares as parameters (P3O's ESS), computed by the trainer for every surrogate alike.
 
 `compute_policy_loss` (`policy_loss.py`) composes them; `seqops.py` makes per-sequence reductions
-work under context parallelism. The math is ALGORITHMS.md; each function's docstring has its formula.
+work under context parallelism. The math is specified in docs/algorithms.md; each function's docstring
+has its formula.
 """
 
 from megatron_rl.losses.advantages import (
@@ -55,6 +58,7 @@ from megatron_rl.losses.policy_loss import (
 )
 from megatron_rl.losses.registry import Registry
 from megatron_rl.losses.seqops import LOCAL, CPSeqOps, LocalSeqOps, SeqOps
+from megatron_rl.losses.step_stats import STEP_STATISTICS, StepStatistic, register_step_statistic
 from megatron_rl.losses.surrogates import (
     SURROGATES,
     cispo,
@@ -70,7 +74,7 @@ from megatron_rl.losses.surrogates import (
     register_surrogate,
     reinforce,
 )
-from megatron_rl.losses.types import Correction, PolicyBatch, SurrogateOut, finish_metrics, masked_log_ratio
+from megatron_rl.losses.types import Correction, PolicyBatch, SurrogateOut, masked_log_ratio
 
 __all__ = [
     "ADVANTAGES",
@@ -79,6 +83,7 @@ __all__ = [
     "LOCAL",
     "NAV_SCOPES",
     "RECIPES",
+    "STEP_STATISTICS",
     "SURROGATES",
     "CPSeqOps",
     "Correction",
@@ -88,6 +93,7 @@ __all__ = [
     "PolicyBatch",
     "Registry",
     "SeqOps",
+    "StepStatistic",
     "SurrogateOut",
     "aggregate",
     "apply_corrections",
@@ -95,7 +101,6 @@ __all__ = [
     "cispo",
     "compute_policy_loss",
     "ess_from_stats",
-    "finish_metrics",
     "get_advantage",
     "get_aggregation",
     "get_correction",
@@ -124,6 +129,7 @@ __all__ = [
     "register_aggregation",
     "register_correction",
     "register_recipe",
+    "register_step_statistic",
     "register_surrogate",
     "reinforce",
     "required_counts",

@@ -82,7 +82,7 @@ def icepop(batch: PolicyBatch, *, alpha: float = 0.5, beta: float = 5.0,
     """IcePop (Ring): keep_t = 1(α ≤ w_t ≤ β), c_t = 1.
 
     ratio_weight=True uses c_t = w_t on kept tokens (the IcePop paper's M(k) = k inside [α, β]);
-    the spec's default is c_t = 1. Metrics: masked.
+    the default is c_t = 1 (docs/algorithms.md#icepop). Metrics: masked.
     """
     m = batch.mask
     lw = log_w(batch)

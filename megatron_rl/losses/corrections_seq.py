@@ -33,8 +33,8 @@ def _seq_sums(batch: PolicyBatch, x: Tensor) -> tuple[Tensor, Tensor]:
 
 def _seq_fraction(metrics: Metrics, batch: PolicyBatch, name: str, hit: Tensor, valid: Tensor) -> None:
     """metrics[name/num|den] over responses with ≥ 1 valid token (`valid` [B]), owner-counted."""
-    metrics[f"{name}/num"] = owner_count(valid & hit, batch.seq)
-    metrics[f"{name}/den"] = owner_count(valid, batch.seq)
+    metrics[f"{name}/num/sum"] = owner_count(valid & hit, batch.seq)
+    metrics[f"{name}/den/sum"] = owner_count(valid, batch.seq)
 
 
 def _drop_seqs(batch: PolicyBatch, drop: Tensor, valid: Tensor, metrics: Metrics, name: str) -> Correction:
@@ -71,7 +71,7 @@ def mis_seq(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
 def mis_geo(batch: PolicyBatch, *, lo: float = 0.999, hi: float = 1.001) -> Correction:
     """g_i = exp((1/|y_i|) Σ_t m log w_t); keep_i = 1(lo ≤ g_i ≤ hi); c = 1.
 
-    The spec gives no band; default [0.999, 1.001] (per-token geometric mismatch within ±0.1%) is our
+    The method gives no band (docs/algorithms.md#mis_geo); default [0.999, 1.001] (per-token geometric mismatch within ±0.1%) is our
     choice — the geometric mean of a long response is close to 1, so the band must be tight.
     """
     s, n = _seq_sums(batch, log_w(batch))
@@ -105,8 +105,8 @@ def opsm(batch: PolicyBatch, *, delta: float = 1e-3) -> Correction:
     neg = (m & (masked(batch.advantages, m) < 0)).float()
     sums = batch.seq.sum(torch.stack([k, m.float(), neg]).detach())
     kl, n, n_neg = sums[0] / sums[1].clamp_min(1.0), sums[1], sums[2]
-    metrics: Metrics = {"seq_kl/num": owner_count(torch.where(n > 0, kl.double(), 0.0), batch.seq)}
-    metrics["seq_kl/den"] = owner_count(n > 0, batch.seq)
+    metrics: Metrics = {"seq_kl/num/sum": owner_count(torch.where(n > 0, kl.double(), 0.0), batch.seq)}
+    metrics["seq_kl/den/sum"] = owner_count(n > 0, batch.seq)
     return _drop_seqs(batch, (n_neg > 0) & (kl > delta), n > 0, metrics, "dropped")
 
 
@@ -140,6 +140,6 @@ def nav(batch: PolicyBatch, *, kappa: float = 2.0, nav_scope: str = "from_trigge
         drop = neg & has[:, None]
     metrics: Metrics = {}
     add_fraction(metrics, "trigger_tokens", trig, m)
-    metrics["triggered_seqs/num"] = owner_count(has, batch.seq)
-    metrics["triggered_seqs/den"] = owner_count(valid, batch.seq)
+    metrics["triggered_seqs/num/sum"] = owner_count(has, batch.seq)
+    metrics["triggered_seqs/den/sum"] = owner_count(valid, batch.seq)
     return keep_only(batch, ~drop, metrics, "vetoed_tokens")

@@ -58,7 +58,12 @@ def compute_policy_loss(
 
 @dataclass(frozen=True)
 class LossRecipe:
-    """A named surrogate × corrections × aggregation (+ the advantage estimator it was published with)."""
+    """A named surrogate × corrections × aggregation (+ the advantage estimator it was published with).
+
+    implies: other config settings the recipe stands for, as {"section.field": value} (e.g.
+    MiniRL-R3's {"moe.router_replay": "r3"}); the config loader fills them in before validation
+    and refuses a config that sets them to something else.
+    """
 
     surrogate: str
     surrogate_params: Mapping[str, Any] = field(default_factory=dict)
@@ -66,12 +71,7 @@ class LossRecipe:
     aggregation: str = "token_mean"
     agg_params: Mapping[str, Any] = field(default_factory=dict)
     advantage: str = "grpo"
-
-    def loss_kwargs(self, **agg_params: Any) -> dict[str, Any]:
-        """kwargs for compute_policy_loss; `agg_params` adds run-specific values (e.g. l_norm)."""
-        return {"surrogate": self.surrogate, "surrogate_params": dict(self.surrogate_params),
-                    "corrections": list(self.corrections), "aggregation": self.aggregation,
-                    "agg_params": {**self.agg_params, **agg_params}}
+    implies: Mapping[str, Any] = field(default_factory=dict)
 
 
 RECIPES = Registry("loss recipe")
@@ -91,9 +91,11 @@ register_recipe("gspo", LossRecipe("gspo", aggregation="seq_mean_token_mean"))
 register_recipe("minirl", LossRecipe("minirl", aggregation="token_sum_norm", advantage="mean_centered"))
 register_recipe("mu_grpo", LossRecipe("mu_grpo", corrections=(("nav", {}),), aggregation="seq_mean_token_mean"))
 register_recipe("p3o", LossRecipe("p3o"))
-# MiniRL with router replay; the replay mode itself is set by RunConfig (moe.router_replay)
-register_recipe("minirl_r2", LossRecipe("minirl", aggregation="token_sum_norm", advantage="mean_centered"))
-register_recipe("minirl_r3", LossRecipe("minirl", aggregation="token_sum_norm", advantage="mean_centered"))
+# MiniRL with MoE router replay (R2: the trainer's π_old routing; R3: the rollout engine's)
+register_recipe("minirl_r2", LossRecipe("minirl", aggregation="token_sum_norm", advantage="mean_centered",
+                                        implies={"moe.router_replay": "r2"}))
+register_recipe("minirl_r3", LossRecipe("minirl", aggregation="token_sum_norm", advantage="mean_centered",
+                                        implies={"moe.router_replay": "r3"}))
 # GRPO with one training-inference mismatch correction each (TIM blog; IcePop: Ring; KPop)
 register_recipe("tis", LossRecipe("ppo_clip", corrections=(("tis_token", {"C": 2.0}),), aggregation="seq_mean_token_mean"))
 register_recipe("mis", LossRecipe("ppo_clip", corrections=(("mis_token", {"C": 2.0}),), aggregation="seq_mean_token_mean"))

@@ -1,7 +1,9 @@
 """LossSection (config) -> the concrete loss: surrogate, corrections, aggregation, advantages.
 
 A recipe supplies defaults; explicit fields override them. Every name is checked against its
-registry and incompatible choices fail here, at start-up, with the reason.
+registry, and what a surrogate declared when it registered (allowed aggregations, per-step
+statistics it takes as parameters) is checked the same way for every surrogate, so incompatible
+choices fail here, at start-up (RunConfig validation), with the reason.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from megatron_rl.losses.advantages import ADVANTAGES
 from megatron_rl.losses.aggregation import AGGREGATIONS, required_counts
 from megatron_rl.losses.corrections import CORRECTIONS
 from megatron_rl.losses.policy_loss import RECIPES
+from megatron_rl.losses.step_stats import STEP_STATISTICS
 from megatron_rl.losses.surrogates import SURROGATES
 
 
@@ -25,11 +28,7 @@ class ResolvedLoss:
     advantages: str
     filter_zero_variance_groups: bool = False
     counts: tuple[str, ...] = field(default=())
-
-    @property
-    def needs_ess(self) -> bool:
-        """P3O's ESS is a statistic of the current policy over the whole optimizer step."""
-        return self.surrogate == "p3o"
+    step_statistics: dict = field(default_factory=dict)  # surrogate parameter -> STEP_STATISTICS name
 
     def loss_kwargs(self) -> dict[str, Any]:
         return dict(surrogate=self.surrogate, surrogate_params=dict(self.surrogate_params),
@@ -43,12 +42,15 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
     surrogate = section.surrogate or (recipe.surrogate if recipe else None)
     if surrogate is None:
         raise ValueError("loss: set loss.recipe or loss.surrogate")
-    SURROGATES.get(surrogate)  # raises with the available names
+    declared = SURROGATES.info(surrogate)  # raises with the available names
     params = dict(recipe.surrogate_params) if recipe and recipe.surrogate == surrogate else {}
     params.update(section.surrogate_params or {})
-    if "ess" in params:
-        raise ValueError("loss.surrogate_params.ess: P3O's ESS is computed by the trainer every step; "
-                         "remove it from the config")
+    step_statistics = dict(declared.get("step_statistics", {}))
+    for name, stat in step_statistics.items():
+        STEP_STATISTICS.get(stat)
+        if name in params:
+            raise ValueError(f"loss.surrogate_params.{name}: {surrogate}'s {name} is computed by the trainer every "
+                             f"step ({stat}); remove it from the config")
     if section.corrections is not None:
         corrections = []
         for i, c in enumerate(section.corrections):
@@ -67,10 +69,9 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
         agg_params.setdefault("l_norm", float(max_response_len))
     advantages = section.advantages or (recipe.advantage if recipe else "grpo")
     ADVANTAGES.get(advantages)
-    if surrogate in ("gspo",) and aggregation == "token_mean":
-        raise ValueError("loss: gspo is a sequence-level objective (one ratio per response); "
-                         "use loss.aggregation=seq_mean_token_mean")
-    if surrogate == "p3o" and aggregation != "token_mean":
-        raise ValueError("loss: p3o's ESS and KL term are token averages; use loss.aggregation=token_mean")
+    allowed = declared.get("aggregations")
+    if allowed is not None and aggregation not in allowed:
+        raise ValueError(f"loss: {surrogate} allows loss.aggregation in {list(allowed)} ({declared.get('why', '')}); "
+                         f"use loss.aggregation={allowed[0]}")
     return ResolvedLoss(surrogate, params, corrections, aggregation, agg_params, advantages,
-                        section.filter_zero_variance_groups, required_counts(aggregation))
+                        section.filter_zero_variance_groups, required_counts(aggregation), step_statistics)

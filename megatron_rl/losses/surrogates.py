@@ -1,7 +1,7 @@
 """Policy surrogates: per-token loss terms ℓ_t (we minimise; ℓ = −J) before corrections and aggregation.
 
 Common signature: `fn(batch: PolicyBatch, **params) -> SurrogateOut` with `per_token [B, T]` (0 where
-m_t = 0). Notation (ALGORITHMS.md): r_t = π_θ/π_old, w_t = π_old/μ, ρ_t = π_θ/μ = r_t·w_t, sg = detach,
+m_t = 0). Notation (docs/algorithms.md#notation): r_t = π_θ/π_old, w_t = π_old/μ, ρ_t = π_θ/μ = r_t·w_t, sg = detach,
 A = advantage broadcast to tokens. Ratios are exp of fp32 log-differences with Δ = 0 at padding.
 
 Registered names: ppo_clip, mu_grpo, reinforce, cispo, gspo, gspo_token, minirl, p3o.
@@ -128,14 +128,15 @@ def _gspo_metrics(batch: PolicyBatch, s: Tensor, n: Tensor, adv_seq: Tensor, eps
     metrics = {}
     add_fraction(metrics, "clipped_tokens", m & _clip_active(s[:, None].expand_as(adv), adv, eps_low, eps_high), m)
     valid = n > 0
-    metrics["clipped_seqs/num"] = owner_count(valid & _clip_active(s, adv_seq, eps_low, eps_high), batch.seq)
-    metrics["clipped_seqs/den"] = owner_count(valid, batch.seq)
-    metrics["seq_ratio/num"] = owner_count(torch.where(valid, s.double(), 0.0), batch.seq)
-    metrics["seq_ratio/den"] = metrics["clipped_seqs/den"]
+    metrics["clipped_seqs/num/sum"] = owner_count(valid & _clip_active(s, adv_seq, eps_low, eps_high), batch.seq)
+    metrics["clipped_seqs/den/sum"] = owner_count(valid, batch.seq)
+    metrics["seq_ratio/num/sum"] = owner_count(torch.where(valid, s.double(), 0.0), batch.seq)
+    metrics["seq_ratio/den/sum"] = metrics["clipped_seqs/den/sum"]
     return metrics
 
 
-@register_surrogate("gspo")
+@register_surrogate("gspo", aggregations=("seq_mean_token_mean", "token_sum_norm", "seq_mean_token_sum"),
+                    why="a sequence-level objective: one ratio per response")
 def gspo(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -> SurrogateOut:
     """GSPO (sequence level). s_i = exp((1/|y_i|) Σ_t m (log π_θ − log π_old)) (has gradient),
     ℓ_i = −min(s_i A_i, clip(s_i, 1−ε_low, 1+ε_high) A_i).
@@ -217,7 +218,8 @@ def ess_from_stats(sum_r: Tensor, sum_mask: Tensor, sum_r2: Tensor) -> Tensor:
     return torch.where(sum_mask > 0, ess.clamp(0.0, 1.0), torch.ones_like(ess))
 
 
-@register_surrogate("p3o")
+@register_surrogate("p3o", step_statistics={"ess": "ratio_ess"}, aggregations=("token_mean",),
+                    why="its ESS and KL term are token averages")
 def p3o(batch: PolicyBatch, *, ess: Tensor | float) -> SurrogateOut:
     """P3O (trust the batch): ℓ_t = −sg[clamp(r_t, 0, ESS)] A log π_θ,t + (1 − ESS) · k3_t,
     k3_t = exp(log π_old − log π_θ) − (log π_old − log π_θ) − 1 (has gradient).
@@ -236,8 +238,8 @@ def p3o(batch: PolicyBatch, *, ess: Tensor | float) -> SurrogateOut:
     k3 = torch.exp(d) - d - 1.0
     loss = -coef * masked(batch.advantages, m) * masked(batch.logprobs, m) + (1.0 - ess_t) * k3
     loss = torch.where(m, loss, _zero(loss))
-    metrics = {"ess": ess_t.double()}
+    metrics = {"ess/num/sum": ess_t.double(), "ess/den/sum": torch.ones_like(ess_t, dtype=torch.float64)}
     add_fraction(metrics, "capped", m & (r > ess_t), m)
-    metrics["k3/num"] = count(torch.where(m, k3, 0.0))
-    metrics["k3/den"] = count(m)
+    metrics["k3/num/sum"] = count(torch.where(m, k3, 0.0))
+    metrics["k3/den/sum"] = count(m)
     return SurrogateOut(loss, metrics)

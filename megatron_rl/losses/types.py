@@ -4,10 +4,11 @@
 `SurrogateOut` per-token loss terms `ℓ_t` of a surrogate (+ per-sequence terms for sequence surrogates).
 `Correction`   a rollout correction: detached per-token weight `c_t ≥ 0` and keep mask.
 
-Metrics convention (all detached 0-dim float64 tensors, no host sync): a fraction is logged as a pair
-`<name>/num`, `<name>/den` of SUMS, so the trainer sums them over micro-batches and all-reduces them
-over ranks, then calls `finish_metrics`. Keys without a `/num` or `/den` suffix are already global
-values (e.g. `p3o/ess`), identical on every rank.
+Metrics (all detached 0-dim float64 tensors, no host sync) follow the project's one convention
+(megatron_rl/metrics/reduce.py): a fraction is the pair `<name>/num/sum`, `<name>/den/sum` of SUMS,
+which the trainer accumulates over micro-batches and all-reduces over ranks before finishing it
+into `<name>` = num / den. A global value (the same on every rank, e.g. P3O's ESS) is logged as
+its mean: `<name>/num/sum` = value, `<name>/den/sum` = 1.
 """
 from __future__ import annotations
 
@@ -107,28 +108,9 @@ def count(x: Tensor) -> Tensor:
 
 def add_fraction(metrics: Metrics, name: str, num: Tensor, den: Tensor) -> None:
     """metrics[name/num] = Σ num, metrics[name/den] = Σ den (bool or float tensors, or 0-dim sums)."""
-    metrics[f"{name}/num"] = count(num)
-    metrics[f"{name}/den"] = count(den)
+    metrics[f"{name}/num/sum"] = count(num)
+    metrics[f"{name}/den/sum"] = count(den)
 
 
 def prefix_metrics(prefix: str, metrics: Mapping[str, Tensor]) -> Metrics:
     return {f"{prefix}/{k}": v for k, v in metrics.items()}
-
-
-def finish_metrics(metrics: Mapping[str, Tensor]) -> dict[str, float]:
-    """Turn (already summed / all-reduced) `<k>/num`, `<k>/den` pairs into `<k>` = num/den.
-
-    Other keys pass through. A fraction with den = 0 is reported as 0. This is the one place that
-    reads values to the host (call it when logging, after the reductions).
-    """
-    out: dict[str, float] = {}
-    for k, v in metrics.items():
-        if k.endswith("/den"):
-            continue
-        if k.endswith("/num"):
-            base = k[: -len("/num")]
-            den = float(metrics[f"{base}/den"])
-            out[base] = float(v) / den if den > 0 else 0.0
-        else:
-            out[k] = float(v)
-    return out

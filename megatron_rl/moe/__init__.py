@@ -1,9 +1,6 @@
-"""MoE router replay (R2 / R3) on megatron-core's RouterReplay, rollout-routing plumbing, metrics."""
-from megatron_rl.moe.metrics import (
-    finish_routing_metrics,
-    reduce_routing_sums,
-    routing_agreement_sums,
-)
+"""MoE router replay (R2 / R3) on megatron-core's RouterReplay, rollout-routing plumbing, metrics
+(docs/router_replay.md)."""
+from megatron_rl.moe.metrics import routing_agreement_sums
 from megatron_rl.moe.plumbing import (
     RolloutRouting,
     TokenLayout,
@@ -21,6 +18,6 @@ from megatron_rl.moe.replay import (
 
 __all__ = [
     "MicroBatchRouting", "ReplaySession", "RolloutRouting", "RouterReplayController", "TokenLayout",
-    "check_replay_config", "finish_routing_metrics", "live_routing_needed", "micro_batches_for",
-    "reduce_routing_sums", "replay_routing", "replayed_token_sums", "routing_agreement_sums",
+    "check_replay_config", "live_routing_needed", "micro_batches_for", "replay_routing", "replayed_token_sums",
+    "routing_agreement_sums",
 ]

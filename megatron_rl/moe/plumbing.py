@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from megatron_rl.logprobs.context_parallel import zigzag_indices
+from megatron_rl.metrics.reduce import ratio
 from megatron_rl.moe.replay import MicroBatchRouting
 
 
@@ -206,11 +207,12 @@ def local_mask(rows_mask: Tensor, layout: TokenLayout) -> Tensor:
 
 
 def replayed_token_sums(routing: RolloutRouting) -> dict[str, Tensor]:
-    """Real tokens and those replayed from the engine, as reducible float64 sums.
+    """`moe/replayed_token_fraction`: real tokens replayed from the engine / real tokens, as a
+    ratio in the metrics convention (megatron_rl/metrics/reduce.py).
 
     Row-level counts (the same on every TP / PP / CP rank of a data-parallel rank): any uniform
-    duplication over ranks cancels in the fraction (`finish_routing_metrics`).
+    duplication over ranks cancels in the fraction.
     """
     real = routing.real
-    return {"moe/replayed_tokens/sum": (real & routing.known).sum(dtype=torch.float64),
-            "moe/real_tokens/sum": real.sum(dtype=torch.float64)}
+    return ratio("moe/replayed_token_fraction", (real & routing.known).sum(dtype=torch.float64),
+                 real.sum(dtype=torch.float64))

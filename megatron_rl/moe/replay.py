@@ -1,4 +1,4 @@
-"""MoE router replay (R2 / R3) on top of megatron-core's `RouterReplay` (ALGORITHMS.md, "MoE router replay").
+"""MoE router replay (R2 / R3) on top of megatron-core's `RouterReplay` (docs/router_replay.md).
 
 megatron-core 0.16.1 gives every `TopKRouter` a `RouterReplay` instance when
 `moe_enable_routing_replay=True` (`BuildOptions(routing_replay=True)`). Its top-k goes through
@@ -148,13 +148,18 @@ class ReplaySession:
         self._total[layer] = self._total[layer] + total
 
     def agreement_sums(self, name: str) -> dict[str, Tensor]:
-        """Reducible sums `moe/<name>/...` (see megatron_rl.moe.metrics) of replayed vs live top-k."""
+        """Ratios `moe/<name>...` (see megatron_rl.moe.metrics) of replayed vs live top-k, on the
+        device the probe counted on (no host sync)."""
         from megatron_rl.moe.metrics import layer_agreement_sums
 
-        def host(values):
-            return torch.tensor([float(v) for v in values], dtype=torch.float64)
+        def stacked(values):
+            tensors = [v for v in values if torch.is_tensor(v)]
+            device = tensors[0].device if tensors else torch.device("cpu")
+            return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]) \
+                if values else torch.zeros(0, dtype=torch.float64, device=device)
 
-        return layer_agreement_sums(host(self._agree), host(self._total), self.layer_ids, self.num_moe_layers, name)
+        return layer_agreement_sums(stacked(self._agree), stacked(self._total), self.layer_ids,
+                                    self.num_moe_layers, name)
 
 
 class RouterReplayController:

@@ -104,12 +104,6 @@ class ParallelGroups:
     def dp_cp_group(self):
         return self.pgs.dp_cp
 
-    def rank_in(self, group) -> int:
-        return dist.get_rank(group)
-
-    def size_of(self, group) -> int:
-        return dist.get_world_size(group)
-
     @property
     def tp_rank(self) -> int:
         return dist.get_rank(self.tp_group)
@@ -121,10 +115,6 @@ class ParallelGroups:
     @property
     def ep_rank(self) -> int:
         return dist.get_rank(self.ep_group)
-
-    @property
-    def etp_rank(self) -> int:
-        return dist.get_rank(self.etp_group)
 
     @property
     def dp_size(self) -> int:

@@ -87,8 +87,8 @@ def sample_inverse_cdf(logits: torch.Tensor, keep: torch.Tensor, u: torch.Tensor
     """
     probs = torch.softmax(logits.double().masked_fill(~keep, float("-inf")), dim=-1)
     cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    ids = torch.arange(probs.shape[-1]).expand_as(probs)
+    idx = torch.searchsorted(cdf, (u.to(cdf.device, torch.float64) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
     last_positive = torch.where(probs > 0, ids, -1).amax(-1)
     return torch.minimum(idx, last_positive)
 
@@ -129,11 +129,14 @@ class EmbeddedEngine:
     max_batch_size: sequences decoded together (a chunk); samples do not depend on it (up to
         low-precision kernel effects, see the module docstring).
     attn_implementation: transformers attention backend ("eager", "sdpa").
+    device: where the model runs and decodes ("cpu", "cuda", "cuda:1"); update_weights copies
+        the trainer's tensors there directly (on-device when they already live on it). Samples
+        come back on the CPU (they are broadcast to every rank).
     The model starts with random weights and policy_version -1 until update_weights.
     """
 
     def __init__(self, arch: ModelArch, dtype: str = "fp32", max_batch_size: int = 256,
-                 attn_implementation: str = "eager"):
+                 attn_implementation: str = "eager", device: str | torch.device = "cpu"):
         from transformers import AutoModelForCausalLM
 
         if dtype not in _DTYPES:
@@ -144,8 +147,9 @@ class EmbeddedEngine:
         self.dtype = _DTYPES[dtype]
         self.max_batch_size = max_batch_size
         self.policy_version = -1
+        self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_config(
-            arch.to_hf_config(), attn_implementation=attn_implementation, dtype=self.dtype).eval()
+            arch.to_hf_config(), attn_implementation=attn_implementation, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self._check_expert_layout()
         self._routes: dict[int, torch.Tensor] = {}
@@ -196,7 +200,7 @@ class EmbeddedEngine:
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
         """n samples per prompt; result[i][j] is sample j of prompt i (see the module docstring)."""
-        check_prompts(prompts, n, self.arch.vocab_size)
+        check_prompts(prompts, n, self.arch.vocab_size, self.arch.max_position_embeddings, sampling.max_tokens)
         seqs = [(i, j) for i in range(len(prompts)) for j in range(n)]
         out: list[list[Sample | None]] = [[None] * n for _ in prompts]
         for start in range(0, len(seqs), self.max_batch_size):
@@ -225,6 +229,7 @@ class EmbeddedEngine:
         for r, p in enumerate(prompts):
             ids[r, width - len(p):] = torch.tensor(p)
             mask[r, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(ids, mask, pos, cache)
         return logits, mask, self._take_routes(len(prompts))
@@ -236,8 +241,9 @@ class EmbeddedEngine:
         if self.model is None:
             raise RuntimeError("the engine is closed")
         steps = sampling.max_tokens
-        uniforms = stream_uniforms(sampling.seed, seqs, steps)
-        stops = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long)
+        dev = self.device
+        uniforms = stream_uniforms(sampling.seed, seqs, steps).to(dev)
+        stops = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
 
         uniq = sorted({i for i, _ in seqs})
         cache = DynamicCache(config=self.model.config)
@@ -246,21 +252,21 @@ class EmbeddedEngine:
 
         # one row per sequence
         row_of = {i: r for r, i in enumerate(uniq)}
-        rows = torch.tensor([row_of[i] for i, _ in seqs])
+        rows = torch.tensor([row_of[i] for i, _ in seqs], device=dev)
         cache.batch_select_indices(rows)
         mask, logits = mask[rows], logits[rows]
         next_pos = mask.sum(-1)
 
         num = len(seqs)
-        tokens = torch.full((num, steps), -1, dtype=torch.long)
-        logprobs = torch.zeros(num, steps, dtype=torch.float32)
-        length = torch.zeros(num, dtype=torch.long)
-        stopped = torch.zeros(num, dtype=torch.bool)
+        tokens = torch.full((num, steps), -1, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(num, steps, dtype=torch.float32, device=dev)
+        length = torch.zeros(num, dtype=torch.long, device=dev)
+        stopped = torch.zeros(num, dtype=torch.bool, device=dev)
         routes = None
         if prompt_routes is not None:
-            routes = torch.zeros(num, max(steps - 1, 1), *prompt_routes.shape[2:], dtype=torch.int16)
+            routes = torch.zeros(num, max(steps - 1, 1), *prompt_routes.shape[2:], dtype=torch.int16, device=dev)
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (running rows, their keep masks) per step
-        alive = torch.arange(num)  # sequence index of each row of the running batch
+        alive = torch.arange(num, device=dev)  # sequence index of each row of the running batch
 
         for t in range(steps):
             tok, lp, keep = sample_step(logits, uniforms[alive, t], sampling)
@@ -277,13 +283,17 @@ class EmbeddedEngine:
                 idx = go.nonzero().squeeze(-1)
                 cache.batch_select_indices(idx)
                 alive, tok, mask, next_pos = alive[idx], tok[idx], mask[idx], next_pos[idx]
-            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype)], dim=-1)
+            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=dev)], dim=-1)
             logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
             if routes is not None:
                 routes[alive, t] = self._take_routes(len(alive))[:, 0]
 
         kept_ids = self._kept_ids(kept, num) if sampling.return_kept_ids else [None] * num
+        # samples are broadcast to every rank: host tensors
+        tokens, logprobs, length, stopped = tokens.cpu(), logprobs.cpu(), length.cpu(), stopped.cpu()
+        if routes is not None:
+            routes, prompt_routes = routes.cpu(), prompt_routes.cpu()
         samples = []
         for s, (i, j) in enumerate(seqs):
             r = int(length[s])
@@ -303,6 +313,7 @@ class EmbeddedEngine:
         """Per sequence [R, K] kept token ids (ascending), padded with -1 to the widest position."""
         per_seq: list[list[torch.Tensor]] = [[] for _ in range(num)]
         for alive, keep in kept:
+            keep = keep.cpu()
             for row, s in enumerate(alive.tolist()):
                 per_seq[s].append(keep[row].nonzero().squeeze(-1))
         out = []

@@ -75,7 +75,8 @@ def make_engine(cfg: RunConfig, arch, run_dir: str):
     if cfg.rollout.backend == "embedded":
         from megatron_rl.rollout.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(arch, dtype=cfg.rollout.dtype, max_batch_size=cfg.rollout.max_batch_size)
+        device = cfg.rollout.device or model_device()  # beside the trainer's model by default
+        return EmbeddedEngine(arch, dtype=cfg.rollout.dtype, max_batch_size=cfg.rollout.max_batch_size, device=device)
     from megatron_rl.rollout.vllm import make_vllm_engine
 
     return make_vllm_engine(cfg, arch, run_dir)

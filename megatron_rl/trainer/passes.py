@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_rl.logprobs import token_logprobs_and_entropy
 from megatron_rl.logprobs.megatron_hidden import gpt_hidden_states, output_weight
+from megatron_rl.metrics.reduce import reduce_metrics
 from megatron_rl.model.builder import causal_mask
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.trainer.batch import TrainBatch
@@ -73,7 +74,9 @@ def make_forward_step(groups: ParallelGroups, settings: PassSettings, loss_fn: L
             # keep_sampling_mask: π renormalised over the rollout's kept set (one action space)
             logprobs = out.kept_logprobs.t() if kept is not None else out.logprobs.t()
             loss, metrics = loss_fn(mb, logprobs, entropy)
-            return loss, torch.tensor(1), metrics
+            # megatron's schedule adds this "token count" up across micro-batches on the loss's device;
+            # our losses are already globally normalised, so it is a placeholder 1
+            return loss, torch.ones((), dtype=torch.long, device=loss.device), metrics
 
         return hidden, loss_func
 
@@ -82,7 +85,7 @@ def make_forward_step(groups: ParallelGroups, settings: PassSettings, loss_fn: L
 
 def collect_logprobs(_mb, logprobs, entropy):
     """The forward-only pass's "loss": no loss, the log-probs and entropy as its outputs."""
-    return torch.zeros(()), {"logprobs": logprobs, "entropy": entropy}
+    return torch.zeros((), device=logprobs.device), {"logprobs": logprobs, "entropy": entropy}
 
 
 def micro_batches(batch: TrainBatch, slices: list[slice]) -> list[dict[str, Any]]:
@@ -133,19 +136,10 @@ def train_pass(model, optimizer, groups: ParallelGroups, batch: TrainBatch, slic
                             optimizer=optimizer)
 
 
-def all_reduce_dp(values: dict[str, torch.Tensor], groups: ParallelGroups, ops: dict[str, str] | None = None):
-    """Sum (or min/max per `ops`) per-key values over the DP x CP ranks, then hand the last
-    pipeline stage's result to every stage. Keys must be the same on all ranks of a stage."""
-    ops = ops or {}
-    reduce = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-    out = {}
-    for k in sorted(values):
-        t = values[k].detach().double().clone()
-        dist.all_reduce(t, op=reduce[ops.get(k, "sum")], group=groups.dp_cp_group)
-        out[k] = t
-    if groups.config.pp > 1:
-        src = dist.get_global_rank(groups.pp_group, groups.config.pp - 1)
-        holder = [out if groups.is_last_stage else None]
-        dist.broadcast_object_list(holder, src=src, group=groups.pp_group)
-        out = holder[0]
-    return out
+def reduce_dp(values: dict[str, torch.Tensor], groups: ParallelGroups) -> dict[str, torch.Tensor]:
+    """Reduce metrics-convention values (keys ending in /sum, /min, /max) over the DP x CP ranks
+    of this pipeline stage, then hand the last stage's result to every stage. Keys must be the
+    same on all ranks of a stage."""
+    pp = groups.config.pp
+    src = dist.get_global_rank(groups.pp_group, pp - 1) if pp > 1 else None
+    return reduce_metrics(values, groups.dp_cp_group, groups.pp_group if pp > 1 else None, src)

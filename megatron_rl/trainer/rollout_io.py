@@ -31,8 +31,9 @@ def sync_weights(policy, engine, version: int) -> None:
 
 
 def generate_and_score(engine, tokenizer, examples, n: int, sampling: SamplingParams, reward_runner):
-    """Rank 0: n samples per example and their rewards. Returns (samples flat [B*n], rewards [B*n],
-    reward error stats); groups are contiguous (sample j of prompt i at index i*n + j)."""
+    """Rank 0: n samples per example and their rewards. Returns (samples flat [B*n], rewards [B*n]);
+    groups are contiguous (sample j of prompt i at index i*n + j). The reward runner counts its
+    failures itself (`reward_runner.stats()`)."""
     prompts = [tokenizer.encode(e.prompt) for e in examples]
     groups = engine.generate(prompts, n=n, sampling=sampling)
     samples: list[Sample] = [s for g in groups for s in g]

@@ -107,24 +107,19 @@ def _check_shard(full, local, rank, cp):
 
 def _one_recipe(recipe: str, groups, rank: int, cp: int) -> dict:
     from megatron_rl.config.schema import LossSection
-    from megatron_rl.losses import finish_metrics
-    from megatron_rl.metrics.mismatch import combine_sums, finish_mismatch, mismatch_sums, reduce_op
+    from megatron_rl.losses import STEP_STATISTICS
+    from megatron_rl.losses.setup import resolve_loss
+    from megatron_rl.metrics.mismatch import mismatch_sums
+    from megatron_rl.metrics.reduce import accumulate, finish
     from megatron_rl.trainer.batch import build_batch, cp_shard, minibatch_slices, padded_length, row_multiple
-    from megatron_rl.trainer.loss_setup import resolve_loss
     from megatron_rl.trainer.passes import (
         PassSettings,
-        all_reduce_dp,
         collect_logprobs,
         make_forward_step,
         micro_batches,
+        reduce_dp,
     )
-    from megatron_rl.trainer.rl_step import (
-        global_counts,
-        global_ess,
-        group_advantages,
-        policy_loss_fn,
-        seq_ops,
-    )
+    from megatron_rl.trainer.phases import global_counts, group_advantages, policy_loss_fn, seq_ops
 
     keep = recipe == KEEP
     samples, rewards = _samples(with_kept=keep)
@@ -166,18 +161,19 @@ def _one_recipe(recipe: str, groups, rank: int, cp: int) -> dict:
     step_metrics = {}
     for slices in minibatch_slices(local.size, 2, 3):
         counts = global_counts(local, slices, groups, seq)
-        if loss.needs_ess:
+        for param, name in loss.step_statistics.items():  # as trainer.phases.step_parameters
+            stat = STEP_STATISTICS.get(name)
             with torch.no_grad():
                 lp = torch.cat([o["logprobs"] for o in run(collect_logprobs, slices)])
             rows = slice(slices[0].start, slices[-1].stop)
-            loss_kw["surrogate_params"]["ess"] = global_ess(lp, old[rows], local.loss_mask[rows], groups)
+            loss_kw["surrogate_params"][param] = stat.value(reduce_dp(stat.sums(lp, old[rows], local.loss_mask[rows]),
+                                                                      groups))
         for o in run(policy_loss_fn(loss_kw, counts, old, seq), slices):
-            o = {k: v.detach().double() for k, v in o.items()}
-            step_metrics = combine_sums(step_metrics, o) if step_metrics else o
+            step_metrics = accumulate(step_metrics, o)
     ratio_keys = [k for k in step_metrics if k.startswith("mismatch/")]
     sums.update({k: step_metrics.pop(k) for k in ratio_keys})
-    mismatch = finish_mismatch(all_reduce_dp(sums, groups, {k: reduce_op(k) for k in sums}))
-    metrics = finish_metrics(all_reduce_dp(step_metrics, groups))
+    mismatch = finish(reduce_dp(sums, groups))
+    metrics = finish(reduce_dp(step_metrics, groups))
     grads = {}
     for name, p in zip("EPW", model.params(), strict=True):
         g = p.grad.clone()
@@ -188,9 +184,9 @@ def _one_recipe(recipe: str, groups, rank: int, cp: int) -> dict:
 
 def _worker(rank, world, recipes):
     from megatron_rl.parallel import ParallelConfig, init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     groups = init_parallel(ParallelConfig(context_parallel_size=world))
     assert groups.config.cp == world and groups.dp_size == 1
     return {r: _one_recipe(r, groups, rank, world) for r in recipes}
@@ -232,16 +228,16 @@ def _ddp_worker(rank, world):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
 
-    from megatron_rl.config.schema import LossSection
+    from megatron_rl.config.schema import LossSection, OptimSection
+    from megatron_rl.losses.setup import resolve_loss
     from megatron_rl.parallel import ParallelConfig, init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.batch import build_batch, cp_shard, minibatch_slices, padded_length, row_multiple
-    from megatron_rl.trainer.loss_setup import resolve_loss
     from megatron_rl.trainer.passes import PassSettings, make_forward_step, micro_batches
-    from megatron_rl.trainer.rl_step import global_counts, group_advantages, policy_loss_fn, seq_ops
+    from megatron_rl.trainer.phases import global_counts, group_advantages, policy_loss_fn, seq_ops
     from megatron_rl.trainer.stack import OptimSettings, build_optimizer, forward_backward, wrap_model
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     groups = init_parallel(ParallelConfig(context_parallel_size=world))
     config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, context_parallel_size=world,
                                calculate_per_token_loss=True, use_cpu_initialization=True,
@@ -260,7 +256,7 @@ def _ddp_worker(rank, world):
     model = wrap_model(Module(), OptimSettings())
     inner = model.module
     toy.E, toy.P, toy.W = inner.E, inner.P, inner.W  # the seam reads the DDP-managed parameters
-    optimizer = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=0.0))
+    optimizer = build_optimizer(model, OptimSettings(OptimSection(lr=1e-2, clip_grad=0.0)))
 
     samples, rewards = _samples(with_kept=False)
     loss = resolve_loss(LossSection(recipe="gspo"), max_response_len=9)
@@ -279,7 +275,7 @@ def _ddp_worker(rank, world):
     grads = {n: p.main_grad.detach().clone() for n, p in (("E", inner.E), ("P", inner.P), ("W", inner.W))}
     ok, grad_norm, _ = optimizer.step()
     assert ok
-    loss_value = torch.stack([o["loss/value"] for o in outs]).sum()
+    loss_value = torch.stack([o["loss/value/sum"] for o in outs]).sum()
     torch.distributed.all_reduce(loss_value, group=groups.dp_cp_group)
     return {"grads": grads, "grad_norm": float(grad_norm), "loss": float(loss_value),
             "after": {n: p.detach().clone() for n, p in (("E", inner.E), ("P", inner.P), ("W", inner.W))}}
@@ -299,10 +295,10 @@ def test_cp2_megatron_ddp_step_matches_single_rank():
 def _setup_cp2(rank, world):
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import setup
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     cfg = load_config("examples/demo_cpu.yaml", ["--context-parallel-size", "2", "train.run_dir=/tmp/unused"])
     assert cfg.parallel.cp == 2  # a valid configuration ...
     try:

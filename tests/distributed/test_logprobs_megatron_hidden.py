@@ -38,9 +38,9 @@ def _gpt_worker(rank, world_size):
     from megatron_rl.logprobs import token_logprobs_and_entropy
     from megatron_rl.logprobs.megatron_hidden import gpt_hidden_states, output_weight
     from megatron_rl.parallel import ParallelConfig, init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     groups = init_parallel(ParallelConfig(tensor_model_parallel_size=world_size), seed=1234)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)

@@ -13,10 +13,10 @@ def _each_recipe(rank, world, recipes, run_root, hf):
 
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import close, setup, train
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     out = {}
     for recipe in recipes:
         cfg = load_config(None, BASE + [f"train.run_dir={run_root}/{recipe}", f"loss.recipe={recipe}", "train.steps=1",

@@ -41,10 +41,10 @@ def hf_dir(tmp_path_factory):
 def _run(rank, world, overrides, run_dir):
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import close, setup, train
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     cfg = load_config(None, BASE + [f"train.run_dir={run_dir}"] + overrides)
     groups = init_parallel(cfg.parallel, seed=cfg.train.seed)
     ctx = setup(cfg, groups)
@@ -133,12 +133,12 @@ def test_keep_sampling_mask_requires_truncation():
 def _failing_engine(rank, world, run_dir, hf):
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
-    from megatron_rl.platform import apply_cpu_workarounds
+    from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import latest_checkpoint
     from megatron_rl.trainer.loop import close, setup, train
     from megatron_rl.trainer.rl_step import RolloutFailed
 
-    apply_cpu_workarounds()
+    apply_platform_workarounds()
     cfg = load_config(None, BASE + [f"train.run_dir={run_dir}", "train.steps=3", f"model.hf_dir={hf}",
                                     "--tensor-model-parallel-size", str(world)])
     ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))

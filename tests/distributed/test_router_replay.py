@@ -65,19 +65,17 @@ def _child(rank, world, sizes, recompute=None, engine_routes=None):
     from megatron_rl.model import BuildOptions, build_gpt_model, causal_mask
     from megatron_rl.model.hf_io import SafetensorsReader, load_hf_weights
     from megatron_rl.model.presets import preset_arch
+    from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
     from megatron_rl.moe import (
         RolloutRouting,
         RouterReplayController,
         TokenLayout,
-        finish_routing_metrics,
         live_routing_needed,
         micro_batches_for,
-        reduce_routing_sums,
         replay_routing,
         replayed_token_sums,
         routing_agreement_sums,
     )
-    from megatron_rl.moe.metrics import add_sums
     from megatron_rl.moe.replay import moe_routers
     from megatron_rl.trainer.batch import shard_rows
     from megatron_rl.trainer.stack import OptimSettings, forward_backward, wrap_model
@@ -179,9 +177,9 @@ def _child(rank, world, sizes, recompute=None, engine_routes=None):
             live = rec[k] if live_routing_needed(sub) else None
             mb = replay_routing(sub, layout, ctl.layer_ids, E, live=live)
             r3.append(mb)
-            sums = add_sums(sums, routing_agreement_sums(rec[k].indices, mb.indices, mb.mask, ctl.layer_ids,
+            sums = accumulate(sums, routing_agreement_sums(rec[k].indices, mb.indices, mb.mask, ctl.layer_ids,
                                                          ctl.num_moe_layers, "route_agree_rollout_train"))
-        out["r3_before"] = finish_routing_metrics(reduce_routing_sums(sums))
+        out["r3_before"] = finish(reduce_metrics(sums))
 
     # ---- perturb the routers: live routing changes, replay still reproduces the record
     with torch.no_grad():  # the same perturbation of each MoE layer in every layout
@@ -203,7 +201,7 @@ def _child(rank, world, sizes, recompute=None, engine_routes=None):
     out["maps_match"] = maps_match(rec)
     out["router_grads_nonzero"] = all(bool(r.weight.main_grad.abs().sum() > 0) for r in routers)
     out["router_grads"] = {i: r.weight.main_grad.clone() for i, r in zip(ctl.layer_ids, routers, strict=True)}
-    out["probe"] = finish_routing_metrics(reduce_routing_sums(session.agreement_sums("route_agree_old_new")))
+    out["probe"] = finish(reduce_metrics(session.agreement_sums("route_agree_old_new")))
 
     if r3 is not None:
         with ctl.replay(r3):

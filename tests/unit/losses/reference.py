@@ -1,7 +1,7 @@
 """Independent, deliberately naive reference implementations (Python floats, explicit loops).
 
-Written from ALGORITHMS.md without looking at megatron_rl.losses; inputs are nested lists [B][T]
-(masks as bools). Each surrogate reference returns (per_token_loss, d loss_t / d logprob_t) where the
+Written from the specification (docs/algorithms.md) without looking at megatron_rl.losses; inputs are
+nested lists [B][T] (masks as bools). Each surrogate reference returns (per_token_loss, d loss_t / d logprob_t) where the
 derivative is analytic (score-function forms) — gspo returns per-sequence values instead.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ def test_tis_token_hand_computed():
     c = get_correction("tis_token")(_w_batch([[0.5, 1.5, 3.0, 7.0]], m=[[True, True, True, False]]), C=2.0)
     assert_close(c.weight, [[0.5, 1.5, 2.0, 1.0]])
     assert c.keep.all()
-    assert float(c.metrics["truncated/num"]) == 1 and float(c.metrics["truncated/den"]) == 3
+    assert float(c.metrics["truncated/num/sum"]) == 1 and float(c.metrics["truncated/den/sum"]) == 3
 
 
 def test_tis_token_rho_option():
@@ -51,14 +51,14 @@ def test_mis_token_hand_computed():
     c = get_correction("mis_token")(_w_batch([[0.4, 0.5, 1.5, 2.0, 2.5]]), C=2.0)
     assert c.keep.tolist() == [[False, True, True, True, False]]
     assert_close(c.weight, [[0.0, 0.5, 1.5, 2.0, 0.0]])
-    assert float(c.metrics["masked/num"]) == 2
+    assert float(c.metrics["masked/num/sum"]) == 2
 
 
 def test_mis_seq_hand_computed():
     c = get_correction("mis_seq")(_w_batch([[1.5, 1.2], [1.5, 1.5]]), C=2.0)  # products 1.8, 2.25
     assert c.keep.tolist() == [[True, True], [False, False]]
     assert_close(c.weight, [[1.8, 1.8], [0.0, 0.0]])
-    assert float(c.metrics["masked_seqs/num"]) == 1 and float(c.metrics["masked_seqs/den"]) == 2
+    assert float(c.metrics["masked_seqs/num/sum"]) == 1 and float(c.metrics["masked_seqs/den/sum"]) == 2
 
 
 def test_mis_geo_hand_computed():
@@ -71,7 +71,7 @@ def test_veto_hand_computed():
     b = _w_batch([[1.0, 5e-5, 1.0], [1.0, 2e-4, 1.0], [1.0, 1.0, 1e-9]], m=[[True] * 3, [True] * 3, [True, True, False]])
     c = get_correction("veto")(b, tau=1e-4)
     assert c.keep.tolist() == [[False] * 3, [True] * 3, [True] * 3]
-    assert float(c.metrics["vetoed_seqs/num"]) == 1 and float(c.metrics["vetoed_tokens/num"]) == 3
+    assert float(c.metrics["vetoed_seqs/num/sum"]) == 1 and float(c.metrics["vetoed_tokens/num/sum"]) == 3
 
 
 def test_icepop_hand_computed():
@@ -102,7 +102,7 @@ def test_opsm_hand_computed_with_padding():
     A = [[-1.0] * 3, [1.0] * 3, [-1.0] * 3]
     c = get_correction("opsm")(_batch(lp, lp, ro, A, m), delta=1e-3)
     assert c.keep.tolist() == [[False, False, True], [True] * 3, [True] * 3]
-    assert float(c.metrics["dropped_seqs/num"]) == 1 and float(c.metrics["dropped_seqs/den"]) == 3
+    assert float(c.metrics["dropped_seqs/num/sum"]) == 1 and float(c.metrics["dropped_seqs/den/sum"]) == 3
 
 
 NAV_EXPECT = {  # row0: A<0, r = [1, 3, 1, 2.5, 1, pad]; row1: A>0 (never vetoed)
@@ -121,8 +121,8 @@ def test_nav_hand_computed(scope):
     m = [[True] * 5 + [False]] * 2
     c = get_correction("nav")(_batch(lp, old, old, [[-1.0] * 6, [1.0] * 6], m), kappa=2.0, nav_scope=scope)
     assert c.keep.tolist() == [NAV_EXPECT[scope], [True] * 6]
-    assert float(c.metrics["trigger_tokens/num"]) == 2
-    assert float(c.metrics["triggered_seqs/num"]) == 1
+    assert float(c.metrics["trigger_tokens/num/sum"]) == 2
+    assert float(c.metrics["triggered_seqs/num/sum"]) == 1
 
 
 def test_nav_uses_global_positions():
@@ -191,6 +191,6 @@ def test_composition_multiplies_weights_and_ands_keeps(seed, shape, sw):
     c = apply_corrections(batch, spec)
     assert_close(c.weight, parts[0].weight * parts[1].weight * parts[2].weight)
     assert torch.equal(c.keep, parts[0].keep & parts[1].keep & parts[2].keep)
-    assert "tis_token/truncated/num" in c.metrics and "icepop/masked/num" in c.metrics
+    assert "tis_token/truncated/num/sum" in c.metrics and "icepop/masked/num/sum" in c.metrics
     twice = apply_corrections(batch, [("tis_token", {}), ("tis_token", {"C": 1.1})])
-    assert "tis_token#2/truncated/num" in twice.metrics
+    assert "tis_token#2/truncated/num/sum" in twice.metrics

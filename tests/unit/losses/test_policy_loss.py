@@ -8,13 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_rl.config.schema import LossSection
+from megatron_rl.losses.setup import resolve_loss
+from megatron_rl.metrics.reduce import finish as finish_metrics
 from megatron_rl.losses import (
     GlobalCounts,
     PolicyBatch,
     apply_corrections,
     compute_policy_loss,
     ess_from_stats,
-    finish_metrics,
     get_recipe,
     get_surrogate,
     keep_sampling_mask,
@@ -94,7 +96,7 @@ def test_composition_matches_manual_product():
     c = apply_corrections(batch, spec)
     manual = (out.per_token * c.weight * c.keep * batch.loss_mask).sum() / batch.loss_mask.sum()
     assert_close(loss, manual)
-    assert {"ppo_clip/clipped/num", "tis_token/truncated/num", "icepop/masked/num", "policy/kept_tokens/num"} <= set(metrics)
+    assert {"ppo_clip/clipped/num/sum", "tis_token/truncated/num/sum", "icepop/masked/num/sum", "policy/kept_tokens/num/sum"} <= set(metrics)
     assert all(v.dtype == torch.float64 and v.dim() == 0 and not v.requires_grad for v in metrics.values())
 
 
@@ -102,7 +104,8 @@ def test_decoupled_ppo_recipe_is_ppo_clip_with_tis_on_w():
     arr = make_arrays(5, B=4, T=5, sigma_w=0.5)
     batch, _lp = to_batch(arr)
     counts = local_counts(batch.loss_mask)
-    loss, _ = compute_policy_loss(batch, **get_recipe("decoupled_ppo").loss_kwargs(), normaliser=counts)
+    loss, _ = compute_policy_loss(batch, **resolve_loss(LossSection(recipe="decoupled_ppo"), 5).loss_kwargs(),
+                                  normaliser=counts)
     m = batch.mask
     w = torch.exp(torch.where(m, batch.old_logprobs - batch.rollout_logprobs, 0.0)).clamp(max=2.0)
     manual = (get_surrogate("ppo_clip")(batch).per_token * w * m).sum() / m.sum()
@@ -111,12 +114,13 @@ def test_decoupled_ppo_recipe_is_ppo_clip_with_tis_on_w():
         get_recipe("nope")
     minirl = get_recipe("minirl")
     assert minirl.aggregation == "token_sum_norm" and minirl.advantage == "mean_centered"
-    assert minirl.loss_kwargs(l_norm=1024)["agg_params"] == {"l_norm": 1024}
+    assert resolve_loss(LossSection(recipe="minirl"), 1024).loss_kwargs()["agg_params"] == {"l_norm": 1024.0}
 
 
 def test_finish_metrics():
-    metrics = {"a/clipped/num": torch.tensor(3.0, dtype=torch.float64), "a/clipped/den": torch.tensor(12.0),
-               "p3o/ess": torch.tensor(0.5), "b/x/num": torch.tensor(0.0), "b/x/den": torch.tensor(0.0)}
+    metrics = {"a/clipped/num/sum": torch.tensor(3.0, dtype=torch.float64), "a/clipped/den/sum": torch.tensor(12.0),
+               "p3o/ess/num/sum": torch.tensor(0.5), "p3o/ess/den/sum": torch.tensor(1.0),
+               "b/x/num/sum": torch.tensor(0.0), "b/x/den/sum": torch.tensor(0.0)}
     assert finish_metrics(metrics) == {"a/clipped": 0.25, "p3o/ess": 0.5, "b/x": 0.0}
 
 

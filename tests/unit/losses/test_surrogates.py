@@ -39,7 +39,7 @@ def test_ppo_clip_hand_computed():
     out = get_surrogate("ppo_clip")(batch, eps_low=0.2, eps_high=0.2)
     assert_close(out.per_token, [[-1.2, -0.5, -1.1, 0.0], [3.0, 1.6, 2.0, 1.8]])
     assert_close(_grad(out.per_token, lp), [[0.0, -0.5, -1.1, 0.0], [3.0, 0.0, 2.0, 1.8]])
-    assert float(out.metrics["clipped/num"]) == 2 and float(out.metrics["clipped/den"]) == 7
+    assert float(out.metrics["clipped/num/sum"]) == 2 and float(out.metrics["clipped/den/sum"]) == 7
 
 
 def test_ppo_clip_dual_clip_hand_computed():
@@ -47,7 +47,7 @@ def test_ppo_clip_dual_clip_hand_computed():
     out = get_surrogate("ppo_clip")(batch, eps_low=0.2, eps_high=0.2, dual_clip=1.4)
     assert_close(out.per_token, [[-1.2, -0.5, -1.1, 0.0], [2.8, 1.6, 2.0, 1.8]])
     assert_close(_grad(out.per_token, lp), [[0.0, -0.5, -1.1, 0.0], [0.0, 0.0, 2.0, 1.8]])
-    assert float(out.metrics["dual_clipped/num"]) == 1
+    assert float(out.metrics["dual_clipped/num/sum"]) == 1
     with pytest.raises(ValueError):
         get_surrogate("ppo_clip")(batch, dual_clip=1.0)
 
@@ -56,7 +56,7 @@ def test_mu_grpo_is_relaxed_ppo_clip():
     batch, _ = _ppo_case()
     out = get_surrogate("mu_grpo")(batch)  # [0, 5]: nothing in the case is clipped
     assert_close(out.per_token, [[-1.5, -0.5, -1.1, 0.0], [3.0, 1.0, 2.0, 1.8]])
-    assert float(out.metrics["clipped/num"]) == 0
+    assert float(out.metrics["clipped/num/sum"]) == 0
 
 
 def test_reinforce_hand_computed():
@@ -73,7 +73,7 @@ def test_cispo_hand_computed():
     out = get_surrogate("cispo")(batch, eps_low=1.0, eps_high=0.28)
     assert_close(out.per_token, [[1.28 * 0.5108256, 0.5 * 1.6094379, -0.9162907]])
     assert_close(_grad(out.per_token, g), [[-1.28, -0.5, 1.0]])
-    assert float(out.metrics["clipped/num"]) == 1
+    assert float(out.metrics["clipped/num/sum"]) == 1
 
 
 def test_minirl_hand_computed():
@@ -85,8 +85,8 @@ def test_minirl_hand_computed():
     out = get_surrogate("minirl")(batch)
     assert_close(out.per_token, [[0.0, -5 * math.log(0.12), 0.0, 0.5 * math.log(0.09)]])
     assert_close(_grad(out.per_token, g), [[0.0, -5.0, 0.0, 0.5]])
-    assert float(out.metrics["clip_masked/num"]) == 2
-    assert float(out.metrics["tis_truncated/num"]) == 1
+    assert float(out.metrics["clip_masked/num/sum"]) == 2
+    assert float(out.metrics["tis_truncated/num/sum"]) == 1
 
 
 def test_p3o_hand_computed():
@@ -101,8 +101,8 @@ def test_p3o_hand_computed():
     k3_1 = 2.0 - LN2 - 1  # d = +ln2
     assert_close(out.per_token, [[e * LN2 + (1 - e) * k3_0, 0.5 * 3 * LN2 + (1 - e) * k3_1]])
     assert_close(_grad(out.per_token, g), [[-e + (1 - e) * 0.5, -0.5 + (1 - e) * (1 - 2.0)]])
-    assert float(out.metrics["capped/num"]) == 1
-    assert_close(out.metrics["ess"], e, rtol=1e-6, atol=1e-7)
+    assert float(out.metrics["capped/num/sum"]) == 1
+    assert_close(out.metrics["ess/num/sum"], e, rtol=1e-6, atol=1e-7)
 
 
 def test_gspo_hand_computed_with_padding():
@@ -119,7 +119,7 @@ def test_gspo_hand_computed_with_padding():
     assert_close(out.per_token, [[-s0, -s0, 0.0], [0.8, 0.8, 0.8], [0.0] * 3])
     (grad,) = torch.autograd.grad(out.per_seq.sum(), g)
     assert_close(grad, [[-s0 / 2, -s0 / 2, 0.0], [0.0] * 3, [0.0] * 3])
-    assert float(out.metrics["clipped_seqs/num"]) == 1 and float(out.metrics["clipped_seqs/den"]) == 2
+    assert float(out.metrics["clipped_seqs/num/sum"]) == 1 and float(out.metrics["clipped_seqs/den/sum"]) == 2
 
 
 # ----------------------------------------------------------------------------- property tests

@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.metrics import mismatch as mm
+from megatron_rl.metrics import mismatch as lib
+from megatron_rl.metrics.reduce import accumulate, finish, op_of
+from tests.unit.metrics import reference as mm
 
 LN2 = 0.6931471805599453
 
@@ -37,7 +39,7 @@ def test_token_metrics_hand_computed():
 
 def test_finished_sums_hand_computed():
     old, ro, m = _hand()
-    out = mm.finish_mismatch(mm.mismatch_sums(old, ro, m))
+    out = finish(lib.mismatch_sums(old, ro, m))
     _close(out["mismatch/kl_k3"], 0.25)
     _close(out["mismatch/w/ess"], 6.25 / 8.5)
     _close(out["mismatch/w/seq_ess"], 1.0)  # one response
@@ -48,13 +50,13 @@ def test_buckets_hand_computed():
     mu = torch.tensor([[5e-5, 5e-4, 5e-3, 0.05, 0.3, 0.7, 0.95, 0.3]])
     d = torch.tensor([[0.1, -0.2, 0.3, -0.4, 0.5, -0.6, 0.01, 0.2]])  # Δ = log π_old − log μ
     old, ro = torch.log(mu) + d, torch.log(mu)
-    out = mm.finish_mismatch(mm.mismatch_sums(old, ro, torch.ones(1, 8, dtype=torch.bool)))
-    counts = [out[f"mismatch/bucket/{b}/count"] for b in mm.bucket_labels()]
+    out = finish(lib.mismatch_sums(old, ro, torch.ones(1, 8, dtype=torch.bool)))
+    counts = [out[f"mismatch/bucket/{b}/count"] for b in lib.bucket_labels()]
     assert counts == [1, 1, 1, 1, 2, 1, 1]
     _close(out["mismatch/bucket/0.1-0.5/abs_diff"], 0.35, tol=1e-5)
     _close(out["mismatch/bucket/0.1-0.5/kl_k3"], ((math.exp(0.5) - 1.5) + (math.exp(0.2) - 1.2)) / 2, tol=1e-5)
     _close(out["mismatch/bucket/0-0.0001/kl_k3"], math.exp(0.1) - 1.1, tol=1e-5)
-    assert mm.bucket_labels() == ["0-0.0001", "0.0001-0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9",
+    assert lib.bucket_labels() == ["0-0.0001", "0.0001-0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9",
                                   "0.9-1"]
 
 
@@ -70,7 +72,7 @@ def test_turn_split_and_entropy():
     m = torch.ones(1, 4, dtype=torch.bool)
     turns = torch.tensor([[0, 0, 1, -1]])  # the last token is not an assistant turn
     ent = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
-    out = mm.finish_mismatch(mm.mismatch_sums(old, ro, m, turn_ids=turns, entropy=ent))
+    out = finish(lib.mismatch_sums(old, ro, m, turn_ids=turns, entropy=ent))
     _close(out["mismatch/turn/first/kl_k3"], 0.25)
     _close(out["mismatch/turn/later/kl_k3"], 0.0)
     assert out["mismatch/turn/first/tokens"] == 2 and out["mismatch/turn/later/tokens"] == 1
@@ -95,8 +97,8 @@ def _np_reference(old, ro, lp, m, turns):
         W = np.array([np.exp(lr[i][m[i]].sum()) for i in range(len(m)) if m[i].any()])
         out[f"mismatch/{name}/seq_ess"] = W.sum() ** 2 / (len(W) * (W * W).sum())
     mu = np.exp(ro)
-    bounds = [0.0, *mm.BUCKET_EDGES, 1.0 + 1e-9]
-    for label, lo, hi in zip(mm.bucket_labels(), bounds[:-1], bounds[1:]):
+    bounds = [0.0, *lib.BUCKET_EDGES, 1.0 + 1e-9]
+    for label, lo, hi in zip(lib.bucket_labels(), bounds[:-1], bounds[1:]):
         sel = m & (mu >= lo) & (mu < hi)
         dd = (old - ro)[sel]
         out[f"mismatch/bucket/{label}/count"] = sel.sum()
@@ -134,15 +136,15 @@ def test_sums_are_reducible_over_micro_batches(seed, cut):
     ro = old + torch.randn(5, 6, generator=g)
     lp = old + 0.1 * torch.randn(5, 6, generator=g)
     m = torch.rand(5, 6, generator=g) < 0.7
-    full = mm.mismatch_sums(old, ro, m, logprobs=lp)
-    parts = [mm.mismatch_sums(old[s], ro[s], m[s], logprobs=lp[s]) for s in (slice(0, cut), slice(cut, 5))]
-    combined = mm.combine_sums(*parts)
-    a, b = mm.finish_mismatch(full), mm.finish_mismatch(combined)
+    full = lib.mismatch_sums(old, ro, m, logprobs=lp)
+    parts = [lib.mismatch_sums(old[s], ro[s], m[s], logprobs=lp[s]) for s in (slice(0, cut), slice(cut, 5))]
+    combined = accumulate(parts[0], parts[1])
+    a, b = finish(full), finish(combined)
     assert a.keys() == b.keys()
     for k in a:
         assert math.isclose(a[k], b[k], rel_tol=1e-9, abs_tol=1e-12), k
-    assert mm.reduce_op("mismatch/w/log/min") == "min" and mm.reduce_op("mismatch/w/log/max") == "max"
-    assert mm.reduce_op("mismatch/kl_k3/sum") == "sum"
+    assert op_of("mismatch/w/min/min") == "min" and op_of("mismatch/w/max/max") == "max"
+    assert op_of("mismatch/kl_k3/num/sum") == "sum"
 
 
 def test_on_policy_ess_is_one_and_kl_zero():
@@ -171,16 +173,3 @@ def test_empty_mask():
     out = mm.mismatch_metrics(z, z, torch.zeros(2, 3, dtype=torch.bool))
     assert out["mismatch/tokens"] == 0 and out["mismatch/w/ess"] == 1.0
     assert all(math.isfinite(v) for v in out.values())
-
-
-def test_routing_agreement_hand_computed():
-    # B=1, T=3 (last token masked), L=2 layers, k=2; token 1 differs on layer 0 only; order inside k ignored
-    a = torch.tensor([[[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 0], [0, 0]]]])
-    b = torch.tensor([[[[1, 0], [3, 2]], [[4, 6], [7, 6]], [[1, 1], [1, 1]]]])
-    m = torch.tensor([[True, True, False]])
-    sums = mm.routing_agreement_sums(a, b, m, "route_agree_rollout_train")
-    sums = mm.combine_sums(sums, {k: torch.zeros_like(v) for k, v in sums.items()})
-    out = mm.finish_mismatch(sums)
-    assert out["mismatch/route_agree_rollout_train"] == 0.75
-    assert out["mismatch/route_agree_rollout_train/layer_0"] == 0.5
-    assert out["mismatch/route_agree_rollout_train/layer_1"] == 1.0

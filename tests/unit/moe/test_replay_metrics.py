@@ -1,13 +1,8 @@
-"""Routing agreement and replay-coverage sums (megatron_rl.moe.metrics), hand-computed cases."""
+"""Routing agreement and replay-coverage values (megatron_rl.moe.metrics), hand-computed cases."""
 import torch
 
-from megatron_rl.moe.metrics import (
-    add_sums,
-    finish_routing_metrics,
-    layer_agreement_sums,
-    routing_agreement_sums,
-    same_expert_set,
-)
+from megatron_rl.metrics.reduce import accumulate, finish
+from megatron_rl.moe.metrics import layer_agreement_sums, routing_agreement_sums, same_expert_set
 
 
 def test_same_expert_set_ignores_order():
@@ -22,13 +17,13 @@ def test_agreement_sums_by_global_layer():
     b = [torch.tensor([[1, 0], [2, 1], [3, 1], [3, 3]]), torch.tensor([[1, 0], [2, 3], [2, 3], [1, 0]])]
     mask = torch.tensor([True, True, True, False])
     s = routing_agreement_sums(a, b, mask, layer_ids=(1, 2), num_moe_layers=4, name="route_agree_old_new")
-    assert float(s["moe/route_agree_old_new/layer_1/agree/sum"]) == 2
-    assert float(s["moe/route_agree_old_new/layer_2/agree/sum"]) == 1
-    assert float(s["moe/route_agree_old_new/layer_0/total/sum"]) == 0  # another stage's layer
-    assert float(s["moe/route_agree_old_new/total/sum"]) == 6
+    assert float(s["moe/route_agree_old_new/layer_1/num/sum"]) == 2
+    assert float(s["moe/route_agree_old_new/layer_2/num/sum"]) == 1
+    assert float(s["moe/route_agree_old_new/layer_0/den/sum"]) == 0  # another stage's layer
+    assert float(s["moe/route_agree_old_new/den/sum"]) == 6
     # the other stage holds layers 0 and 3, all tokens agree: sums add up like an all-reduce over PP
     other = routing_agreement_sums([a[0], a[0]], [a[0], a[0]], None, (0, 3), 4, "route_agree_old_new")
-    out = finish_routing_metrics(add_sums(s, other))
+    out = finish(accumulate(s, other))
     assert out["moe/route_agree_old_new"] == (3 + 8) / (6 + 8)
     assert out["moe/route_agree_old_new/layer_1"] == 2 / 3
     assert out["moe/route_agree_old_new/layer_3"] == 1.0
@@ -41,7 +36,7 @@ def test_layer_agreement_sums_keys_are_the_same_on_every_stage():
 
 
 def test_replayed_fraction_and_empty_denominators():
-    s = {"moe/replayed_tokens/sum": torch.tensor(3.0, dtype=torch.float64),
-         "moe/real_tokens/sum": torch.tensor(4.0, dtype=torch.float64),
-         "moe/x/agree/sum": torch.tensor(0.0), "moe/x/total/sum": torch.tensor(0.0)}
-    assert finish_routing_metrics(s) == {"moe/replayed_token_fraction": 0.75}
+    s = {"moe/replayed_token_fraction/num/sum": torch.tensor(3.0, dtype=torch.float64),
+         "moe/replayed_token_fraction/den/sum": torch.tensor(4.0, dtype=torch.float64),
+         "moe/x/num/sum": torch.tensor(0.0), "moe/x/den/sum": torch.tensor(0.0)}
+    assert finish(s) == {"moe/replayed_token_fraction": 0.75, "moe/x": 0.0}

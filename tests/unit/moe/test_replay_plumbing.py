@@ -89,7 +89,8 @@ def test_rollout_routing_from_samples():
     assert torch.equal(rr.experts[2, 2:4], _routes(2, base=1))
     assert live_routing_needed(rr) and not live_routing_needed(rr.select(slice(0, 1)))
     s = replayed_token_sums(rr)
-    assert float(s["moe/replayed_tokens/sum"]) == 6 and float(s["moe/real_tokens/sum"]) == 11
+    assert float(s["moe/replayed_token_fraction/num/sum"]) == 6
+    assert float(s["moe/replayed_token_fraction/den/sum"]) == 11
     with pytest.raises(ValueError, match="more than"):
         RolloutRouting.from_samples([_sample(2, 3, _routes(5))], seq_len=6)
     with pytest.raises(ValueError, match="does not match"):

@@ -10,7 +10,7 @@ from megatron_rl.trainer.batch import (
     row_multiple,
     shard_rows,
 )
-from megatron_rl.trainer.rl_step import group_advantages
+from megatron_rl.trainer.phases import group_advantages
 
 
 def _sample(p, r, version=0):

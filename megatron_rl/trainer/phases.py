@@ -1,0 +1,277 @@
+"""The phases of one RL step, each a function with typed inputs and outputs (see rl_step.py).
+
+    rollout = generate(ctx, step)                  # rank 0 samples and scores; every rank receives it
+    batch = make_batch(ctx, rollout)               # advantages + this rank's rows of the training batch
+    old = old_logprobs(ctx, batch, rollout)        # π_old (trainer, rollout weights) + mismatch values
+    updates = update(ctx, batch, old)              # N optimizer steps over mini-batches
+    sync(ctx)                                      # new weights to the engine
+    metrics = step_metrics(ctx, rollout, batch, old, updates)
+
+Every reducible value follows the one metrics convention (megatron_rl/metrics/reduce.py) and is
+reduced once, in `step_metrics`. Tensors are made on the device of the data they describe; the
+training batch lives on the model's device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.losses import (
+    LOCAL,
+    STEP_STATISTICS,
+    CPSeqOps,
+    GlobalCounts,
+    PolicyBatch,
+    SeqOps,
+    compute_policy_loss,
+    get_advantage,
+    local_counts,
+    zero_variance_groups,
+)
+from megatron_rl.metrics.mismatch import mismatch_sums, ratio_quantiles
+from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
+from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.trainer.batch import (
+    TrainBatch,
+    build_batch,
+    cp_shard,
+    local_rows,
+    minibatch_slices,
+    model_device,
+    padded_length,
+    row_multiple,
+)
+from megatron_rl.trainer.passes import PassSettings, logprob_pass, reduce_dp, train_pass
+from megatron_rl.trainer.rollout_io import broadcast, generate_and_score, sync_weights
+
+
+class RolloutFailed(RuntimeError):
+    """The engine could not produce this step's samples (after its own restarts/retries)."""
+
+
+@dataclass
+class Rollout:
+    """samples: B*G, groups contiguous; rewards: [B*G] float32 (CPU); reward_stats: host floats."""
+
+    samples: list[Sample]
+    rewards: torch.Tensor
+    reward_stats: dict
+
+
+@dataclass
+class StepBatch:
+    """local: this rank's rows (its CP shard), on the model's device; rows: their global indices;
+    advantages: [B*G]; zero_var: [B] groups whose rewards are all equal; settings: pass settings."""
+
+    local: TrainBatch
+    rows: torch.Tensor
+    advantages: torch.Tensor
+    zero_var: torch.Tensor
+    settings: PassSettings
+    seq: SeqOps
+
+
+@dataclass
+class OldPolicy:
+    """logprobs: [N, L] log π_old of the local rows (zeros off the last pipeline stage);
+    values: mismatch diagnostics (metrics convention)."""
+
+    logprobs: torch.Tensor
+    values: dict
+
+
+@dataclass
+class Updates:
+    """values: loss parts and r/ρ ratio diagnostics summed over micro-batches (metrics convention);
+    grad_norms: one per optimizer step; skipped: optimizer steps skipped (fp16 overflow)."""
+
+    values: dict
+    grad_norms: list[float]
+    skipped: int
+
+
+# ----------------------------------------------------------------------------- phases
+
+
+def generate(ctx, step: int) -> Rollout:
+    """Rank 0 generates G samples for each of B prompts and scores them; every rank receives them.
+    An engine failure reaches every rank as RolloutFailed (none is left waiting in the broadcast)."""
+    cfg = ctx.cfg
+    payload = None
+    if ctx.engine is not None:
+        try:
+            samples, rewards = generate_and_score(ctx.engine, ctx.tokenizer, ctx.prompts.batch(step, cfg.rollout.prompts_per_step),
+                                                  cfg.rollout.group_size, sampling_for(cfg, ctx.tokenizer, step),
+                                                  ctx.rewards)
+            payload = (samples, rewards, ctx.rewards.stats())
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            payload = RolloutFailed(f"rollout engine failed at step {step + 1}: {type(e).__name__}: {e}")
+    payload = broadcast(payload)
+    if isinstance(payload, RolloutFailed):
+        raise payload
+    samples, rewards, stats = payload
+    return Rollout(samples, torch.tensor(rewards, dtype=torch.float32), stats or {})
+
+
+def make_batch(ctx, rollout: Rollout) -> StepBatch:
+    """Group advantages, then this rank's rows of the padded training batch (DP rows, CP shard)."""
+    cfg, groups = ctx.cfg, ctx.groups
+    adv, keep_rows, zero_var = group_advantages(rollout.rewards, cfg.rollout.group_size, ctx.loss.advantages,
+                                                ctx.loss.filter_zero_variance_groups)
+    seq_len = padded_length(rollout.samples, row_multiple(groups.config.tp, groups.config.cp))
+    full = build_batch(rollout.samples, rollout.rewards.tolist(), ctx.tokenizer.pad_id, seq_len,
+                       with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
+    if not keep_rows.all():
+        full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
+    rows = local_rows(full.size, cfg.train.num_minibatches, groups.dp_size, dist.get_rank(groups.dp_group))
+    local = cp_shard(full.select(rows), groups.cp_group).to(model_device())
+    settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
+    return StepBatch(local, rows, adv, zero_var, settings, seq_ops(groups))
+
+
+def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
+    """π_old log-probs and entropy of the local rows (under the replay strategy), and the mismatch
+    diagnostics against the engine's μ: reducible values plus the rank's extreme ratio quantiles."""
+    local = batch.local
+    old, entropy = ctx.replay.old_pass(ctx.policy, ctx.groups, local, rollout.samples, batch.rows, batch.settings)
+    if old is None:  # not the last pipeline stage: it holds no log-probs
+        return OldPolicy(torch.zeros_like(local.rollout_logprobs), {})
+    values = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy, seq=batch.seq)
+    lo, hi = ratio_quantiles(old - local.rollout_logprobs, local.loss_mask)  # quantiles do not reduce:
+    values["mismatch/w/p01/min"], values["mismatch/w/p99/max"] = lo, hi  # the most extreme rank's
+    return OldPolicy(old, values)
+
+
+def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
+    """train.num_minibatches optimizer steps; each mini-batch's loss is normalised by its global
+    counts, and takes the per-step statistics its surrogate declared (losses/step_stats.py)."""
+    policy, local, mbs = ctx.policy, batch.local, batch.settings.micro_batch_size
+    loss_kw = ctx.loss.loss_kwargs()
+    values: dict = {}
+    grad_norms, skipped = [], 0
+    for slices in minibatch_slices(local.size, ctx.cfg.train.num_minibatches, mbs):
+        counts = global_counts(local, slices, ctx.groups, batch.seq)
+        loss_kw["surrogate_params"].update(step_parameters(ctx, batch, slices, old.logprobs))
+        loss_fn = policy_loss_fn(loss_kw, counts, old.logprobs, batch.seq)
+        with ctx.replay.update(slices, mbs):
+            outs = train_pass(policy.model, policy.optimizer, ctx.groups, local, slices, batch.settings, loss_fn,
+                              wrap_step=ctx.replay.wrap)
+        for o in outs:
+            values = accumulate(values, o)
+        ok, grad_norm, _ = policy.optimizer.step()
+        if ctx.scheduler is not None:
+            ctx.scheduler.step(increment=1)
+        skipped += int(not ok)
+        grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+    return Updates(values, grad_norms, skipped)
+
+
+def sync(ctx) -> None:
+    """The new weights to the rollout engine, as the next policy version."""
+    ctx.policy_version += 1
+    sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
+
+
+def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, updates: Updates) -> dict[str, float]:
+    """Every logged value of the step: one reduction over DP x CP (loss and mismatch values), one
+    over the world (routing agreement), then host-side rollout and optimizer numbers."""
+    cfg = ctx.cfg
+    m: dict[str, float] = {}
+    for key, value in finish(reduce_dp(accumulate(old.values, updates.values), ctx.groups)).items():
+        if key == "loss/value":
+            m["loss/policy"] = value / cfg.train.num_minibatches
+        elif key.startswith(("mismatch/", "policy/", "loss/")):
+            m[key] = value
+        else:
+            m[f"loss/{key}"] = value
+    m.update(finish(reduce_metrics(ctx.replay.metrics())))
+    m["optim/grad_norm"] = sum(updates.grad_norms) / len(updates.grad_norms)
+    m["optim/skipped_steps"] = updates.skipped
+    m["optim/lr"] = ctx.policy.optimizer.param_groups[0]["lr"]
+    r, samples = rollout.rewards, rollout.samples
+    m["rollout/reward_mean"] = float(r.mean())
+    m["rollout/accuracy"] = float((r >= 1.0).float().mean())
+    m["rollout/response_length"] = sum(len(s.response_ids) for s in samples) / len(samples)
+    m["rollout/truncated_fraction"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
+    m["rollout/zero_variance_groups"] = float(batch.zero_var.float().mean())
+    m["rollout/advantage_abs_mean"] = float(batch.advantages.abs().mean())
+    m.update({k: float(v) for k, v in rollout.reward_stats.items()})
+    if ctx.engine is not None and hasattr(ctx.engine, "stats"):  # rank 0: restarts, retries, probe diff
+        m.update({k: float(v) for k, v in ctx.engine.stats().items()})
+    return m
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, filter_zero_var: bool):
+    """Per-sample advantages [B*G] from rewards [B*G] (contiguous groups), and the kept-row mask."""
+    r = rewards.view(-1, group_size)
+    adv = get_advantage(estimator)(r).reshape(-1)
+    zero_var = zero_variance_groups(r)
+    keep = (~zero_var).repeat_interleave(group_size) if filter_zero_var else torch.ones_like(adv, dtype=torch.bool)
+    return adv, keep, zero_var
+
+
+def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
+    r, keep = cfg.rollout, cfg.loss.keep_sampling_mask
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
+                          stop_token_ids=(tokenizer.eos_id,), seed=cfg.train.seed * 1_000_003 + step,
+                          return_kept_ids=keep, logprobs_mode="processed" if keep else "raw")
+
+
+def seq_ops(groups) -> SeqOps:
+    """Per-sequence reductions: local, or finished over the CP group when rows are CP shards."""
+    return CPSeqOps(groups.cp_group) if groups.config.cp > 1 else LOCAL
+
+
+def global_counts(batch: TrainBatch, slices, groups, seq: SeqOps = LOCAL) -> GlobalCounts:
+    """The mini-batch's token and sequence counts summed over its micro-batches and DP x CP ranks
+    (sequences counted once: on their CP owner rank)."""
+    total = GlobalCounts()
+    for sl in slices:
+        total = total + local_counts(batch.loss_mask[sl], seq)
+    vals = reduce_dp({"num_tokens/sum": total.num_tokens, "num_seqs/sum": total.num_seqs}, groups)
+    return GlobalCounts(vals["num_tokens/sum"], vals["num_seqs/sum"])
+
+
+def step_parameters(ctx, batch: StepBatch, slices, old: torch.Tensor) -> dict:
+    """The surrogate's declared per-step statistics of the current weights over the mini-batch
+    `slices` (one no-grad pass shared by all of them), reduced over DP x CP: {param: value}."""
+    declared = ctx.loss.step_statistics
+    if not declared:
+        return {}
+    rows = slice(slices[0].start, slices[-1].stop)
+    sub = batch.local.select(rows)
+    with ctx.replay.update(slices, batch.settings.micro_batch_size, probe=False):
+        logprobs, _ = logprob_pass(ctx.policy.model, ctx.groups, sub, batch.settings, need_entropy=False,
+                                   wrap_step=ctx.replay.wrap)
+    out = {}
+    for param, name in declared.items():
+        stat = STEP_STATISTICS.get(name)
+        local = stat.sums(logprobs, old[rows], sub.loss_mask) if logprobs is not None else {}
+        out[param] = stat.value(reduce_dp(local, ctx.groups))
+    return out
+
+
+def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: SeqOps = LOCAL):
+    """The update pass's loss_fn(micro_batch, logprobs, entropy) -> (loss, values).
+
+    old: [N, L] π_old log-probs of the rank's rows (indexed by the micro-batch's "rows"), in the
+    same (CP-local) layout as the micro-batch; counts: the mini-batch's global normalisers.
+    """
+
+    def loss_fn(mb, logprobs, _entropy):
+        batch = PolicyBatch(logprobs=logprobs, old_logprobs=old[mb["rows"]], rollout_logprobs=mb["rollout_logprobs"],
+                            advantages=mb["advantages"], loss_mask=mb["loss_mask"], positions=mb["positions"],
+                            seq=seq)
+        loss, values = compute_policy_loss(batch, normaliser=counts, **loss_kw)
+        values["loss/value/sum"] = loss.detach().double()
+        ratios = mismatch_sums(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                               logprobs=logprobs.detach(), seq=seq)  # r = π_θ/π_old, ρ = π_θ/μ
+        values.update({k: v for k, v in ratios.items() if k.startswith(("mismatch/r/", "mismatch/rho/"))})
+        return loss, values
+
+    return loss_fn
