@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(DEPS_HASH)
 export TORCHDYNAMO_DISABLE ?= 1
 export PYTHONWARNINGS ?= ignore::UserWarning
 
-.PHONY: install install-vllm demo test test-fast lint clean
+.PHONY: install install-vllm demo test test-fast test-repeat lint clean
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: $(STAMP) install-vllm
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow and not vllm"
+
+# the tiers with processes, servers and signals, three times in a row: a flaky test shows here
+test-repeat: $(STAMP) install-vllm
+	for i in 1 2 3; do echo "== round $$i"; $(PY) -m pytest -q tests/vllm tests/distributed tests/e2e/test_drills.py || exit 1; done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_rl tools tests benchmarks pretrain_rl.py
