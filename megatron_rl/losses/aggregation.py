@@ -86,7 +86,8 @@ def local_counts(mask: Tensor, seq: SeqOps = LOCAL, *, count_empty_seqs: bool = 
     num_tokens = m.sum(dtype=torch.float64)
     rows = torch.ones(m.shape[:-1], dtype=torch.bool, device=m.device) if count_empty_seqs \
         else seq.sum(m.float()) > 0
-    num_seqs = rows.sum(dtype=torch.float64) if seq.is_owner else torch.zeros((), dtype=torch.float64)
+    num_seqs = rows.sum(dtype=torch.float64) if seq.is_owner else \
+        torch.zeros((), dtype=torch.float64, device=rows.device)
     return GlobalCounts(num_tokens, num_seqs)
 
 

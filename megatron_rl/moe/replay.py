@@ -332,8 +332,10 @@ class RouterReplayController:
             raise ValueError("router replay: more forwards than replayed micro-batches")
         mb = self._queue.pop(0)
         self._current = mb
-        for rr, idx in zip(self._replays, mb.indices, strict=True):
-            rr.set_target_indices(idx.long())  # also appends to the layer's backward FIFO
+        for rr, router, idx in zip(self._replays, self._routers, mb.indices, strict=True):
+            # on the router's device (R3's engine routing is built on the host); also appends to the
+            # layer's backward FIFO
+            rr.set_target_indices(idx.to(router.weight.device, torch.long, non_blocking=True))
         self._set_action(actions.REPLAY_FORWARD)
         out = forward_step(data_iterator, model, *args)
         output = out[0] if isinstance(out, tuple) else out
