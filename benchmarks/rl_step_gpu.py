@@ -3,22 +3,29 @@
     python benchmarks/rl_step_gpu.py                         # qwen3-1.7b, and qwen3-moe-30b-a3b cut to 2 layers
     python benchmarks/rl_step_gpu.py --preset qwen3-1.7b --rows 8 --response-len 4096 --json out.json
 
-What one step does (as megatron_rl.trainer.rl_step, on one rank): build the training batch from the
-samples (bookkeeping), the old log-probs pass (forward), the update (train pass = forward+backward of
-the policy loss through the fused log-prob kernel, then the optimizer step), the weight export a
-weight sync sends to the engine, and the metric reductions (bookkeeping). In the same process,
-with the same model and tokens, it times a plain megatron LM-loss forward+backward (the GPT
-model's own output layer and vocab-parallel cross-entropy on the response tokens): the reference
-the train pass is compared with.
+Run it as one process (no torchrun) on a machine with one CUDA GPU; tools/gpu_check.sh does.
 
-THE ROLLOUT IS SYNTHETIC: random prompt and response token ids, rewards 0/1 at random, and rollout
-log-probs μ = the model's own log-probs (a forward pass) plus small noise. Generation is not run
-and not timed: generating 4k-token responses with the embedded engine would take minutes and is
-not what this measures. Weights are random (HF shapes, random init).
+THE STEP IS THE TRAINER'S OWN CODE: the run context is megatron_rl.trainer.loop.setup's, from a
+load_config config (preset, dtype, rollout sizes, loss.recipe, micro-batches, mini-batches), and the
+timed phases are megatron_rl.trainer.rl_step's, called one by one, synchronised before and after:
+    make_batch     advantages, the padded training batch, its copy to the GPU       (bookkeeping)
+    old_logprobs   π_old forward pass and mismatch values                           (model)
+    update         train pass (forward+backward of the policy loss, per mini-batch) (model)
+                   + optimizer step(s), timed inside update by wrapping optimizer.step
+    sync           weight export + load into the embedded engine on this GPU        (non-model)
+    step_metrics   the one metrics reduction and host-side numbers                  (bookkeeping)
+GENERATION IS NOT RUN. THE ROLLOUT IS SYNTHETIC: one group of --rows random responses to one random
+prompt, rewards alternating 0/1, μ = the model's own log-probs (one forward pass) + small noise.
+Weights are random (HF shapes).
 
-Targets: train pass >= 0.85x the plain LM step (its time at most 1/0.85 of the LM step's);
-non-model time (bookkeeping + weight export) <= 15% of the step. --strict exits 1 when missed.
-Exits 2 without a CUDA GPU.
+Reference, same process, model and micro-batches: a plain megatron LM-loss forward+backward (the
+GPT model's output layer + vocab-parallel cross-entropy on the response tokens) through
+trainer.stack.forward_backward, without an optimizer step; it is compared with the train pass =
+update minus its optimizer steps (both zero and finalise the grads the same way).
+
+Targets: train pass >= 0.85x the plain LM step; non-model time (make_batch + sync + step_metrics)
+<= 15% of the step. --strict exits 1 when missed; exits 2 without a CUDA GPU. setup() checks that
+the temporary run_dir has room for one checkpoint (~14 bytes/parameter; nothing is written there).
 """
 from __future__ import annotations
 
@@ -27,9 +34,12 @@ import gc
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,13 +49,13 @@ if ROOT not in sys.path:
 DEFAULT_PRESETS = ["qwen3-1.7b", "qwen3-moe-30b-a3b"]
 TARGET_TRAIN_VS_LM = 0.85
 TARGET_NON_MODEL = 0.15
-PHASES = (("bookkeeping_batch", "bookkeeping: batch, advantages, counts"),
-          ("old_logprobs", "old log-probs (forward)"),
-          ("train_pass", "train pass (forward+backward)"),
-          ("optimizer", "optimizer step"),
-          ("weight_export", "weight export (sync, trainer side)"),
-          ("bookkeeping_metrics", "bookkeeping: metric reductions"))
-NON_MODEL = ("bookkeeping_batch", "weight_export", "bookkeeping_metrics")
+PHASES = (("make_batch", "make_batch (advantages, batch to GPU)"),
+          ("old_logprobs", "old_logprobs (π_old forward)"),
+          ("train_pass", "update: train pass (fwd+bwd)"),
+          ("optimizer", "update: optimizer step(s)"),
+          ("sync", "sync (weight export + engine load)"),
+          ("step_metrics", "step_metrics (reductions)"))
+NON_MODEL = ("make_batch", "sync", "step_metrics")
 
 
 def parse_args(argv=None):
@@ -54,13 +64,19 @@ def parse_args(argv=None):
     p.add_argument("--preset", action="append", default=None,
                    help=f"model preset (megatron_rl/model/presets.py), repeatable; default {DEFAULT_PRESETS}")
     p.add_argument("--layers", type=int, default=None, help="override num_layers of every preset")
-    p.add_argument("--moe-layers", type=int, default=2, help="num_layers of MoE presets (default 2: one GPU)")
+    p.add_argument("--moe-layers", type=int, default=2, help="num_layers of real MoE presets (default 2: one GPU)")
     p.add_argument("--rows", type=int, default=8, help="sequences per step (one group; default 8)")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence (default 256)")
     p.add_argument("--response-len", type=int, default=4096, help="response tokens per sequence (default 4096)")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per forward/backward (default 1)")
-    p.add_argument("--num-minibatches", type=int, default=1, help="optimizer steps per rollout batch (default 1)")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="training precision")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="train.micro_batch_size (default 1)")
+    p.add_argument("--num-minibatches", type=int, default=1, help="train.num_minibatches (default 1)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="model.dtype (default bf16)")
+    p.add_argument("--recipe", default="dapo", help="loss.recipe (default dapo: ppo_clip 0.2/0.28, token mean)")
+    p.add_argument("--no-engine-sync", action="store_true",
+                   help="drop the embedded engine after setup (frees its GPU copy): sync = weight export only")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override (e.g. moe.router_replay=r2, rollout.device=cpu), repeatable")
+    p.add_argument("--tmp-dir", default=None, help="parent of the temporary run_dir (default: the system's)")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions; medians are reported (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
     p.add_argument("--seed", type=int, default=1234)
@@ -72,9 +88,63 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------- pure parts
 
 
+def config_overrides(name: str, args, run_dir: str) -> list[str]:
+    """load_config overrides for preset `name` at the benchmark's sizes. The vocabulary is pinned
+    to the preset's (the trainer would otherwise size it to its character tokenizer)."""
+    from megatron_rl.model.presets import PRESETS, REAL_PRESETS
+
+    if name not in REAL_PRESETS and name not in PRESETS:
+        raise SystemExit(f"unknown preset {name!r}; choose from {sorted(REAL_PRESETS) + sorted(PRESETS)}")
+    real = REAL_PRESETS.get(name)
+    kind = real["arch"] if real else "qwen3_moe"
+    model = {"vocab_size": (real or PRESETS[name])["vocab_size"]}
+    if args.layers is not None:
+        model["num_layers"] = args.layers
+    elif real and kind == "qwen3_moe":
+        model["num_layers"] = args.moe_layers
+    return [f"model.arch={kind}", f"model.size={name}", f"model.dtype={args.dtype}",
+            f"model.overrides={json.dumps(model)}", "rollout.prompts_per_step=1", f"rollout.group_size={args.rows}",
+            f"rollout.max_tokens={args.response_len}", f"loss.recipe={args.recipe}",
+            f"train.micro_batch_size={args.micro_batch_size}", f"train.num_minibatches={args.num_minibatches}",
+            f"train.seed={args.seed}", f"train.run_dir={run_dir}", "train.resume=false", "train.eval_size=0",
+            "train.steps=1", "sft.steps=0", "optim.lr=1e-7", "log.tensorboard=false", "log.jsonl=false",
+            "log.progress=false", *args.override]
+
+
+def synthetic_rollout(vocab_size: int, rows: int, prompt_len: int, response_len: int, seed: int):
+    """A phases.Rollout of one group: `rows` random responses to one random prompt (SYNTHETIC),
+    rewards alternating 0/1 (a mixed group), rollout log-probs 0 until `with_rollout_logprobs`."""
+    import torch
+
+    from megatron_rl.rollout.types import Sample
+    from megatron_rl.trainer.phases import Rollout
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab_size, (prompt_len,), generator=g)
+    samples = [Sample(prompt_ids=prompt.clone(), response_ids=torch.randint(0, vocab_size, (response_len,), generator=g),
+                      rollout_logprobs=torch.zeros(response_len), finish_reason="length", policy_version=0,
+                      prompt_index=0, sample_index=i) for i in range(rows)]
+    return Rollout(samples, torch.tensor([float(i % 2) for i in range(rows)]), {})
+
+
+def with_rollout_logprobs(rollout, rows, logprobs, noise: float, seed: int):
+    """`rollout` with μ = logprobs + noise (clamped to <= 0) on every response token.
+    logprobs: [N, L] in the training batch's label layout; rows: the sample index of each row."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    samples = list(rollout.samples)
+    for k, i in enumerate(rows.tolist()):
+        s = samples[i]
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        mu = logprobs[k, p - 1:p - 1 + r].float().cpu() + noise * torch.randn(r, generator=g)
+        samples[i] = replace(s, rollout_logprobs=mu.clamp(max=0.0))
+    return replace(rollout, samples=samples)
+
+
 @dataclass(frozen=True)
 class Summary:
-    step: float  # seconds of the RL step (all phases)
+    step: float  # seconds of the RL step (all timed phases; no generation)
     model: float  # old log-probs + train pass + optimizer
     non_model_share: float
     train_vs_lm: float  # plain LM time / train pass time (1.0 = as fast)
@@ -92,10 +162,9 @@ def summarize(phases: dict[str, float], lm: float, tokens: int) -> Summary:
 
 
 def format_table(name: str, desc: str, phases: dict[str, float], lm: float, s: Summary, extra: dict) -> str:
-    def ok(good: bool) -> str:
-        return "ok" if good else "MISSED"
-
-    lines = [f"{name}: {desc}", f"  {'phase':<40} {'seconds':>9} {'share':>7}"]
+    ok = {True: "ok", False: "MISSED"}
+    lines = [f"{name}: {desc}", f"  {'phase (megatron_rl.trainer.phases)':<40} {'seconds':>9} {'share':>7}",
+             f"  {'generate (SKIPPED: synthetic rollout)':<40} {'-':>9} {'-':>7}"]
     for key, label in PHASES:
         lines.append(f"  {label:<40} {phases[key]:>9.3f} {100 * phases[key] / s.step:>6.1f}%")
     lines += [
@@ -103,9 +172,9 @@ def format_table(name: str, desc: str, phases: dict[str, float], lm: float, s: S
         f"  {'plain megatron LM loss fwd+bwd':<40} {lm:>9.3f}",
         f"  train pass tokens/s: {s.train_tokens_per_s:,.0f}   plain LM tokens/s: {s.lm_tokens_per_s:,.0f}",
         (f"  train pass vs plain LM: {s.train_vs_lm:.3f}x (target >= {TARGET_TRAIN_VS_LM}) "
-         f"{ok(s.train_vs_lm >= TARGET_TRAIN_VS_LM)}"),
+         f"{ok[s.train_vs_lm >= TARGET_TRAIN_VS_LM]}"),
         (f"  non-model time: {100 * s.non_model_share:.1f}% of the step (target <= {100 * TARGET_NON_MODEL:.0f}%) "
-         f"{ok(s.non_model_share <= TARGET_NON_MODEL)}"),
+         f"{ok[s.non_model_share <= TARGET_NON_MODEL]}"),
     ]
     lines += [f"  {k}: {v}" for k, v in extra.items()]
     return "\n".join(lines)
@@ -118,192 +187,166 @@ def targets_met(s: Summary) -> bool:
 # ------------------------------------------------------------------------------------- GPU parts
 
 
-def _sync():
+def cuda_available() -> bool:
     import torch
 
-    torch.cuda.synchronize()
+    return torch.cuda.is_available()
 
 
-class Timer:
-    def __init__(self):
-        self.times: dict[str, list[float]] = {}
+def _sync() -> float:
+    """Wait for the GPU's queued work; return the time after it."""
+    import torch
 
-    def __call__(self, key: str, fn, *args, **kwargs):
-        _sync()
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        _sync()
-        self.times.setdefault(key, []).append(time.perf_counter() - t0)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def timed(times: dict, key: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), its synchronised wall time appended to times[key]."""
+    t0 = _sync()
+    out = fn(*args, **kwargs)
+    times.setdefault(key, []).append(_sync() - t0)
+    return out
+
+
+@contextmanager
+def timed_optimizer_steps(optimizer, times: list[float]):
+    """Time every optimizer.step() (synchronised) made inside the block, e.g. by phases.update."""
+    step, own = optimizer.step, "step" in vars(optimizer)
+
+    def timed_step(*args, **kwargs):
+        t0 = _sync()
+        out = step(*args, **kwargs)
+        times.append(_sync() - t0)
         return out
 
-    def medians(self, skip: int) -> dict[str, float]:
-        return {k: statistics.median(v[skip:]) for k, v in self.times.items()}
+    optimizer.step = timed_step
+    try:
+        yield
+    finally:
+        if own:
+            optimizer.step = step
+        else:
+            del optimizer.step  # the class's method again
 
 
-def synthetic_samples(arch, rows: int, prompt_len: int, response_len: int, seed: int):
-    """Random prompts and responses (labelled synthetic), rollout log-probs filled in later."""
+def plain_lm_pass(ctx, batch, counts) -> None:
+    """The reference: megatron's own LM loss (output layer + vocab-parallel cross-entropy) on the
+    response tokens, forward+backward over the update's micro-batches; no optimizer step."""
     import torch
 
-    from megatron_rl.rollout.types import Sample
+    from megatron_rl.model import causal_mask
+    from megatron_rl.trainer.batch import minibatch_slices
+    from megatron_rl.trainer.passes import micro_batches
+    from megatron_rl.trainer.stack import forward_backward
 
-    g = torch.Generator().manual_seed(seed)
-    return [Sample(prompt_ids=torch.randint(0, arch.vocab_size, (prompt_len,), generator=g),
-                   response_ids=torch.randint(0, arch.vocab_size, (response_len,), generator=g),
-                   rollout_logprobs=torch.zeros(response_len), finish_reason="length", policy_version=0,
-                   prompt_index=0, sample_index=i) for i in range(rows)]
+    def forward_step_for(num_tokens):
+        def step(data_iterator, m):
+            mb = next(data_iterator)
+            inp = mb["input_ids"]
+            out = m(inp, mb["position_ids"], causal_mask(inp.shape[1], device=inp.device), labels=mb["labels"])
+
+            def loss_func(per_token):
+                loss = (per_token.float() * mb["loss_mask"]).sum() / num_tokens
+                return loss, torch.ones((), dtype=torch.long, device=loss.device), {}
+
+            return out, loss_func
+
+        return step
+
+    local, mbs = batch.local, batch.settings.micro_batch_size
+    for sl, c in zip(minibatch_slices(local.size, ctx.cfg.train.num_minibatches, mbs), counts, strict=True):
+        forward_backward(ctx.policy.model, forward_step_for(c.num_tokens), iter(micro_batches(local, sl)), len(sl),
+                         local.input_len, mbs, optimizer=ctx.policy.optimizer)
 
 
 def bench_preset(name: str, args, groups) -> dict:
     import torch
-    import torch.distributed as dist
 
     from megatron_rl.config import load_config
-    from megatron_rl.losses import GlobalCounts, PolicyBatch, compute_policy_loss, get_advantage, local_counts
-    from megatron_rl.metrics.mismatch import mismatch_sums
-    from megatron_rl.model.presets import PRESETS, REAL_PRESETS, preset_arch
-    from megatron_rl.trainer.batch import build_batch, minibatch_slices, model_device
-    from megatron_rl.trainer.passes import PassSettings, logprob_pass, micro_batches, train_pass
-    from megatron_rl.trainer.policy import build_policy
-    from megatron_rl.trainer.stack import forward_backward
+    from megatron_rl.trainer import phases
+    from megatron_rl.trainer.batch import minibatch_slices
+    from megatron_rl.trainer.loop import close, setup
+    from megatron_rl.trainer.passes import logprob_pass
 
-    if name not in REAL_PRESETS and name not in PRESETS:
-        raise SystemExit(f"unknown preset {name!r}; choose from {sorted(REAL_PRESETS) + sorted(PRESETS)}")
-    kind = REAL_PRESETS[name]["arch"] if name in REAL_PRESETS else "qwen3_moe"
-    overrides = {}
-    if args.layers is not None:
-        overrides["num_layers"] = args.layers
-    elif kind == "qwen3_moe" and name in REAL_PRESETS:
-        overrides["num_layers"] = args.moe_layers
-    arch = preset_arch(kind, name, **overrides)
-    cfg = load_config(None, [f"model.arch={kind}", f"model.size={name}", f"model.dtype={args.dtype}",
-                             "optim.lr=1e-7"])
-    torch.cuda.reset_peak_memory_stats()
-    policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=args.seed)
-    model, optimizer = policy.model, policy.optimizer
-    dev = model_device()  # the current CUDA device
-    mbs = args.micro_batch_size
-    settings = PassSettings(micro_batch_size=mbs)
-    samples = synthetic_samples(arch, args.rows, args.prompt_len, args.response_len, args.seed)
-    seq_len = args.prompt_len + args.response_len
-    rewards = [float(i % 2) for i in range(args.rows)]
+    run_dir = tempfile.mkdtemp(prefix="rl_step_gpu-", dir=args.tmp_dir)
+    overrides = config_overrides(name, args, run_dir)
+    cfg = load_config(None, overrides)
+    cfg.check_layout(1)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    ctx = None
+    try:
+        ctx = setup(cfg, groups)  # policy, optimizer, loss, replay, and the embedded engine on this GPU
+        hf = getattr(ctx.engine, "model", None)  # the embedded engine's transformers model
+        engine_gib = sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**30 if hf is not None else 0.0
+        engine_where = f"{engine_gib:.2f} GiB of weights on {ctx.engine.device}" if hf is not None else str(ctx.engine)
+        if args.no_engine_sync and ctx.engine is not None:
+            ctx.engine.close()
+            ctx.engine, engine_where = None, "dropped (--no-engine-sync): sync = weight export only"
+            gc.collect()
+            torch.cuda.empty_cache()  # a no-op without CUDA
+        arch, policy = ctx.policy.arch, ctx.policy
+        # μ: the model's own log-probs (one forward pass of the trainer's log-prob path) + noise
+        rollout = synthetic_rollout(arch.vocab_size, args.rows, args.prompt_len, args.response_len, args.seed)
+        first = phases.make_batch(ctx, rollout)
+        mu, _ = logprob_pass(policy.model, ctx.groups, first.local, first.settings, need_entropy=False)
+        rollout = with_rollout_logprobs(rollout, first.rows, mu, noise=0.01, seed=args.seed)
+        slices = minibatch_slices(first.local.size, cfg.train.num_minibatches, cfg.train.micro_batch_size)
+        counts = [phases.global_counts(first.local, sl, ctx.groups, first.seq) for sl in slices]
 
-    def make_batch(samples):
-        adv = get_advantage("grpo")(torch.tensor(rewards).view(1, -1)).reshape(-1)
-        batch = build_batch(samples, rewards, 0, seq_len).with_advantages(adv).to(dev)
-        slices = minibatch_slices(batch.size, args.num_minibatches, mbs)
-        counts = []
-        for sl in slices:
-            total = GlobalCounts()
-            for s in sl:
-                total = total + local_counts(batch.loss_mask[s])
-            n = total.num_tokens.clone()
-            dist.all_reduce(n, group=groups.dp_cp_group)
-            counts.append(GlobalCounts(num_tokens=n))
-        return batch, slices, counts
-
-    # μ: the model's own log-probs (one forward) + noise, written back into the samples
-    batch, _, _ = make_batch(samples)
-    mu, _ = logprob_pass(model, groups, batch, settings, need_entropy=False)
-    mu = mu.cpu()
-    for i, s in enumerate(samples):
-        p = len(s.prompt_ids)
-        noisy = mu[i, p - 1:p - 1 + len(s.response_ids)] + 0.01 * torch.randn(len(s.response_ids))
-        samples[i] = replace(s, rollout_logprobs=noisy.clamp(max=0.0))
-
-    def loss_fn_for(counts, old):
-        def loss_fn(mb, logprobs, _entropy):
-            pb = PolicyBatch(logprobs=logprobs, old_logprobs=old[mb["rows"]], rollout_logprobs=mb["rollout_logprobs"],
-                             advantages=mb["advantages"], loss_mask=mb["loss_mask"], positions=mb["positions"])
-            loss, metrics = compute_policy_loss(pb, "ppo_clip", {"eps_low": 0.2, "eps_high": 0.28},
-                                                aggregation="token_mean", normaliser=counts)
-            metrics = {k: v.detach().double() for k, v in metrics.items()}
-            metrics.update(mismatch_sums(pb.old_logprobs, pb.rollout_logprobs, pb.loss_mask,
-                                         logprobs=logprobs.detach()))
-            metrics["loss/value"] = loss.detach().double()
-            return loss, metrics
-
-        return loss_fn
-
-    def lm_forward_step(counts_all):
-        from megatron_rl.model import causal_mask
-
-        def step(data_iterator, m):
-            mb = next(data_iterator)
-            inp = mb["input_ids"]
-            per_token = m(inp, mb["position_ids"], causal_mask(inp.shape[1], device=inp.device), labels=mb["labels"])
-
-            def loss_func(out):
-                loss = (out.float() * mb["loss_mask"]).sum() / counts_all.num_tokens
-                return loss, torch.tensor(1, device=inp.device), {}
-
-            return per_token, loss_func
-
-        return step
-
-    def reduce_metrics(outs, old, entropy, batch):
-        sums = mismatch_sums(old, batch.rollout_logprobs, batch.loss_mask, entropy=entropy)
-        for o in outs:
-            for k, v in o.items():
-                sums[k] = sums[k] + v if k in sums else v
-        for k in sorted(sums):  # as rl_step: one all-reduce per key over DP x CP
-            t = torch.as_tensor(sums[k], device=dev).detach().double().clone()
-            dist.all_reduce(t, group=groups.dp_cp_group)
-            sums[k] = t
-        return {k: float(v) for k, v in sums.items() if v.numel() == 1}
-
-    def export():
-        n = 0
-        for _, t in policy.export(dtype=torch.bfloat16):
-            n += t.numel()
-        return n
-
-    timer = Timer()
-    for _ in range(args.warmup + args.repeats):
-        batch, slices, counts = timer("bookkeeping_batch", make_batch, samples)
-        old, entropy = timer("old_logprobs", logprob_pass, model, groups, batch, settings, True)
-        outs = []
-        for sl, c in zip(slices, counts, strict=True):
-            outs += timer("train_pass", train_pass, model, optimizer, groups, batch, sl, settings, loss_fn_for(c, old))
-            timer("optimizer", optimizer.step)
-        exported = timer("weight_export", export)
-        metrics = timer("bookkeeping_metrics", reduce_metrics, outs, old, entropy, batch)
-        for sl, c in zip(slices, counts, strict=True):
-            timer("plain_lm", forward_backward, model, lm_forward_step(c), iter(micro_batches(batch, sl)), len(sl),
-                  batch.input_len, mbs, optimizer=optimizer)
-    # train pass and LM time per step = summed over mini-batches
-    per_step = {k: statistics.median([sum(v[i:i + n]) for i in range(0, len(v), n)][args.warmup:])
-                for k, v in timer.times.items()
-                for n in [args.num_minibatches if k in ("train_pass", "optimizer", "plain_lm") else 1]}
-    lm = per_step.pop("plain_lm")
-    tokens = args.rows * (seq_len - 1)
-    s = summarize(per_step, lm, tokens)
-    params = sum(p.numel() for p in model.parameters())
-    desc = (f"{arch.num_layers} layers, {params / 1e9:.2f}B params, {args.dtype}; {args.rows} rows x "
-            f"({args.prompt_len} prompt + {args.response_len} response) tokens, micro-batch {mbs}, "
-            f"{args.num_minibatches} optimizer step(s); SYNTHETIC rollout (random tokens, μ = own log-probs + noise)")
-    extra = {"peak GPU memory": f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
-             "exported parameters": f"{exported:,}",
-             "loss (last repeat)": f"{metrics.get('loss/value', float('nan')):.4g}",
-             "generation": "not run (synthetic rollout)"}
-    print(format_table(name, desc, per_step, lm, s, extra), flush=True)
-    result = {"preset": name, "arch": arch.to_dict(), "params": params, "tokens_per_step": tokens,
-              "phases_s": per_step, "plain_lm_s": lm, "summary": s.__dict__, "targets_met": targets_met(s),
-              "finite_loss": math.isfinite(metrics.get("loss/value", float("nan"))), **extra}
-    return result
+        times: dict[str, list[float]] = {}
+        for _ in range(args.warmup + args.repeats):
+            batch = timed(times, "make_batch", phases.make_batch, ctx, rollout)
+            old = timed(times, "old_logprobs", phases.old_logprobs, ctx, batch, rollout)
+            steps: list[float] = []
+            with timed_optimizer_steps(policy.optimizer, steps):
+                updates = timed(times, "update", phases.update, ctx, batch, old)
+            times.setdefault("optimizer", []).append(sum(steps))
+            times.setdefault("train_pass", []).append(times["update"][-1] - sum(steps))
+            timed(times, "sync", phases.sync, ctx)
+            metrics = timed(times, "step_metrics", phases.step_metrics, ctx, rollout, batch, old, updates)
+            timed(times, "plain_lm", plain_lm_pass, ctx, batch, counts)
+        per_step = {k: statistics.median(v[args.warmup:]) for k, v in times.items()}
+        lm, update = per_step.pop("plain_lm"), per_step.pop("update")
+        tokens = batch.local.input_ids.numel()
+        s = summarize(per_step, lm, tokens)
+        params = sum(p.numel() for p in policy.model.parameters())
+        loss = metrics.get("loss/policy", float("nan"))
+        desc = (f"{arch.num_layers} layers, {params / 1e9:.2f}B params, {args.dtype}, loss.recipe={args.recipe}; "
+                f"{args.rows} rows x ({args.prompt_len} prompt + {args.response_len} response) tokens, "
+                f"micro-batch {cfg.train.micro_batch_size}, {cfg.train.num_minibatches} optimizer step(s); "
+                f"SYNTHETIC rollout (random tokens, μ = own log-probs + noise)")
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+        extra = {"peak GPU memory": f"{peak:.1f} GiB (since setup)", "rollout engine": engine_where,
+                 "update (train pass + optimizer)": f"{update:.3f} s",
+                 "loss/policy (last repeat)": f"{loss:.4g}", "generation": "not run (synthetic rollout)"}
+        print(format_table(name, desc, per_step, lm, s, extra), flush=True)
+        return {"preset": name, "config_overrides": overrides, "arch": arch.to_dict(), "params": params,
+                "tokens_per_step": tokens, "phases_s": per_step, "update_s": update, "plain_lm_s": lm,
+                "summary": s.__dict__, "targets_met": targets_met(s), "finite_loss": math.isfinite(loss),
+                "engine_sync": ctx.engine is not None, "engine_weights_gib": engine_gib, **extra}
+    finally:
+        if ctx is not None:
+            close(ctx)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
+    if not cuda_available():
         print("rl_step_gpu.py: needs a CUDA GPU, and torch.cuda.is_available() is False here. "
               "Run it on a GPU machine (tools/gpu_check.sh does).", file=sys.stderr)
         return 2
     import warnings
 
+    import torch
+
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's "no Apex/TE" notices
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # as pretrain_rl.py, so the numbers are what it runs
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # as pretrain_rl.py (before megatron is imported)
+    import megatron.core
+
     from megatron_rl.parallel import ParallelConfig, destroy_parallel, init_distributed, init_parallel
     from megatron_rl.platform import apply_platform_workarounds, capabilities
 
@@ -313,9 +356,8 @@ def main(argv=None) -> int:
         print("rl_step_gpu.py: runs on one GPU (one process)", file=sys.stderr)
         return 2
     groups = init_parallel(ParallelConfig(), seed=args.seed)
-    import megatron.core
-
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | megatron-core {megatron.core.__version__} | "
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (NOT A MEASUREMENT)"
+    print(f"{device} | torch {torch.__version__} | megatron-core {megatron.core.__version__} | "
           f"{capabilities().describe()} | workarounds {applied} | "
           f"TORCHDYNAMO_DISABLE={os.environ.get('TORCHDYNAMO_DISABLE')}", flush=True)
     results = []
@@ -329,15 +371,12 @@ def main(argv=None) -> int:
         destroy_parallel()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "megatron_core": megatron.core.__version__, "args": vars(args), "results": results}, f,
-                      indent=1, default=str)
+            json.dump({"device": device, "torch": torch.__version__, "megatron_core": megatron.core.__version__,
+                       "args": vars(args), "results": results}, f, indent=1, default=str)
     if not all(r["finite_loss"] for r in results):
         print("rl_step_gpu.py: a loss was not finite", file=sys.stderr)
         return 1
-    if args.strict and not all(r["targets_met"] for r in results):
-        return 1
-    return 0
+    return 1 if args.strict and not all(r["targets_met"] for r in results) else 0
 
 
 if __name__ == "__main__":

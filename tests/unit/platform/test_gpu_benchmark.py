@@ -1,11 +1,15 @@
-"""benchmarks/rl_step_gpu.py on a machine without a GPU: --help, a clear exit 2, and its arithmetic.
-(The benchmark itself runs on a GPU machine: tools/gpu_check.sh.)"""
+"""benchmarks/rl_step_gpu.py on a machine without a GPU: --help, a clear exit 2, its arithmetic, its
+config and synthetic rollout, and the trainer's make_batch on that rollout. Nothing here measures
+anything: the benchmark itself runs on a GPU machine (tools/gpu_check.sh)."""
 import importlib.util
+import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "rl_step_gpu.py")
@@ -27,7 +31,8 @@ def _run(*args, **env):
 def test_help():
     run = _run("--help")
     assert run.returncode == 0
-    assert "SYNTHETIC" in run.stdout and "--preset" in run.stdout
+    for text in ("SYNTHETIC", "GENERATION IS NOT RUN", "--preset", "--recipe", "--no-engine-sync", "--strict"):
+        assert text in run.stdout
 
 
 def test_exits_2_without_cuda():
@@ -38,23 +43,124 @@ def test_exits_2_without_cuda():
 
 def test_summary_and_table():
     mod = _module()
-    phases = {"bookkeeping_batch": 0.1, "old_logprobs": 1.0, "train_pass": 3.0, "optimizer": 0.4,
-              "weight_export": 0.3, "bookkeeping_metrics": 0.2}
+    phases = {"make_batch": 0.1, "old_logprobs": 1.0, "train_pass": 3.0, "optimizer": 0.4, "sync": 0.3,
+              "step_metrics": 0.2}
     s = mod.summarize(phases, lm=2.7, tokens=30000)
-    assert s.step == pytest.approx(5.0)
+    assert s.step == pytest.approx(5.0) and s.model == pytest.approx(4.4)
     assert s.non_model_share == pytest.approx(0.6 / 5.0)
     assert s.train_vs_lm == pytest.approx(0.9) and mod.targets_met(s)
     assert s.train_tokens_per_s == pytest.approx(10000)
     table = mod.format_table("qwen3-1.7b", "test", phases, 2.7, s, {"peak GPU memory": "1 GiB"})
     assert "0.900x (target >= 0.85) ok" in table and "12.0% of the step (target <= 15%) ok" in table
+    assert "generate (SKIPPED: synthetic rollout)" in table
     slow = mod.summarize(dict(phases, train_pass=4.0), lm=2.7, tokens=30000)
     assert not mod.targets_met(slow) and "MISSED" in mod.format_table("x", "y", phases, 2.7, slow, {})
+    heavy = mod.summarize(dict(phases, sync=1.5), lm=2.7, tokens=30000)  # non-model time over 15%
+    assert not mod.targets_met(heavy)
 
 
-def test_synthetic_samples():
-    from megatron_rl.model.presets import preset_arch
+def _args(mod, *argv):
+    return mod.parse_args(list(argv))
 
-    samples = _module().synthetic_samples(preset_arch("qwen3", "tiny"), rows=3, prompt_len=5, response_len=7, seed=0)
-    assert len(samples) == 3
-    assert all(len(s.prompt_ids) == 5 and len(s.response_ids) == 7 for s in samples)
-    assert all(int(s.response_ids.max()) < 64 for s in samples)
+
+def test_config_overrides_make_a_valid_config(tmp_path):
+    from megatron_rl.config import load_config
+
+    mod = _module()
+    args = _args(mod, "--rows", "8", "--response-len", "4096", "--micro-batch-size", "2", "--num-minibatches", "2",
+                 "--recipe", "grpo")
+    dense = load_config(None, mod.config_overrides("qwen3-1.7b", args, str(tmp_path)))
+    dense.check_layout(1)
+    assert (dense.model.arch, dense.model.size, dense.model.dtype) == ("qwen3", "qwen3-1.7b", "bf16")
+    assert dense.model.overrides == {"vocab_size": 151936}  # the real vocabulary, not the tokenizer's
+    assert (dense.rollout.prompts_per_step, dense.rollout.group_size, dense.rollout.max_tokens) == (1, 8, 4096)
+    assert (dense.train.micro_batch_size, dense.train.num_minibatches, dense.loss.recipe) == (2, 2, "grpo")
+    assert not dense.log.tensorboard and not dense.log.jsonl and dense.sft.steps == 0 and dense.train.eval_size == 0
+    assert dense.train.run_dir == str(tmp_path) and not dense.train.resume
+    moe = load_config(None, mod.config_overrides("qwen3-moe-30b-a3b", _args(mod, "--override", "moe.router_replay=r2"),
+                                                 str(tmp_path)))
+    assert moe.model.overrides == {"vocab_size": 151936, "num_layers": 2} and moe.moe.router_replay == "r2"
+    assert load_config(None, mod.config_overrides("tiny", _args(mod, "--layers", "1"), str(tmp_path))).model.overrides \
+        == {"vocab_size": 64, "num_layers": 1}
+    with pytest.raises(SystemExit, match="unknown preset"):
+        mod.config_overrides("qwen9", args, str(tmp_path))
+
+
+def test_synthetic_rollout():
+    rollout = _module().synthetic_rollout(vocab_size=64, rows=4, prompt_len=5, response_len=7, seed=0)
+    s = rollout.samples
+    assert len(s) == 4 and all(len(x.prompt_ids) == 5 and len(x.response_ids) == 7 for x in s)
+    assert all(torch.equal(x.prompt_ids, s[0].prompt_ids) for x in s)  # one group: one prompt
+    assert all(int(x.response_ids.max()) < 64 for x in s)
+    assert rollout.rewards.tolist() == [0.0, 1.0, 0.0, 1.0] and rollout.reward_stats == {}
+
+
+def test_with_rollout_logprobs_reads_the_label_layout():
+    mod = _module()
+    rollout = mod.synthetic_rollout(vocab_size=64, rows=2, prompt_len=3, response_len=4, seed=0)
+    # label index t holds -(100 + t) in row 0 and -t in row 1; row k is sample rows[k] (here reversed)
+    logprobs = -torch.arange(8, dtype=torch.float32).expand(2, 8) - torch.tensor([[100.0], [0.0]])
+    out = mod.with_rollout_logprobs(rollout, torch.tensor([1, 0]), logprobs, noise=0.0, seed=0)
+    assert out.samples[0].rollout_logprobs.tolist() == [-2.0, -3.0, -4.0, -5.0]  # label indices P-1 .. P+R-2
+    assert out.samples[1].rollout_logprobs.tolist() == [-102.0, -103.0, -104.0, -105.0]
+    noisy = mod.with_rollout_logprobs(rollout, torch.tensor([0, 1]), torch.zeros(2, 8), noise=0.5, seed=0)
+    assert all(bool((x.rollout_logprobs <= 0).all()) for x in noisy.samples)  # clamped: log-probs
+    assert rollout.samples[0].rollout_logprobs.abs().sum() == 0  # the input is left as it was
+
+
+def test_timed_optimizer_steps_restores_the_method():
+    mod = _module()
+
+    class Opt:
+        def step(self):
+            return True, 1.0, None
+
+    opt, times = Opt(), []
+    with mod.timed_optimizer_steps(opt, times):
+        assert opt.step() == (True, 1.0, None) and opt.step()[0]
+    assert len(times) == 2 and "step" not in vars(opt)
+
+
+_MAKE_BATCH = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("rl_step_gpu", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+from megatron_rl.config import load_config
+from megatron_rl.parallel import destroy_parallel, init_distributed, init_parallel
+from megatron_rl.platform import apply_platform_workarounds
+from megatron_rl.trainer import phases
+from megatron_rl.trainer.loop import close, setup
+apply_platform_workarounds()
+init_distributed("gloo")
+args = mod.parse_args(["--rows", "4", "--prompt-len", "5", "--response-len", "7", "--micro-batch-size", "2",
+                       "--num-minibatches", "2"])
+cfg = load_config(None, mod.config_overrides("tiny", args, sys.argv[2]))
+ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
+try:
+    batch = phases.make_batch(ctx, mod.synthetic_rollout(ctx.policy.arch.vocab_size, 4, 5, 7, seed=0))
+    local = batch.local
+    print(json.dumps({"shape": list(local.input_ids.shape), "masked": int(local.loss_mask.sum()),
+                      "rows": batch.rows.tolist(), "adv": batch.advantages.tolist(), "mbs": batch.settings.micro_batch_size,
+                      "engine": type(ctx.engine).__name__}))
+finally:
+    close(ctx)
+    destroy_parallel()
+"""
+
+
+@pytest.mark.slow  # a subprocess that builds the tiny trainer and engine (~10 s)
+def test_make_batch_on_the_synthetic_rollout(tmp_path):
+    """The trainer's setup + make_batch on the benchmark's config and rollout (tiny preset, CPU, one
+    gloo process in a subprocess): the shapes the timed phases would get. No timing."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = subprocess.run([sys.executable, "-c", _MAKE_BATCH, SCRIPT, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(port),
+                              "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["shape"] == [4, 11] and out["masked"] == 4 * 7  # 5 + 7 tokens -> 11 inputs per row
+    assert out["rows"] == [0, 1, 2, 3] and out["mbs"] == 2 and out["engine"] == "EmbeddedEngine"
+    assert all(a != 0 for a in out["adv"])  # a mixed group: every sample has an advantage
