@@ -1,12 +1,16 @@
 """A fake vLLM server on 127.0.0.1 for the client's validation and fault handling: answers
 /v1/completions with well-formed samples unless told to misbehave, and plays a ServerHandle
-(start / restart / alive / stop) so the engine's restart logic runs without vLLM."""
+(start / restart / alive / stop) so the engine's restart logic runs without vLLM. Like a server
+we launch, it refuses (HTTP 401) every request without `Authorization: Bearer <api_key>`."""
 from __future__ import annotations
 
+import hmac
 import json
+import secrets
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+HANG_GUARD_S = 600.0  # a hung answer ends by itself after this at the latest (never hang CI)
 
 
 def good_answer(body: dict, vocab: int) -> dict:
@@ -28,20 +32,40 @@ def good_answer(body: dict, vocab: int) -> dict:
 class FakeVllm:
     """behaviour(body, answer) -> one of: a dict (sent as JSON), bytes (sent raw), an int (that
     HTTP status), "drop" (close the connection without an answer: also marks the server dead),
-    ("sleep", s) (answer after s seconds). Default: the good answer."""
+    "hang" (no answer until the test calls release_hung() or the server is stopped, as a killed
+    process's connections end; then the good answer, if anyone still listens). Default: the
+    good answer. `hanging` is set once a request hangs.
+
+    api_key: the key every request must carry (None: a fresh random one; "" : no key needed).
+    `unauthorised` counts the requests refused for the key."""
 
     can_restart = True
     model_name = "fake"
 
-    def __init__(self, vocab: int = 64, behaviour=None):
+    def __init__(self, vocab: int = 64, behaviour=None, api_key: str | None = None):
         self.vocab = vocab
         self.behaviour = behaviour or (lambda body, answer: answer)
+        self.api_key = secrets.token_urlsafe(16) if api_key is None else (api_key or None)
         self.requests: list[dict] = []
         self.restarts = 0
+        self.unauthorised = 0
         self.dead = False
         self.lock = threading.Lock()
         self.httpd = None
         self.port = None
+        self.hanging = threading.Event()
+        self._released = False
+        self._wake = threading.Event()  # of the running server: set by release_hung() and stop()
+
+    def release_hung(self) -> None:
+        """Let every hung request (and any later "hang") answer."""
+        self._released = True
+        self._wake.set()
+
+    def _authorised(self, header: str | None) -> bool:
+        if self.api_key is None:
+            return True
+        return header is not None and hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode())
 
     # ---- ServerHandle ----
     @property
@@ -56,6 +80,8 @@ class FakeVllm:
                 pass
 
             def do_GET(self):
+                if not self._check_key():
+                    return
                 if fake.dead:
                     self.close_connection = True
                     return
@@ -65,13 +91,17 @@ class FakeVllm:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if not self._check_key():
+                    return
                 if self.path != "/v1/completions":
                     return self._send(200, b'{"results": [null]}')
                 with fake.lock:
                     fake.requests.append(body)
                 out = "drop" if fake.dead else fake.behaviour(body, good_answer(body, fake.vocab))
-                if isinstance(out, tuple) and out[0] == "sleep":
-                    time.sleep(out[1])
+                if out == "hang":
+                    fake.hanging.set()
+                    if not fake._released:  # no timer: only release_hung() or a stop ends the hang
+                        wake.wait(HANG_GUARD_S)
                     out = good_answer(body, fake.vocab)
                 if out == "drop":
                     fake.dead = True
@@ -80,6 +110,14 @@ class FakeVllm:
                 if isinstance(out, int):
                     return self._send(out, b'{"error": "fake"}')
                 self._send(200, out if isinstance(out, bytes) else json.dumps(out).encode())
+
+            def _check_key(self) -> bool:
+                if fake._authorised(self.headers.get("Authorization")):
+                    return True
+                with fake.lock:
+                    fake.unauthorised += 1
+                self._send(401, b'{"error": "Unauthorized"}')
+                return False
 
             def _send(self, status, payload):
                 self.send_response(status)
@@ -91,6 +129,9 @@ class FakeVllm:
                 except OSError:  # the client gave up (timeout) or the test stopped the server
                     pass
 
+        wake = self._wake = threading.Event()
+        if self._released:
+            wake.set()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self.httpd.daemon_threads = True
@@ -108,6 +149,8 @@ class FakeVllm:
 
     def stop(self, graceful: bool = True) -> None:
         if self.httpd is not None:
+            self._wake.set()  # hung requests end, as a killed server's connections do
             self.httpd.shutdown()
             self.httpd.server_close()
             self.httpd = None
+

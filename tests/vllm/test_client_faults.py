@@ -1,4 +1,7 @@
-"""The client against a fake HTTP server: validation of answers and fault handling (no vLLM)."""
+"""The client against a fake HTTP server: validation of answers and fault handling (no vLLM).
+The fake refuses requests without its key, so every test here also checks that the client sends
+the key with each request. No test depends on how fast this machine is: a hang lasts until the
+test ends it, and the timeouts that are not under test are generous hang guards."""
 import json
 import math
 import threading
@@ -12,7 +15,9 @@ from megatron_rl.rollout.vllm import (
     VllmEngine,
     VllmRequestError,
     VllmServerDiedError,
+    VllmStartError,
 )
+from megatron_rl.rollout.vllm.http import HttpStatusError, request
 from tests.vllm.conftest import hf_weights, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 
@@ -31,7 +36,7 @@ def weights():
 def make_engine(tmp_path, weights, behaviour=None, **cfg):
     fake = FakeVllm(ARCH.vocab_size, behaviour)
     options = {"warmup": False, "probe_every": 0, "retry_backoff_s": 0.01, "health_interval_s": 0.5,
-               "health_timeout_s": 1.0}
+               "health_timeout_s": 120.0}
     options.update(cfg)
     engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), server=fake, device="cpu")
     engine.update_weights(weights, version=3)
@@ -153,18 +158,27 @@ def test_dead_server_is_restarted_and_unfinished_samples_resent(tmp_path, weight
 
 
 def test_hung_server_is_restarted(tmp_path, weights):
+    """The first request never gets an answer (until the test ends the hang): the request
+    timeout, not the length of a sleep, decides. Answers that are not hung come at once, so a
+    slow machine can at worst make one of them time out too, which is one more restart."""
     state = {"hung": False}
+    lock = threading.Lock()
 
     def hang_once(body, answer):
-        if not state["hung"]:
-            state["hung"] = True
-            return ("sleep", 3.0)
-        return answer
+        with lock:
+            first, state["hung"] = not state["hung"], True
+        return "hang" if first else answer
 
-    engine, fake = make_engine(tmp_path, weights, behaviour=hang_once, request_timeout_s=1.0, max_concurrency=1)
-    out = engine.generate([[4, 5]], 2, SAMPLING)
-    assert fake.restarts == 1 and len(out[0]) == 2
-    engine.close()
+    engine, fake = make_engine(tmp_path, weights, behaviour=hang_once, request_timeout_s=3.0, max_concurrency=1,
+                               max_restarts=5)
+    try:
+        out = engine.generate([[4, 5]], 2, SAMPLING)
+        assert fake.hanging.is_set()
+        assert fake.restarts >= 1 and engine.stats()["vllm/restarts"] == fake.restarts
+        assert [(s.prompt_index, s.sample_index) for s in out[0]] == [(0, 0), (0, 1)]
+    finally:
+        fake.release_hung()
+        engine.close()
 
 
 def test_restarts_are_bounded(tmp_path, weights):
@@ -175,10 +189,54 @@ def test_restarts_are_bounded(tmp_path, weights):
     engine.close()
 
 
+def test_every_request_carries_the_key_and_none_passes_without_it(tmp_path, weights):
+    engine, fake = make_engine(tmp_path, weights)
+    engine.generate(PROMPTS, 2, SAMPLING)
+    engine.update_weights(weights, version=4)  # DiskReloadSync: /collective_rpc + /reset_prefix_cache
+    assert engine.server.alive()
+    assert fake.unauthorised == 0 and len(fake.requests) == 6
+    for path, body in (("/collective_rpc", {"method": "reload_weights"}), ("/v1/completions", {}),
+                       ("/health", None)):
+        for key in (None, "wrong"):
+            with pytest.raises(HttpStatusError) as info:
+                request(fake.url + path, body, timeout=120, api_key=key)
+            assert info.value.status == 401
+    assert fake.unauthorised == 6
+    engine.close()
+
+
+def test_a_server_at_a_url_takes_its_key_from_the_config_or_the_environment(tmp_path, weights, monkeypatch):
+    fake = FakeVllm(ARCH.vocab_size)
+    fake.start("unused")
+    options = {"url": fake.url, "warmup": False, "probe_every": 0, "health_timeout_s": 120.0}
+    try:
+        monkeypatch.delenv("MEGATRON_RL_VLLM_API_KEY", raising=False)
+        with pytest.raises(VllmStartError, match="refused a request without an API key.*MEGATRON_RL_VLLM_API_KEY"):
+            VllmEngine(ARCH, VllmConfig(**options), str(tmp_path)).update_weights(weights, version=0)
+        with pytest.raises(VllmStartError, match="refused the API key we sent"):
+            VllmEngine(ARCH, VllmConfig(**options, api_key="wrong"), str(tmp_path)).update_weights(weights, 0)
+        cfg = VllmConfig(**options, api_key=fake.api_key)
+        assert fake.api_key not in repr(cfg)
+        engine = VllmEngine(ARCH, cfg, str(tmp_path))
+        engine.update_weights(weights, version=0)
+        assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
+        assert fake.api_key not in repr(engine.server)
+        engine.close()
+        monkeypatch.setenv("MEGATRON_RL_VLLM_API_KEY", fake.api_key)
+        engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path))
+        engine.update_weights(weights, version=0)
+        engine.update_weights(weights, version=1)  # the weight sync's /collective_rpc carries it too
+        assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
+        engine.close()
+    finally:
+        fake.stop()
+
+
 def test_a_server_at_a_url_is_used_but_never_restarted(tmp_path, weights):
     fake = FakeVllm(ARCH.vocab_size)
     fake.start("unused")
-    cfg = VllmConfig(url=fake.url, warmup=False, probe_every=0, health_interval_s=0.5, health_timeout_s=1.0)
+    cfg = VllmConfig(url=fake.url, api_key=fake.api_key, warmup=False, probe_every=0, health_interval_s=0.5,
+                     health_timeout_s=120.0)
     engine = VllmEngine(ARCH, cfg, str(tmp_path))
     engine.update_weights(weights, version=0)
     assert engine.server.model_name == "fake" and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3

@@ -1,8 +1,15 @@
 """LocalServer's process handling, with a stand-in `vllm.entrypoints.openai.api_server` module (a
-few lines of http.server) so starting is instant: health wait, start failures, and that the
-server dies with its owner however the owner ends (close, exit, SIGTERM, Ctrl-C, SIGKILL)."""
+few lines of http.server) so starting is instant: health wait, start failures, the key's way to
+the server, and that the server's whole process group dies with its owner however the owner ends
+(close, exit, SIGTERM, Ctrl-C, SIGKILL). The stand-in, like vLLM, runs a second process in its
+group (vLLM's engine core); this one ignores SIGTERM, so only the launcher's SIGKILL of what is
+left of the group ends it. The same on a real vLLM server: test_reaping.py.
+
+Nothing waits on a timer: the tests wait for a line, a file or a process to appear or go, each
+with a generous deadline that only guards against a hang."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,22 +18,35 @@ import pytest
 
 from megatron_rl.rollout.vllm.env import detect_device, find_vllm_python
 from megatron_rl.rollout.vllm.errors import VllmError, VllmStartError
-from megatron_rl.rollout.vllm.launcher import LocalServer
+from megatron_rl.rollout.vllm.http import HttpStatusError, request
+from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, LocalServer, reserve_port
 
 pytestmark = pytest.mark.vllm
 
-FAKE_SERVER = """
-import argparse, http.server, os, sys, time
+DEADLINE = 120.0  # hang guard of every wait below
+
+# Like vLLM (and the key check of our middleware): SO_REUSEADDR on its listening socket, every
+# request needs the key from the environment, the --middleware module must import.
+FAKE_SERVER = f"""
+import argparse, http.server, importlib, os, signal, subprocess, sys, time
 p = argparse.ArgumentParser(); p.add_argument("--port", type=int); p.add_argument("--mode", default="ok")
+p.add_argument("--middleware", action="append", default=[])
 args, _ = p.parse_known_args()
 print("fake vllm pid", os.getpid(), flush=True)
+for m in args.middleware:
+    importlib.import_module(m.rsplit(".", 1)[0])
 if args.mode == "crash":
     sys.exit("fake start-up failure: no such model")
 if args.mode == "never":
     time.sleep(600)
+engine = subprocess.Popen([sys.executable, "-c",
+                           "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print("fake engine pid", engine.pid, flush=True)
+KEY = "Bearer " + os.environ[{ENV_API_KEY!r}]
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+        ok = self.headers.get("Authorization") == KEY
+        self.send_response(200 if ok else 401); self.send_header("Content-Length", "0"); self.end_headers()
     def log_message(self, *a): pass
 http.server.HTTPServer(("127.0.0.1", args.port), H).serve_forever()
 """
@@ -43,38 +63,110 @@ def fake_vllm(tmp_path_factory):
     return str(root)
 
 
-def server(fake_vllm, tmp_path, mode="ok", timeout=30.0):
+def server(fake_vllm, tmp_path, mode="ok", timeout=DEADLINE):
     return LocalServer(sys.executable, ["--mode", mode], {"PYTHONPATH": fake_vllm}, str(tmp_path / "server.log"),
-                       startup_timeout_s=timeout, health_timeout_s=2.0)
+                       startup_timeout_s=timeout, health_timeout_s=DEADLINE)
 
 
-def gone(pid: int, within: float = 10.0) -> bool:
-    deadline = time.time() + within
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too (its parent has not reaped it)
-            if f.read().split(")")[-1].split()[0] == "Z":
-                return True
-        time.sleep(0.1)
-    return False
+def _state(pid: int) -> tuple[str, int] | None:
+    """(state letter, process group) of a live process; None once it is gone (a zombie is gone
+    too: it runs nothing and its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None if fields[0] in ("Z", "X") else (fields[0], int(fields[2]))
+
+
+def group(pgid: int) -> list[int]:
+    """Live processes of process group `pgid`."""
+    pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    return [p for p in pids if (st := _state(p)) is not None and st[1] == pgid]
+
+
+def wait_until(condition, what: str, within: float = DEADLINE):
+    deadline = time.monotonic() + within
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"still not {what} after {within:g} s"
+        time.sleep(0.05)
+    return result
+
+
+def log_pid(log, label: str) -> int:
+    """The pid the stand-in printed after `label` (waits for the line)."""
+    def find():
+        text = log.read_text() if log.exists() else ""
+        lines = [ln for ln in text.splitlines() if ln.startswith(label)]
+        return int(lines[-1].split()[-1]) if lines else None
+    return wait_until(find, f"printed {label!r}")
 
 
 def test_start_health_stop(fake_vllm, tmp_path):
     s = server(fake_vllm, tmp_path)
     seconds = s.start(str(tmp_path))
-    assert s.alive() and seconds < 30 and s.url.startswith("http://127.0.0.1:")
+    assert s.alive() and seconds > 0 and s.url.startswith("http://127.0.0.1:")
     pid = s.pid
+    members = group(pid)
+    assert len(members) == 2  # the server and its stand-in engine core
     s.stop()
-    assert gone(pid) and not s.alive()
+    wait_until(lambda: not group(pid), "gone")
+    assert not s.alive()
     assert "===== start 1" in (tmp_path / "server.log").read_text()
+
+
+def test_the_key_reaches_the_server_by_its_environment_only(fake_vllm, tmp_path):
+    s = server(fake_vllm, tmp_path)
+    s.start(str(tmp_path))  # healthy: the stand-in answered the key it found in its environment
+    try:
+        assert len(s.api_key) >= 32 and s.api_key not in repr(s)
+        other = server(fake_vllm, tmp_path)
+        assert other.api_key != s.api_key  # one per server
+        for key in (None, "wrong"):
+            with pytest.raises(HttpStatusError) as info:
+                request(s.url + "/health", timeout=DEADLINE, api_key=key)
+            assert info.value.status == 401
+        request(s.url + "/health", timeout=DEADLINE, api_key=s.api_key)
+        with open(f"/proc/{s.pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{s.pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+        assert b"--middleware\0megatron_rl_vllm_auth.RequireBearerKey" in cmdline
+        assert s.api_key.encode() not in cmdline  # `ps` shows this to every user
+        assert f"{ENV_API_KEY}={s.api_key}".encode() in environ  # only the owner (and root) read this
+        assert s.api_key not in (tmp_path / "server.log").read_text()
+    finally:
+        s.stop()
+
+
+def test_the_port_is_held_until_the_server_listens(fake_vllm, tmp_path):
+    """While reserved, the port is given to no one who asks for any free port, and a server that
+    binds it with SO_REUSEADDR (as vLLM and http.server do) still can."""
+    holder = reserve_port()
+    port = holder.getsockname()[1]
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # a plain bind of that port: refused
+        taken = []
+        for _ in range(200):  # the kernel's free-port choice never lands on it
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            taken.append(s)
+        assert port not in [t.getsockname()[1] for t in taken]
+        for t in taken:
+            t.close()
+        with socket.socket() as server_sock:
+            server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server_sock.bind(("127.0.0.1", port))
+            server_sock.listen()
+    finally:
+        holder.close()
 
 
 def test_start_failure_and_timeout_raise_with_the_log(fake_vllm, tmp_path):
     with pytest.raises(VllmStartError, match="no such model"):
         server(fake_vllm, tmp_path, mode="crash").start(str(tmp_path))
+    # a server that never answers: the start-up timeout under test, not a race (it cannot win)
     s = server(fake_vllm, tmp_path, mode="never", timeout=2.0)
     with pytest.raises(VllmStartError, match="not healthy after 2 s"):
         s.start(str(tmp_path))
@@ -83,14 +175,18 @@ def test_start_failure_and_timeout_raise_with_the_log(fake_vllm, tmp_path):
 
 OWNER = """
 import os, signal, sys, time
+# Python installs its KeyboardInterrupt handler only when SIGINT is not ignored at start-up, and a
+# shell ignores SIGINT in the commands it starts in the background (`make test &`, nohup, CI
+# runners): then no Ctrl-C would reach us. Install it explicitly, as an interactive run has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {repo!r})
 from megatron_rl.rollout.vllm.launcher import LocalServer
 s = LocalServer(sys.executable, [], {{"PYTHONPATH": {fake!r}}}, {log!r})
 s.start(".")
-print(s.pid, flush=True)
+print(s.pid, flush=True)  # the handlers (atexit, SIGTERM, SIGINT) are in place by now
 if {how!r} == "exit":
     sys.exit(0)
-time.sleep(60)
+signal.pause() if hasattr(signal, "pause") else time.sleep(3600)
 """
 
 
@@ -98,17 +194,33 @@ time.sleep(60)
                                       ("sigkill", signal.SIGKILL)])
 def test_server_dies_with_its_owner(fake_vllm, tmp_path, how, sig):
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = OWNER.format(repo=repo, fake=fake_vllm, log=str(tmp_path / "server.log"), how=how)
+    log = tmp_path / "server.log"
+    code = OWNER.format(repo=repo, fake=fake_vllm, log=str(log), how=how)
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    engine = None
     try:
-        pid = int(owner.stdout.readline())
+        line = owner.stdout.readline()  # the event: the owner's server is up and its handlers set
+        assert line.strip(), f"the owner ended before starting its server (exit code {owner.wait()})"
+        pid = int(line)
+        engine = log_pid(log, "fake engine pid")
+        if how != "exit":  # (an owner that exits may have stopped its server already)
+            assert set(group(pid)) == {pid, engine}
         if sig is not None:
             owner.send_signal(sig)
-        owner.wait(timeout=30)
-        assert gone(pid), f"server {pid} survived its owner ({how})"
+        owner.wait(timeout=DEADLINE)
+        wait_until(lambda: _state(pid) is None, f"server {pid} gone after its owner ended ({how})")
+        if how != "sigkill":
+            # the owner's atexit / signal handler reaped the whole group, the engine core too
+            wait_until(lambda: not group(pid), f"every process of the server's group gone ({how})")
+        # SIGKILL: nothing of the owner runs; the kernel sends the server SIGTERM (PR_SET_PDEATHSIG),
+        # and what the server does with its own children is the server's job: on real vLLM it
+        # takes its engine core down (test_reaping.py), this stand-in's ignores SIGTERM.
     finally:
         if owner.poll() is None:
             owner.kill()
+            owner.wait()
+        if engine is not None and _state(engine) is not None:
+            os.kill(engine, signal.SIGKILL)
 
 
 def test_environment_discovery(tmp_path, monkeypatch):

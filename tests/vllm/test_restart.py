@@ -1,5 +1,9 @@
 """Real vLLM server faults: RestartSync, and a server killed or frozen mid-generation is
-restarted on the latest weights and the call still returns every sample exactly once."""
+restarted on the latest weights and the call still returns every sample exactly once.
+
+The fault is triggered by events, never by a timer: it strikes when the server has answered the
+first request of the generate() call, while one request of that call is held back until the fault
+has struck, so the call can never finish before the fault, however fast or slow the machine."""
 import os
 import signal
 import threading
@@ -8,6 +12,7 @@ import time
 import pytest
 import torch
 
+import megatron_rl.rollout.vllm.client as client_module
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from tests.vllm.conftest import hf_weights, tiny_arch
@@ -21,8 +26,11 @@ LONG = SamplingParams(temperature=1.0, max_tokens=160, seed=21)
 
 @pytest.fixture(scope="module")
 def engine(vllm_python, tmp_path_factory):
+    # health_timeout_s: how long /health may take before the server counts as hung. A frozen server
+    # never answers, so this only sets how fast the freeze is seen; it is generous so that a busy
+    # server on a loaded machine is never taken for a frozen one.
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=64, max_model_len=256, weight_sync="restart",
-                     health_interval_s=2.0, health_timeout_s=3.0, max_restarts=1)
+                     health_interval_s=2.0, health_timeout_s=30.0, max_restarts=1)
     eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_restart")))
     eng.update_weights(hf_weights(ARCH, seed=0)[1], version=0)
     yield eng
@@ -39,26 +47,57 @@ def synced(engine):
     return engine.generate(PROMPTS, 2, LONG)
 
 
-def _fault_during_generate(engine, sig, delay=1.5):
+HOLD_GUARD_S = 600.0  # the held-back request waits at most this long for the fault (a hang guard)
+
+
+def _fault_during_generate(engine, sig, monkeypatch):
+    """engine.generate(PROMPTS, 2, LONG) with `sig` sent to the server's process group as soon as
+    the server has answered one request of the call. The first request the client makes is held
+    back (not sent) until then, so the call is unfinished when the fault strikes."""
     pid = engine.server.pid
-    timer = threading.Timer(delay, lambda: os.killpg(pid, sig))
+    real = client_module.request_json
+    lock = threading.Lock()
+    state = {"calls": 0}
+    struck = threading.Event()
+
+    def strike():
+        with lock:
+            if struck.is_set():
+                return
+            os.killpg(pid, sig)
+            struck.set()
+
+    def request_json(url, *args, **kwargs):
+        with lock:
+            state["calls"] += 1
+            held = state["calls"] == 1 and not struck.is_set()
+        if held:
+            assert struck.wait(HOLD_GUARD_S), "the server answered no request"
+            return real(url, *args, **kwargs)
+        try:
+            out = real(url, *args, **kwargs)
+        except BaseException:
+            strike()  # no answer at all (cannot happen on a healthy server): never leave the held one waiting
+            raise
+        strike()  # the event: the server has answered a request of this call
+        return out
+
+    monkeypatch.setattr(client_module, "request_json", request_json)
     t0 = time.perf_counter()
-    timer.start()
-    try:
-        out = engine.generate(PROMPTS, 2, LONG)
-    finally:
-        timer.cancel()
-    assert engine.server.pid != pid, "the fault came after generate() finished: make the workload longer"
-    return out, time.perf_counter() - t0
+    out = engine.generate(PROMPTS, 2, LONG)
+    seconds = time.perf_counter() - t0
+    monkeypatch.undo()
+    assert struck.is_set() and engine.server.pid != pid
+    return out, seconds
 
 
 def _same(a, b):
     return all(torch.equal(x.response_ids, y.response_ids) for g, h in zip(a, b) for x, y in zip(g, h))
 
 
-def test_killed_server_is_restarted_and_the_call_completes(engine, synced):
+def test_killed_server_is_restarted_and_the_call_completes(engine, synced, monkeypatch):
     before = engine.stats()
-    out, seconds = _fault_during_generate(engine, signal.SIGKILL)
+    out, seconds = _fault_during_generate(engine, signal.SIGKILL, monkeypatch)
     after = engine.stats()
     assert after["vllm/restarts"] == before["vllm/restarts"] + 1
     assert after["vllm/retries"] > before["vllm/retries"]
@@ -69,9 +108,9 @@ def test_killed_server_is_restarted_and_the_call_completes(engine, synced):
           f"{int(after['vllm/retries'] - before['vllm/retries'])} samples re-sent")
 
 
-def test_frozen_server_is_detected_and_restarted(engine, synced):
+def test_frozen_server_is_detected_and_restarted(engine, synced, monkeypatch):
     before = engine.stats()
-    out, seconds = _fault_during_generate(engine, signal.SIGSTOP)
+    out, seconds = _fault_during_generate(engine, signal.SIGSTOP, monkeypatch)
     assert engine.stats()["vllm/restarts"] == before["vllm/restarts"] + 1
     assert _same(out, synced)
     print(f"\nSIGSTOP mid-generate: call took {seconds:.1f} s")

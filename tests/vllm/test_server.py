@@ -1,11 +1,16 @@
 """A real vLLM server (CPU lane, tiny dense Qwen3, fp32): log-prob parity, sampling semantics,
-weight sync with the parity probe. One server for the module (a start costs ~30-50 s)."""
+weight sync with the parity probe, and that it serves no one without its key. One server for the
+module (a start costs ~30-80 s)."""
+import os
+
 import pytest
 import torch
 
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError, VllmUnsupportedError
+from megatron_rl.rollout.vllm.http import HttpStatusError, request, request_json
 from megatron_rl.rollout.vllm.probe import hf_reference
+from megatron_rl.rollout.vllm.protocol import completion_body
 from tests.vllm.conftest import hf_weights, tiny_arch
 
 pytestmark = pytest.mark.vllm
@@ -21,7 +26,8 @@ def models():
 
 @pytest.fixture(scope="module")
 def engine(vllm_python, models, tmp_path_factory):
-    cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, max_model_len=256)
+    # health_timeout_s: generous, so a busy server on a loaded machine never counts as hung
+    cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, max_model_len=256, health_timeout_s=120.0)
     eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_server")))
     (_, weights_a), _ = models
     eng.update_weights(weights_a, version=0)
@@ -107,3 +113,51 @@ def test_parity_probe_catches_a_server_on_other_weights(engine, models, tmp_path
         engine.reference = None
     engine.update_weights(weights_a, version=4)
     assert engine.policy_version == 4
+
+
+def _group_pids(pgid: int) -> list[int]:
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) == pgid:
+                    out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def test_the_server_serves_no_one_without_its_key(engine):
+    """vLLM's own --api-key would guard /v1/... only; every endpoint here needs the key, the
+    development ones (/collective_rpc runs reload_weights from any path) included."""
+    server = engine.server
+    key = server.api_key
+    assert server.url.startswith("http://127.0.0.1:") and key
+    current = os.path.abspath(engine.store.latest)  # what the server runs: harmless if it were reloaded
+    reload = {"method": "reload_weights", "kwargs": {"weights_path": current}}
+    completion = completion_body(server.model_name, [4, 5, 6], SamplingParams(max_tokens=2), seed=0)
+    endpoints = [("/collective_rpc", reload), ("/v1/completions", completion), ("/v1/models", None),
+                 ("/reset_prefix_cache", {}), ("/server_info", None), ("/is_sleeping", None),
+                 ("/health", None), ("/metrics", None), ("/version", None)]
+    for path, body in endpoints:
+        for wrong in (None, "", key[:-1], key + "x"):
+            with pytest.raises(HttpStatusError) as info:
+                request(server.url + path, body, timeout=120, api_key=wrong)
+            assert info.value.status == 401, (path, wrong, info.value)
+    # with the key: generation and the weight sync's endpoints work
+    out = request_json(server.url + "/v1/completions", completion, timeout=600, api_key=key)
+    assert len(out["choices"][0]["token_ids"]) == 2
+    assert "results" in request_json(server.url + "/collective_rpc", reload, timeout=600, api_key=key)
+    request_json(server.url + "/reset_prefix_cache", {}, timeout=600, api_key=key)
+    assert engine.generate(PROMPTS[:1], 1, SamplingParams(temperature=0.0, max_tokens=4))[0][0].response_ids.numel()
+    # the key is in no log line and on no command line (`ps` shows those to every user)
+    with open(server.log_path, errors="replace") as f:
+        assert key not in f.read()
+    pids = _group_pids(server.pid)
+    assert len(pids) >= 2  # the API server and its engine core
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert key.encode() not in f.read()
+        except FileNotFoundError:
+            pass

@@ -1,12 +1,17 @@
 """The RL loop with rollout.backend=vllm: pretrain_rl.py for a few steps on a dense tiny Qwen3,
-fp32 server against the fp32 megatron trainer (so the engine-trainer mismatch is ~0)."""
+fp32 server against the fp32 megatron trainer (so the engine-trainer mismatch is ~0); and a
+trainer stopped by SIGTERM mid-run leaves no process of its vLLM server behind."""
 import json
 import os
-import socket
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+from tests.vllm.test_launcher import group
 
 pytestmark = pytest.mark.vllm
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,10 +27,11 @@ log: {{progress: false}}
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _env(vllm_python):
+    # MASTER_PORT=0: the one rank's store listens on a port the kernel picks when it binds (no port
+    # chosen here and bound later, which a test running beside this one could take in between)
+    return dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT="0", MEGATRON_RL_VLLM_PYTHON=vllm_python)
 
 
 def test_rl_steps_with_the_vllm_backend(tmp_path, vllm_python):
@@ -33,8 +39,7 @@ def test_rl_steps_with_the_vllm_backend(tmp_path, vllm_python):
     config = tmp_path / "vllm_cpu.yaml"
     config.write_text(CONFIG.format(run_dir=tmp_path / "run"))
     cmd = [sys.executable, "pretrain_rl.py", "--config", str(config), "--summary-json", str(summary_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), MEGATRON_RL_VLLM_PYTHON=vllm_python)
+    env = _env(vllm_python)
     run = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
@@ -42,3 +47,45 @@ def test_rl_steps_with_the_vllm_backend(tmp_path, vllm_python):
     assert summary["last"]["mismatch/abs_logprob_diff"] < 1e-4, summary["last"]
     assert os.path.exists(tmp_path / "run" / "vllm" / "server.log")
     assert not os.listdir(tmp_path / "run" / "vllm" / "weights")  # close() removed the exported weights
+
+
+def test_sigterm_mid_run_leaves_no_server_process(tmp_path, vllm_python):
+    """SIGTERM to pretrain_rl.py once its vLLM server is up (the event: the server's log says
+    so): the trainer ends and every process of the server's group is gone. (Whether it stops at
+    once or after finishing and saving its step is the trainer's business: either is fine here.)"""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "vllm_cpu.yaml"
+    config.write_text(CONFIG.format(run_dir=run_dir).replace("steps: 2,", "steps: 1000,"))
+    log = run_dir / "vllm" / "server.log"
+    errors = tmp_path / "stderr.txt"
+    with open(errors, "w") as err:  # a file, not a pipe nobody reads while the trainer runs
+        trainer = subprocess.Popen([sys.executable, "pretrain_rl.py", "--config", str(config)], cwd=ROOT,
+                                   env=_env(vllm_python), stdout=subprocess.DEVNULL, stderr=err)
+    pid = None
+    try:
+        deadline = time.monotonic() + 900  # a hang guard: the server's start is ~1 min here
+        while True:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            if "Application startup complete" in text:
+                break
+            assert trainer.poll() is None, f"the trainer ended first: {errors.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the vLLM server did not come up"
+            time.sleep(0.2)
+        pid = int(re.search(r"APIServer pid=(\d+)", text).group(1))
+        assert pid in group(pid)
+        trainer.send_signal(signal.SIGTERM)
+        code = trainer.wait(timeout=900)
+        assert code != 0, "a SIGTERM-stopped run must not look like a finished one"
+        deadline = time.monotonic() + 120
+        while group(pid):
+            assert time.monotonic() < deadline, f"server processes left after the trainer ended: {group(pid)}"
+            time.sleep(0.1)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        for p in group(pid) if pid else []:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

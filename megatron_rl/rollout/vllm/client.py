@@ -51,7 +51,7 @@ from megatron_rl.rollout.vllm.errors import (
     VllmUnsupportedError,
 )
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
-from megatron_rl.rollout.vllm.launcher import HOST, LocalServer, RemoteServer, ServerHandle
+from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, HOST, LocalServer, RemoteServer, ServerHandle
 from megatron_rl.rollout.vllm.probe import Reference, hf_reference, probe_diff, probe_tokens
 from megatron_rl.rollout.vllm.protocol import (
     check_served,
@@ -95,7 +95,8 @@ class VllmEngine:
         self.reference = reference
         if server is None:
             if cfg.url:
-                server = RemoteServer(cfg.url, cfg.health_timeout_s)
+                server = RemoteServer(cfg.url, cfg.health_timeout_s,
+                                      api_key=cfg.api_key or os.environ.get(ENV_API_KEY) or None)
                 device = device or (cfg.device if cfg.device != "auto" else "unknown")
             else:
                 device = device or (cfg.device if cfg.device != "auto" else None)
@@ -136,7 +137,8 @@ class VllmEngine:
         return args + list(c.extra_args)
 
     def _server_env(self, device: str) -> dict[str, str]:
-        env = {"VLLM_HOST_IP": HOST, "VLLM_SERVER_DEV_MODE": "1"}
+        # the development endpoints only where in-place weight sync needs /collective_rpc
+        env = {"VLLM_HOST_IP": HOST, "VLLM_SERVER_DEV_MODE": "1" if self.cfg.weight_sync == "reload" else "0"}
         if device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.kv_cache_space_gb)
         env.update(self.cfg.env)
@@ -171,7 +173,8 @@ class VllmEngine:
             return
         body = completion_body(self.server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
         try:
-            request_json(self.server.url + "/v1/completions", body, timeout=self.cfg.startup_timeout_s)
+            request_json(self.server.url + "/v1/completions", body, timeout=self.cfg.startup_timeout_s,
+                         api_key=self.server.api_key)
         except (TransportError, HttpStatusError, BadResponse) as e:
             tail = self.server.log_tail(400) if hasattr(self.server, "log_tail") else ""
             hint = ""
@@ -185,7 +188,8 @@ class VllmEngine:
 
     def _check_routing(self) -> None:
         body = completion_body(self.server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
-        out = request_json(self.server.url + "/v1/completions", body, timeout=self.cfg.request_timeout_s)
+        out = request_json(self.server.url + "/v1/completions", body, timeout=self.cfg.request_timeout_s,
+                           api_key=self.server.api_key)
         if not (isinstance(out, dict) and out.get("choices") and out["choices"][0].get("routed_experts")):
             self.close()
             raise VllmUnsupportedError(f"router replay R3 was requested but the vLLM server at {self.server.url} "
@@ -222,7 +226,8 @@ class VllmEngine:
     def _probe(self, model_dir: str) -> None:
         tokens = probe_tokens(self.arch.vocab_size, min(self.cfg.probe_tokens, self.max_model_len - 1))
         reference = self.reference or hf_reference(model_dir)
-        diff = probe_diff(self.server.url, self.server.model_name, tokens, reference, self.cfg.request_timeout_s)
+        diff = probe_diff(self.server.url, self.server.model_name, tokens, reference, self.cfg.request_timeout_s,
+                          api_key=self.server.api_key)
         self._stats["vllm/probe_max_abs_diff"] = diff
         tol = self.cfg.tolerance(self.cfg.dtype)
         if not diff <= tol:
@@ -341,7 +346,8 @@ class VllmEngine:
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
         body = completion_body(self.server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j),
                                num_logprobs)
-        resp = request_json(self.server.url + "/v1/completions", body, timeout=self.cfg.request_timeout_s)
+        resp = request_json(self.server.url + "/v1/completions", body, timeout=self.cfg.request_timeout_s,
+                            api_key=self.server.api_key)
         ids, logprobs, finish, kept, routed = parse_completion(resp, len(prompt), sampling, self.arch.vocab_size,
                                                                self.max_model_len, num_logprobs)
         routed_experts = None

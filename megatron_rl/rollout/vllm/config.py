@@ -24,6 +24,15 @@ class VllmConfig:
           one. It must have been started with VLLM_SERVER_DEV_MODE=1 (weight sync uses
           /collective_rpc) and --skip-tokenizer-init is not required. A connected server is
           never restarted by us: a crash there is an error.
+      api_key: the key of the `url` server, sent as `Authorization: Bearer <key>` with every
+          request; None = $MEGATRON_RL_VLLM_API_KEY (preferred: a key in the config file is
+          copied wherever the config is), else no key. vLLM's own --api-key guards only /v1/...,
+          not /collective_rpc: to guard every endpoint, start that server like the ones we
+          launch, with the key in its environment and our middleware:
+              PYTHONPATH=megatron_rl/rollout/vllm/server_plugin MEGATRON_RL_VLLM_API_KEY=<key> \
+                  vllm serve ... --middleware megatron_rl_vllm_auth.RequireBearerKey
+          A server we launch ignores this: it always gets a fresh random key of its own, passed
+          in its environment (never on its command line) and refused to anyone without it.
       python: interpreter of the vLLM environment; None = $MEGATRON_RL_VLLM_PYTHON, else the
           repository's .venv-vllm (tools/install_vllm_cpu.sh creates it).
       device: "auto" | "cpu" | "cuda": the server's platform, which decides what is refused
@@ -44,12 +53,14 @@ class VllmConfig:
       enable_return_routed_experts: return the routed experts of every token (router replay
           R3). GPU servers only: refused at start-up on CPU, where vLLM's capture fails.
       kv_cache_space_gb: VLLM_CPU_KVCACHE_SPACE (CPU servers).
-      extra_args: more command-line arguments, appended verbatim. env: extra environment.
+      extra_args: more command-line arguments, appended verbatim (not --api-key: the launched
+          server's key is ours). env: extra environment.
 
     Weight sync:
       weight_sync: "reload" (write the new weights to disk, /collective_rpc reload_weights; a
-          fraction of a second for small models) | "restart" (start a fresh server on the new
-          weights; about a minute on a CPU, the only correct choice for MoE on CPU).
+          fraction of a second for small models; the launched server runs with
+          VLLM_SERVER_DEV_MODE=1) | "restart" (start a fresh server on the new weights; about a
+          minute on a CPU, the only correct choice for MoE on CPU; no development endpoints).
       probe_every: run the parity probe after every k-th sync (0 = never).
       probe_tokens: length of the fixed probe sequence.
       probe_tolerance: max |log-prob diff| of the probe vs the reference (None = 1e-3 for
@@ -69,6 +80,7 @@ class VllmConfig:
     """
 
     url: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     python: str | None = None
     device: str = "auto"
     tensor_parallel_size: int = 1
@@ -121,6 +133,10 @@ class VllmConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"rollout.vllm.{name} must be >= 0, got {getattr(self, name)}")
         self.extra_args = [str(a) for a in self.extra_args]
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in self.extra_args):
+            raise ValueError("rollout.vllm.extra_args: no --api-key (it would be visible to `ps`, and a server we "
+                             "launch gets a random key of its own); for a url server set rollout.vllm.api_key "
+                             "or $MEGATRON_RL_VLLM_API_KEY")
         self.env = {str(k): str(v) for k, v in self.env.items()}
 
     @classmethod

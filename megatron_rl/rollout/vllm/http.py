@@ -4,7 +4,9 @@
     HttpStatusError  an HTTP error status; .status >= 500 is retried, 4xx is not
     BadResponse      an answer that is not JSON
 
-Proxies from the environment are ignored: the server is always reached directly.
+Proxies from the environment are ignored: the server is always reached directly. `api_key`
+goes out as `Authorization: Bearer <key>` on the request itself only: urllib does not copy such
+a header onto a redirected request, so a redirect never carries the key elsewhere.
 """
 from __future__ import annotations
 
@@ -33,11 +35,14 @@ class HttpStatusError(Exception):
         self.body = body
 
 
-def request(url: str, body: dict | None = None, timeout: float = 60.0, method: str | None = None) -> bytes:
+def request(url: str, body: dict | None = None, timeout: float = 60.0, method: str | None = None,
+            api_key: str | None = None) -> bytes:
     """POST `body` as JSON (GET when body is None and method unset); the raw answer bytes."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json"} if data is not None else {})
+    if api_key:
+        req.add_unredirected_header("Authorization", f"Bearer {api_key}")
     try:
         with _OPENER.open(req, timeout=timeout) as resp:
             return resp.read()
@@ -56,9 +61,9 @@ def request(url: str, body: dict | None = None, timeout: float = 60.0, method: s
         raise TransportError(f"{url}: {type(e).__name__}: {e}") from e
 
 
-def request_json(url: str, body: dict | None = None, timeout: float = 60.0):
+def request_json(url: str, body: dict | None = None, timeout: float = 60.0, api_key: str | None = None):
     """`request` and decode JSON (an empty answer is None); BadResponse if it is not JSON."""
-    raw = request(url, body, timeout)
+    raw = request(url, body, timeout, api_key=api_key)
     if not raw.strip():
         return None
     try:
@@ -67,10 +72,10 @@ def request_json(url: str, body: dict | None = None, timeout: float = 60.0):
         raise BadResponse(f"malformed JSON from {url}: {e}; starts {raw[:80]!r}") from None
 
 
-def healthy(base_url: str, timeout: float) -> bool:
-    """GET /health answers 200 within `timeout`."""
+def healthy(base_url: str, timeout: float, api_key: str | None = None) -> bool:
+    """GET /health answers 200 within `timeout` (a 401 from a server that wants another key: False)."""
     try:
-        request(base_url + "/health", timeout=timeout)
+        request(base_url + "/health", timeout=timeout, api_key=api_key)
         return True
     except (TransportError, HttpStatusError):
         return False

@@ -3,6 +3,22 @@
     server = LocalServer(python, args, env, log_path="runs/x/vllm/server.log")
     server.start(model_dir)          # child process on 127.0.0.1:<free port>; waits for /health
     server.alive(); server.restart(new_model_dir); server.stop()
+    request_json(server.url + "/v1/completions", body, api_key=server.api_key)
+
+Access. Every server we launch gets a fresh random key (`server.api_key`, secrets.token_urlsafe)
+and refuses any request, on any path, without `Authorization: Bearer <key>` (HTTP 401). vLLM's
+own --api-key check covers only /v1, /v2, /inference and /cohere, not the development endpoints
+that in-place weight sync needs (/collective_rpc runs any worker method, e.g. reload_weights from
+any path), so the server also loads the middleware server_plugin/megatron_rl_vllm_auth.py
+(`--middleware`), which guards every path. The key reaches the child through its environment
+(MEGATRON_RL_VLLM_API_KEY and VLLM_API_KEY), never its command line (which `ps` shows to every
+user) or the log. The server listens on 127.0.0.1 only.
+
+Ports. The port is chosen by binding port 0, and that socket stays bound (SO_REUSEADDR, not
+listening) until the server is healthy: the kernel then hands the port to no other process that
+asks for any free port or opens a connection, while vLLM, which binds with SO_REUSEADDR, still
+can. A start that fails with "address already in use" anyway is retried on a new port, the last
+time without the reservation (for a server that binds without SO_REUSEADDR).
 
 The child runs in its own process group (so a stop takes vLLM's engine-core process with it)
 and gets SIGTERM from the kernel if the thread that launched it dies (PR_SET_PDEATHSIG, set in
@@ -15,18 +31,28 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Protocol
 
 from megatron_rl.rollout.vllm.errors import VllmServerDiedError, VllmStartError
-from megatron_rl.rollout.vllm.http import healthy
+from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, healthy, request_json
 
 HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "policy"
+ENV_API_KEY = "MEGATRON_RL_VLLM_API_KEY"  # the key: read by the server's middleware; a url server's key
+AUTH_MIDDLEWARE = "megatron_rl_vllm_auth.RequireBearerKey"
+
+
+def plugin_path() -> str:
+    """The directory to put on a vLLM server's PYTHONPATH so that `--middleware AUTH_MIDDLEWARE`
+    imports (it holds only the server-side modules, see server_plugin/__init__.py)."""
+    return str(Path(__file__).resolve().parent / "server_plugin")
 
 # ---- reaping servers on exit (the one piece of process-wide state: atexit and signals are) ----
 _LIVE: dict[int, subprocess.Popen] = {}
@@ -85,9 +111,25 @@ def _untrack(proc: subprocess.Popen) -> None:
 
 
 def free_port() -> int:
+    """A port free right now (another process may take it before it is used: see reserve_port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def reserve_port() -> socket.socket:
+    """A socket bound to a free port of HOST with SO_REUSEADDR and not listening: while it stays
+    open, no other process gets that port from bind(0) or for an outgoing connection, but a
+    server that binds it with SO_REUSEADDR (vLLM, http.server) can. Close it once that server
+    listens."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((HOST, 0))
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 # Runs in the child before vLLM: die with the launching thread, and not at all if it is gone.
@@ -101,12 +143,13 @@ _EXEC_WRAPPER = (
 
 
 class ServerHandle(Protocol):
-    """What the client needs from a server: where it is, whether it lives, and (when we launched
-    it) restarting it on a model directory."""
+    """What the client needs from a server: where it is, the key every request must carry
+    (None: none), whether it lives, and (when we launched it) restarting it on a model directory."""
 
     url: str
     model_name: str
     can_restart: bool
+    api_key: str | None
 
     def start(self, model_dir: str) -> float: ...
     def restart(self, model_dir: str) -> float: ...
@@ -119,6 +162,8 @@ class LocalServer:
 
     python: the vLLM environment's interpreter. args: vLLM options after the model and port
     (see VllmEngine). env: the child's extra environment. log_path: output of every start.
+    api_key: a fresh random key per LocalServer (kept across restarts); send it with every
+    request (`http.request(..., api_key=server.api_key)`). Never logged.
     """
 
     can_restart = True
@@ -133,6 +178,10 @@ class LocalServer:
         self.port: int | None = None
         self.model_dir: str | None = None
         self.starts = 0
+        self.api_key = secrets.token_urlsafe(32)
+
+    def __repr__(self) -> str:  # no key in it
+        return f"LocalServer(url={self.url!r}, pid={self.pid}, log_path={self.log_path!r})"
 
     @property
     def url(self) -> str:
@@ -144,22 +193,29 @@ class LocalServer:
 
     def command(self, model_dir: str, port: int) -> list[str]:
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                "--served-model-name", SERVED_MODEL_NAME, "--host", HOST, "--port", str(port), *self.args]
+                "--served-model-name", SERVED_MODEL_NAME, "--host", HOST, "--port", str(port),
+                "--middleware", AUTH_MIDDLEWARE, *self.args]
 
     def start(self, model_dir: str) -> float:
         """Launch on `model_dir` and wait until healthy; seconds it took. Raises VllmStartError."""
         if self.proc is not None:
             raise RuntimeError("server already started; use restart()")
         t0 = time.perf_counter()
-        for attempt in range(3):  # a free port can be taken between bind-probe and vLLM's bind
-            self.port = free_port()
-            self._spawn(model_dir)
+        for attempt in range(3):
+            # the port stays reserved until the server is healthy; the last try goes without the
+            # reservation, for a server that binds without SO_REUSEADDR
+            holder = reserve_port() if attempt < 2 else None
             try:
+                self.port = holder.getsockname()[1] if holder is not None else free_port()
+                self._spawn(model_dir)
                 self._wait_healthy(t0)
                 break
             except VllmStartError as e:
                 if attempt == 2 or "address already in use" not in str(e).lower():
                     raise
+            finally:
+                if holder is not None:
+                    holder.close()
         self.model_dir = model_dir
         return time.perf_counter() - t0
 
@@ -168,7 +224,8 @@ class LocalServer:
         return self.start(model_dir)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None and healthy(self.url, self.health_timeout_s)
+        return self.proc is not None and self.proc.poll() is None and \
+            healthy(self.url, self.health_timeout_s, self.api_key)
 
     def stop(self, graceful: bool = True) -> None:
         """SIGTERM the server's process group (SIGKILL after 20 s); graceful=False: SIGKILL at once
@@ -183,6 +240,8 @@ class LocalServer:
         cmd = self.command(model_dir, self.port)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env.update(self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_path(), env.get("PYTHONPATH")) if p)
+        env[ENV_API_KEY] = env["VLLM_API_KEY"] = self.api_key  # the environment: not visible to `ps`
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         self.starts += 1
         with open(self.log_path, "ab") as log:
@@ -201,7 +260,7 @@ class LocalServer:
                 self.stop()
                 raise VllmStartError(f"vLLM server exited with code {rc} during start-up; log "
                                      f"{self.log_path}:\n{self.log_tail()}")
-            if healthy(self.url, timeout=2.0):
+            if healthy(self.url, timeout=self.health_timeout_s, api_key=self.api_key):
                 return
             if time.perf_counter() - t0 > self.startup_timeout_s:
                 self.stop()
@@ -219,29 +278,41 @@ class LocalServer:
 
 
 class RemoteServer:
-    """A server someone else runs at `url` (must have VLLM_SERVER_DEV_MODE=1 for weight sync).
-    We never restart it: if it dies, that is an error."""
+    """A server someone else runs at `url` (must have VLLM_SERVER_DEV_MODE=1 for in-place weight
+    sync). `api_key` goes with every request (see VllmConfig.api_key). We never restart it: if it
+    dies, that is an error."""
 
     can_restart = False
 
-    def __init__(self, url: str, health_timeout_s: float = 10.0, model_name: str | None = None):
+    def __init__(self, url: str, health_timeout_s: float = 10.0, model_name: str | None = None,
+                 api_key: str | None = None):
         self.url = url.rstrip("/")
         self.health_timeout_s = health_timeout_s
         self.model_name = model_name
         self.model_dir: str | None = None
+        self.api_key = api_key or None
+
+    def __repr__(self) -> str:  # no key in it
+        return f"RemoteServer(url={self.url!r})"
 
     def start(self, model_dir: str) -> float:
-        from megatron_rl.rollout.vllm.http import request_json
-
         t0 = time.perf_counter()
-        if not healthy(self.url, self.health_timeout_s):
-            raise VllmStartError(f"no healthy vLLM server at {self.url}")
-        if self.model_name is None:
-            models = request_json(self.url + "/v1/models", timeout=self.health_timeout_s)
-            try:
-                self.model_name = models["data"][0]["id"]
-            except (TypeError, KeyError, IndexError):
-                raise VllmStartError(f"{self.url}/v1/models lists no model: {models!r:.200}") from None
+        try:
+            request_json(self.url + "/health", timeout=self.health_timeout_s, api_key=self.api_key)
+            if self.model_name is None:
+                models = request_json(self.url + "/v1/models", timeout=self.health_timeout_s, api_key=self.api_key)
+                try:
+                    self.model_name = models["data"][0]["id"]
+                except (TypeError, KeyError, IndexError):
+                    raise VllmStartError(f"{self.url}/v1/models lists no model: {models!r:.200}") from None
+        except HttpStatusError as e:
+            if e.status in (401, 403):
+                given = "the API key we sent" if self.api_key else "a request without an API key"
+                raise VllmStartError(f"the vLLM server at {self.url} refused {given} (HTTP {e.status}): set "
+                                     f"rollout.vllm.api_key or ${ENV_API_KEY} to its key") from None
+            raise VllmStartError(f"no healthy vLLM server at {self.url}: {e}") from None
+        except (TransportError, ValueError) as e:
+            raise VllmStartError(f"no healthy vLLM server at {self.url}: {e}") from None
         return time.perf_counter() - t0
 
     def restart(self, model_dir: str) -> float:
@@ -249,7 +320,7 @@ class RemoteServer:
                                   f"us, so it cannot be restarted")
 
     def alive(self) -> bool:
-        return healthy(self.url, self.health_timeout_s)
+        return healthy(self.url, self.health_timeout_s, self.api_key)
 
     def stop(self, graceful: bool = True) -> None:
         pass

@@ -48,15 +48,17 @@ def hf_reference(model_dir: str) -> Reference:
     return reference
 
 
-def server_logprobs(url: str, model: str, tokens: list[int], timeout: float) -> torch.Tensor:
+def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,
+                    api_key: str | None = None) -> torch.Tensor:
     """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t])."""
     return parse_prompt_logprobs(request_json(url + "/v1/completions", prompt_logprobs_body(model, tokens),
-                                              timeout=timeout), tokens)
+                                              timeout=timeout, api_key=api_key), tokens)
 
 
-def probe_diff(url: str, model: str, tokens: list[int], reference: Reference, timeout: float) -> float:
-    """max |server - reference| over the probe's log-probs."""
-    got = server_logprobs(url, model, tokens, timeout)
+def probe_diff(url: str, model: str, tokens: list[int], reference: Reference, timeout: float,
+               api_key: str | None = None) -> float:
+    """max |server - reference| over the probe's log-probs (`api_key`: the server's key)."""
+    got = server_logprobs(url, model, tokens, timeout, api_key)
     want = reference(tokens).float().reshape(-1)
     if want.shape != got.shape:
         raise ValueError(f"reference gave {tuple(want.shape)} log-probs for {len(tokens)} tokens, expected "

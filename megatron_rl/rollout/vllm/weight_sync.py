@@ -8,7 +8,8 @@
 Backends:
 - `DiskReloadSync` (dense models; any device): vLLM's `reload_weights` collective RPC reads the
   new safetensors in place (VLLM_SERVER_DEV_MODE=1), then the prefix cache (KV computed with
-  the old weights) is dropped. ~0.05 s for a tiny model on CPU, plus the export.
+  the old weights) is dropped. Both requests carry the server's key: the development endpoints
+  are open only to it (see launcher.py, Access). ~0.05 s for a tiny model on CPU, plus the export.
 - `RestartSync` (MoE on CPU): vLLM's CPU backend reloads MoE experts wrongly in place, so the
   server is restarted on the new directory, which is always correct but costs a full start
   (~50 s on a 2-core CPU). Measured as `timing/vllm_restart`.
@@ -98,11 +99,11 @@ class DiskReloadSync:
         t0 = time.perf_counter()
         out = request_json(server.url + "/collective_rpc",
                            {"method": "reload_weights", "kwargs": {"weights_path": os.path.abspath(model_dir)}},
-                           timeout=timeout)
+                           timeout=timeout, api_key=server.api_key)
         if not isinstance(out, dict) or "results" not in out:
             raise VllmError(f"/collective_rpc reload_weights answered {out!r:.300}; is the server running with "
                             f"VLLM_SERVER_DEV_MODE=1?")
-        request_json(server.url + "/reset_prefix_cache", {}, timeout=timeout)
+        request_json(server.url + "/reset_prefix_cache", {}, timeout=timeout, api_key=server.api_key)
         return time.perf_counter() - t0
 
 

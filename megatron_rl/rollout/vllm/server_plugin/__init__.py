@@ -1,0 +1,7 @@
+"""Code that runs inside the vLLM server process, not in the trainer.
+
+This directory is put on the server's PYTHONPATH (see launcher.plugin_path), so its modules are
+imported there under their own top-level names; it holds nothing else, so nothing of
+megatron_rl (whose module names could shadow the standard library's, e.g. `http`) is exposed to
+the server's interpreter. Modules here import only the standard library.
+"""
