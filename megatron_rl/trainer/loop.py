@@ -33,6 +33,7 @@ from megatron_rl.trainer.batch import model_device
 from megatron_rl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    read_rank0_tensors,
     resume_checkpoint,
     save_checkpoint,
 )
@@ -40,6 +41,7 @@ from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
 from megatron_rl.trainer.replay import NoReplay, make_replay
 from megatron_rl.trainer.rl_step import RolloutFailed, rl_step
 from megatron_rl.trainer.rollout_io import broadcast, evaluate, sync_weights
+from megatron_rl.trainer.schedule import SyncSchedule, make_schedule
 from megatron_rl.trainer.sft import run_sft
 from megatron_rl.trainer.stack import build_optimizer
 from megatron_rl.trainer.stop import Stopped, StopSignals
@@ -60,6 +62,7 @@ class RunContext:
     sink: MetricsSink
     loss: ResolvedLoss
     replay: object = field(default_factory=NoReplay)  # the router replay strategy (none / R2 / R3)
+    schedule: object = field(default_factory=SyncSchedule)  # when rollouts are generated / weights synced
     stop: StopSignals = field(default_factory=StopSignals)
     scheduler: object | None = None
     policy_version: int = 0
@@ -172,7 +175,8 @@ def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = Non
                        jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
     engine = make_engine(cfg, arch, cfg.train.run_dir)
     return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss,
-                      replay=make_replay(mode, policy.model), stop=stop or StopSignals(), resuming=resuming,
+                      replay=make_replay(mode, policy.model), schedule=make_schedule(cfg),
+                      stop=stop or StopSignals(), resuming=resuming,
                       run_id=broadcast(uuid.uuid4().hex[:12] if rank0 else None))
 
 
@@ -233,6 +237,7 @@ def run(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None)
 
 
 def close(ctx: RunContext) -> None:
+    ctx.schedule.close()
     ctx.sink.close()
     if ctx.engine is not None:
         ctx.engine.close()
@@ -250,6 +255,8 @@ def _start(ctx: RunContext, heldout) -> int:
             start, ctx.policy_version, ctx.state = extra["step"], extra["policy_version"], extra["state"]
             ctx.run_id = extra["run_id"]
             _set_rng_state(extra["rng"])
+            if dist.get_rank() == 0:  # batches generated ahead by the schedule: trained on as they were
+                ctx.schedule.load_state_dict(read_rank0_tensors(path, "schedule") or {})
             ctx.sink.drop_rows_after(start)  # steps after the checkpoint run again
             if rank0:
                 print(f"resumed from {path} at step {start}", flush=True)
@@ -295,6 +302,7 @@ def train(ctx: RunContext) -> dict:
                                 f"engine and rerun with train.resume=true") from e
         done = step + 1 == cfg.train.steps
         if heldout and (done or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)):
+            ctx.schedule.ensure_synced(ctx)  # staged: the engine may still hold the stage's weights
             metrics.update(_evaluate_both(ctx, heldout))
         ctx.state["curve"].append({k: metrics[k] for k in ("rollout/reward_mean", "mismatch/kl_k3",
                                                           "eval/heldout_accuracy", "eval/heldout_sampled_accuracy",
@@ -326,7 +334,8 @@ def _save(ctx: RunContext, root: str, completed_steps: int) -> str:
     return save_checkpoint(root, completed_steps, ctx.policy.model, ctx.policy.optimizer,
                            extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
                                   "rng": _rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg)},
-                           keep=ctx.cfg.train.keep_checkpoints, run_id=ctx.run_id)
+                           keep=ctx.cfg.train.keep_checkpoints, run_id=ctx.run_id,
+                           rank0_tensors={"schedule": ctx.schedule.state_dict()} if dist.get_rank() == 0 else None)
 
 
 def summarize(ctx: RunContext, last: dict) -> dict:

@@ -1,10 +1,10 @@
 """The phases of one RL step, each a function with typed inputs and outputs (see rl_step.py).
 
-    rollout = generate(ctx, step)                  # rank 0 samples and scores; every rank receives it
+    rollout = generate(ctx, step)                  # the schedule's batch for the step, on every rank
     batch = make_batch(ctx, rollout)               # advantages + this rank's rows of the training batch
     old = old_logprobs(ctx, batch, rollout)        # π_old (trainer, rollout weights) + mismatch values
     updates = update(ctx, batch, old)              # N optimizer steps over mini-batches
-    sync(ctx)                                      # new weights to the engine
+    sync(ctx)                                      # version + 1; new weights to the engine (schedule)
     metrics = step_metrics(ctx, rollout, batch, old, updates)
 
 Every reducible value follows the one metrics convention (megatron_rl/metrics/reduce.py) and is
@@ -32,7 +32,6 @@ from megatron_rl.losses import (
 )
 from megatron_rl.metrics.mismatch import mismatch_sums, ratio_quantiles
 from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
-from megatron_rl.rollout.types import Sample, SamplingParams
 from megatron_rl.trainer.batch import (
     TrainBatch,
     build_batch,
@@ -44,26 +43,14 @@ from megatron_rl.trainer.batch import (
     row_multiple,
 )
 from megatron_rl.trainer.passes import PassSettings, logprob_pass, reduce_dp, train_pass
-from megatron_rl.trainer.rollout_io import broadcast, generate_and_score, sync_weights
-
-
-class RolloutFailed(RuntimeError):
-    """The engine could not produce this step's samples (after its own restarts/retries)."""
-
-
-@dataclass
-class Rollout:
-    """samples: B*G, groups contiguous; rewards: [B*G] float32 (CPU); reward_stats: host floats."""
-
-    samples: list[Sample]
-    rewards: torch.Tensor
-    reward_stats: dict
+from megatron_rl.trainer.schedule import Rollout, staleness
 
 
 @dataclass
 class StepBatch:
     """local: this rank's rows (its CP shard), on the model's device; rows: their global indices;
-    advantages: [B*G]; zero_var: [B] groups whose rewards are all equal; settings: pass settings."""
+    advantages: [B*G]; zero_var: [B] groups whose rewards are all equal; settings: pass settings;
+    staleness: see trainer/schedule.py."""
 
     local: TrainBatch
     rows: torch.Tensor
@@ -71,6 +58,7 @@ class StepBatch:
     zero_var: torch.Tensor
     settings: PassSettings
     seq: SeqOps
+    staleness: torch.Tensor  # [local rows] int64: trainer versions since each row's sample was generated
 
 
 @dataclass
@@ -96,23 +84,9 @@ class Updates:
 
 
 def generate(ctx, step: int) -> Rollout:
-    """Rank 0 generates G samples for each of B prompts and scores them; every rank receives them.
-    An engine failure reaches every rank as RolloutFailed (none is left waiting in the broadcast)."""
-    cfg = ctx.cfg
-    payload = None
-    if ctx.engine is not None:
-        try:
-            samples, rewards = generate_and_score(ctx.engine, ctx.tokenizer, ctx.prompts.batch(step, cfg.rollout.prompts_per_step),
-                                                  cfg.rollout.group_size, sampling_for(cfg, ctx.tokenizer, step),
-                                                  ctx.rewards)
-            payload = (samples, rewards, ctx.rewards.stats())
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            payload = RolloutFailed(f"rollout engine failed at step {step + 1}: {type(e).__name__}: {e}")
-    payload = broadcast(payload)
-    if isinstance(payload, RolloutFailed):
-        raise payload
-    samples, rewards, stats = payload
-    return Rollout(samples, torch.tensor(rewards, dtype=torch.float32), stats or {})
+    """This step's samples and rewards on every rank, as the run's schedule provides them (rank 0
+    generates; trainer/schedule.py). An engine failure reaches every rank as RolloutFailed."""
+    return ctx.schedule.rollout(ctx, step)
 
 
 def make_batch(ctx, rollout: Rollout) -> StepBatch:
@@ -128,7 +102,8 @@ def make_batch(ctx, rollout: Rollout) -> StepBatch:
     rows = local_rows(full.size, cfg.train.num_minibatches, groups.dp_size, dist.get_rank(groups.dp_group))
     local = cp_shard(full.select(rows), groups.cp_group).to(model_device())
     settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
-    return StepBatch(local, rows, adv, zero_var, settings, seq_ops(groups))
+    return StepBatch(local, rows, adv, zero_var, settings, seq_ops(groups),
+                     staleness(local.versions, ctx.policy_version).to(local.loss_mask.device))
 
 
 def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
@@ -138,7 +113,8 @@ def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
     old, entropy = ctx.replay.old_pass(ctx.policy, ctx.groups, local, rollout.samples, batch.rows, batch.settings)
     if old is None:  # not the last pipeline stage: it holds no log-probs
         return OldPolicy(torch.zeros_like(local.rollout_logprobs), {})
-    values = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy, seq=batch.seq)
+    values = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy, seq=batch.seq,
+                           staleness=batch.staleness, max_staleness=ctx.schedule.max_staleness)
     lo, hi = ratio_quantiles(old - local.rollout_logprobs, local.loss_mask)  # quantiles do not reduce:
     values["mismatch/w/p01/min"], values["mismatch/w/p99/max"] = lo, hi  # the most extreme rank's
     return OldPolicy(old, values)
@@ -154,7 +130,7 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     for slices in minibatch_slices(local.size, ctx.cfg.train.num_minibatches, mbs):
         counts = global_counts(local, slices, ctx.groups, batch.seq)
         loss_kw["surrogate_params"].update(step_parameters(ctx, batch, slices, old.logprobs))
-        loss_fn = policy_loss_fn(loss_kw, counts, old.logprobs, batch.seq)
+        loss_fn = policy_loss_fn(loss_kw, counts, old.logprobs, batch.seq, batch.staleness, ctx.schedule.max_staleness)
         with ctx.replay.update(slices, mbs):
             outs = train_pass(policy.model, policy.optimizer, ctx.groups, local, slices, batch.settings, loss_fn,
                               wrap_step=ctx.replay.wrap)
@@ -169,9 +145,8 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
 
 
 def sync(ctx) -> None:
-    """The new weights to the rollout engine, as the next policy version."""
-    ctx.policy_version += 1
-    sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
+    """The trainer's version + 1; the new weights to the engine when the schedule says so."""
+    ctx.schedule.after_update(ctx)
 
 
 def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, updates: Updates) -> dict[str, float]:
@@ -198,6 +173,10 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
     m["rollout/zero_variance_groups"] = float(batch.zero_var.float().mean())
     m["rollout/advantage_abs_mean"] = float(batch.advantages.abs().mean())
     m.update({k: float(v) for k, v in rollout.reward_stats.items()})
+    m["schedule/staleness_mean"] = float(batch.staleness.float().mean()) if batch.staleness.numel() else 0.0
+    m["schedule/staleness_max"] = float(batch.staleness.max()) if batch.staleness.numel() else 0.0
+    if ctx.engine is not None:  # rank 0: generation calls and weight syncs so far
+        m.update({k: float(v) for k, v in ctx.schedule.stats().items()})
     if ctx.engine is not None and hasattr(ctx.engine, "stats"):  # rank 0: restarts, retries, probe diff
         m.update({k: float(v) for k, v in ctx.engine.stats().items()})
     return m
@@ -213,13 +192,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, fil
     zero_var = zero_variance_groups(r)
     keep = (~zero_var).repeat_interleave(group_size) if filter_zero_var else torch.ones_like(adv, dtype=torch.bool)
     return adv, keep, zero_var
-
-
-def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
-    r, keep = cfg.rollout, cfg.loss.keep_sampling_mask
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                          stop_token_ids=(tokenizer.eos_id,), seed=cfg.train.seed * 1_000_003 + step,
-                          return_kept_ids=keep, logprobs_mode="processed" if keep else "raw")
 
 
 def seq_ops(groups) -> SeqOps:
@@ -256,11 +228,13 @@ def step_parameters(ctx, batch: StepBatch, slices, old: torch.Tensor) -> dict:
     return out
 
 
-def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: SeqOps = LOCAL):
+def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: SeqOps = LOCAL,
+                   staleness: torch.Tensor | None = None, max_staleness: int = 0):
     """The update pass's loss_fn(micro_batch, logprobs, entropy) -> (loss, values).
 
     old: [N, L] π_old log-probs of the rank's rows (indexed by the micro-batch's "rows"), in the
-    same (CP-local) layout as the micro-batch; counts: the mini-batch's global normalisers.
+    same (CP-local) layout as the micro-batch; counts: the mini-batch's global normalisers;
+    staleness: [N] per row, for the ratio statistics split by staleness (max_staleness > 0).
     """
 
     def loss_fn(mb, logprobs, _entropy):
@@ -269,9 +243,17 @@ def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: 
                             seq=seq)
         loss, values = compute_policy_loss(batch, normaliser=counts, **loss_kw)
         values["loss/value/sum"] = loss.detach().double()
+        stale = staleness[mb["rows"]] if staleness is not None else None
         ratios = mismatch_sums(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
-                               logprobs=logprobs.detach(), seq=seq)  # r = π_θ/π_old, ρ = π_θ/μ
-        values.update({k: v for k, v in ratios.items() if k.startswith(("mismatch/r/", "mismatch/rho/"))})
+                               logprobs=logprobs.detach(), seq=seq, staleness=stale,
+                               max_staleness=max_staleness)  # r = π_θ/π_old, ρ = π_θ/μ
+        values.update({k: v for k, v in ratios.items() if _is_update_ratio(k)})
         return loss, values
 
     return loss_fn
+
+
+def _is_update_ratio(key: str) -> bool:
+    """The r = π_θ/π_old and ρ = π_θ/μ values (overall and by staleness) of an update pass."""
+    return key.startswith(("mismatch/r/", "mismatch/rho/")) or (
+        key.startswith("mismatch/staleness_") and ("/r/" in key or "/rho/" in key))

@@ -1,7 +1,10 @@
-"""One synchronous RL step as a straight line of phases (each in trainer/phases.py):
+"""One RL step as a straight line of phases (each in trainer/phases.py):
 
-    generate and score -> advantages and the training batch -> π_old log-probs -> N optimizer
-    steps over mini-batches -> weight sync -> metrics
+    the schedule's rollout batch -> advantages and the training batch -> π_old log-probs ->
+    N optimizer steps over mini-batches -> version + 1 and (per the schedule) weight sync -> metrics
+
+The schedule (trainer/schedule.py: sync, staged, async) decides when batches are generated and
+when the engine gets new weights; the phases are the same for all of them.
 
 Metrics come back as a flat dict of namespaced floats; rank-0 logging happens in the loop.
 """
@@ -11,7 +14,7 @@ import time
 from contextlib import contextmanager
 
 from megatron_rl.trainer import phases
-from megatron_rl.trainer.phases import RolloutFailed
+from megatron_rl.trainer.schedule import RolloutFailed
 
 __all__ = ["RolloutFailed", "rl_step"]
 

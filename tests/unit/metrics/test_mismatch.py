@@ -173,3 +173,19 @@ def test_empty_mask():
     out = mm.mismatch_metrics(z, z, torch.zeros(2, 3, dtype=torch.bool))
     assert out["mismatch/tokens"] == 0 and out["mismatch/w/ess"] == 1.0
     assert all(math.isfinite(v) for v in out.values())
+
+
+def test_split_by_staleness_hand_computed():
+    """Rows generated 0 and 1 versions ago: each staleness gets its own KL and ratio means."""
+    old = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.5]]))
+    ro = torch.log(torch.tensor([[0.25, 0.5], [0.5, 0.5]]))  # row 0: w = 2, 0.5; row 1: w = 1
+    lp = old + torch.tensor([[LN2, 0.0], [0.0, -LN2]])       # r = 2, 1; 1, 0.5
+    m = torch.ones(2, 2, dtype=torch.bool)
+    out = finish(lib.mismatch_sums(old, ro, m, logprobs=lp, staleness=torch.tensor([1, 0]), max_staleness=2))
+    _close(out["mismatch/staleness_1/kl_k3"], 0.25)
+    _close(out["mismatch/staleness_0/kl_k3"], 0.0)
+    _close(out["mismatch/staleness_1/w/mean"], 1.25)
+    _close(out["mismatch/staleness_0/r/mean"], 0.75)
+    _close(out["mismatch/staleness_1/rho/mean"], (4 + 0.5) / 2)
+    assert out["mismatch/staleness_2/tokens"] == 0 and out["mismatch/staleness_2/kl_k3"] == 0.0
+    assert not any("staleness" in k for k in finish(lib.mismatch_sums(old, ro, m, staleness=torch.tensor([1, 0]))))
