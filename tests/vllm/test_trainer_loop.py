@@ -49,6 +49,27 @@ def test_rl_steps_with_the_vllm_backend(tmp_path, vllm_python):
     assert not os.listdir(tmp_path / "run" / "vllm" / "weights")  # close() removed the exported weights
 
 
+@pytest.mark.parametrize("schedule,staleness,generate_calls", [
+    (["train.schedule=staged", "train.stages=2"], [0, 1, 0, 1], 2),
+    (["train.schedule=async", "train.max_staleness=1"], [0, 1, 1, 1], 4),
+], ids=["staged", "async"])
+def test_off_policy_schedules_with_the_vllm_backend(tmp_path, vllm_python, schedule, staleness, generate_calls):
+    """Staged generation (a stage's batches in one request burst) and async generation (the client
+    in a background thread while the trainer updates) against a real server."""
+    config = tmp_path / "vllm_cpu.yaml"
+    config.write_text(CONFIG.format(run_dir=tmp_path / "run").replace("steps: 2,", "steps: 4,"))
+    cmd = [sys.executable, "pretrain_rl.py", "--config", str(config), *schedule, "train.eval_size=0"]
+    run = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(vllm_python), capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if json.loads(line).get("phase") == "rl"]
+    assert [r["schedule/staleness_max"] for r in rows] == staleness
+    assert rows[-1]["schedule/generate_calls"] == generate_calls
+    assert all(r["mismatch/staleness_0/tokens"] + r["mismatch/staleness_1/tokens"] == r["mismatch/tokens"]
+               for r in rows)
+
+
 def test_sigterm_mid_run_leaves_no_server_process(tmp_path, vllm_python):
     """SIGTERM to pretrain_rl.py once its vLLM server is up (the event: the server's log says
     so): the trainer ends and every process of the server's group is gone. (Whether it stops at
