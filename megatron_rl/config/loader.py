@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.precision import expand_precision
 
 # Megatron-LM flag -> config path (so `torchrun pretrain_rl.py --tensor-model-parallel-size 2` works)
 MEGATRON_FLAGS = {
@@ -188,7 +189,11 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); check the line it names") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, rollout:, ...)")
-    data = expand_recipe(_merge(data, parse_overrides(overrides or [])))
+    try:  # a precision recipe fills in the fields of its own layer (file, then command line) not set there
+        data = _merge(expand_precision(data), expand_precision(parse_overrides(overrides or [])))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    data = expand_recipe(data)
     return _build(RunConfig, data, "")
 
 

@@ -297,6 +297,35 @@ class SFTSection:
 
 
 @dataclass
+class PrecisionSection:
+    """Numerics of the trainer and the rollout engine together (megatron_rl/precision/recipes.py).
+
+    recipe: a named preset that fills in model.dtype, rollout.dtype and the fields below (the
+        config's own values win): fp32, bf16, fp16, bf16_fp32head, fp16_fp32head, fp8_rollout
+        (vLLM on a GPU), te_fp8 (Transformer Engine on CUDA). null (default): as given.
+    fp32_lm_head: the output projection and its softmax in fp32 in the trainer's log-prob kernel
+        and the embedded engine's LM head.
+    fp8: Transformer Engine FP8 training format, "e4m3" | "hybrid" (null: off); fp8_recipe:
+        megatron-core's scaling recipe, "tensorwise" | "delayed" | "blockwise" | "mxfp8".
+    """
+
+    recipe: str | None = None
+    fp32_lm_head: bool = False
+    fp8: str | None = None
+    fp8_recipe: str = "tensorwise"
+
+    def __post_init__(self):
+        from megatron_rl.precision import PRECISION_RECIPES
+
+        if self.recipe is not None:
+            checks.choice("precision.recipe", self.recipe, list(PRECISION_RECIPES))
+        checks.boolean("precision.fp32_lm_head", self.fp32_lm_head)
+        if self.fp8 is not None:
+            checks.choice("precision.fp8", self.fp8, ("e4m3", "hybrid"))
+        checks.choice("precision.fp8_recipe", self.fp8_recipe, ("tensorwise", "delayed", "blockwise", "mxfp8"))
+
+
+@dataclass
 class MoESection:
     """Mixture-of-Experts training options.
 
@@ -342,6 +371,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     sft: SFTSection = field(default_factory=SFTSection)
     moe: MoESection = field(default_factory=MoESection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self):
@@ -361,6 +391,11 @@ class RunConfig:
         if self.moe.router_replay == "r3" and self.rollout.backend == "vllm":
             raise ValueError("moe.router_replay=r3 needs routing from the rollout engine; vLLM on the CPU lane "
                              "cannot return routed experts. Use rollout.backend=embedded or router_replay=r2")
+        if self.precision.fp32_lm_head and self.rollout.backend == "vllm":
+            raise ValueError("precision.fp32_lm_head: vLLM has no option to run only the LM head in fp32; use "
+                             "rollout.backend=embedded, or rollout.dtype=fp32 for the whole server")
+        if self.precision.fp8 is not None and self.model.dtype == "fp32":
+            raise ValueError("precision.fp8 trains FP8 GEMMs inside a bf16/fp16 model: set model.dtype=bf16")
         if self.loss.keep_sampling_mask and self.rollout.top_p >= 1.0 and self.rollout.top_k == -1:
             raise ValueError("loss.keep_sampling_mask needs truncated sampling: set rollout.top_p < 1 or "
                              "rollout.top_k > 0 (without truncation the kept set is the whole vocabulary)")

@@ -32,6 +32,8 @@ class BuildOptions:
     moe_aux_loss_coeff: load-balancing aux loss coefficient (0 disables it).
     moe_token_dispatcher: "alltoall" | "allgather".
     routing_replay: enable megatron-core's RouterReplay hooks in every MoE router.
+    fp8: Transformer Engine FP8 training, "e4m3" | "hybrid" (None: off), with megatron-core's
+        `fp8_recipe` ("tensorwise" | "delayed" | "blockwise" | "mxfp8"); needs TE on CUDA.
     """
 
     dtype: str = "fp32"
@@ -41,10 +43,14 @@ class BuildOptions:
     moe_aux_loss_coeff: float = 0.0
     moe_token_dispatcher: str = "alltoall"
     routing_replay: bool = False
+    fp8: str | None = None
+    fp8_recipe: str = "tensorwise"
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
+        if self.fp8 not in (None, "e4m3", "hybrid"):
+            raise ValueError(f"fp8={self.fp8!r}; choose e4m3, hybrid or None")
         if self.spec not in ("auto", "local", "te"):
             raise ValueError(f"spec={self.spec!r}; choose auto, local or te")
 
@@ -246,8 +252,15 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
         # DDP sum (not average) gradients over DP and its schedules not divide by the number of
         # micro-batches; the trainer calls finalize_model_grads itself with num_tokens=None.
         calculate_per_token_loss=True,
+        **fp8_fields(opts),
         **moe,
     )
+
+
+def fp8_fields(opts: BuildOptions) -> dict:
+    """TransformerConfig's FP8 training fields (none when opts.fp8 is None). Megatron-core runs the
+    GEMMs of every TE layer in FP8 with this scaling recipe; the local spec ignores them."""
+    return {} if opts.fp8 is None else {"fp8": opts.fp8, "fp8_recipe": opts.fp8_recipe}
 
 
 def build_gpt_model(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions = BuildOptions()):
@@ -278,6 +291,11 @@ def build_gpt_model(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions 
             f"TEDotProductAttention'); this process has {capabilities().describe()}. "
             "CP is a GPU-only path: install the 'te' extra on a GPU machine, or use "
             "parallel.context_parallel_size=1 on CPU.")
+    if opts.fp8 is not None and not use_te:
+        raise RuntimeError(
+            f"precision.fp8={opts.fp8} (FP8 training) runs through Transformer Engine layers on CUDA; this "
+            f"process has {capabilities().describe()}. Use precision.recipe=bf16 here, or run on a GPU "
+            "with the 'te' extra installed.")
     config = transformer_config(arch, groups, opts, use_te, plan)
     torch.manual_seed(opts.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(opts.seed)

@@ -132,11 +132,14 @@ class EmbeddedEngine:
     device: where the model runs and decodes ("cpu", "cuda", "cuda:1"); update_weights copies
         the trainer's tensors there directly (on-device when they already live on it). Samples
         come back on the CPU (they are broadcast to every rank).
+    fp32_lm_head: compute the output projection and the softmax in fp32: the last hidden state and
+        the (dtype-rounded) head weight are upcast, as the trainer's fp32-head log-prob kernel does
+        (precision.fp32_lm_head).
     The model starts with random weights and policy_version -1 until update_weights.
     """
 
     def __init__(self, arch: ModelArch, dtype: str = "fp32", max_batch_size: int = 256,
-                 attn_implementation: str = "eager", device: str | torch.device = "cpu"):
+                 attn_implementation: str = "eager", device: str | torch.device = "cpu", fp32_lm_head: bool = False):
         from transformers import AutoModelForCausalLM
 
         if dtype not in _DTYPES:
@@ -148,6 +151,7 @@ class EmbeddedEngine:
         self.max_batch_size = max_batch_size
         self.policy_version = -1
         self.device = torch.device(device)
+        self.fp32_lm_head = fp32_lm_head
         self.model = AutoModelForCausalLM.from_config(
             arch.to_hf_config(), attn_implementation=attn_implementation, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
@@ -217,6 +221,11 @@ class EmbeddedEngine:
 
     # ---- decoding -----------------------------------------------------------------------------
     def _forward(self, ids, mask, pos, cache):
+        if self.fp32_lm_head:  # the decoder in the engine's dtype, the head in fp32
+            out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                   use_cache=True)
+            weight = self.model.get_output_embeddings().weight
+            return torch.nn.functional.linear(out.last_hidden_state[:, -1].float(), weight.float())
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()

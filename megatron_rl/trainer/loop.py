@@ -79,8 +79,13 @@ def make_engine(cfg: RunConfig, arch, run_dir: str):
         from megatron_rl.rollout.embedded import EmbeddedEngine
 
         device = cfg.rollout.device or model_device()  # beside the trainer's model by default
-        return EmbeddedEngine(arch, dtype=cfg.rollout.dtype, max_batch_size=cfg.rollout.max_batch_size, device=device)
+        return EmbeddedEngine(arch, dtype=cfg.rollout.dtype, max_batch_size=cfg.rollout.max_batch_size, device=device,
+                              fp32_lm_head=cfg.precision.fp32_lm_head)
     from megatron_rl.rollout.vllm import make_vllm_engine
+
+    if (cfg.rollout.vllm or {}).get("quantization") == "fp8" and not torch.cuda.is_available():
+        raise RuntimeError("rollout.vllm.quantization=fp8 (precision.recipe=fp8_rollout) needs a vLLM server on a "
+                           "GPU; this machine has no CUDA. Use precision.recipe=bf16 here")
 
     return make_vllm_engine(cfg, arch, run_dir)
 
@@ -168,7 +173,8 @@ def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = Non
         from megatron_rl.moe import RouterReplayController
 
         RouterReplayController.forget_global_instances()  # megatron keeps them process-wide
-    policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed, routing_replay=mode != "none")
+    policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed, routing_replay=mode != "none",
+                          precision=cfg.precision)
     _check_checkpoint_dirs(cfg, policy, groups)
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
@@ -308,6 +314,10 @@ def train(ctx: RunContext) -> dict:
                                                           "eval/heldout_accuracy", "eval/heldout_sampled_accuracy",
                                                           "loss/policy") if k in metrics})
         ctx.sink.log(step + 1, metrics, echo=None if bar is not None else f"step {step + 1}")
+        if metrics["optim/skipped_steps"] and ctx.sink.enabled:
+            print(f"step {step + 1}: {metrics['optim/skipped_steps']:.0f} of {cfg.train.num_minibatches} updates "
+                  f"skipped (fp16 gradient overflow: weights unchanged); loss scale now "
+                  f"{metrics.get('optim/loss_scale', float('nan')):g}", file=sys.stderr, flush=True)
         if cfg.log.figure_every and (step + 1) % cfg.log.figure_every == 0 and ctx.sink.enabled:
             figure = bucket_figure(bucket_rows(metrics), step + 1)
             if figure is not None:

@@ -30,11 +30,15 @@ from megatron_rl.trainer.stack import forward_backward
 @dataclass(frozen=True)
 class PassSettings:
     """temperature: the rollout's sampling temperature (log π of the same distribution).
-    chunk_size: tokens per chunk of the fused log-prob kernel (None = auto)."""
+    chunk_size: tokens per chunk of the fused log-prob kernel (None = auto).
+    fp32_head: the output projection and softmax in fp32 (precision.fp32_lm_head): the hidden
+        states and the head weight are upcast before the kernel, which then computes in fp32;
+        their gradients flow back in the model's dtype."""
 
     micro_batch_size: int
     temperature: float = 1.0
     chunk_size: int | None = None
+    fp32_head: bool = False
 
 
 LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
@@ -66,8 +70,11 @@ def make_forward_step(groups: ParallelGroups, settings: PassSettings, loss_fn: L
         labels, kept = mb["labels"], mb.get("kept_ids")
 
         def loss_func(h):
+            weight = head_weight(model)
+            if settings.fp32_head:
+                h, weight = h.float(), weight.float()
             out = token_logprobs_and_entropy(
-                h, head_weight(model), labels.t(), tp_group=groups.tp_group, chunk_size=settings.chunk_size,
+                h, weight, labels.t(), tp_group=groups.tp_group, chunk_size=settings.chunk_size,
                 compute_entropy=need_entropy, temperature=settings.temperature,
                 kept_ids=kept.transpose(0, 1) if kept is not None else None)
             entropy = out.entropy.t() if need_entropy else None

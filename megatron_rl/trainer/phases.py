@@ -13,6 +13,7 @@ training batch lives on the model's device.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -73,11 +74,13 @@ class OldPolicy:
 @dataclass
 class Updates:
     """values: loss parts and r/ρ ratio diagnostics summed over micro-batches (metrics convention);
-    grad_norms: one per optimizer step; skipped: optimizer steps skipped (fp16 overflow)."""
+    grad_norms: one per optimizer step; skipped: optimizer steps skipped (fp16 overflow: megatron's
+    loss scaler found inf/NaN gradients, left the weights unchanged and lowered the scale)."""
 
     values: dict
     grad_norms: list[float]
     skipped: int
+    loss_scale: float | None = None  # fp16: megatron's dynamic loss scale after the last step
 
 
 # ----------------------------------------------------------------------------- phases
@@ -101,7 +104,8 @@ def make_batch(ctx, rollout: Rollout) -> StepBatch:
         full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
     rows = local_rows(full.size, cfg.train.num_minibatches, groups.dp_size, dist.get_rank(groups.dp_group))
     local = cp_shard(full.select(rows), groups.cp_group).to(model_device())
-    settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
+    settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
+                            fp32_head=cfg.precision.fp32_lm_head)
     return StepBatch(local, rows, adv, zero_var, settings, seq_ops(groups),
                      staleness(local.versions, ctx.policy_version).to(local.loss_mask.device))
 
@@ -141,7 +145,13 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
             ctx.scheduler.step(increment=1)
         skipped += int(not ok)
         grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
-    return Updates(values, grad_norms, skipped)
+        if ok and not math.isfinite(grad_norms[-1]):
+            raise FloatingPointError(
+                f"the gradient norm is {grad_norms[-1]} under model.dtype={ctx.cfg.model.dtype} (no loss scaler to "
+                f"catch it), so this update is not kept: the run stops without saving it. Resume from the last "
+                f"checkpoint with a lower optim.lr, optim.clip_grad, or precision.recipe=fp16 (loss scaling)")
+    scale = policy.optimizer.get_loss_scale() if ctx.cfg.model.dtype == "fp16" else None
+    return Updates(values, grad_norms, skipped, None if scale is None else float(scale))
 
 
 def sync(ctx) -> None:
@@ -164,6 +174,8 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
     m.update(finish(reduce_metrics(ctx.replay.metrics())))
     m["optim/grad_norm"] = sum(updates.grad_norms) / len(updates.grad_norms)
     m["optim/skipped_steps"] = updates.skipped
+    if updates.loss_scale is not None:
+        m["optim/loss_scale"] = updates.loss_scale
     m["optim/lr"] = ctx.policy.optimizer.param_groups[0]["lr"]
     r, samples = rollout.rewards, rollout.samples
     m["rollout/reward_mean"] = float(r.mean())

@@ -48,11 +48,14 @@ def arch_from_config(model_section, vocab_size: int | None = None) -> ModelArch:
 
 
 def build_policy(model_section, optim, groups: ParallelGroups, arch: ModelArch, seed: int,
-                 routing_replay: bool = False) -> Policy:
+                 routing_replay: bool = False, precision=None) -> Policy:
     """Build, (optionally) load HF weights, wrap for training and attach the optimizer.
 
-    optim: the config's OptimSection; the training precision is model_section.dtype."""
-    opts = BuildOptions(dtype=model_section.dtype, seed=seed, init_std=model_section.init_std,
+    optim: the config's OptimSection; the training precision is model_section.dtype;
+    precision: the config's PrecisionSection (FP8 training fields), or None."""
+    fp8 = {} if precision is None or precision.fp8 is None else {"fp8": precision.fp8,
+                                                                "fp8_recipe": precision.fp8_recipe}
+    opts = BuildOptions(**fp8, dtype=model_section.dtype, seed=seed, init_std=model_section.init_std,
                         moe_aux_loss_coeff=model_section.moe_aux_loss_coeff, routing_replay=routing_replay)
     model = build_gpt_model(arch, groups, opts)
     if model_section.hf_dir:

@@ -35,6 +35,24 @@ def test_report_tool_prints_the_table(tmp_path, capsys):
     assert main([str(tmp_path / "nope")]) == 2
 
 
+def test_compare_puts_runs_side_by_side(tmp_path, capsys):
+    from tools.mismatch_report import main
+
+    for name, absd in (("bf16", 2e-2), ("fp16", 3e-3)):
+        (tmp_path / name).mkdir()
+        row = _step(1, [10, 0, 0, 0, 5, 5, 80], [absd] * 7, [absd / 10] * 7)
+        row["mismatch/kl_k3"] = absd / 10
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert main(["--compare", str(tmp_path / "bf16"), str(tmp_path / "fp16")]) == 0
+    out = capsys.readouterr().out
+    first = next(line for line in out.splitlines() if line.strip().startswith("0-0.0001"))
+    assert "2.00e-02 / 2.00e-03" in first and "3.00e-03 / 3.00e-04" in first
+    assert "bf16" in out.splitlines()[1] and "fp16" in out.splitlines()[1]
+    kl = next(line for line in out.splitlines() if "mismatch/kl_k3" in line)
+    assert "2.0000e-03" in kl and "3.0000e-04" in kl
+    assert "-" in next(line for line in out.splitlines() if line.strip().startswith("0.0001-0.001"))
+
+
 def test_figure_and_text():
     rows = bucket_rows(_step(1, [1, 2, 3, 4, 5, 6, 7], [0.1] * 7, [1e-3] * 7))
     assert "KL k3" in format_bucket_table(rows)

@@ -137,3 +137,35 @@ def test_dense_engine_and_close(dense_checkpoint):
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate([[1]], n=1, sampling=SamplingParams())
+
+
+def test_fp32_lm_head_matches_the_trainers_fp32_head_kernel(moe_checkpoint):
+    """precision.fp32_lm_head: a bf16 engine's log-probs come from an fp32 projection and softmax of
+    its last hidden state; the trainer's kernel given the same hidden state and head weight (upcast)
+    gives the same numbers to fp32 rounding. A bf16 head is 100x further off."""
+    from megatron_rl.logprobs import token_logprobs_and_entropy
+
+    hidden = []
+    outs = {}
+    for fp32_head in (True, False):
+        engine = _engine(moe_checkpoint, dtype="bf16", fp32_lm_head=fp32_head)
+        body = engine.model.model
+        real = body.forward
+
+        def capture(*args, _real=real, **kwargs):
+            out = _real(*args, **kwargs)
+            if fp32_head:
+                hidden.append(out.last_hidden_state[:, -1])
+            return out
+
+        body.forward = capture
+        outs[fp32_head] = engine.generate([[3, 4, 5, 6]], 1, SamplingParams(temperature=1.0, max_tokens=4, seed=1))
+        weight = engine.model.get_output_embeddings().weight
+    [[sample]] = outs[True]
+    h = torch.cat(hidden[: len(sample.response_ids)])  # one decoding step per response token
+    kernel = token_logprobs_and_entropy(h.float(), weight.float(), sample.response_ids, compute_entropy=False)
+    torch.testing.assert_close(sample.rollout_logprobs, kernel.logprobs, rtol=0, atol=2e-6)
+    [[bf16_head]] = outs[False]
+    n = min(len(bf16_head.response_ids), len(sample.response_ids))
+    if torch.equal(bf16_head.response_ids[:n], sample.response_ids[:n]):
+        assert (bf16_head.rollout_logprobs[:n] - kernel.logprobs[:n]).abs().max() > 1e-4

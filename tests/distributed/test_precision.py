@@ -1,0 +1,92 @@
+"""fp16 training through megatron's dynamic loss scaler: an injected gradient overflow skips the
+update (weights unchanged) and halves the scale, and training goes on; and fp16 tracks fp32 on a
+short run from the same weights and samples (fp32 engine in both, so the samples are identical)."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from tests.distributed.test_rl_loop import BASE
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from megatron_rl.model.parity import random_hf_model
+    from megatron_rl.model.presets import preset_arch
+
+    path = str(tmp_path_factory.mktemp("hf"))
+    random_hf_model(preset_arch("qwen3_moe", "tiny"), seed=0, std=0.2).save_pretrained(path)
+    return path
+
+
+def _run(rank, world, overrides, run_dir, overflow_at_step=None):
+    from megatron_rl.config import load_config
+    from megatron_rl.parallel import init_parallel
+    from megatron_rl.platform import apply_platform_workarounds
+    from megatron_rl.trainer import phases
+    from megatron_rl.trainer.loop import close, setup, train
+
+    apply_platform_workarounds()
+    cfg = load_config(None, BASE + [f"train.run_dir={run_dir}", "rollout.dtype=fp32", "train.num_minibatches=1",
+                                    "optim.lr=1e-3"] + overrides)
+    ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
+    snapshots = []
+    real_update = phases.update
+
+    def update(ctx_, batch, old):  # inject inf into one gradient during the chosen step's backward
+        snapshots.append({k: v.clone() for k, v in ctx_.policy.export()})
+        handle = None
+        if ctx_.policy_version + 1 == overflow_at_step:
+            param = next(p for p in ctx_.policy.model.parameters() if p.requires_grad)
+            handle = param.register_hook(lambda g: g * math.inf)
+        try:
+            return real_update(ctx_, batch, old)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    phases.update = update
+    try:
+        train(ctx)
+        snapshots.append({k: v.clone() for k, v in ctx.policy.export()})
+    finally:
+        phases.update = real_update
+        close(ctx)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [json.loads(line) for line in f]
+    return steps, snapshots
+
+
+def test_fp16_overflow_skips_the_update_and_halves_the_scale(tmp_path, hf_dir):
+    [(steps, snaps)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path),
+                                 overrides=["train.steps=3", "model.dtype=fp16", "optim.hysteresis=1",
+                                            f"model.hf_dir={hf_dir}"], overflow_at_step=2)
+    assert [s["optim/skipped_steps"] for s in steps] == [0, 1, 0]
+    assert [s["optim/loss_scale"] for s in steps] == [65536.0, 32768.0, 32768.0]
+    changed = [any(not torch.equal(a[k], b[k]) for k in a) for a, b in zip(snaps, snaps[1:])]
+    assert changed == [True, False, True]  # step 2 left the weights as they were
+    assert all(math.isfinite(s["loss/policy"]) for s in steps)
+
+
+def test_fp16_tracks_fp32(tmp_path, hf_dir):
+    common = ["train.steps=2", f"model.hf_dir={hf_dir}"]
+    [(fp32, _)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "a"),
+                            overrides=common + ["model.dtype=fp32"])
+    [(fp16, _)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "b"),
+                            overrides=common + ["model.dtype=fp16"])
+    a, b = fp32[0], fp16[0]
+    assert a["rollout/reward_mean"] == b["rollout/reward_mean"]  # the same samples
+    assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=2e-2, abs=1e-4)
+    assert b["optim/grad_norm"] == pytest.approx(a["optim/grad_norm"], rel=2e-2)
+    assert b["mismatch/kl_k3"] < 1e-4  # fp16 trainer vs fp32 engine: small, not zero
+
+
+def test_non_finite_gradient_without_a_loss_scaler_stops_the_run(tmp_path, hf_dir):
+    with pytest.raises(RuntimeError, match="the gradient norm is (inf|nan) under model.dtype=bf16"):
+        run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path),
+                  overrides=["train.steps=2", "model.dtype=bf16", f"model.hf_dir={hf_dir}"], overflow_at_step=1)
