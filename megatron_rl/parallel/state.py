@@ -137,9 +137,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     """
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+        # a single process needs no agreed port: 0 lets the kernel pick a free one, so two runs on
+        # one machine never collide (torchrun sets MASTER_PORT for several processes)
+        os.environ.setdefault("MASTER_PORT", "0" if os.environ["WORLD_SIZE"] == "1" else "29500")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
