@@ -165,7 +165,7 @@ def expand_recipe(data: dict) -> dict:
     for path, value in RECIPES.get(name).implies.items():
         section, key = path.split(".")
         given = (out.get(section) or {}).get(key) if isinstance(out.get(section), dict) else None
-        if given is not None and given != value and given != _default(section, key):
+        if given is not None and given != value:
             raise ConfigError(f"loss.recipe={name} implies {path}={value}, but the config sets {path}={given}; "
                               f"remove one of them")
         out[section] = {**(out.get(section) or {}), key: value}
@@ -189,8 +189,13 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); check the line it names") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, rollout:, ...)")
-    try:  # a precision recipe fills in the fields of its own layer (file, then command line) not set there
-        data = _merge(expand_precision(data), expand_precision(parse_overrides(overrides or [])))
+    cli = parse_overrides(overrides or [])
+    try:  # a recipe fills in the fields of its own layer that the layer does not set itself; a
+        # recipe on the command line replaces the file's recipe (none of its fields survive)
+        if (cli.get("precision") or {}).get("recipe") is not None:
+            data = _merge(data, expand_precision(cli))
+        else:
+            data = _merge(expand_precision(data), cli)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     data = expand_recipe(data)

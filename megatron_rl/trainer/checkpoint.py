@@ -113,13 +113,15 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
     write_json(os.path.join(tmp, "extra", f"rank_{rank:05d}.json"), extra or {})
     if rank == 0:
         for name, obj in (rank0_tensors or {}).items():
-            torch.save(obj, os.path.join(tmp, "extra", f"{name}.pt"))
+            with open(os.path.join(tmp, "extra", f"{name}.pt"), "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
     _barrier()
     build_manifest(tmp, {"run_id": run_id, "step": step, "written_at": time.time()})
     _barrier()
     if rank == 0:
-        if os.path.isdir(final):
-            _set_aside(root, final, run_id)
+        replaced = _set_aside(root, final, run_id) if os.path.isdir(final) else None
         os.replace(tmp, final)
         marker_tmp = os.path.join(root, "latest.tmp")
         with open(marker_tmp, "w") as f:
@@ -128,22 +130,36 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
             os.fsync(f.fileno())
         os.replace(marker_tmp, os.path.join(root, "latest"))
         _fsync_dir(root)
+        if replaced is not None:  # this run's earlier save of the same step: gone only now
+            shutil.rmtree(replaced, ignore_errors=True)
         for old in retired_checkpoints(root, run_id, keep):
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
 
-def _set_aside(root: str, path: str, run_id: str) -> None:
-    """An existing dir at the step being saved: this run's own earlier save of the same step is
-    replaced; anything else (another run's, or unreadable) is moved to previous/, not deleted."""
+def _set_aside(root: str, path: str, run_id: str) -> str | None:
+    """An existing dir at the step being saved is renamed out of the way before the new one takes
+    its name. This run's own earlier save of the same step is returned, to be deleted once the new
+    one is published; anything else (another run's, or unreadable) moves to previous/ and stays."""
     manifest = read_manifest_or_none(path)
     if manifest is not None and manifest.get("run_id") == run_id and run_id:
-        shutil.rmtree(path)
-        return
+        aside = _unique(path + ".replaced")
+        os.replace(path, aside)
+        return aside
     dest = os.path.join(root, "previous", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(dest, exist_ok=True)
-    os.replace(path, os.path.join(dest, os.path.basename(path)))
+    os.replace(path, _unique(os.path.join(dest, os.path.basename(path))))
+    return None
+
+
+def _unique(path: str) -> str:
+    """`path`, or `path.1`, `path.2`, ... : the first that does not exist."""
+    candidate, n = path, 0
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
 
 
 def retired_checkpoints(root: str, run_id: str, keep: int) -> list[str]:
@@ -235,17 +251,18 @@ def resume_checkpoint(root: str, model, optimizer=None, log=print) -> tuple[str,
     first = latest_checkpoint(root)
     if first is None:
         return None
-    run_id = _run_id_of(first)
+    run_id = _run_id_of(first)  # None when its manifest is unreadable: then any older one may serve
     candidates = [first] + [p for p in reversed(complete_checkpoints(root)) if p != first and p < first]
     for path in candidates:
-        if path != first and _run_id_of(path) != run_id:
+        if path != first and run_id is not None and _run_id_of(path) != run_id:
             continue
         try:
             return path, load_checkpoint(path, model, optimizer)
         except CorruptCheckpoint as e:
             if _rank() == 0:
-                log(f"{e}\n  keeping it as {path}.corrupt and trying the previous checkpoint")
-                os.replace(path, path + ".corrupt")
+                aside = _unique(path + ".corrupt")
+                log(f"{e}\n  keeping it as {aside} and trying the previous checkpoint")
+                os.replace(path, aside)
             _barrier()
     raise CheckpointError(f"no checkpoint under {root} passed verification (damaged ones were renamed *.corrupt); "
                           f"restore one or start a fresh run with train.resume=false")

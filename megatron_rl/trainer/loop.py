@@ -128,10 +128,11 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
 
 
 def _rng_state() -> dict:
-    """Host RNG streams as JSON (torch CPU and CUDA generators as byte lists)."""
+    """Host RNG streams as JSON (the torch CPU generator and this rank's CUDA device's, as byte
+    lists; only the rank's own device, so a resume may see a different number of GPUs)."""
     state = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
     if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
@@ -140,7 +141,7 @@ def _set_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 def _jsonable(obj):
@@ -163,6 +164,11 @@ def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = Non
     if mode != "none" and not arch.is_moe:
         raise ValueError(f"moe.router_replay={mode} needs a MoE model; model arch is {arch.arch}")
     resuming = cfg.train.resume and latest_checkpoint(_ckpt_root(cfg)) is not None
+    init = cfg.train.init_checkpoint
+    if not resuming and init and os.path.realpath(init).startswith(os.path.realpath(_ckpt_root(cfg)) + os.sep):
+        raise ValueError(f"train.init_checkpoint={init} lies in {_ckpt_root(cfg)}, which a fresh run moves to "
+                         f"{cfg.train.run_dir}/previous/ before it starts; copy the checkpoint elsewhere, or "
+                         f"continue that run with train.resume=true")
     if rank0 and not resuming:
         moved = run_files.archive_previous_run(cfg.train.run_dir)
         if moved:
@@ -299,17 +305,22 @@ def train(ctx: RunContext) -> dict:
         bar.update(start)
     last, saved = {}, start
     for step in range(start, cfg.train.steps):
+        done = step + 1 == cfg.train.steps
         try:
             metrics = rl_step(ctx, step)
+            if heldout and (done or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)):
+                try:
+                    ctx.schedule.ensure_synced(ctx)  # staged: the engine may still hold the stage's weights
+                    metrics.update(_evaluate_both(ctx, heldout))
+                except RolloutFailed as e:
+                    e.completed_steps = step + 1
+                    raise
         except RolloutFailed as e:
-            # nothing of this step was applied yet: keep what the previous steps learned
-            path = _save(ctx, ckpt_root, step)
-            raise RolloutFailed(f"{e}. Saved a checkpoint of the {step} completed steps to {path}; fix the "
-                                f"engine and rerun with train.resume=true") from e
-        done = step + 1 == cfg.train.steps
-        if heldout and (done or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)):
-            ctx.schedule.ensure_synced(ctx)  # staged: the engine may still hold the stage's weights
-            metrics.update(_evaluate_both(ctx, heldout))
+            # keep what the completed steps learned (a failure before the update leaves `step` of them)
+            completed = e.completed_steps if e.completed_steps is not None else step
+            path = _save(ctx, ckpt_root, completed) if completed != saved else latest_checkpoint(ckpt_root)
+            raise RolloutFailed(f"{e}. Saved a checkpoint of the {completed} completed steps to {path}; fix the "
+                                f"engine and rerun with train.resume=true", completed) from e
         ctx.state["curve"].append({k: metrics[k] for k in ("rollout/reward_mean", "mismatch/kl_k3",
                                                           "eval/heldout_accuracy", "eval/heldout_sampled_accuracy",
                                                           "loss/policy") if k in metrics})

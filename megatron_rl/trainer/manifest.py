@@ -6,8 +6,10 @@
 `manifest.json` lists every file under the checkpoint dir (relative path -> bytes, sha256) plus
 the run's metadata (run id, step, write time). It is written into the temporary directory
 before the directory is renamed into place, so a published checkpoint and its manifest appear
-together. Each rank hashes every world_size-th file (sorted), so hashing a large checkpoint
-costs 1/world_size of reading it once; results meet on every rank with one all_gather_object.
+together. Rank 0 lists the directory and reads the manifest, and every rank uses that one view.
+Each rank hashes every world_size-th file of the list, so hashing a large checkpoint costs
+1/world_size of reading it once; the results meet on every rank with one all_gather_object, so
+every rank reaches the same verdict.
 """
 from __future__ import annotations
 
@@ -60,6 +62,17 @@ def _gather(mine: dict) -> dict:
     return out
 
 
+def _from_rank0(obj):
+    """Rank 0's `obj` on every rank: one directory listing decides for all (a shared filesystem
+    may show a rank a stale listing), so every rank takes the same branch of the collectives."""
+    _, world = _rank_world()
+    if world == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def _hash_share(root: str, files: list[str]) -> dict[str, dict]:
     rank, world = _rank_world()
     share = {}
@@ -72,7 +85,7 @@ def _hash_share(root: str, files: list[str]) -> dict[str, dict]:
 def build_manifest(root: str, meta: dict) -> dict:
     """Collective: hash every file under `root`; rank 0 writes root/manifest.json (fsynced).
     Call after every rank has finished writing into `root` (a barrier)."""
-    files = list_files(root)
+    files = _from_rank0(list_files(root) if _rank_world()[0] == 0 else None)
     manifest = {"format": FORMAT, **meta, "files": _gather(_hash_share(root, files))}
     if _rank_world()[0] == 0:
         write_json(os.path.join(root, MANIFEST), manifest)
@@ -97,14 +110,18 @@ def read_manifest(root: str) -> dict | None:
 def verify_manifest(root: str) -> list[str]:
     """Collective: check every file of `root` against its manifest. Returns the problems (empty
     when the checkpoint is intact), each naming the file; a missing manifest is reported as one."""
-    try:
-        manifest = read_manifest(root)
-    except ValueError as e:
-        return [str(e)]
-    if manifest is None:
-        return [f"{os.path.join(root, MANIFEST)} is missing (not written by this version, or not complete)"]
-    expected = manifest["files"]
-    present = list_files(root)
+    state = None
+    if _rank_world()[0] == 0:
+        try:
+            manifest = read_manifest(root)
+            state = ([f"{os.path.join(root, MANIFEST)} is missing (not written by this version, or not complete)"]
+                     if manifest is None else (manifest["files"], list_files(root)))
+        except ValueError as e:
+            state = [str(e)]
+    state = _from_rank0(state)
+    if isinstance(state, list):
+        return state
+    expected, present = state
     problems = [f"{os.path.join(root, rel)} is missing" for rel in sorted(set(expected) - set(present))]
     problems += [f"{os.path.join(root, rel)} is not in the manifest" for rel in sorted(set(present) - set(expected))]
     rank, world = _rank_world()

@@ -120,7 +120,9 @@ def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
     values = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy, seq=batch.seq,
                            staleness=batch.staleness, max_staleness=ctx.schedule.max_staleness)
     lo, hi = ratio_quantiles(old - local.rollout_logprobs, local.loss_mask)  # quantiles do not reduce:
-    values["mismatch/w/p01/min"], values["mismatch/w/p99/max"] = lo, hi  # the most extreme rank's
+    if not bool(local.loss_mask.any()):  # the most extreme rank's; a rank with no tokens has none
+        lo, hi = torch.full_like(lo, math.inf), torch.full_like(hi, -math.inf)
+    values["mismatch/w/p01/min"], values["mismatch/w/p99/max"] = lo, hi
     return OldPolicy(old, values)
 
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from megatron_rl.metrics.reduce import accumulate
+from megatron_rl.metrics.reduce import accumulate, reduce_metrics
 from megatron_rl.moe import (
     RolloutRouting,
     RouterReplayController,
@@ -117,7 +117,10 @@ class R3Replay(_Replay):
         routing = RolloutRouting.from_samples(samples, local.input_len + 1).select(rows)
         slices = self._slices(local, settings)
         live = [None] * len(slices)
-        if live_routing_needed(routing):  # positions without engine routing take θ_old's live choice
+        # positions without engine routing take θ_old's live choice; every rank decides alike (the
+        # recording pass runs the model's collectives, e.g. EP all-to-alls)
+        needed = torch.tensor(float(live_routing_needed(routing)), dtype=torch.float64)
+        if reduce_metrics({"needed/max": needed})["needed/max"] > 0:
             with ctl.record() as live:
                 logprob_pass(policy.model, groups, local, settings, need_entropy=False, wrap_step=self.wrap)
         self._routing = [replay_routing(routing.select(sl), layout, ctl.layer_ids, ctl.num_experts, live=live[j])

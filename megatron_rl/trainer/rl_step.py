@@ -39,7 +39,11 @@ def rl_step(ctx, step: int) -> dict[str, float]:
     with timed(times, "train"):
         updates = phases.update(ctx, batch, old)
     with timed(times, "weight_sync"):
-        phases.sync(ctx)
+        try:
+            phases.sync(ctx)
+        except RolloutFailed as e:  # this step's update is in the weights: a checkpoint keeps it
+            e.completed_steps = step + 1
+            raise
     metrics = phases.step_metrics(ctx, rollout, batch, old, updates)
     metrics.update(times)
     metrics["timing/step"] = time.perf_counter() - t_step

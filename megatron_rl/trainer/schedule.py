@@ -40,13 +40,11 @@ import threading
 import torch
 
 from megatron_rl.rollout.types import Sample, SamplingParams
-from megatron_rl.trainer.rollout_io import broadcast, generate_and_score, sync_weights
+from megatron_rl.trainer.rollout_io import RolloutFailed, broadcast, on_rank0, sample, score, sync_weights
 
+__all__ = ["SCHEDULES", "AsyncSchedule", "Rollout", "RolloutFailed", "StagedSchedule", "SyncSchedule", "make_schedule",
+           "staleness"]
 SCHEDULES = ("sync", "staged", "async")
-
-
-class RolloutFailed(RuntimeError):
-    """The engine could not produce a step's samples (after its own restarts/retries)."""
 
 
 @dataclasses.dataclass
@@ -65,32 +63,34 @@ def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
                           return_kept_ids=keep, logprobs_mode="processed" if keep else "raw")
 
 
-def generate_batches(ctx, steps: list[int]) -> list[Rollout]:
+@dataclasses.dataclass
+class Sampled:
+    """Rank 0: the engine's samples of `steps` (one call), not yet scored."""
+
+    steps: list[int]
+    examples: list
+    samples: list[Sample]
+
+
+def sample_batches(ctx, steps: list[int]) -> Sampled:
     """Rank 0: the batches of `steps` from ONE engine call with the engine's current weights
-    (sampling seeded by the first step), split back per step."""
+    (sampling seeded by the first step)."""
     cfg = ctx.cfg
-    per_step = [ctx.prompts.batch(step, cfg.rollout.prompts_per_step) for step in steps]
-    examples = [e for batch in per_step for e in batch]
-    samples, rewards = generate_and_score(ctx.engine, ctx.tokenizer, examples, cfg.rollout.group_size,
-                                          sampling_for(cfg, ctx.tokenizer, steps[0]), ctx.rewards)
+    examples = [e for step in steps for e in ctx.prompts.batch(step, cfg.rollout.prompts_per_step)]
+    samples = sample(ctx.engine, ctx.tokenizer, examples, cfg.rollout.group_size,
+                     sampling_for(cfg, ctx.tokenizer, steps[0]))
+    return Sampled(steps, examples, samples)
+
+
+def score_batches(ctx, sampled: Sampled) -> dict[int, Rollout]:
+    """Rank 0, main thread: rewards, split back per step."""
+    cfg = ctx.cfg
+    rewards = score(ctx.tokenizer, sampled.examples, sampled.samples, cfg.rollout.group_size, ctx.rewards)
     stats = ctx.rewards.stats()
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    return [Rollout(samples[i * n:(i + 1) * n], torch.tensor(rewards[i * n:(i + 1) * n], dtype=torch.float32),
-                    stats if i == 0 else {}) for i in range(len(steps))]
-
-
-def _share(ctx, step: int, make) -> Rollout:
-    """Every rank gets rank 0's `make()` result, or RolloutFailed (no rank is left waiting)."""
-    payload = None
-    if ctx.engine is not None:
-        try:
-            payload = make()
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            payload = RolloutFailed(f"rollout engine failed at step {step + 1}: {type(e).__name__}: {e}")
-    payload = broadcast(payload)
-    if isinstance(payload, RolloutFailed):
-        raise payload
-    return payload
+    return {step: Rollout(sampled.samples[i * n:(i + 1) * n],
+                          torch.tensor(rewards[i * n:(i + 1) * n], dtype=torch.float32), stats if i == 0 else {})
+            for i, step in enumerate(sampled.steps)}
 
 
 class SyncSchedule:
@@ -105,7 +105,7 @@ class SyncSchedule:
         self.weight_syncs = 0
 
     def rollout(self, ctx, step: int) -> Rollout:
-        return _share(ctx, step, lambda: self._take(ctx, step))
+        return on_rank0(f"at step {step + 1}", lambda: self._take(ctx, step))
 
     def _take(self, ctx, step: int) -> Rollout:
         if step not in self.pending:
@@ -117,7 +117,7 @@ class SyncSchedule:
 
     def _generate(self, ctx, steps: list[int]) -> None:
         self.generate_calls += 1
-        self.pending.update(zip(steps, generate_batches(ctx, steps), strict=True))
+        self.pending.update(score_batches(ctx, sample_batches(ctx, steps)))
 
     def after_update(self, ctx) -> None:
         ctx.policy_version += 1
@@ -176,7 +176,8 @@ class StagedSchedule(SyncSchedule):
 
 
 class AsyncSchedule(SyncSchedule):
-    """Batch t + s is generated in the background while step t trains, from version t."""
+    """Batch t + s is sampled in the background while step t trains, from version t; it is scored
+    on the main thread once sampling is done (the math reward's time limit needs the main thread)."""
 
     name = "async"
 
@@ -184,6 +185,8 @@ class AsyncSchedule(SyncSchedule):
         super().__init__()
         self.max_staleness = max_staleness
         self._worker: threading.Thread | None = None
+        self._ctx = None
+        self._sampled: Sampled | None = None
         self._error: BaseException | None = None
 
     def _take(self, ctx, step: int) -> Rollout:
@@ -196,6 +199,8 @@ class AsyncSchedule(SyncSchedule):
             self._generate(ctx, missing)
         ahead = step + self.max_staleness
         if ahead < ctx.cfg.train.steps and ahead not in self.pending:
+            self.generate_calls += 1
+            self._ctx = ctx  # scored with it in wait()
             self._worker = threading.Thread(target=self._background, args=(ctx, ahead), daemon=True,
                                             name="rollout-generation")
             self._worker.start()
@@ -203,15 +208,23 @@ class AsyncSchedule(SyncSchedule):
 
     def _background(self, ctx, step: int) -> None:
         try:
-            self._generate(ctx, [step])
+            self._sampled = sample_batches(ctx, [step])
         except Exception as e:  # noqa: BLE001 - reported on rank 0's next rollout()
             self._error = e
 
-    def wait(self) -> None:
-        """Until the background generation (if any) has finished."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the background sampling (if any) has finished; then score it (main thread)."""
         if self._worker is not None:
-            self._worker.join()
+            self._worker.join(timeout)
+            if self._worker.is_alive():  # only on the way out (close): a daemon thread
+                return
             self._worker = None
+        if self._sampled is not None:
+            sampled, self._sampled = self._sampled, None
+            try:
+                self.pending.update(score_batches(self._ctx, sampled))
+            except Exception as e:  # noqa: BLE001 - reported on rank 0's next rollout()
+                self._error = e
 
     def after_update(self, ctx) -> None:
         self.wait()  # the engine must be idle before its weights change
@@ -221,7 +234,7 @@ class AsyncSchedule(SyncSchedule):
         self.sync(ctx)
 
     def close(self) -> None:
-        self.wait()
+        self.wait(timeout=10.0)  # on the way out after an error: do not wait for a long generation
 
 
 def make_schedule(cfg) -> SyncSchedule:

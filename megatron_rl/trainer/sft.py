@@ -6,6 +6,7 @@ then stops (`target_accuracy`) so that RL has room to show what it adds.
 """
 from __future__ import annotations
 
+import signal
 import time
 
 import torch
@@ -24,6 +25,7 @@ from megatron_rl.trainer.batch import (
 )
 from megatron_rl.trainer.passes import PassSettings, reduce_dp, train_pass
 from megatron_rl.trainer.rollout_io import evaluate, sync_weights
+from megatron_rl.trainer.stop import Stopped
 
 
 def sft_samples(tokenizer, examples) -> list[Sample]:
@@ -74,6 +76,9 @@ def run_sft(ctx, eval_examples, progress=None) -> dict:
             progress.update(1)
             progress.set_postfix(nll=f"{float(nll):.3f}", acc=f"{acc:.2f}")
         ctx.sink.log(step, {"sft/nll": float(nll)}, phase="sft")
+        if ctx.stop.agreed(nll.device):
+            raise Stopped(ctx.stop.signum, f"stopped by {signal.Signals(ctx.stop.signum).name} during the SFT warm "
+                                           f"start (step {step} of {sft.steps}); nothing was saved: rerun to start over")
         if step == sft.steps or (sft.eval_every and step % sft.eval_every == 0):  # 0: only at the end
             sync_weights(policy, ctx.engine, ctx.policy_version)
             acc = evaluate(ctx.engine, ctx.tokenizer, eval_examples, ctx.rewards, cfg.rollout.max_tokens)

@@ -9,13 +9,16 @@
 SLURM and torchrun send SIGTERM to every rank before they kill it; a user presses Ctrl-C. Both
 set a flag: the loop finishes the step in flight (so no half-applied update is ever saved), all
 ranks agree on the flag with one MAX all-reduce, save a checkpoint of the completed steps, and
-raise `Stopped`. A second signal raises KeyboardInterrupt at once: nothing is saved, and the
-exit paths (finally blocks, atexit) still stop the rollout engine and reap child processes.
+raise `Stopped`. A second Ctrl-C raises KeyboardInterrupt at once: nothing is saved, and the exit
+paths (finally blocks, atexit) still stop the rollout engine and reap child processes. Repeated
+SIGTERMs are one request: SLURM signals every process of a step and torchrun forwards the signal
+to its workers, so a rank may get it twice in a row. The launcher's own grace period (torchrun:
+30 s before SIGKILL; SLURM: KillWait) bounds how long the step may take to finish and save.
 """
 from __future__ import annotations
 
+import os
 import signal
-import sys
 import threading
 
 import torch
@@ -54,10 +57,14 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now without saving")
+            if signum == signal.SIGINT and self.signum == signal.SIGINT:
+                raise KeyboardInterrupt("second Ctrl-C: stopping now without saving")
+            return  # a duplicate SIGTERM from the launcher: the first one is being honoured
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name} received: stopping after the current step and saving a checkpoint "
-              f"(send it again to stop at once without saving)", file=sys.stderr, flush=True)
+        again = " (Ctrl-C again to stop at once without saving)" if signum == signal.SIGINT else ""
+        # os.write, not print: a signal handler may interrupt a print (a tqdm bar) on stderr
+        os.write(2, f"\n{signal.Signals(signum).name} received: stopping after the current step and saving a "
+                    f"checkpoint{again}\n".encode())
 
     def agreed(self, device: torch.device | str = "cpu") -> bool:
         """Collective over the world: True on every rank when any rank got a signal."""

@@ -131,6 +131,15 @@ def test_4_corrupt_bytes_fall_back_to_the_previous_good_checkpoint(finished_run,
     assert metric_steps(r) == [1, 2, 3]  # the redone step 2 is logged once
 
 
+def test_4_an_unreadable_manifest_falls_back_too(finished_run, tmp_path):
+    """Even when the newest checkpoint's manifest itself is cut short (its run id unreadable)."""
+    r = copy_of(finished_run, tmp_path)
+    manifest = r / "checkpoints" / "iter_0000002" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    proc = ok(run(r, "train.steps=3", "train.resume=true"))
+    assert "manifest.json is damaged" in proc.stderr and "iter_0000001 at step 1" in proc.stdout
+
+
 # ---- 5: an unwritable checkpoint directory stops the run before any step
 def test_5_unwritable_checkpoints_fail_at_start_up(tmp_path):
     r = tmp_path / "R"

@@ -44,3 +44,9 @@ def test_recipe_defaults_and_overrides():
     assert r.agg_params == {"l_norm": 12.0}
     r = resolve_loss(LossSection(recipe="dapo", surrogate_params={"eps_high": 0.3}), 8)
     assert r.surrogate_params == {"eps_low": 0.2, "eps_high": 0.3}
+
+
+def test_recipe_implications_conflict_even_with_the_default_value():
+    with pytest.raises(ConfigError, match="loss.recipe=minirl_r3 implies moe.router_replay=r3"):
+        load_config(None, ["loss.recipe=minirl_r3", "moe.router_replay=none"])
+    assert load_config(None, ["loss.recipe=minirl_r3"]).moe.router_replay == "r3"

@@ -31,6 +31,9 @@ def test_fields_override_the_recipe_of_their_layer(tmp_path):
     path.write_text("precision: {recipe: bf16}\nrollout: {dtype: fp32}\n")  # in the file, the file's field wins
     cfg = load_config(str(path))
     assert (cfg.model.dtype, cfg.rollout.dtype) == ("bf16", "fp32")
+    path.write_text("precision: {recipe: bf16_fp32head}\n")  # a command-line recipe replaces the file's:
+    cfg = load_config(str(path), ["precision.recipe=fp16"])   # none of its settings survive
+    assert (cfg.model.dtype, cfg.precision.fp32_lm_head) == ("fp16", False)
 
 
 @pytest.mark.parametrize("overrides,msg", [
