@@ -276,6 +276,9 @@ def _start(ctx: RunContext, heldout) -> int:
             return start
     if cfg.train.init_checkpoint:
         load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model)
+        # bf16/fp16: the optimizer keeps fp32 master copies of the weights it was built with; a
+        # fresh one starts from the loaded weights (else its first step would restore the old ones)
+        ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)
     if cfg.sft.steps > 0:
         bar = _progress(cfg.sft.steps, "SFT", show_progress(cfg))
         ctx.state["sft"] = run_sft(ctx, heldout, bar)
