@@ -260,7 +260,9 @@ def test_10_truncated_jsonl_says_so(tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n" + '{"prompt": "2+')
     proc = run(tmp_path / "R", f"data.jsonl={data}", "train.steps=1")
-    assert proc.returncode == 1 and f"{data}:2" in proc.stderr and "truncated" in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert f"{data}:2" in line and "is the file truncated?" in line
 
 
 # ---- 12: a log file gets step lines, not carriage-return redraws
