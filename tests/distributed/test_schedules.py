@@ -82,3 +82,22 @@ def test_two_data_parallel_ranks_match_one(tmp_path, name):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), (a["step"], k)
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("name,stale_steps", [("sync", []), ("staged", [2]), ("async", [2])])
+def test_which_policies_the_losses_compare(tmp_path, name, stale_steps):
+    """fp32 engine and trainer: μ and π_old agree to ~1e-6 when the batch comes from the current
+    weights; a stale batch keeps its behaviour μ (version 0) while π_old is recomputed with the
+    current weights, so |log π_old − log μ| is the staleness (lr 1e-2 moves it well above 1e-3),
+    all of it in the staleness-1 split."""
+    overrides = {"sync": [], "staged": ["train.schedule=staged", "train.stages=1"],
+                 "async": ["train.schedule=async", "train.max_staleness=1"]}[name]
+    [(_, steps)] = run_ranks(_run, world_size=1, timeout=300, overrides=overrides + ["train.steps=2"],
+                             run_dir=str(tmp_path))
+    for s in steps:
+        gap = s["mismatch/abs_logprob_diff"]
+        if s["step"] in stale_steps:
+            assert gap > 1e-3, (s["step"], gap)
+            assert s["mismatch/staleness_1/abs_logprob_diff"] == pytest.approx(gap, rel=1e-9)
+        else:
+            assert gap < 1e-5, (s["step"], gap)
