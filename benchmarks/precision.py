@@ -63,20 +63,27 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 def measure(args, work: str) -> tuple[list[dict], str]:
-    base = run(args, os.path.join(work, "sft"), ["train.steps=0", "precision.recipe=fp32"])
-    checkpoint = base["sft"]["checkpoint"]
-    print(f"SFT warm start: {base['sft']['steps']} steps -> {checkpoint}", flush=True)
+    if not args.reuse:
+        base = run(args, os.path.join(work, "sft"), ["train.steps=0", "precision.recipe=fp32"])
+        checkpoint = base["sft"]["checkpoint"]
+        print(f"SFT warm start: {base['sft']['steps']} steps -> {checkpoint}", flush=True)
     results, dirs = [], []
     for recipe in RECIPES:
         run_dir = os.path.join(work, recipe)
-        t0 = time.perf_counter()
-        summary = run(args, run_dir, [f"train.init_checkpoint={checkpoint}", "sft.steps=0", f"train.steps={args.steps}",
-                                      f"precision.recipe={recipe}"])
+        if args.reuse:
+            with open(os.path.join(run_dir, "summary.json")) as f:
+                summary = json.load(f)
+        else:
+            summary = run(args, run_dir, [f"train.init_checkpoint={checkpoint}", "sft.steps=0",
+                                          f"train.steps={args.steps}", f"precision.recipe={recipe}"])
         rows = read_history(run_dir)
+        first = rows[:1]  # step 1: every recipe starts from the same weights and prompts
         results.append({"recipe": recipe, "kl_k3": _mean(rows, "mismatch/kl_k3"),
                         "abs": _mean(rows, "mismatch/abs_logprob_diff"), "abs_low": low_mu_abs_diff(rows),
                         "route": _mean(rows, "moe/route_agree_rollout_train"),
-                        "reward": summary["reward_last"], "seconds": time.perf_counter() - t0})
+                        "kl_k3_1": _mean(first, "mismatch/kl_k3"), "abs_1": _mean(first, "mismatch/abs_logprob_diff"),
+                        "abs_low_1": low_mu_abs_diff(first), "route_1": _mean(first, "moe/route_agree_rollout_train"),
+                        "reward": summary["reward_last"]})
         dirs.append(run_dir)
         print(f"{recipe}: KL k3 {results[-1]['kl_k3']:.3e}", flush=True)
     side_by_side = compare_table({os.path.basename(d): read_history(d) for d in dirs})
@@ -84,13 +91,16 @@ def measure(args, work: str) -> tuple[list[dict], str]:
 
 
 def table(results: list[dict], side_by_side: str, args) -> str:
+    head = ("| recipe | KL k3 | mean \\|Δlogp\\| | mean \\|Δlogp\\|, μ < 0.01 | routing agreement |", "|---|---|---|---|---|")
     lines = [(f"Precision recipes on `{args.config}`, {args.steps} RL steps each from one fp32 SFT checkpoint, "
               f"same seed; {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, embedded engine."), "",
-             "| recipe | KL k3 | mean \\|Δlogp\\| | mean \\|Δlogp\\|, μ < 0.01 | routing agreement | reward (last steps) |",
-             "|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['recipe']} | {r['kl_k3']:.2e} | {r['abs']:.2e} | {r['abs_low']:.2e} | {r['route']:.4f} "
-                     f"| {r['reward']:.3f} |")
+             "Step 1 (the same weights and prompts for every recipe: the numerics alone):", "", *head]
+    lines += [f"| {r['recipe']} | {r['kl_k3_1']:.2e} | {r['abs_1']:.2e} | {r['abs_low_1']:.2e} | {r['route_1']:.4f} |"
+              for r in results]
+    lines += ["", f"Mean over the {args.steps} steps (the runs diverge after step 1), and the reward:", "",
+              head[0] + " reward (last steps) |", head[1] + "---|"]
+    lines += [f"| {r['recipe']} | {r['kl_k3']:.2e} | {r['abs']:.2e} | {r['abs_low']:.2e} | {r['route']:.4f} "
+              f"| {r['reward']:.3f} |" for r in results]
     return "\n".join(lines + ["", "```", side_by_side, "```"])
 
 
@@ -101,7 +111,10 @@ def main(argv=None) -> int:
     p.add_argument("--override", action="append", default=[], help="extra section.field=value for every run")
     p.add_argument("--out", default=None, help="also write the table (Markdown) here")
     p.add_argument("--work-dir", default=None, help="keep the runs here (default: a temporary folder)")
+    p.add_argument("--reuse", action="store_true", help="with --work-dir: tabulate the runs already there")
     args = p.parse_args(argv)
+    if args.reuse and not args.work_dir:
+        p.error("--reuse needs --work-dir")
     if args.work_dir:
         os.makedirs(args.work_dir, exist_ok=True)
         results, side = measure(args, args.work_dir)
