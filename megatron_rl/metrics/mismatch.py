@@ -11,7 +11,8 @@ after `accumulate` over micro-batches, `reduce_metrics` over ranks and `finish` 
         7 buckets, lower edge inclusive)
     mismatch/turn/{first,later}/{tokens,kl_k3,kl_k1,abs_logprob_diff}   (first assistant turn vs later)
     mismatch/staleness_<s>/{tokens,kl_k3,kl_k1,abs_logprob_diff,w/mean,r/mean,rho/mean}   (off-policy
-        schedules: the rows generated s trainer versions ago)
+        schedules: the rows generated s trainer versions ago; staleness_<lo>-<hi> for the ranges
+        2-3, 4-7, ... of `staleness_buckets`)
 
 Quantiles do not reduce exactly: `ratio_quantiles` gives rank-local ones, which the trainer
 logs as the most extreme over ranks (`mismatch/w/p01/min`, `mismatch/w/p99/max`). Sequence
@@ -62,6 +63,17 @@ def ratio_quantiles(log_ratio: Tensor, mask: Tensor, qs: Sequence[float] = (0.01
     return out
 
 
+def staleness_buckets(max_staleness: int) -> list[tuple[int, int]]:
+    """Inclusive staleness ranges 0, 1, 2-3, 4-7, ... up to max_staleness (a long stage gets a
+    handful of buckets, not one per version)."""
+    out, lo = [], 0
+    while lo <= max_staleness:
+        hi = min(max_staleness, max(lo, 2 * lo - 1))
+        out.append((lo, hi))
+        lo = hi + 1
+    return out
+
+
 def _kl_terms(d: Tensor, m: Tensor, prefix: str) -> dict[str, Tensor]:
     z = torch.zeros((), dtype=_F64, device=d.device)
     n = m.sum(dtype=_F64)
@@ -95,8 +107,8 @@ def mismatch_sums(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, 
     old_logprobs, rollout_logprobs, mask: [B, T]. Optional: logprobs [B, T] (π_θ: adds r and ρ stats),
     turn_ids [B, T] int (0 = first assistant turn, > 0 later turns, < 0 ignored), entropy [B, T] (H of
     π_θ per token), staleness [B] int (versions since each row was generated: adds the KL and the
-    w (and r, ρ) means of every staleness 0..max_staleness as mismatch/staleness_<s>/...; off when
-    max_staleness is 0). Buckets by μ_t = exp(log μ_t): bucket k holds edges[k-1] ≤ μ < edges[k].
+    w (and r, ρ) means per `staleness_buckets(max_staleness)` as mismatch/staleness_<s>/... or
+    mismatch/staleness_<lo>-<hi>/...; off when max_staleness is 0). Buckets by μ_t = exp(log μ_t): bucket k holds edges[k-1] ≤ μ < edges[k].
     """
     m = mask.bool()
     d = _delta(old_logprobs, rollout_logprobs, m)
@@ -131,9 +143,9 @@ def mismatch_sums(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, 
             ratios["r"] = _delta(logprobs, old_logprobs, m)
             ratios["rho"] = _delta(logprobs, rollout_logprobs, m)
         stale = staleness.to(d.device)[:, None]
-        for s in range(max_staleness + 1):
-            ms = m & (stale == s)
-            prefix = f"mismatch/staleness_{s}"
+        for lo, hi in staleness_buckets(max_staleness):
+            ms = m & (stale >= lo) & (stale <= hi)
+            prefix = f"mismatch/staleness_{lo}" if lo == hi else f"mismatch/staleness_{lo}-{hi}"
             out.update(_kl_terms(d, ms, prefix))
             for name, lr in ratios.items():
                 x = torch.where(ms, torch.exp(lr.clamp(-_LOG_CLAMP, _LOG_CLAMP)), z)

@@ -189,3 +189,13 @@ def test_split_by_staleness_hand_computed():
     _close(out["mismatch/staleness_1/rho/mean"], (4 + 0.5) / 2)
     assert out["mismatch/staleness_2/tokens"] == 0 and out["mismatch/staleness_2/kl_k3"] == 0.0
     assert not any("staleness" in k for k in finish(lib.mismatch_sums(old, ro, m, staleness=torch.tensor([1, 0]))))
+
+
+def test_staleness_buckets_grow_geometrically():
+    assert lib.staleness_buckets(0) == [(0, 0)]
+    assert lib.staleness_buckets(3) == [(0, 0), (1, 1), (2, 3)]
+    assert lib.staleness_buckets(74)[-2:] == [(32, 63), (64, 74)]
+    old = torch.zeros(3, 1)
+    out = finish(lib.mismatch_sums(old, old - 0.1, torch.ones(3, 1, dtype=torch.bool),
+                                   staleness=torch.tensor([0, 2, 3]), max_staleness=3))
+    assert out["mismatch/staleness_2-3/tokens"] == 2 and out["mismatch/staleness_1/tokens"] == 0
