@@ -18,10 +18,12 @@ import tempfile
 
 import torch
 
+from megatron_rl.model.arch import ARCHS
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=["qwen3", "qwen3_moe"], default="qwen3_moe")
+    p.add_argument("--arch", choices=ARCHS, default="qwen3_moe")
     p.add_argument("--size", default="tiny", help="named preset size for the random model (tiny, small)")
     p.add_argument("--hf-dir", default=None, help="load this HF checkpoint instead of a random model")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings (random model)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.config import checks
+from megatron_rl.model.arch import ARCHS, FAMILIES
 from megatron_rl.parallel import ParallelConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -20,7 +21,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 class ModelSection:
     """The policy model.
 
-    arch: "qwen3" | "qwen3_moe" (random init from a preset size) — ignored when hf_dir is set.
+    arch: "qwen3" | "qwen3_moe" | "llama" | "qwen2" | "mixtral" (random init from a preset size) —
+        ignored when hf_dir is set (its config.json names the family).
     size: preset size name (megatron_rl/model/presets.py).
     hf_dir: start from this Hugging Face checkpoint directory (config.json + safetensors).
     overrides: ModelArch field overrides on top of the preset (e.g. {num_layers: 4}).
@@ -39,7 +41,7 @@ class ModelSection:
 
     def __post_init__(self):
         if self.hf_dir is None:
-            checks.choice("model.arch", self.arch, ("qwen3", "qwen3_moe"))
+            checks.choice("model.arch", self.arch, ARCHS)
         checks.choice("model.dtype", self.dtype, DTYPES)
         checks.number("model.init_std", self.init_std, lo=0, lo_open=True)
         checks.number("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, lo=0)
@@ -385,9 +387,10 @@ class RunConfig:
         if n % self.train.num_minibatches:
             raise ValueError(f"rollout.prompts_per_step x rollout.group_size = {n} samples per step do not split "
                              f"into train.num_minibatches={self.train.num_minibatches}; choose a divisor of {n}")
-        if self.moe.router_replay != "none" and self.model.hf_dir is None and self.model.arch != "qwen3_moe":
+        if (self.moe.router_replay != "none" and self.model.hf_dir is None
+                and not FAMILIES[self.model.arch].moe):
             raise ValueError(f"moe.router_replay={self.moe.router_replay} needs a MoE model; model.arch="
-                             f"{self.model.arch}. Use model.arch=qwen3_moe or moe.router_replay=none")
+                             f"{self.model.arch}. Use model.arch=qwen3_moe (or mixtral) or moe.router_replay=none")
         if self.moe.router_replay == "r3" and self.rollout.backend == "vllm":
             raise ValueError("moe.router_replay=r3 needs routing from the rollout engine; vLLM on the CPU lane "
                              "cannot return routed experts. Use rollout.backend=embedded or router_replay=r2")

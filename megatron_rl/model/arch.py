@@ -1,29 +1,70 @@
 """Architecture description shared by the megatron-core builder, the HF mappings and the engines.
 
 `ModelArch` is the single source of truth for shapes. It converts to and from the Hugging Face
-config of each supported architecture (`qwen3` dense, `qwen3_moe`).
+config of each supported family (`FAMILIES`): Qwen3 and Qwen3-MoE, Llama 3, Qwen2 / Qwen2.5 and
+Mixtral. All are pre-norm RMSNorm decoders with SwiGLU MLPs, RoPE and grouped-query attention;
+they differ in the switches a `Family` records (QK-norm, qkv bias, MoE) and in their HF names
+(mappings/). Features megatron-core cannot express for a family are refused in
+`from_hf_config` with the reason, never silently dropped.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-ARCHS = ("qwen3", "qwen3_moe")
+
+@dataclass(frozen=True)
+class Family:
+    """What one HF model family fixes, beyond the shapes.
+
+    hf_architecture: the `architectures` entry of its config.json (the HF model class).
+    moe: every (or every sparse-step) layer has a routed-expert MLP.
+    qk_norm: RMSNorm on each query and key head before RoPE (Qwen3).
+    qkv_bias: biases on the q, k and v projections only (Qwen2 / Qwen2.5).
+    """
+
+    hf_architecture: str
+    moe: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", moe=True, qk_norm=True),
+    "llama": Family("LlamaForCausalLM"),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True),
+    "mixtral": Family("MixtralForCausalLM", moe=True),
+}
+ARCHS = tuple(FAMILIES)
+
+# Families users ask for that megatron-core's GPTModel specs cannot build here, and why.
+UNSUPPORTED = {
+    "deepseek_v3": "multi-latent attention, the sigmoid router with expert bias and the first dense "
+                   "layers are not mapped yet (megatron-core builds them with MLATransformerConfig)",
+}
+
+# megatron-core's RotaryEmbedding applies Llama 3.x frequency scaling with only the factor
+# configurable; the other three constants are fixed in its `_apply_scaling`.
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Decoder-only transformer shape (Qwen3 family: RMSNorm, SwiGLU, RoPE, GQA, QK-norm).
+    """Decoder-only transformer shape (RMSNorm, SwiGLU, RoPE, GQA; per-family switches in FAMILIES).
 
-    arch: "qwen3" (dense) or "qwen3_moe".
+    arch: a key of FAMILIES ("qwen3", "qwen3_moe", "llama", "qwen2", "mixtral").
     vocab_size: V; must be divisible by TP (vocab-parallel embedding and output layer).
     hidden_size: H.  num_layers: L.  num_attention_heads / num_kv_heads: GQA heads.
     head_dim: per-head size (Qwen3 decouples it from H / heads).
-    ffn_hidden_size: dense SwiGLU intermediate size (also used by dense layers of a MoE model).
-    num_experts, moe_ffn_hidden_size, moe_topk: MoE layers (arch qwen3_moe).
-    norm_topk_prob: renormalise the top-k softmax probabilities to sum to 1 (Qwen3-MoE default).
+    ffn_hidden_size: dense SwiGLU intermediate size (also used by dense layers of a MoE model;
+        Mixtral has none, so there it is set to moe_ffn_hidden_size).
+    rope_llama3_factor: Llama 3.x RoPE frequency scaling with this factor (0: none).
+    num_experts, moe_ffn_hidden_size, moe_topk: MoE layers (MoE families).
+    norm_topk_prob: renormalise the top-k softmax probabilities to sum to 1 (Qwen3-MoE default;
+        Mixtral always).
     mlp_only_layers: layer indices that stay dense in a MoE model (HF `mlp_only_layers`).
     decoder_sparse_step: HF Qwen-MoE: layer i is MoE when (i + 1) % step == 0.
-    moe_shared_expert_ffn_hidden_size: 0 = no shared expert (Qwen3-MoE has none).
+    moe_shared_expert_ffn_hidden_size: 0 = no shared expert (Qwen3-MoE and Mixtral have none).
     tie_word_embeddings: output layer shares the embedding weight.
     """
 
@@ -37,6 +78,7 @@ class ModelArch:
     ffn_hidden_size: int = 128
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_llama3_factor: float = 0.0
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
     num_experts: int = 0
@@ -48,21 +90,36 @@ class ModelArch:
     moe_shared_expert_ffn_hidden_size: int = 0
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"model.arch={self.arch!r} is not supported; choose one of {ARCHS}")
+        if self.arch not in FAMILIES:
+            why = f" ({UNSUPPORTED[self.arch]})" if self.arch in UNSUPPORTED else ""
+            raise ValueError(f"model.arch={self.arch!r} is not supported{why}; choose one of {ARCHS}")
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"model.num_kv_heads ({self.num_kv_heads})")
+        if self.rope_llama3_factor and self.arch != "llama":
+            raise ValueError(f"model.rope_llama3_factor is Llama 3 RoPE scaling; model.arch={self.arch} has none")
         if self.is_moe:
             if self.num_experts < 1 or self.moe_ffn_hidden_size < 1:
-                raise ValueError("model.arch=qwen3_moe needs model.num_experts >= 1 and model.moe_ffn_hidden_size >= 1")
+                raise ValueError(f"model.arch={self.arch} needs model.num_experts >= 1 and "
+                                 "model.moe_ffn_hidden_size >= 1")
             if not 1 <= self.moe_topk <= self.num_experts:
                 raise ValueError(f"model.moe_topk={self.moe_topk} must be in [1, num_experts={self.num_experts}]")
+        if self.arch == "mixtral" and (self.mlp_only_layers or self.decoder_sparse_step != 1
+                                       or self.moe_shared_expert_ffn_hidden_size or not self.norm_topk_prob):
+            raise ValueError("model.arch=mixtral has a renormalised top-k MoE MLP in every layer and no shared "
+                             "expert: leave mlp_only_layers, decoder_sparse_step, "
+                             "moe_shared_expert_ffn_hidden_size and norm_topk_prob at their defaults")
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.arch == "mixtral":  # no dense MLP: HF's intermediate_size is the experts' size
+            object.__setattr__(self, "ffn_hidden_size", self.moe_ffn_hidden_size)
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.arch]
 
     @property
     def is_moe(self) -> bool:
-        return self.arch == "qwen3_moe"
+        return self.family.moe
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` (0-based) has a MoE MLP (HF Qwen-MoE rule)."""
@@ -70,15 +127,15 @@ class ModelArch:
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
     def num_parameters(self, active: bool = False) -> int:
-        """Parameters of the model (no linear biases; QK-norm; RMSNorm weights included).
+        """Parameters of the model (RMSNorm weights, QK-norms and qkv biases where the family has them).
 
         active: count only the moe_topk routed experts of each MoE layer (the parameters one
         token passes through), as MoE model names such as "30B-A3B" do.
         """
         h, d = self.hidden_size, self.head_dim
-        attention = (h * d * (self.num_attention_heads + 2 * self.num_kv_heads)  # q, k, v
-                     + self.num_attention_heads * d * h  # output projection
-                     + 2 * d)  # q/k norms
+        qkv_rows = d * (self.num_attention_heads + 2 * self.num_kv_heads)
+        attention = (h * qkv_rows + self.num_attention_heads * d * h  # q, k, v and output projection
+                     + (2 * d if self.family.qk_norm else 0) + (qkv_rows if self.family.qkv_bias else 0))
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h  # + final norm
         for layer in range(self.num_layers):
             total += attention + 2 * h  # + input and pre-MLP norms
@@ -97,47 +154,91 @@ class ModelArch:
 
     # ---- Hugging Face configs ---------------------------------------------------------------
     def to_hf_config(self, **extra):
-        """The matching `transformers` config (Qwen3Config / Qwen3MoeConfig)."""
-        from transformers import Qwen3Config, Qwen3MoeConfig
+        """The matching `transformers` config object of this family."""
+        import transformers
 
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_llama3_factor:
+            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, "factor": self.rope_llama3_factor,
+                    **LLAMA3_ROPE_FIXED}
         common = dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                       num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
                       num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
                       intermediate_size=self.ffn_hidden_size, rms_norm_eps=self.rms_norm_eps,
-                      rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
-                      tie_word_embeddings=self.tie_word_embeddings, attention_bias=False, **extra)
-        if not self.is_moe:
-            return Qwen3Config(**common)
+                      rope_parameters=rope, max_position_embeddings=self.max_position_embeddings,
+                      tie_word_embeddings=self.tie_word_embeddings, **extra)
+        if self.arch == "qwen3":
+            return transformers.Qwen3Config(attention_bias=False, **common)
+        if self.arch == "llama":
+            return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+        if self.arch == "qwen2":
+            return transformers.Qwen2Config(use_sliding_window=False, **common)
+        if self.arch == "mixtral":
+            common["intermediate_size"] = self.moe_ffn_hidden_size  # Mixtral's experts are its MLPs
+            return transformers.MixtralConfig(num_local_experts=self.num_experts,
+                                              num_experts_per_tok=self.moe_topk, router_jitter_noise=0.0,
+                                              **common)
         if self.moe_shared_expert_ffn_hidden_size:
             raise ValueError("Hugging Face Qwen3-MoE has no shared expert; set "
                              "model.moe_shared_expert_ffn_hidden_size=0 to export")
-        return Qwen3MoeConfig(num_experts=self.num_experts, moe_intermediate_size=self.moe_ffn_hidden_size,
-                              num_experts_per_tok=self.moe_topk, norm_topk_prob=self.norm_topk_prob,
-                              mlp_only_layers=list(self.mlp_only_layers),
-                              decoder_sparse_step=self.decoder_sparse_step, **common)
+        return transformers.Qwen3MoeConfig(
+            attention_bias=False, num_experts=self.num_experts, moe_intermediate_size=self.moe_ffn_hidden_size,
+            num_experts_per_tok=self.moe_topk, norm_topk_prob=self.norm_topk_prob,
+            mlp_only_layers=list(self.mlp_only_layers), decoder_sparse_step=self.decoder_sparse_step, **common)
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArch:
-        """From a `transformers` config object or its dict (config.json)."""
+        """From a `transformers` config object or its dict (config.json).
+
+        Raises ValueError naming the config.json key for anything the family's megatron-core
+        model would not compute the same way (sliding windows, extra biases, other RoPE types).
+        """
         d = cfg if isinstance(cfg, dict) else cfg.to_dict()
         model_type = d.get("model_type")
-        if model_type not in ("qwen3", "qwen3_moe"):
-            raise ValueError(f"config.json model_type={model_type!r} is not supported; "
-                             f"supported: qwen3, qwen3_moe")
-        rope_theta = d.get("rope_theta")
-        if rope_theta is None:  # transformers 5 keeps it under rope_parameters
-            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        if model_type not in FAMILIES:
+            why = f" ({UNSUPPORTED[model_type]})" if model_type in UNSUPPORTED else ""
+            raise ValueError(f"config.json model_type={model_type!r} is not supported{why}; "
+                             f"supported: {', '.join(ARCHS)}")
         heads = d["num_attention_heads"]
         kw = {"arch": model_type, "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
               "num_layers": d["num_hidden_layers"], "num_attention_heads": heads,
               "num_kv_heads": d.get("num_key_value_heads") or heads,
               "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
               "ffn_hidden_size": d["intermediate_size"], "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
-              "rope_theta": float(rope_theta), "max_position_embeddings": d.get("max_position_embeddings", 4096),
-              "tie_word_embeddings": bool(d.get("tie_word_embeddings", False))}
+              "max_position_embeddings": d.get("max_position_embeddings", 4096),
+              "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
+              **_rope_fields(d, model_type)}
+        for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            if d.get(key) and not (key == "attention_bias" and FAMILIES[model_type].qkv_bias):
+                raise ValueError(f"config.json {key}=true is not supported for model_type={model_type} "
+                                 "(megatron-core's model for it has no such path here)")
         if model_type == "qwen3_moe":
             kw.update(num_experts=d.get("num_experts") or d["num_local_experts"], moe_ffn_hidden_size=d["moe_intermediate_size"],
                       moe_topk=d["num_experts_per_tok"], norm_topk_prob=bool(d.get("norm_topk_prob", True)),
                       mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
                       decoder_sparse_step=d.get("decoder_sparse_step", 1))
+        if model_type == "mixtral":
+            if d.get("router_jitter_noise"):
+                raise ValueError("config.json router_jitter_noise is a training-time router noise that "
+                                 "megatron-core's router does not apply; set it to 0")
+            kw.update(num_experts=d["num_local_experts"], moe_ffn_hidden_size=d["intermediate_size"],
+                      moe_topk=d["num_experts_per_tok"])
         return cls(**kw)
+
+
+def _rope_fields(d: dict, model_type: str) -> dict:
+    """rope_theta and Llama 3 scaling from a config dict (transformers 4: rope_theta + rope_scaling;
+    transformers 5: rope_parameters)."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = d.get("rope_theta") or params.get("rope_theta") or 10000.0
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return {"rope_theta": float(theta)}
+    if kind != "llama3" or model_type != "llama":
+        raise ValueError(f"config.json rope type {kind!r} is not supported for model_type={model_type} "
+                         "(megatron-core's GPTModel applies plain RoPE or Llama 3 scaling)")
+    for key, fixed in LLAMA3_ROPE_FIXED.items():
+        if float(params.get(key, fixed)) != fixed:
+            raise ValueError(f"config.json rope {key}={params[key]} is not supported: megatron-core's "
+                             f"Llama 3 RoPE scaling fixes it at {fixed} (only the factor is configurable)")
+    return {"rope_theta": float(theta), "rope_llama3_factor": float(params["factor"])}

@@ -1,4 +1,4 @@
-"""Build a megatron-core `GPTModel` (dense Qwen3 or Qwen3-MoE) from a `ModelArch`.
+"""Build a megatron-core `GPTModel` (any family of model/arch.py, dense or MoE) from a `ModelArch`.
 
 Transformer Engine's layer spec when TE is usable (importable, and CUDA), else megatron-core's
 local spec. Where the model lives and which fused kernels it uses follow from this process's
@@ -228,10 +228,11 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
         gated_linear_unit=True,
         activation_func=F.silu,
         # Platform workaround #4: with the local spec (no TE, any device) a linear bias breaks the
-        # MoE backward (in-place add on a custom-Function view); Qwen3 has no linear biases anyway.
+        # MoE backward (in-place add on a custom-Function view); no supported family has MLP or
+        # output-projection biases. Qwen2's q/k/v biases are a separate switch.
         add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
+        add_qkv_bias=arch.family.qkv_bias,
+        qk_layernorm=arch.family.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=opts.init_std,
@@ -310,6 +311,8 @@ def build_gpt_model(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions 
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
+        rope_scaling=bool(arch.rope_llama3_factor),
+        rope_scaling_factor=arch.rope_llama3_factor or 8.0,
         pg_collection=groups.pgs,
     )
     if plan.device == "cuda":

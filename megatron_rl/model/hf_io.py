@@ -288,7 +288,7 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
         hf_config.torch_dtype = dtype
         if hasattr(hf_config, "dtype"):
             hf_config.dtype = dtype
-        hf_config.architectures = ["Qwen3MoeForCausalLM" if arch.is_moe else "Qwen3ForCausalLM"]
+        hf_config.architectures = [arch.family.hf_architecture]
         hf_config.save_pretrained(tmp)
         for src, dst in (extra_files or {}).items():
             shutil.copy(src, os.path.join(tmp, dst))

@@ -1,13 +1,14 @@
 """Named architectures: small ones for tests, the CPU demo and the parity tool, and the real Qwen3 shapes.
 
-    preset_arch("qwen3_moe", "tiny")                       # small sizes take either arch
+    preset_arch("qwen3_moe", "tiny")                       # small sizes take any arch (model/arch.py)
     preset_arch("qwen3", "qwen3-1.7b")                     # a real shape (random init)
     preset_arch("qwen3_moe", "qwen3-moe-30b-a3b", num_layers=4)   # cut down for one GPU
 
 In a run config: `model.arch=qwen3 model.size=qwen3-1.7b`, and `model.overrides` (ModelArch fields)
 to shrink it, e.g. `{num_layers: 4}`. A real preset fixes its arch: naming the other one is an error.
 
-The real shapes are the public Hugging Face config.json values of the Qwen3 release (Qwen/Qwen3-*):
+The real shapes are the public Hugging Face config.json values of each release (Llama 3.x, Qwen2.5
+and Mixtral beside Qwen3). For the Qwen3 release (Qwen/Qwen3-*):
 vocab 151936, head_dim 128, rope_theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960, no
 linear biases, QK-norm; the MoE models have 128 experts, top-8, norm_topk_prob, every layer sparse.
 Their parameter counts (ModelArch.num_parameters) match the published sizes; see
@@ -15,7 +16,7 @@ tests/unit/model/test_presets.py.
 """
 from __future__ import annotations
 
-from megatron_rl.model.arch import ModelArch
+from megatron_rl.model.arch import FAMILIES, ModelArch
 
 _TINY = {"vocab_size": 64, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "num_kv_heads": 2,
          "head_dim": 16, "ffn_hidden_size": 128, "max_position_embeddings": 256}
@@ -23,7 +24,7 @@ _SMALL = {"vocab_size": 1024, "hidden_size": 128, "num_layers": 4, "num_attentio
           "head_dim": 32, "ffn_hidden_size": 256, "max_position_embeddings": 1024}
 _MOE = {"num_experts": 4, "moe_ffn_hidden_size": 64, "moe_topk": 2}
 
-# sizes that take either arch (qwen3_moe adds _MOE)
+# sizes that take any arch (a MoE family adds _MOE)
 PRESETS: dict[str, dict] = {
     "tiny": _TINY,
     "small": _SMALL,
@@ -33,6 +34,11 @@ _QWEN3 = {"vocab_size": 151936, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_the
           "max_position_embeddings": 40960}
 _QWEN3_MOE = {**_QWEN3, "arch": "qwen3_moe", "num_experts": 128, "moe_topk": 8, "norm_topk_prob": True,
               "decoder_sparse_step": 1}
+
+
+_LLAMA3 = {"arch": "llama", "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
+           "max_position_embeddings": 131072}
+_QWEN25 = {"arch": "qwen2", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "max_position_embeddings": 32768}
 
 
 def _dense(hidden, layers, heads, kv_heads, ffn, tied):
@@ -56,6 +62,21 @@ REAL_PRESETS: dict[str, dict] = {
     "qwen3-32b": _dense(5120, 64, 64, 8, 25600, tied=False),
     "qwen3-moe-30b-a3b": _moe(2048, 48, 32, 4, 6144, 768),
     "qwen3-moe-235b-a22b": _moe(4096, 94, 64, 4, 12288, 1536),
+    # Llama 3.x (meta-llama/*): 128k vocabulary, Llama 3 RoPE scaling, no biases, no QK-norm
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, num_layers=16, num_attention_heads=32, num_kv_heads=8,
+                         head_dim=64, ffn_hidden_size=8192, rope_llama3_factor=32.0, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, num_layers=32, num_attention_heads=32, num_kv_heads=8,
+                         head_dim=128, ffn_hidden_size=14336, rope_llama3_factor=8.0, tie_word_embeddings=False),
+    # Qwen2.5 (Qwen/Qwen2.5-*): q/k/v biases, no QK-norm
+    "qwen2.5-0.5b": dict(_QWEN25, vocab_size=151936, hidden_size=896, num_layers=24, num_attention_heads=14,
+                         num_kv_heads=2, head_dim=64, ffn_hidden_size=4864, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(_QWEN25, vocab_size=152064, hidden_size=3584, num_layers=28, num_attention_heads=28,
+                       num_kv_heads=4, head_dim=128, ffn_hidden_size=18944, tie_word_embeddings=False),
+    # Mixtral (mistralai/Mixtral-8x7B-v0.1): 8 experts, top-2, every layer sparse
+    "mixtral-8x7b": dict(arch="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_attention_heads=32,
+                         num_kv_heads=8, head_dim=128, ffn_hidden_size=14336, moe_ffn_hidden_size=14336,
+                         num_experts=8, moe_topk=2, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
+                         max_position_embeddings=32768, tie_word_embeddings=False),
 }
 
 
@@ -64,7 +85,7 @@ def preset_names() -> list[str]:
 
 
 def preset_arch(arch: str, size: str = "tiny", **overrides) -> ModelArch:
-    """ModelArch for `arch` ("qwen3" | "qwen3_moe") at a named size, with field overrides.
+    """ModelArch for `arch` (a key of model.arch.FAMILIES) at a named size, with field overrides.
 
     A real preset (REAL_PRESETS) has its own arch; `arch` must name the same one.
     """
@@ -75,7 +96,7 @@ def preset_arch(arch: str, size: str = "tiny", **overrides) -> ModelArch:
                              f"set model.arch={fields['arch']}")
     elif size in PRESETS:
         fields = dict(PRESETS[size], arch=arch)
-        if arch == "qwen3_moe":
+        if arch in FAMILIES and FAMILIES[arch].moe:
             fields.update(_MOE)
     else:
         raise KeyError(f"unknown model size {size!r}; available: {preset_names()}")

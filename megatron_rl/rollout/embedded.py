@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import torch
 
 from megatron_rl.model.arch import ModelArch
-from megatron_rl.rollout.hf_state import load_checkpoint_tensors
+from megatron_rl.rollout.hf_state import load_checkpoint_tensors, rules_for
 from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -199,7 +199,7 @@ class EmbeddedEngine:
     # ---- RolloutEngine ------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load HF checkpoint-format (name, tensor) pairs (see hf_state); set policy_version."""
-        load_checkpoint_tensors(self.model, named_tensors)
+        load_checkpoint_tensors(self.model, named_tensors, rules_for(self.arch.arch))
         self.policy_version = version
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:

@@ -11,7 +11,10 @@ fused in memory:
 Older transformers kept one module per expert, so the checkpoint names are the model's names.
 `checkpoint_layout` reads the model's own parameter names and shapes and says, for every
 checkpoint tensor it expects, which slice of which model parameter it fills; the fused layouts
-are data (`FUSED_RULES`), so a model that has per-expert modules simply matches none of them.
+are data (`FUSED_RULES`, and per family `rules_for`), so a model that has per-expert modules
+simply matches none of them. Mixtral's checkpoints also rename the MoE block
+(`block_sparse_moe.experts.{e}.w1|w3|w2`, `block_sparse_moe.gate`) while transformers 5 calls it
+`mlp`: its rules carry the rename.
 """
 from __future__ import annotations
 
@@ -29,10 +32,12 @@ class FusedRule:
     model: regex on the model's parameter name; its group `prefix` fills the templates.
     parts: checkpoint name templates ({prefix}, {expert}) stacked along dim 1 in this order,
         each [R / len(parts), C].
+    per_expert: False for a plain rename: the parameter is the one checkpoint tensor parts[0].
     """
 
     model: str
     parts: tuple[str, ...]
+    per_expert: bool = True
 
 
 FUSED_RULES: tuple[FusedRule, ...] = (
@@ -40,6 +45,18 @@ FUSED_RULES: tuple[FusedRule, ...] = (
               ("{prefix}.{expert}.gate_proj.weight", "{prefix}.{expert}.up_proj.weight")),
     FusedRule(r"(?P<prefix>.+\.mlp\.experts)\.down_proj", ("{prefix}.{expert}.down_proj.weight",)),
 )
+_MIXTRAL = "{prefix}.block_sparse_moe"
+MIXTRAL_RULES: tuple[FusedRule, ...] = (  # w1 = gate, w3 = up, w2 = down
+    FusedRule(r"(?P<prefix>.+)\.mlp\.experts\.gate_up_proj",
+              (_MIXTRAL + ".experts.{expert}.w1.weight", _MIXTRAL + ".experts.{expert}.w3.weight")),
+    FusedRule(r"(?P<prefix>.+)\.mlp\.experts\.down_proj", (_MIXTRAL + ".experts.{expert}.w2.weight",)),
+    FusedRule(r"(?P<prefix>.+)\.mlp\.gate\.weight", (_MIXTRAL + ".gate.weight",), per_expert=False),
+)
+
+
+def rules_for(arch: str) -> tuple[FusedRule, ...]:
+    """The rules of family `arch` (a ModelArch.arch); the Qwen naming is also every dense family's."""
+    return MIXTRAL_RULES if arch == "mixtral" else FUSED_RULES
 
 
 @dataclass(frozen=True)
@@ -58,12 +75,16 @@ def checkpoint_layout(model_shapes: Mapping[str, tuple[int, ...]],
     model_shapes: the model's parameter name -> shape (deduplicated: a tied alias such as
     `lm_head.weight` is not listed, see `tied_aliases`).
     """
-    compiled = [(re.compile(r.model), r.parts) for r in rules]
+    compiled = [(re.compile(r.model), r) for r in rules]
     layout: dict[str, Target] = {}
     for name, shape in model_shapes.items():
-        for pattern, parts in compiled:
+        for pattern, rule in compiled:
             if (m := pattern.fullmatch(name)) is None:
                 continue
+            if not rule.per_expert:
+                layout[rule.parts[0].format(prefix=m["prefix"])] = Target(name)
+                break
+            parts = rule.parts
             num_experts, rows = shape[0], shape[1]
             if rows % len(parts):
                 raise ValueError(f"{name} {tuple(shape)}: dim 1 is not divisible into {len(parts)} parts")

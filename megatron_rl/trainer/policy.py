@@ -39,7 +39,7 @@ def arch_from_config(model_section, vocab_size: int | None = None) -> ModelArch:
             raise ValueError(f"model.hf_dir={model_section.hf_dir}: {path} does not exist; point model.hf_dir at "
                              f"a Hugging Face checkpoint directory") from None
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # bad JSON or missing/odd fields
-            raise ValueError(f"{path} cannot be read as a Qwen3 / Qwen3-MoE config ({type(e).__name__}: {e}); "
+            raise ValueError(f"{path} cannot be read as a supported model config ({type(e).__name__}: {e}); "
                              f"is the file complete?") from None
     overrides = dict(model_section.overrides or {})
     if vocab_size is not None:

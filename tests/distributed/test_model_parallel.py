@@ -60,26 +60,79 @@ def _parity_and_export(rank, world, arch_kw, sizes):
     return export_equal, report
 
 
-@pytest.mark.parametrize("arch_kw", [
-    dict(arch="qwen3"), dict(arch="qwen3", tie_word_embeddings=True),
-    dict(arch="qwen3_moe"), dict(arch="qwen3_moe", mlp_only_layers=(0,)),
-], ids=["qwen3", "qwen3_tied", "qwen3_moe", "qwen3_moe_dense0"])
-def test_parity_world_size_1(arch_kw):
-    [(export_equal, report)] = run_ranks(_parity_and_export, world_size=1, arch_kw=arch_kw, sizes={})
-    assert export_equal
-    assert report.ok(1e-4), report
+# Llama 3 with its RoPE scaling on; rope_theta 5e5 puts half the frequencies in the scaled band
+LLAMA3 = dict(arch="llama", rope_llama3_factor=8.0, rope_theta=500000.0, max_position_embeddings=16384)
+# every family; the MoE ones also with a dense first layer or tied embeddings where HF allows it
+FAMILY_KWS = {
+    "qwen3": dict(arch="qwen3"), "qwen3_tied": dict(arch="qwen3", tie_word_embeddings=True),
+    "qwen3_moe": dict(arch="qwen3_moe"), "qwen3_moe_dense0": dict(arch="qwen3_moe", mlp_only_layers=(0,)),
+    "llama3": LLAMA3, "qwen2_tied": dict(arch="qwen2", tie_word_embeddings=True), "qwen2": dict(arch="qwen2"),
+    "mixtral": dict(arch="mixtral"),
+}
 
 
-@pytest.mark.parametrize("layout", ["tp2", "ep2", "tp2ep2"])
+def _parity_many(rank, world, arch_kws, sizes):
+    return [_parity_and_export(rank, world, kw, sizes) for kw in arch_kws]
+
+
+def test_parity_world_size_1():
+    """HF -> mcore -> HF is bit-exact and the logits agree with transformers, for every family."""
+    [results] = run_ranks(_parity_many, world_size=1, timeout=300, arch_kws=list(FAMILY_KWS.values()), sizes={})
+    for name, (export_equal, report) in zip(FAMILY_KWS, results):
+        assert export_equal, name
+        assert report.ok(1e-4), (name, report)
+
+
+# per layout, the families whose sharding it exercises (qkv bias rows under TP, Mixtral experts under EP)
+TWO_RANK = {"tp2": ["qwen3_moe", "llama3", "qwen2", "mixtral"], "ep2": ["qwen3_moe", "mixtral"],
+            "tp2ep2": ["qwen3_moe", "mixtral"]}
+
+
+@pytest.mark.parametrize("layout", sorted(TWO_RANK))
 def test_parity_two_ranks(layout):
-    for export_equal, report in run_ranks(_parity_and_export, world_size=2, arch_kw=dict(arch="qwen3_moe"),
-                                          sizes=SIZES[layout]):
-        assert export_equal
-        assert report.ok(1e-4), report
+    names = TWO_RANK[layout]
+    for results in run_ranks(_parity_many, world_size=2, timeout=300, arch_kws=[FAMILY_KWS[n] for n in names],
+                             sizes=SIZES[layout]):
+        for name, (export_equal, report) in zip(names, results):
+            assert export_equal, (layout, name)
+            assert report.ok(1e-4), (layout, name, report)
 
 
-@pytest.mark.parametrize("arch_kw", [dict(arch="qwen3_moe"), dict(arch="qwen3", tie_word_embeddings=True)],
-                         ids=["moe", "dense_tied"])
+def _rope_control(rank, world):
+    """Logits of the Llama 3 HF model against mcore built with and without the RoPE scaling."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.model import BuildOptions, build_gpt_model
+    from megatron_rl.model.hf_io import SafetensorsReader, load_hf_weights
+    from megatron_rl.model.parity import compare_logits, mcore_logits
+    from megatron_rl.model.presets import preset_arch
+    from tests.mcore_setup import random_hf_dir, setup_parallel
+
+    groups = setup_parallel()
+    arch = preset_arch(**LLAMA3)
+    path = random_hf_dir(arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    tokens = torch.randint(0, arch.vocab_size, (2, 96), generator=torch.Generator().manual_seed(3))
+    out = []
+    for factor in (arch.rope_llama3_factor, 0.0):
+        variant = preset_arch(**{**LLAMA3, "rope_llama3_factor": factor})
+        model = build_gpt_model(variant, groups, BuildOptions(dtype="fp32")).eval()
+        load_hf_weights(model, variant, groups, SafetensorsReader(path))
+        with torch.no_grad():
+            out.append(compare_logits(hf(tokens).logits, mcore_logits(model, tokens, groups), tokens))
+    return out
+
+
+def test_llama3_rope_scaling_is_what_parity_checks():
+    """Negative control: without megatron's RoPE scaling the same weights miss parity."""
+    [(scaled, plain)] = run_ranks(_rope_control, world_size=1, timeout=180)
+    assert scaled.ok(1e-4), scaled
+    assert plain.max_logit_diff > 1e-3, plain
+
+
+@pytest.mark.parametrize("arch_kw", [dict(arch="qwen3_moe"), dict(arch="qwen3", tie_word_embeddings=True),
+                                     dict(arch="qwen2", tie_word_embeddings=True), dict(arch="mixtral")],
+                         ids=["moe", "dense_tied", "qwen2_tied", "mixtral"])
 def test_export_roundtrip_pp2(arch_kw):
     for export_equal, _ in run_ranks(_parity_and_export, world_size=2, arch_kw=arch_kw, sizes=SIZES["pp2"]):
         assert export_equal

@@ -1,6 +1,6 @@
 """Weight-mapping vocabulary: how one mcore parameter relates to Hugging Face tensors.
 
-A mapping is data: a tuple of `Param` entries per architecture (see qwen3.py). The same data
+A mapping is data: a tuple of `Param` entries per architecture (see common.py and the family files). The same data
 drives checkpoint conversion, the embedded engine's weight sync and the vLLM weight export.
 The shard math below is pure and rank-agnostic (rank and size are arguments).
 """
@@ -51,27 +51,28 @@ class Param:
 
 def qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_groups: int,
                  head_dim: int) -> torch.Tensor:
-    """Fuse HF q [nh*d, H], k [ng*d, H], v [ng*d, H] into mcore's [ng*(nh/ng + 2)*d, H].
+    """Fuse HF q [nh*d, *r], k [ng*d, *r], v [ng*d, *r] into mcore's [ng*(nh/ng + 2)*d, *r].
 
-    mcore interleaves per query group g: the nh/ng query heads of g, then k_g, then v_g, so
-    that a contiguous chunk of rows is a whole number of groups (how TP shards it).
+    r is (H,) for the weights and () for the biases (Qwen2). mcore interleaves per query group
+    g: the nh/ng query heads of g, then k_g, then v_g, so that a contiguous chunk of rows is a
+    whole number of groups (how TP shards it).
     """
-    hidden = q.shape[1]
+    rest = q.shape[1:]
     per = num_heads // num_groups
-    qg = q.view(num_groups, per * head_dim, hidden)
-    kg = k.view(num_groups, head_dim, hidden)
-    vg = v.view(num_groups, head_dim, hidden)
-    return torch.cat([qg, kg, vg], dim=1).reshape(-1, hidden)
+    qg = q.reshape(num_groups, per * head_dim, *rest)
+    kg = k.reshape(num_groups, head_dim, *rest)
+    vg = v.reshape(num_groups, head_dim, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
 
 
 def qkv_from_mcore(fused: torch.Tensor, num_heads: int, num_groups: int, head_dim: int):
-    """Inverse of qkv_to_mcore: [ng*(nh/ng+2)*d, H] -> (q, k, v)."""
-    hidden = fused.shape[1]
+    """Inverse of qkv_to_mcore: [ng*(nh/ng+2)*d, *r] -> (q, k, v)."""
+    rest = fused.shape[1:]
     per = num_heads // num_groups
-    g = fused.view(num_groups, (per + 2) * head_dim, hidden)
+    g = fused.reshape(num_groups, (per + 2) * head_dim, *rest)
     q, k, v = torch.split(g, [per * head_dim, head_dim, head_dim], dim=1)
-    return (q.reshape(-1, hidden).contiguous(), k.reshape(-1, hidden).contiguous(),
-            v.reshape(-1, hidden).contiguous())
+    return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
+            v.reshape(-1, *rest).contiguous())
 
 
 def to_local_shard(kind: Kind, hf: list[torch.Tensor], rank: int, size: int, *, num_heads: int = 0,

@@ -35,12 +35,13 @@ def hf_reference(model_dir: str) -> Reference:
             from transformers import AutoModelForCausalLM
 
             from megatron_rl.model.hf_io import SafetensorsReader, load_arch
-            from megatron_rl.rollout.hf_state import load_checkpoint_tensors
+            from megatron_rl.rollout.hf_state import load_checkpoint_tensors, rules_for
 
-            model = AutoModelForCausalLM.from_config(load_arch(model_dir).to_hf_config(), dtype=torch.float32,
+            arch = load_arch(model_dir)
+            model = AutoModelForCausalLM.from_config(arch.to_hf_config(), dtype=torch.float32,
                                                      attn_implementation="eager").eval()
             read = SafetensorsReader(model_dir)
-            load_checkpoint_tensors(model, ((name, read(name)) for name in read.keys()))  # noqa: SIM118 - a reader, not a dict
+            load_checkpoint_tensors(model, ((name, read(name)) for name in read.keys()), rules_for(arch.arch))  # noqa: SIM118 - a reader, not a dict
         ids = torch.tensor([tokens])
         logits = model(input_ids=ids).logits[0, :-1].float()
         return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)

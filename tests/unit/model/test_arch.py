@@ -1,34 +1,84 @@
 import pytest
 
-from megatron_rl.model.arch import ModelArch
+from megatron_rl.model.arch import ARCHS, FAMILIES, ModelArch
 from megatron_rl.model.presets import preset_arch
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-@pytest.mark.parametrize("tied", [False, True])
-def test_hf_config_roundtrip(arch, tied):
-    a = preset_arch(arch, tie_word_embeddings=tied, mlp_only_layers=(1,) if arch == "qwen3_moe" else ())
-    assert ModelArch.from_hf_config(a.to_hf_config()) == a
-    assert ModelArch.from_hf_config(a.to_hf_config().to_dict()) == a
+def _variants(arch):
+    yield preset_arch(arch)
+    if arch == "qwen3_moe":
+        yield preset_arch(arch, tie_word_embeddings=True, mlp_only_layers=(1,))
+    elif arch == "llama":
+        yield preset_arch(arch, rope_llama3_factor=8.0, max_position_embeddings=16384)
+    elif not FAMILIES[arch].moe:
+        yield preset_arch(arch, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hf_config_roundtrip(arch):
+    for a in _variants(arch):
+        cfg = a.to_hf_config()
+        assert type(cfg).model_type == arch
+        assert ModelArch.from_hf_config(cfg) == a
+        assert ModelArch.from_hf_config(cfg.to_dict()) == a
 
 
 def test_moe_layer_rule_follows_hf():
     a = preset_arch("qwen3_moe", num_layers=4, decoder_sparse_step=2, mlp_only_layers=(3,))
     assert [a.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
     assert not preset_arch("qwen3").is_moe_layer(0)
+    assert all(preset_arch("mixtral", num_layers=3).is_moe_layer(i) for i in range(3))
+
+
+def test_mixtral_experts_are_its_mlp():
+    a = preset_arch("mixtral", ffn_hidden_size=999, moe_ffn_hidden_size=48)
+    assert a.ffn_hidden_size == 48  # HF's intermediate_size is the experts' width
+    assert a.to_hf_config().intermediate_size == 48
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"arch": "llama"}, "not supported"),
+    ({"arch": "deepseek_v3"}, "multi-latent attention"),
+    ({"arch": "gemma"}, "not supported"),
     ({"num_attention_heads": 4, "num_kv_heads": 3}, "multiple"),
     ({"arch": "qwen3_moe", "num_experts": 0}, "num_experts"),
     ({"arch": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 8, "moe_topk": 5}, "moe_topk"),
+    ({"arch": "qwen3", "rope_llama3_factor": 8.0}, "Llama 3 RoPE scaling"),
+    ({"arch": "mixtral", "num_experts": 4, "moe_ffn_hidden_size": 8, "mlp_only_layers": (0,)}, "every layer"),
 ])
 def test_validation_messages(kw, msg):
     with pytest.raises(ValueError, match=msg):
         ModelArch(**kw)
 
 
-def test_unsupported_model_type_is_named():
-    with pytest.raises(ValueError, match="model_type='llama'"):
-        ModelArch.from_hf_config({"model_type": "llama"})
+def _hf(arch, **fields):
+    d = preset_arch(arch).to_hf_config().to_dict()
+    d.update(fields)
+    return d
+
+
+@pytest.mark.parametrize("d,msg", [
+    ({"model_type": "deepseek_v3"}, "model_type='deepseek_v3' is not supported \\(multi-latent"),
+    ({"model_type": "gemma2"}, "model_type='gemma2'"),
+    (_hf("llama", attention_bias=True), "attention_bias=true"),
+    (_hf("llama", mlp_bias=True), "mlp_bias=true"),
+    (_hf("qwen2", use_sliding_window=True), "use_sliding_window=true"),
+    (_hf("mixtral", router_jitter_noise=0.1), "router_jitter_noise"),
+    (_hf("llama", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "'yarn'"),
+    (_hf("qwen2", rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 4.0}), "'llama3'"),
+    (_hf("llama", rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
+                                   "low_freq_factor": 2.0}), "low_freq_factor=2.0"),
+])
+def test_hf_config_refusals_name_the_key(d, msg):
+    with pytest.raises(ValueError, match=msg):
+        ModelArch.from_hf_config(d)
+
+
+def test_transformers4_rope_keys_are_read():
+    d = _hf("llama")
+    del d["rope_parameters"]
+    d.update(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    a = ModelArch.from_hf_config(d)
+    assert (a.rope_theta, a.rope_llama3_factor) == (500000.0, 32.0)
+    # qwen2 models ship attention_bias-free configs: the family's own qkv bias is not a refusal
+    assert ModelArch.from_hf_config(_hf("qwen2", attention_bias=True)).arch == "qwen2"

@@ -42,6 +42,23 @@ def test_shard_roundtrip(kind, size):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_qkv_bias_fuses_like_the_weight_rows(size):
+    """Qwen2's q/k/v biases: each bias element goes where its weight row goes, on every TP rank."""
+    nh, ng, d, h = 4, 2, 3, 5
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n * d, h, generator=g) for n in (nh, ng, ng))
+    qb, kb, vb = (w[:, 0].clone() for w in (q, k, v))  # a bias equal to the weights' first column
+    for rank in range(size):
+        w = to_local_shard(Kind.QKV, [q, k, v], rank, size, num_heads=nh, num_groups=ng, head_dim=d)
+        b = to_local_shard(Kind.QKV, [qb, kb, vb], rank, size, num_heads=nh, num_groups=ng, head_dim=d)
+        assert torch.equal(b, w[:, 0])
+    shards = [to_local_shard(Kind.QKV, [qb, kb, vb], r, size, num_heads=nh, num_groups=ng, head_dim=d)
+              for r in range(size)]
+    back = from_shards(Kind.QKV, shards, num_heads=nh, num_groups=ng, head_dim=d)
+    assert all(torch.equal(x, y) for x, y in zip(back, (qb, kb, vb)))
+
+
 def test_gated_shard_keeps_gate_and_up_halves_per_rank():
     gate = torch.arange(4.0).view(4, 1)
     up = 10 + torch.arange(4.0).view(4, 1)
@@ -53,7 +70,8 @@ def test_mapping_covers_every_hf_tensor_of_random_models():
     from tests.mcore_setup import hf_tensors, random_hf_dir
 
     for arch in (preset_arch("qwen3"), preset_arch("qwen3_moe", mlp_only_layers=(0,)),
-                 preset_arch("qwen3", tie_word_embeddings=True)):
+                 preset_arch("qwen3", tie_word_embeddings=True), preset_arch("llama"),
+                 preset_arch("qwen2", tie_word_embeddings=True), preset_arch("mixtral")):
         names = set(hf_tensors(random_hf_dir(arch)))
         mapped = []
         for p in mapping_for(arch):

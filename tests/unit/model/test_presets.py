@@ -22,6 +22,11 @@ PUBLISHED = {
     "qwen3-32b": (32.8 * B, 31.2 * B, None),
     "qwen3-moe-30b-a3b": (30.5 * B, None, 3.3 * B),
     "qwen3-moe-235b-a22b": (235 * B, None, 22 * B),
+    "llama-3.2-1b": (1.24 * B, None, None),
+    "llama-3.1-8b": (8.03 * B, None, None),
+    "qwen2.5-0.5b": (0.49 * B, 0.36 * B, None),
+    "qwen2.5-7b": (7.61 * B, 6.53 * B, None),
+    "mixtral-8x7b": (46.7 * B, None, 12.9 * B),
 }
 
 
@@ -47,8 +52,20 @@ def test_parameter_count_matches_published(name):
         assert arch.num_parameters(active=True) == pytest.approx(activated, rel=0.04)
 
 
+# exact counts: the bf16 checkpoints' safetensors index total_size / 2
+EXACT = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248, "qwen2.5-0.5b": 494_032_768,
+         "qwen2.5-7b": 7_615_616_512, "mixtral-8x7b": 46_702_792_704}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_parameter_count_exact(name):
+    assert _arch(name).num_parameters() == EXACT[name]
+
+
 def test_shared_shape_facts():
     for name in REAL_PRESETS:
+        if not name.startswith("qwen3"):
+            continue
         a = _arch(name)
         assert (a.vocab_size, a.head_dim, a.rope_theta, a.rms_norm_eps) == (151936, 128, 1e6, 1e-6), name
         assert a.max_position_embeddings == 40960, name
@@ -107,7 +124,11 @@ def _build(rank, world, name, overrides):
 @pytest.mark.parametrize("name,overrides", [
     ("qwen3-0.6b", {"num_layers": 1, "vocab_size": 512}),
     ("qwen3-moe-30b-a3b", {"num_layers": 1, "vocab_size": 512, "num_experts": 8}),
-], ids=["dense", "moe"])
+    ("llama-3.2-1b", {"num_layers": 1, "vocab_size": 512}),
+    ("qwen2.5-0.5b", {"num_layers": 1, "vocab_size": 512}),
+    ("mixtral-8x7b", {"num_layers": 1, "vocab_size": 512, "hidden_size": 1024, "num_attention_heads": 8,
+                      "num_kv_heads": 2, "moe_ffn_hidden_size": 1024}),
+], ids=["dense", "moe", "llama", "qwen2", "mixtral"])
 def test_shrunk_real_shape_builds(name, overrides):
     """Real hidden size, heads, head_dim and FFN widths, one layer: megatron builds it (on the CPU
     here), runs it, and has exactly the parameters num_parameters() counts."""

@@ -22,6 +22,20 @@ def test_layout_fused_experts():
     assert layout["model.norm.weight"] == Target("model.norm.weight")
 
 
+def test_layout_mixtral_renames_the_block():
+    from megatron_rl.rollout.hf_state import rules_for
+
+    shapes = {**FUSED, "model.layers.1.mlp.gate.weight": (E, H)}
+    layout = checkpoint_layout(shapes, rules_for("mixtral"))
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert layout["model.layers.1.block_sparse_moe.experts.2.w1.weight"] == Target(fused, 2, (0, I))  # gate
+    assert layout["model.layers.1.block_sparse_moe.experts.2.w3.weight"] == Target(fused, 2, (I, 2 * I))  # up
+    assert layout["model.layers.1.block_sparse_moe.experts.0.w2.weight"] == Target(
+        "model.layers.1.mlp.experts.down_proj", 0, (0, H))
+    assert layout["model.layers.1.block_sparse_moe.gate.weight"] == Target("model.layers.1.mlp.gate.weight")
+    assert len(layout) == 3 * E + 2
+
+
 def test_layout_per_expert_modules_is_identity():
     shapes = {f"model.layers.0.mlp.experts.{e}.{p}.weight": (I, H) for e in range(E) for p in ("gate_proj", "up_proj")}
     assert checkpoint_layout(shapes) == {n: Target(n) for n in shapes}
@@ -29,12 +43,16 @@ def test_layout_per_expert_modules_is_identity():
 
 @pytest.mark.parametrize("arch_kw", [
     {"arch": "qwen3_moe"}, {"arch": "qwen3_moe", "mlp_only_layers": (0,)},
-    {"arch": "qwen3"}, {"arch": "qwen3", "tie_word_embeddings": True}],
-                         ids=["moe", "moe_dense0", "dense", "dense_tied"])
+    {"arch": "qwen3"}, {"arch": "qwen3", "tie_word_embeddings": True},
+    {"arch": "llama", "rope_llama3_factor": 8.0, "max_position_embeddings": 16384},
+    {"arch": "qwen2", "tie_word_embeddings": True}, {"arch": "mixtral"}],
+                         ids=["moe", "moe_dense0", "dense", "dense_tied", "llama3", "qwen2_tied", "mixtral"])
 def test_checkpoint_roundtrip_logits_equal(tmp_path_factory, arch_kw):
     arch, ref, ckpt = make_checkpoint(tmp_path_factory, seed=3, **arch_kw)
-    if arch.is_moe:
+    if arch.arch == "qwen3_moe":
         assert "model.layers.1.mlp.experts.3.gate_proj.weight" in ckpt  # checkpoints are per expert
+    if arch.arch == "mixtral":  # and Mixtral's name the block differently from its in-memory `mlp`
+        assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in ckpt
     engine = EmbeddedEngine(arch, dtype="fp32")
     engine.update_weights(ckpt.items(), version=7)
     assert engine.policy_version == 7
