@@ -9,7 +9,7 @@ from tests.spawn import run_ranks
 pytestmark = pytest.mark.slow
 
 
-def _save(rank, world, root, sizes, seed):
+def _save(rank, world, root, sizes, seed, arch="qwen3_moe"):
     from megatron_rl.model import BuildOptions, build_gpt_model
     from megatron_rl.model.hf_io import export_hf_weights
     from megatron_rl.model.presets import preset_arch
@@ -17,13 +17,13 @@ def _save(rank, world, root, sizes, seed):
     from tests.mcore_setup import setup_parallel
 
     groups = setup_parallel(**sizes)
-    arch = preset_arch("qwen3_moe")
+    arch = preset_arch(arch)
     model = build_gpt_model(arch, groups, BuildOptions(seed=seed))
     save_checkpoint(root, 3, model, extra={"step": 3, "rank": rank})
     return dict(export_hf_weights(model, arch, groups))
 
 
-def _load(rank, world, root, sizes, seed):
+def _load(rank, world, root, sizes, seed, arch="qwen3_moe"):
     from megatron_rl.model import BuildOptions, build_gpt_model
     from megatron_rl.model.hf_io import export_hf_weights
     from megatron_rl.model.presets import preset_arch
@@ -31,27 +31,34 @@ def _load(rank, world, root, sizes, seed):
     from tests.mcore_setup import setup_parallel
 
     groups = setup_parallel(**sizes)
-    arch = preset_arch("qwen3_moe")
+    arch = preset_arch(arch)
     model = build_gpt_model(arch, groups, BuildOptions(seed=seed))
     extra = load_checkpoint(latest_checkpoint(root), model)
     return dict(export_hf_weights(model, arch, groups)), extra
 
 
-@pytest.mark.parametrize("save_layout,load_layout", [
-    ((1, {}), (1, {})),
-    ((2, {"tensor_model_parallel_size": 2}), (2, {"tensor_model_parallel_size": 2})),
-    ((2, {"expert_model_parallel_size": 2}), (1, {})),  # resharding EP=2 -> one rank
-], ids=["ws1", "tp2", "ep2_to_ws1"])
-def test_roundtrip(tmp_path, save_layout, load_layout):
+TP2 = (2, {"tensor_model_parallel_size": 2})
+EP2 = (2, {"expert_model_parallel_size": 2})
+
+
+@pytest.mark.parametrize("save_layout,load_layout,arch", [
+    ((1, {}), (1, {}), "qwen3_moe"),
+    (TP2, TP2, "qwen3_moe"),
+    (EP2, (1, {}), "qwen3_moe"),  # resharding EP=2 -> one rank
+    (TP2, (1, {}), "qwen2"),  # the TP-sharded qkv biases resharded
+    (TP2, EP2, "mixtral"),  # TP=2 -> EP=2: attention gathered, experts split
+], ids=["ws1", "tp2", "ep2_to_ws1", "qwen2_tp2_to_ws1", "mixtral_tp2_to_ep2"])
+def test_roundtrip(tmp_path, save_layout, load_layout, arch):
     root = str(tmp_path / "ckpt")
-    saved = run_ranks(_save, world_size=save_layout[0], timeout=180, root=root, sizes=save_layout[1], seed=1)[0]
+    saved = run_ranks(_save, world_size=save_layout[0], timeout=180, root=root, sizes=save_layout[1], seed=1,
+                      arch=arch)[0]
     assert open(os.path.join(root, "latest")).read() == "iter_0000003"
     assert not any(p.endswith(".tmp") for p in os.listdir(root))
     from megatron_rl.trainer.manifest import verify_manifest
 
     assert verify_manifest(os.path.join(root, "iter_0000003")) == []  # every rank's files are in the manifest
     loaded, extra = run_ranks(_load, world_size=load_layout[0], timeout=180, root=root, sizes=load_layout[1],
-                              seed=2)[0]
+                              seed=2, arch=arch)[0]
     assert extra == {"step": 3, "rank": 0}
     assert saved.keys() == loaded.keys()
     for k in saved:
