@@ -61,16 +61,11 @@ def _current_device() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
 
 
-def _te_general_gemm_unbound() -> bool:
-    from megatron.core.transformer.moe import moe_utils
-
-    return not hasattr(moe_utils, "te_general_gemm")
-
-
 def _te_general_gemm() -> None:
     # Without Transformer Engine (any device): megatron-core 0.16 binds moe_utils.te_general_gemm
     # only inside its `import transformer_engine` try-block, but RouterGatingLinearFunction tests
-    # it unconditionally: "NameError: name 'te_general_gemm'". (0.19 binds it to None itself.)
+    # it unconditionally: "NameError: name 'te_general_gemm'". Fixed in 0.17.0, which binds it
+    # (and the other TE kernels) to None in an `else:` branch.
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -172,7 +167,7 @@ WORKAROUNDS = (
     Workaround(2, "current_device", Condition.NO_CUDA,
                "AssertionError: Torch not compiled with CUDA enabled (current_device)", _current_device),
     Workaround(3, "te_general_gemm", Condition.NO_TE, "NameError: name 'te_general_gemm' is not defined",
-               _te_general_gemm, defect_present=_te_general_gemm_unbound),
+               _te_general_gemm, fixed_in="0.17.0"),
     Workaround(5, "synchronize", Condition.NO_CUDA,
                "AssertionError: Torch not compiled with CUDA enabled (synchronize)", _synchronize),
     Workaround(6, "streams", Condition.NO_CUDA, "RuntimeError: torch.cuda.Stream requires CUDA support",

@@ -1,6 +1,9 @@
 """Registry of platform workarounds and the single entry point that applies those this process needs."""
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -15,9 +18,10 @@ class Workaround:
     needed_when: the platform condition under which the patched code path fails.
     fixes: the error the unpatched call raises, so a reader can grep for it.
     apply: idempotent function that installs the patch.
-    defect_present: for a defect that a later megatron-core release fixed, tells whether the
-        installed release still has it (None: no release known to fix it). A fixed defect needs
-        no patch; the workaround is deleted once the oldest supported release has the fix.
+    fixed_in: the first megatron-core release without the defect, e.g. "0.17.0" (None: every
+        release has it). Releases from this one on need no patch; its probe proves it on each CI
+        lane (tests/unit/platform). The workaround is deleted once the oldest supported
+        megatron-core (pyproject.toml) is at least this release.
     """
 
     number: int
@@ -25,13 +29,38 @@ class Workaround:
     needed_when: Condition
     fixes: str
     apply: Callable[[], None]
-    defect_present: Callable[[], bool] | None = None
+    fixed_in: str | None = None
 
-    def needed(self, caps: Capabilities) -> bool:
-        """Whether this process needs the patch: its condition holds and the defect is there."""
-        if not self.needed_when.holds(caps):
-            return False
-        return self.defect_present is None or self.defect_present()
+    def has_defect(self, mcore: str | None = None) -> bool:
+        """Whether megatron-core release `mcore` (default: the installed one) has the patched defect."""
+        if self.fixed_in is None:
+            return True
+        return parse_version(mcore or megatron_core_version()) < parse_version(self.fixed_in)
+
+    def needed(self, caps: Capabilities, mcore: str | None = None) -> bool:
+        """Whether a process with `caps` on megatron-core `mcore` (default: this one's) needs the
+        patch: its condition holds and that release has the defect."""
+        return self.needed_when.holds(caps) and self.has_defect(mcore)
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a release string: "0.19.2", "0.17.0rc0", "0.19.2+e432f21" -> (0, 19, 2)."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        raise ValueError(f"not a release version: {version!r}")
+    return tuple(int(part or 0) for part in match.groups())
+
+
+@functools.lru_cache(maxsize=1)
+def megatron_core_version() -> str:
+    """The installed megatron-core release (its distribution's metadata; a source tree without it
+    falls back to `megatron.core.package_info`)."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        from megatron.core import package_info
+
+        return package_info.__version__
 
 
 _APPLIED: set[int] = set()
@@ -44,10 +73,11 @@ def workarounds() -> tuple[Workaround, ...]:
     return tuple(sorted(cpu_model.WORKAROUNDS + cpu_optim.WORKAROUNDS, key=lambda w: w.number))
 
 
-def needed_workarounds(caps: Capabilities | None = None) -> tuple[Workaround, ...]:
-    """The workarounds a process with `caps` (default: this one's) needs."""
+def needed_workarounds(caps: Capabilities | None = None, mcore: str | None = None) -> tuple[Workaround, ...]:
+    """The workarounds a process with `caps` on megatron-core release `mcore` (defaults: this
+    process's) needs."""
     caps = capabilities() if caps is None else caps
-    return tuple(w for w in workarounds() if w.needed(caps))
+    return tuple(w for w in workarounds() if w.needed(caps, mcore))
 
 
 def apply_platform_workarounds(skip: Iterable[int] = ()) -> list[int]:

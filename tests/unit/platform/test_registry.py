@@ -2,7 +2,14 @@
 import pytest
 
 from megatron_rl import platform
-from megatron_rl.platform import Capabilities, Condition, needed_workarounds, workarounds
+from megatron_rl.platform import (
+    Capabilities,
+    Condition,
+    megatron_core_version,
+    needed_workarounds,
+    workarounds,
+)
+from megatron_rl.platform.registry import parse_version
 
 CPU = Capabilities(cuda=False, te=False, apex=False)
 GPU_BARE = Capabilities(cuda=True, te=False, apex=False)  # the H100 of the issue: no TE, no Apex
@@ -40,22 +47,38 @@ def test_conditions_of_the_workarounds():
     assert by[13] is Condition.NO_TE_NO_APEX and by[14] is Condition.ALWAYS
 
 
-def test_needed_selection():
-    # megatron-core 0.16 leaves te_general_gemm unbound without TE (#3); 0.19 binds it to None
-    three = {3} if next(w for w in workarounds() if w.number == 3).defect_present() else set()
-    assert {w.number for w in needed_workarounds(CPU)} == {w.number for w in workarounds()} - ({3} - three)
-    assert {w.number for w in needed_workarounds(GPU_BARE)} == three | {7, 13, 14}
-    assert {w.number for w in needed_workarounds(GPU_APEX)} == three | {7, 14}
-    assert {w.number for w in needed_workarounds(GPU_TE)} == {14}
+# Which workarounds each megatron-core release needs, per platform, as the probes measured them
+# (tests/unit/platform/test_workarounds.py on each CI lane: 0.16.1 on lane 1, 0.19.2 on lane 2).
+# #3's defect was fixed in 0.17.0 (moe_utils binds te_general_gemm to None without TE); every other
+# defect is in both releases.
+@pytest.mark.parametrize("mcore,fixed", [("0.16.1", set()), ("0.19.2", {3})])
+def test_needed_selection_per_release(mcore, fixed):
+    every = {w.number for w in workarounds()}
+    assert {w.number for w in needed_workarounds(CPU, mcore)} == every - fixed
+    assert {w.number for w in needed_workarounds(GPU_BARE, mcore)} == {3, 7, 13, 14} - fixed
+    assert {w.number for w in needed_workarounds(GPU_APEX, mcore)} == {3, 7, 14} - fixed
+    assert {w.number for w in needed_workarounds(GPU_TE, mcore)} == {14}
 
 
-def test_fixed_defect_is_not_patched():
+def test_fixed_in_is_a_release_bound():
     w = next(w for w in workarounds() if w.number == 3)
-    fixed = platform.Workaround(w.number, w.name, w.needed_when, w.fixes, w.apply, defect_present=lambda: False)
-    assert w.needed(CPU) and not fixed.needed(CPU)
+    assert w.fixed_in == "0.17.0"
+    assert w.needed(CPU, "0.16.1") and w.has_defect("0.16.1")
+    assert not w.needed(CPU, "0.17.0") and not w.needed(CPU, "0.19.2") and not w.needed(CPU, "0.19.2+e432f21")
+    assert [x.number for x in workarounds() if x.fixed_in is not None] == [3]  # the others: every release
+    assert all(x.has_defect("99.0.0") for x in workarounds() if x.fixed_in is None)
+
+
+def test_parse_version():
+    assert parse_version("0.19.2") == (0, 19, 2) and parse_version("0.17.0rc0") == (0, 17, 0)
+    assert parse_version("0.19.2+e432f21") == (0, 19, 2) and parse_version("1.0") == (1, 0, 0)
+    with pytest.raises(ValueError, match="not a release"):
+        parse_version("main")
+    assert len(parse_version(megatron_core_version())) == 3
 
 
 def test_this_process():
     caps = platform.capabilities()
     assert caps.describe().startswith("CUDA=")
     assert {w.number for w in needed_workarounds()} == {w.number for w in workarounds() if w.needed(caps)}
+    assert needed_workarounds() == needed_workarounds(caps, megatron_core_version())

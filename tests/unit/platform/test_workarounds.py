@@ -2,28 +2,48 @@
 all), wherever its condition holds: a no-CUDA workaround is probed on CPU machines only, a no-TE
 one wherever Transformer Engine is absent, GPU included.
 
-When a megatron-core upgrade fixes the patched line, the "needed" case fails here: delete the
-workaround. Each case runs in a fresh interpreter because the patches are process-wide; the
-interpreter sees this machine as it is (its CUDA devices included).
+Per megatron-core release: a workaround whose defect a later release fixed names that release
+(`fixed_in`); on it and later ones its probe must pass *without* the workaround
+(`test_fixed_upstream`), on older ones it must still fail. Each CI lane runs its own release
+(0.16.1 and 0.19.2), so together they say which workarounds each release needs. When an upgrade
+fixes a line whose workaround has no `fixed_in`, the "needed" case fails here: record the release
+in `fixed_in`, and delete the workaround once the oldest supported release has the fix. Each case
+runs in a fresh interpreter because the patches are process-wide; the interpreter sees this
+machine as it is (its CUDA devices included).
 """
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from megatron_rl.platform import capabilities, workarounds
+from megatron_rl.platform import capabilities, megatron_core_version, workarounds
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ALL = {w.number: w for w in workarounds()}
 NUMBERS = sorted(ALL)
+FIXED_UPSTREAM = sorted(n for n, w in ALL.items() if w.fixed_in is not None)
 # the error each probe raises without its workaround (a substring of the exception text)
 EXPECTED = {
     1: "CUDA", 2: "CUDA", 3: "te_general_gemm", 5: "CUDA", 6: "Stream", 7: "sequence parallel",
     8: "all_to_all_single", 9: "CUDA", 10: "CUDA", 11: "Wrapped parameters", 13: "AssertionError", 14: "leaf Variable",
     15: "must be cuda device",
 }
+# The probes that fail inside torch's CUDA calls. A CPU build of torch refuses them itself ("Torch not compiled
+# with CUDA enabled", "torch.cuda.Stream requires CUDA support"); a CUDA build on a machine without a GPU (lane 2:
+# PyPI has no CPU build of torch for Python 3.12) gets as far as the driver: "Found no NVIDIA driver on your
+# system", "CUDA driver version is insufficient for CUDA runtime version" (the Stream of #6).
+TORCH_CUDA_CALLS = (1, 2, 5, 6, 9, 10)
+CUDA_BUILD_WITHOUT_DEVICE = torch.version.cuda is not None and not torch.cuda.is_available()
+DRIVER_ERRORS = ("NVIDIA driver", "CUDA driver", "CUDA-capable device")
+
+
+def _expected(number: int) -> tuple[str, ...]:
+    if CUDA_BUILD_WITHOUT_DEVICE and number in TORCH_CUDA_CALLS:
+        return DRIVER_ERRORS
+    return (EXPECTED[number],)
 
 
 def _probe(number: int, without: bool) -> subprocess.CompletedProcess:
@@ -32,11 +52,18 @@ def _probe(number: int, without: bool) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
 
 
-def _skip_unless_needed_here(number: int) -> None:
+def _skip_unless_condition_holds(number: int) -> None:
     w, caps = ALL[number], capabilities()
     if not w.needed_when.holds(caps):
         pytest.skip(f"workaround #{number} ({w.name}) is for processes with {w.needed_when.description}; "
                     f"this one has {caps.describe()}")
+
+
+def _skip_if_fixed_here(number: int) -> None:
+    w = ALL[number]
+    if not w.has_defect():
+        pytest.skip(f"megatron-core {megatron_core_version()} has the fix of workaround #{number} ({w.name}): "
+                    f"fixed in {w.fixed_in}, so it is not applied (test_fixed_upstream[{number}] proves it)")
 
 
 def test_every_workaround_has_a_probe():
@@ -45,18 +72,31 @@ def test_every_workaround_has_a_probe():
 
 @pytest.mark.parametrize("number", NUMBERS)
 def test_still_needed(number):
-    _skip_unless_needed_here(number)
-    w = ALL[number]
-    if w.defect_present is not None and not w.defect_present():
-        pytest.skip(f"the installed megatron-core fixed the defect of workaround #{number} ({w.name}); "
-                    "delete the workaround once the oldest supported megatron-core has the fix")
+    _skip_unless_condition_holds(number)
+    _skip_if_fixed_here(number)
     run = _probe(number, without=True)
-    assert run.returncode == 3, f"probe {number} passed without its workaround: upstream fixed it?\n{run.stdout}"
-    assert EXPECTED[number] in run.stdout, run.stdout + run.stderr[-3000:]
+    assert run.returncode == 3, (f"probe {number} passed without its workaround on megatron-core "
+                                 f"{megatron_core_version()}: upstream fixed it? (set fixed_in)\n{run.stdout}")
+    assert any(text in run.stdout for text in _expected(number)), run.stdout + run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("number", NUMBERS)
 def test_sufficient(number):
-    _skip_unless_needed_here(number)
+    _skip_unless_condition_holds(number)
+    _skip_if_fixed_here(number)
     run = _probe(number, without=False)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("number", FIXED_UPSTREAM)
+def test_fixed_upstream(number):
+    """From the release named in `fixed_in` on, the probe passes without the workaround."""
+    _skip_unless_condition_holds(number)
+    w = ALL[number]
+    if w.has_defect():
+        pytest.skip(f"megatron-core {megatron_core_version()} predates {w.fixed_in}, the release that fixed "
+                    f"workaround #{number} ({w.name}): test_still_needed[{number}] covers it")
+    run = _probe(number, without=True)
+    assert run.returncode == 0, (f"workaround #{number} ({w.name}) is marked fixed in megatron-core {w.fixed_in}, "
+                                 f"but its probe fails without it on {megatron_core_version()}:\n"
+                                 + run.stdout + run.stderr[-3000:])
