@@ -20,19 +20,22 @@ class Family:
     moe: every (or every sparse-step) layer has a routed-expert MLP.
     qk_norm: RMSNorm on each query and key head before RoPE (Qwen3).
     qkv_bias: biases on the q, k and v projections only (Qwen2 / Qwen2.5).
+    head_dim_is_derived: head_dim must be hidden_size / num_attention_heads: the family's configs
+        have no head_dim key and vLLM's model class derives it (a decoupled one serves garbage).
     """
 
     hf_architecture: str
     moe: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False
+    head_dim_is_derived: bool = False
 
 
 FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", moe=True, qk_norm=True),
     "llama": Family("LlamaForCausalLM"),
-    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, head_dim_is_derived=True),
     "mixtral": Family("MixtralForCausalLM", moe=True),
 }
 ARCHS = tuple(FAMILIES)
@@ -96,6 +99,10 @@ class ModelArch:
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"model.num_kv_heads ({self.num_kv_heads})")
+        if self.family.head_dim_is_derived and self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise ValueError(f"model.arch={self.arch} derives head_dim from hidden_size / num_attention_heads "
+                             f"({self.hidden_size} / {self.num_attention_heads}); model.head_dim={self.head_dim} "
+                             "differs: change hidden_size, num_attention_heads or head_dim to agree")
         if self.rope_llama3_factor and self.arch != "llama":
             raise ValueError(f"model.rope_llama3_factor is Llama 3 RoPE scaling; model.arch={self.arch} has none")
         if self.is_moe:

@@ -101,4 +101,6 @@ def preset_arch(arch: str, size: str = "tiny", **overrides) -> ModelArch:
     else:
         raise KeyError(f"unknown model size {size!r}; available: {preset_names()}")
     fields.update(overrides)
+    if fields.get("arch") in FAMILIES and FAMILIES[fields["arch"]].head_dim_is_derived and "head_dim" not in overrides:
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     return ModelArch(**fields)

@@ -43,6 +43,7 @@ def test_mixtral_experts_are_its_mlp():
     ({"arch": "qwen3_moe", "num_experts": 0}, "num_experts"),
     ({"arch": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 8, "moe_topk": 5}, "moe_topk"),
     ({"arch": "qwen3", "rope_llama3_factor": 8.0}, "Llama 3 RoPE scaling"),
+    ({"arch": "qwen2", "hidden_size": 64, "head_dim": 32}, "derives head_dim"),
     ({"arch": "mixtral", "num_experts": 4, "moe_ffn_hidden_size": 8, "mlp_only_layers": (0,)}, "every layer"),
 ])
 def test_validation_messages(kw, msg):
