@@ -7,7 +7,8 @@
     python tools/convert_hf_to_mcore.py --reverse --mcore-dir ckpt/qwen3moe/iter_0000000 --hf-dir out_hf
 
 The mcore checkpoint is our trainer's format (megatron_rl.trainer.checkpoint): usable as
-`train.init_checkpoint` of pretrain_rl.py. Supported architectures: qwen3, qwen3_moe.
+`train.init_checkpoint` of pretrain_rl.py. Supported families: see docs/models.md (Qwen3,
+Qwen3-MoE, Llama 3, Qwen2/2.5, Mixtral).
 Tensors stream one at a time through the weight mapping (megatron_rl/model/mappings).
 """
 from __future__ import annotations
