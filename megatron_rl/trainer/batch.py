@@ -17,6 +17,7 @@ each row, [N, L / CP], sharded by megatron-core's own `get_batch_on_this_cp_rank
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -85,7 +86,13 @@ def cp_shard(batch: TrainBatch, cp_group) -> TrainBatch:
         raise ValueError(f"rows have {length} inputs, not a multiple of 2*CP={2 * cp}; "
                          "pad them with padded_length(samples, row_multiple(tp, cp))")
     tensors = {k: getattr(batch, k).contiguous() for k in _PER_TOKEN if getattr(batch, k) is not None}
-    local = get_batch_on_this_cp_rank(tensors, cp_group=cp_group)
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        # megatron-core >= 0.18.0: a required `is_hybrid_cp` (hybrid CP of packed sequences, which
+        # reads `cu_seqlens` from the batch). Without `cu_seqlens` it takes the same per-sequence
+        # zig-zag split as 0.16/0.17 whatever the flag; False says we use no hybrid CP.
+        local = get_batch_on_this_cp_rank(tensors, is_hybrid_cp=False, cp_group=cp_group)
+    else:
+        local = get_batch_on_this_cp_rank(tensors, cp_group=cp_group)
     return replace(batch, **local, cp_size=cp)
 
 
