@@ -1,6 +1,7 @@
 # Two entry points (see README): `make demo` and `make test`. Each creates or reuses .venv,
 # installs exactly the pinned CPU lane (idempotent: a stamp keyed on the dependency files makes
-# a second run skip pip), then runs.
+# a second run skip pip), then runs. CI (.ci/run) runs `make test`, then `make test-lane2`
+# (Python 3.12 + megatron-core 0.19 in .venv-py312, set up the same way; see below).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed-$(DEPS_HASH)
 export TORCHDYNAMO_DISABLE ?= 1
 export PYTHONWARNINGS ?= ignore::UserWarning
 
-.PHONY: install install-vllm demo test test-fast test-repeat lint clean
+.PHONY: install install-vllm demo test test-fast test-repeat lint clean install-lane2 test-lane2
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,7 +44,35 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_rl tools tests benchmarks pretrain_rl.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV2) .pytest_cache
+
+# Lane 2 (CI runs it after `make test`): Python 3.12 + megatron-core 0.19 (what GPU clusters run),
+# its own env (.venv-py312) pinned by constraints/cpu-py312-mcore019.txt. PyPI has no CPU build of
+# torch for 3.12, so this lane gets the CUDA build; it runs on the CPU (no GPU here). It runs the
+# unit and distributed tiers without the `variant` tests (other settings of this project's own logic,
+# through megatron-core calls the remaining tests make); e2e, golden, vLLM and variants stay on lane 1.
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV2 ?= .venv-py312
+PY2 := $(VENV2)/bin/python
+LANE2_LOCK := constraints/cpu-py312-mcore019.txt
+DEPS_HASH2 := $(shell cat pyproject.toml $(LANE2_LOCK) | sha1sum | cut -c1-12)
+STAMP2 := $(VENV2)/.installed-$(DEPS_HASH2)
+LANE2_TESTS ?= tests/unit tests/distributed
+LANE2_MARKERS ?= not vllm and not gpu and not variant
+
+$(STAMP2):
+	@test -x $(PY2) || $(PYTHON312) -m venv $(VENV2)
+	$(PY2) -m pip install -q --upgrade "pip>=24"
+	$(PY2) -m pip install -q -c $(LANE2_LOCK) torch==2.13.0
+	$(PY2) -m pip install -q -c $(LANE2_LOCK) -e ".[dev]"
+	@rm -f $(VENV2)/.installed-*
+	@touch $@
+
+install-lane2: $(STAMP2)
+
+test-lane2: $(STAMP2)
+	$(PY2) -c 'import sys, importlib.metadata as md; print("lane 2: Python", sys.version.split()[0], "megatron-core", md.version("megatron-core"), "torch", md.version("torch"))'
+	$(PY2) -m pytest -q $(LANE2_TESTS) -m "$(LANE2_MARKERS)"
 
 # GPU lane (a GPU machine without a package index): `make gpu-wheels` here downloads the wheels into
 # .whl/, then on the GPU machine `make gpu-check` installs them and runs tests + benchmark (tools/gpu_check.sh)

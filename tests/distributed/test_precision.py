@@ -110,7 +110,7 @@ def _save_init(rank, world, hf_dir, root):
         close(ctx)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.variant)])
 def test_init_checkpoint_reaches_the_master_weights(tmp_path, hf_dir, dtype):
     """A bf16/fp16 model started from train.init_checkpoint trains from those weights: the
     optimizer's fp32 master copies are made after the load (not from the random init)."""

@@ -38,6 +38,7 @@ def test_r2_keeps_the_first_minibatch_and_reports_routing(tmp_path, hf_dir):  # 
     assert 0.9 < r2["moe/route_agree_rollout_train"] <= 1.0  # fp32 engine vs fp32 trainer
 
 
+@pytest.mark.variant  # the R2 strategy's minibatch logic; megatron's RouterReplay is the two tests above
 def test_r2_with_two_minibatches_replays_after_an_update(tmp_path, hf_dir):  # noqa: F811
     r2 = _step(tmp_path, "r2n2", hf_dir, ["--router-replay", "r2", "optim.lr=5e-2"])
     # after the first optimizer step the live router would choose differently on some tokens;

@@ -160,6 +160,7 @@ def _failing_engine(rank, world, run_dir, hf):
     return os.path.basename(latest_checkpoint(os.path.join(run_dir, "checkpoints")))
 
 
+@pytest.mark.variant  # the loop's fault handling; test_resume_reproduces_uninterrupted_run saves and loads
 def test_engine_failure_stops_every_rank_with_a_resumable_checkpoint(tmp_path, hf_dir):
     # two ranks: the rank without the engine must not hang waiting for samples
     out = run_ranks(_failing_engine, world_size=2, timeout=300, run_dir=str(tmp_path), hf=hf_dir)

@@ -51,6 +51,7 @@ def _run(rank, world, overrides, run_dir, stop_after_first=False):
     return weights, steps
 
 
+@pytest.mark.variant  # the schedules' own logic; test_rl_loop makes the same megatron-core calls
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_resume_mid_schedule_reproduces_the_uninterrupted_run(tmp_path, name):
     overrides = SCHEDULES[name] + STEPS
@@ -70,6 +71,7 @@ def test_resume_mid_schedule_reproduces_the_uninterrupted_run(tmp_path, name):
         assert torch.equal(w_full[k], w_res[k]), k
 
 
+@pytest.mark.variant  # the schedules' own logic; test_rl_loop makes the same megatron-core calls
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_two_data_parallel_ranks_match_one(tmp_path, name):
     overrides = SCHEDULES[name] + STEPS
@@ -84,7 +86,9 @@ def test_two_data_parallel_ranks_match_one(tmp_path, name):
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("name,stale_steps", [("sync", []), ("staged", [2]), ("async", [2])])
+@pytest.mark.parametrize("name,stale_steps", [
+    ("sync", []), pytest.param("staged", [2], marks=pytest.mark.variant),
+    pytest.param("async", [2], marks=pytest.mark.variant)])
 def test_which_policies_the_losses_compare(tmp_path, name, stale_steps):
     """fp32 engine and trainer: μ and π_old agree to ~1e-6 when the batch comes from the current
     weights; a stale batch keeps its behaviour μ (version 0) while π_old is recomputed with the
