@@ -9,7 +9,11 @@
 The mcore checkpoint is our trainer's format (megatron_rl.trainer.checkpoint): usable as
 `train.init_checkpoint` of pretrain_rl.py. Supported families: see docs/models.md (Qwen3,
 Qwen3-MoE, Llama 3, Qwen2/2.5, Mixtral).
-Tensors stream one at a time through the weight mapping (megatron_rl/model/mappings).
+HF -> mcore streams: the model is built on the meta device (shapes only) and each tensor is read,
+converted through the weight mapping (megatron_rl/model/mappings) and written when megatron's
+writer reaches it (megatron_rl/trainer/lazy_save.py), so peak memory is about the largest
+tensor, not the model (benchmarks/convert_memory.py). mcore -> HF loads the model, then streams
+the export.
 """
 from __future__ import annotations
 
@@ -40,10 +44,19 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megatron_rl.model import BuildOptions, ModelArch, build_gpt_model
-    from megatron_rl.model.hf_io import SafetensorsReader, export_hf_weights, load_arch, load_hf_weights, save_hf_checkpoint
+    import torch
+
+    from megatron_rl.model.hf_io import (
+        SafetensorsReader,
+        export_hf_weights,
+        hf_materializer,
+        load_arch,
+        save_hf_checkpoint,
+    )
     from megatron_rl.parallel import ParallelConfig, destroy_parallel, init_distributed, init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import load_checkpoint, read_extra, save_checkpoint
+    from megatron_rl.trainer.lazy_save import make_materializing_save
 
     apply_platform_workarounds()
     rank, _ = init_distributed()
@@ -55,9 +68,12 @@ def main(argv=None) -> int:
     try:
         if not args.reverse:
             arch = load_arch(args.hf_dir)
-            model = build_gpt_model(arch, groups, BuildOptions(dtype=args.dtype))
-            load_hf_weights(model, arch, groups, SafetensorsReader(args.hf_dir))
-            out = save_checkpoint(args.mcore_dir, 0, model, extra={"step": 0, "arch": arch.to_dict()})
+            opts = BuildOptions(dtype=args.dtype)
+            with torch.device("meta"):  # shapes and sharding only: tensors are made as they are written
+                model = build_gpt_model(arch, groups, opts)
+            materialize = hf_materializer(model, arch, groups, SafetensorsReader(args.hf_dir), opts.torch_dtype)
+            out = save_checkpoint(args.mcore_dir, 0, model, extra={"step": 0, "arch": arch.to_dict()},
+                                  sharded_strategy=make_materializing_save(materialize))
             if rank == 0:
                 print(f"wrote {out} ({arch.arch}, {sum(p.numel() for p in model.parameters())} params on rank 0)")
         else:

@@ -9,6 +9,7 @@ of TP (and expert-TP), EP and PP sharding:
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.model.arch import ModelArch
-from megatron_rl.model.mappings import Param, Scope, from_shards, mapping_for, to_local_shard
+from megatron_rl.model.mappings import Kind, Param, Scope, from_shards, mapping_for, to_local_shard
 from megatron_rl.parallel import ParallelGroups
 
 
@@ -99,20 +100,61 @@ def _hf_names(slot: _Slot) -> list[str]:
     return [h.format(layer=slot.layer, expert=slot.expert) for h in slot.param.hf]
 
 
+def _local_tensor(name: str, slot: _Slot, target_shape, arch: ModelArch, groups: ParallelGroups,
+                  read: Callable[[str], torch.Tensor], part: int | None = None) -> torch.Tensor:
+    """This rank's shard of mcore parameter `name` from the HF tensors (part k of a GATED one:
+    its gate (0) or up (1) rows only, reading one HF tensor)."""
+    rank, size, _ = _tp(slot.param, groups)
+    names = _hf_names(slot)
+    kind = slot.param.kind
+    if part is not None:
+        local = read(names[part]).chunk(size, dim=0)[rank]
+    else:
+        local = to_local_shard(kind, [read(h) for h in names], rank, size, **_shape_kwargs(arch))
+    if tuple(local.shape) != tuple(target_shape):
+        raise ValueError(f"shape mismatch loading {names} into {name}: HF gives {tuple(local.shape)} for TP "
+                         f"rank {rank}/{size}, model has {tuple(target_shape)}; does config.json match the model arch?")
+    return local
+
+
 @torch.no_grad()
 def load_hf_weights(model, arch: ModelArch, groups: ParallelGroups, read: Callable[[str], torch.Tensor]) -> None:
     """Copy HF tensors (fetched by name with `read`) into this rank's shards of `model`."""
     params = dict(unwrap(model).named_parameters())
     for name, slot in local_plan(model, arch, groups).items():
-        rank, size, _ = _tp(slot.param, groups)
-        hf = [read(h) for h in _hf_names(slot)]
-        local = to_local_shard(slot.param.kind, hf, rank, size, **_shape_kwargs(arch))
         target = params[name]
-        if tuple(local.shape) != tuple(target.shape):
-            raise ValueError(f"shape mismatch loading {_hf_names(slot)} into {name}: HF gives "
-                             f"{tuple(local.shape)} for TP rank {rank}/{size}, model has {tuple(target.shape)}; "
-                             f"does config.json match the model arch?")
-        target.copy_(local)
+        target.copy_(_local_tensor(name, slot, target.shape, arch, groups, read))
+
+
+def hf_materializer(model, arch: ModelArch, groups: ParallelGroups, read: Callable[[str], torch.Tensor],
+                    dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For a model built on the meta device: meta parameter (or a view of one, as megatron's
+    checkpoint factories make) -> its data from the HF tensors, in `dtype`, on the CPU.
+
+    Reads only what the tensor needs: the gate or up half of a fused fc1 reads one HF tensor.
+    Used with trainer.lazy_save to convert a checkpoint holding about one tensor at a time.
+    """
+    params = dict(unwrap(model).named_parameters())
+    by_id = {id(p): n for n, p in params.items()}
+    plan = local_plan(model, arch, groups)
+
+    @torch.no_grad()
+    def materialize(meta: torch.Tensor) -> torch.Tensor:
+        base = meta if meta._base is None else meta._base
+        name = by_id[id(base)]
+        slot = plan[name]
+        # the writer's tensor may carry megatron's prepended sharding axes: compare element counts
+        whole = meta.numel() == base.numel() and meta.storage_offset() == 0
+        if not whole and slot.param.kind is Kind.GATED and meta.numel() * 2 == base.numel():
+            part = meta.storage_offset() // meta.numel()  # 0: the gate rows, 1: the up rows
+            half = (base.shape[0] // 2, *base.shape[1:])
+            return _local_tensor(name, slot, half, arch, groups, read, part).to(dtype).reshape(meta.shape)
+        full = _local_tensor(name, slot, base.shape, arch, groups, read).to(dtype)
+        if whole:
+            return full.reshape(meta.shape)
+        return full.as_strided(meta.shape, meta.stride(), meta.storage_offset()).clone()
+
+    return materialize
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor:
@@ -199,25 +241,41 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
                         yield template.format(layer=layer, expert=r * e_local + j), cast(full[k * n_ep + r])
 
 
+# safetensors dtype names -> torch dtypes (the format's header spells them so)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 class SafetensorsReader:
-    """Read HF tensors by name from a checkpoint directory (single file or sharded with index)."""
+    """Read HF tensors by name from a checkpoint directory (single file or sharded with index).
+
+    Each call reads that tensor's bytes with a plain positioned read into fresh memory: nothing
+    is memory-mapped, so a process that converts tensor by tensor holds one tensor, not the
+    mapped files (safetensors' own `safe_open` maps them, and touched pages stay resident).
+    Format: 8-byte little-endian header length, a JSON header {name: {dtype, shape,
+    data_offsets: [begin, end)}} with offsets from the end of the header, then the bytes.
+    """
 
     def __init__(self, path: str):
-        from safetensors import safe_open
-
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:
-                self._where = json.load(f)["weight_map"]
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.exists(os.path.join(path, "model.safetensors")):
+            files = ["model.safetensors"]
         else:
-            single = os.path.join(path, "model.safetensors")
-            if not os.path.exists(single):
-                raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-            with safe_open(single, "pt") as f:
-                self._where = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - not a dict
-        self._open = {}
-        self._safe_open = safe_open
+            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self._where: dict[str, tuple[str, int, dict]] = {}
+        for file in files:
+            full = os.path.join(path, file)
+            with open(full, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            for name, info in header.items():
+                self._where[name] = (full, 8 + n, info)
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -225,10 +283,18 @@ class SafetensorsReader:
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
-        file = self._where[name]
-        if file not in self._open:
-            self._open[file] = self._safe_open(os.path.join(self.path, file), "pt")
-        return self._open[file].get_tensor(name)
+        file, start, info = self._where[name]
+        begin, end = info["data_offsets"]
+        dtype = _ST_DTYPES[info["dtype"]]
+        # torch-owned, resizable storage (a streaming writer frees it after writing; `.numpy()`
+        # would pin it), filled in place through a ctypes view of its bytes
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        with open(file, "rb", buffering=0) as f:
+            f.seek(start + begin)
+            view = memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
+            if buf.numel() and f.readinto(view) != buf.numel():
+                raise ValueError(f"{file}: tensor {name!r} is cut short (the file is truncated)")
+        return buf.view(dtype).reshape(info["shape"])
 
 
 def load_arch(hf_dir: str) -> ModelArch:

@@ -90,13 +90,15 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
 
 
 def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | None = None, keep: int = 2,
-                    run_id: str = "", rank0_tensors: dict | None = None) -> str:
+                    run_id: str = "", rank0_tensors: dict | None = None, sharded_strategy=None) -> str:
     """Save model (and optimizer) sharded state plus per-rank JSON `extra`; return the final dir.
 
     Collective over all ranks. `keep` >= 1: checkpoints of this `run_id` to retain (see the
     module docstring). `extra` must be JSON-serialisable (plain numbers, strings, lists, dicts).
     rank0_tensors: rank 0's {file name: object of tensors, numbers, strings, lists, dicts}, saved
     as `extra/<name>.pt` and read back with `read_rank0_tensors` (weights_only).
+    sharded_strategy: megatron's save strategy (default: its torch_dist one); the converter
+    passes lazy_save's, which writes a meta-device model's tensors one at a time.
     """
     from megatron.core import dist_checkpointing
 
@@ -108,7 +110,8 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp,
+                            sharded_strategy=sharded_strategy)
     os.makedirs(os.path.join(tmp, "extra"), exist_ok=True)
     write_json(os.path.join(tmp, "extra", f"rank_{rank:05d}.json"), extra or {})
     if rank == 0:

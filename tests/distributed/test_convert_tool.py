@@ -1,4 +1,5 @@
-"""tools/convert_hf_to_mcore.py: HF -> mcore (EP=2) -> HF (one rank) is bit-for-bit."""
+"""tools/convert_hf_to_mcore.py: HF -> mcore (EP=2) -> HF (one rank) is bit-for-bit, and a
+checkpoint streamed at one rank loads at TP=2 and at EP=2."""
 import os
 import subprocess
 import sys
@@ -31,3 +32,32 @@ def test_roundtrip_through_an_ep2_checkpoint(tmp_path):
     a, b = hf_tensors(src), hf_tensors(str(tmp_path / "back"))
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _load_at(rank, world, path, arch_dict, sizes):
+    from megatron_rl.model import BuildOptions, ModelArch, build_gpt_model
+    from megatron_rl.model.hf_io import export_hf_weights
+    from megatron_rl.trainer.checkpoint import load_checkpoint
+    from tests.mcore_setup import setup_parallel
+
+    groups = setup_parallel(**sizes)
+    arch = ModelArch(**arch_dict)
+    model = build_gpt_model(arch, groups, BuildOptions(seed=9))
+    load_checkpoint(path, model)
+    return dict(export_hf_weights(model, arch, groups))
+
+
+@pytest.mark.parametrize("sizes", [{"tensor_model_parallel_size": 2}, {"expert_model_parallel_size": 2}],
+                         ids=["tp2", "ep2"])
+def test_streamed_checkpoint_loads_at_another_layout(tmp_path, sizes):
+    from megatron_rl.model.presets import preset_arch
+    from tests.spawn import run_ranks
+
+    arch = preset_arch("mixtral")
+    src = random_hf_dir(arch, root=str(tmp_path))
+    _run("--hf-dir", src, "--mcore-dir", str(tmp_path / "mcore"))
+    loaded = run_ranks(_load_at, world_size=2, timeout=180, path=str(tmp_path / "mcore" / "iter_0000000"),
+                       arch_dict=arch.to_dict(), sizes=sizes)[0]
+    ref = hf_tensors(src)
+    assert loaded.keys() == ref.keys()
+    assert all(torch.equal(loaded[k], ref[k]) for k in ref)
