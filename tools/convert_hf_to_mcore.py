@@ -35,7 +35,26 @@ def parse_args(argv=None):
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on rank 0 (default: only when stderr is a terminal)")
     return p.parse_args(argv)
+
+
+def progress_bar(enabled: bool, **kw):
+    """A tqdm bar, or None: a log file gets no carriage-return redraws."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(dynamic_ncols=True, **kw)
+
+
+def counted(items, bar, size=lambda item: 1):
+    """`items`, advancing `bar` by size(item) for each."""
+    for item in items:
+        if bar is not None:
+            bar.update(size(item))
+        yield item
 
 
 def main(argv=None) -> int:
@@ -60,6 +79,7 @@ def main(argv=None) -> int:
 
     apply_platform_workarounds()
     rank, _ = init_distributed()
+    show = (args.progress if args.progress is not None else sys.stderr.isatty()) and rank == 0
     groups = init_parallel(ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -72,8 +92,19 @@ def main(argv=None) -> int:
             with torch.device("meta"):  # shapes and sharding only: tensors are made as they are written
                 model = build_gpt_model(arch, groups, opts)
             materialize = hf_materializer(model, arch, groups, SafetensorsReader(args.hf_dir), opts.torch_dtype)
+            total = sum(p.numel() for p in model.parameters()) * opts.torch_dtype.itemsize
+            bar = progress_bar(show, total=total, unit="B", unit_scale=True, desc="convert (rank 0's shards)")
+
+            def materialize_counted(meta):
+                out = materialize(meta)
+                if bar is not None:
+                    bar.update(out.nbytes)
+                return out
+
             out = save_checkpoint(args.mcore_dir, 0, model, extra={"step": 0, "arch": arch.to_dict()},
-                                  sharded_strategy=make_materializing_save(materialize))
+                                  sharded_strategy=make_materializing_save(materialize_counted))
+            if bar is not None:
+                bar.close()
             if rank == 0:
                 print(f"wrote {out} ({arch.arch}, {sum(p.numel() for p in model.parameters())} params on rank 0)")
         else:
@@ -88,7 +119,11 @@ def main(argv=None) -> int:
                 return 2
             model = build_gpt_model(arch, groups, BuildOptions(dtype=args.dtype))
             load_checkpoint(args.mcore_dir, model)
-            save_hf_checkpoint(args.hf_dir, arch, export_hf_weights(model, arch, groups), write=rank == 0)
+            bar = progress_bar(show, unit="tensor", desc="export")
+            save_hf_checkpoint(args.hf_dir, arch, counted(export_hf_weights(model, arch, groups), bar),
+                               write=rank == 0)
+            if bar is not None:
+                bar.close()
             if rank == 0:
                 print(f"wrote {args.hf_dir}: {json.dumps(arch.to_dict())}")
         dist.barrier()
