@@ -45,8 +45,8 @@ EP2 = (2, {"expert_model_parallel_size": 2})
     ((1, {}), (1, {}), "qwen3_moe"),
     (TP2, TP2, "qwen3_moe"),
     (EP2, (1, {}), "qwen3_moe"),  # resharding EP=2 -> one rank
-    (TP2, (1, {}), "qwen2"),  # the TP-sharded qkv biases resharded
-    (TP2, EP2, "mixtral"),  # TP=2 -> EP=2: attention gathered, experts split
+    pytest.param(TP2, (1, {}), "qwen2", marks=pytest.mark.variant),  # the TP-sharded qkv biases resharded
+    pytest.param(TP2, EP2, "mixtral", marks=pytest.mark.variant),  # TP=2 -> EP=2: attention gathered, experts split
 ], ids=["ws1", "tp2", "ep2_to_ws1", "qwen2_tp2_to_ws1", "mixtral_tp2_to_ep2"])
 def test_roundtrip(tmp_path, save_layout, load_layout, arch):
     root = str(tmp_path / "ckpt")

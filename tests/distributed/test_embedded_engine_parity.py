@@ -79,7 +79,8 @@ def _parity(rank, world, arch_kw):
     return report
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "llama", "qwen2", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", *(pytest.param(a, marks=pytest.mark.variant)
+                                                         for a in ("llama", "qwen2", "mixtral"))])
 def test_engine_logprobs_match_trainer(arch):
     [report] = run_ranks(_parity, world_size=1, timeout=180, arch_kw={"arch": arch})
     print(f"\n{arch}: {report}")
