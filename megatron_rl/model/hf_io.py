@@ -286,9 +286,10 @@ class SafetensorsReader:
         file, start, info = self._where[name]
         begin, end = info["data_offsets"]
         dtype = _ST_DTYPES[info["dtype"]]
+        # File bytes land in host memory (callers copy them to the parameter's device), in
         # torch-owned, resizable storage (a streaming writer frees it after writing; `.numpy()`
-        # would pin it), filled in place through a ctypes view of its bytes
-        buf = torch.empty(end - begin, dtype=torch.uint8)
+        # would pin it), filled in place through a ctypes view of its bytes.
+        buf = torch.empty(end - begin, dtype=torch.uint8, device="cpu")
         with open(file, "rb", buffering=0) as f:
             f.seek(start + begin)
             view = memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
