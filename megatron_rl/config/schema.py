@@ -21,7 +21,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 class ModelSection:
     """The policy model.
 
-    arch: "qwen3" | "qwen3_moe" | "llama" | "qwen2" | "mixtral" (random init from a preset size) —
+    arch: "qwen3" | "qwen3_moe" | "llama" | "qwen2" | "mixtral" | "deepseek_v3" (random init from a
+        preset size) —
         ignored when hf_dir is set (its config.json names the family).
     size: preset size name (megatron_rl/model/presets.py).
     hf_dir: start from this Hugging Face checkpoint directory (config.json + safetensors).
@@ -390,7 +391,7 @@ class RunConfig:
         if (self.moe.router_replay != "none" and self.model.hf_dir is None
                 and not FAMILIES[self.model.arch].moe):
             raise ValueError(f"moe.router_replay={self.moe.router_replay} needs a MoE model; model.arch="
-                             f"{self.model.arch}. Use model.arch=qwen3_moe (or mixtral) or moe.router_replay=none")
+                             f"{self.model.arch}. Use model.arch=qwen3_moe (or mixtral, deepseek_v3) or moe.router_replay=none")
         if self.moe.router_replay == "r3" and self.rollout.backend == "vllm":
             raise ValueError("moe.router_replay=r3 needs routing from the rollout engine; vLLM on the CPU lane "
                              "cannot return routed experts. Use rollout.backend=embedded or router_replay=r2")

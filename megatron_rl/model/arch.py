@@ -1,11 +1,11 @@
 """Architecture description shared by the megatron-core builder, the HF mappings and the engines.
 
 `ModelArch` is the single source of truth for shapes. It converts to and from the Hugging Face
-config of each supported family (`FAMILIES`): Qwen3 and Qwen3-MoE, Llama 3, Qwen2 / Qwen2.5 and
-Mixtral. All are pre-norm RMSNorm decoders with SwiGLU MLPs, RoPE and grouped-query attention;
-they differ in the switches a `Family` records (QK-norm, qkv bias, MoE) and in their HF names
-(mappings/). Features megatron-core cannot express for a family are refused in
-`from_hf_config` with the reason, never silently dropped.
+config of each supported family (`FAMILIES`): Qwen3 and Qwen3-MoE, Llama 3, Qwen2 / Qwen2.5,
+Mixtral and DeepSeek-V3. All are pre-norm RMSNorm decoders with SwiGLU MLPs and RoPE; they differ
+in the switches a `Family` records (QK-norm, qkv bias, MoE, multi-latent attention, the router's
+score function) and in their HF names (mappings/). Features megatron-core cannot express for a
+family are refused in `from_hf_config` with the reason, never silently dropped.
 """
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ class Family:
     qkv_bias: biases on the q, k and v projections only (Qwen2 / Qwen2.5).
     head_dim_is_derived: head_dim must be hidden_size / num_attention_heads: the family's configs
         have no head_dim key and vLLM's model class derives it (a decoupled one serves garbage).
+    mla: multi-latent attention (DeepSeek-V2/V3): low-rank q and kv projections, a RoPE part of
+        qk_rope_head_dim shared by all heads; megatron-core's MLASelfAttention.
+    router: "softmax" (top-k of softmax scores) | "sigmoid" (top-k of sigmoid scores plus a
+        per-expert score-correction bias, renormalised and scaled: DeepSeek-V3).
     """
 
     hf_architecture: str
@@ -29,6 +33,8 @@ class Family:
     qk_norm: bool = False
     qkv_bias: bool = False
     head_dim_is_derived: bool = False
+    mla: bool = False
+    router: str = "softmax"
 
 
 FAMILIES: dict[str, Family] = {
@@ -37,13 +43,14 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM"),
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, head_dim_is_derived=True),
     "mixtral": Family("MixtralForCausalLM", moe=True),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", moe=True, mla=True, router="sigmoid"),
 }
 ARCHS = tuple(FAMILIES)
 
-# Families users ask for that megatron-core's GPTModel specs cannot build here, and why.
+# Families users ask for that megatron-core's GPTModel specs cannot build as HF computes them, and why.
 UNSUPPORTED = {
-    "deepseek_v3": "multi-latent attention, the sigmoid router with expert bias and the first dense "
-                   "layers are not mapped yet (megatron-core builds them with MLATransformerConfig)",
+    "deepseek_v2": "its group-limited routing ranks groups by their best expert, megatron-core's by the "
+                   "sum of their top experts; DeepSeek-V3 (model_type deepseek_v3) is supported",
 }
 
 # megatron-core's RotaryEmbedding applies Llama 3.x frequency scaling with only the factor
@@ -55,7 +62,7 @@ LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_
 class ModelArch:
     """Decoder-only transformer shape (RMSNorm, SwiGLU, RoPE, GQA; per-family switches in FAMILIES).
 
-    arch: a key of FAMILIES ("qwen3", "qwen3_moe", "llama", "qwen2", "mixtral").
+    arch: a key of FAMILIES ("qwen3", "qwen3_moe", "llama", "qwen2", "mixtral", "deepseek_v3").
     vocab_size: V; must be divisible by TP (vocab-parallel embedding and output layer).
     hidden_size: H.  num_layers: L.  num_attention_heads / num_kv_heads: GQA heads.
     head_dim: per-head size (Qwen3 decouples it from H / heads).
@@ -69,6 +76,15 @@ class ModelArch:
     decoder_sparse_step: HF Qwen-MoE: layer i is MoE when (i + 1) % step == 0.
     moe_shared_expert_ffn_hidden_size: 0 = no shared expert (Qwen3-MoE and Mixtral have none).
     tie_word_embeddings: output layer shares the embedding weight.
+    Multi-latent attention (family.mla), per head h of n:
+        q_h = W_uq RMSNorm(W_dq x)                                           [qk_nope + qk_rope]
+        [c_kv, k_rope] = W_dkv x;  [k_nope_h, v_h] = W_ukv RMSNorm(c_kv)          c_kv: [kv_lora_rank]
+        k_h = [k_nope_h, RoPE(k_rope)] (one RoPE key shared by all heads), softmax scale
+        1 / sqrt(qk_nope + qk_rope), v_h: [v_head_dim].
+    Sigmoid router (family.router == "sigmoid"), expert bias b (a buffer, not trained by RL):
+        s = sigmoid(W_r x); top-k of s + b (within the moe_group_topk best of moe_num_groups
+        groups, a group scored by the sum of its top two); weights = s_topk / sum(s_topk) *
+        moe_routed_scaling_factor.
     """
 
     arch: str = "qwen3_moe"
@@ -91,6 +107,14 @@ class ModelArch:
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
     decoder_sparse_step: int = 1
     moe_shared_expert_ffn_hidden_size: int = 0
+    moe_routed_scaling_factor: float = 1.0
+    moe_num_groups: int = 1
+    moe_group_topk: int = 1
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         if self.arch not in FAMILIES:
@@ -117,8 +141,58 @@ class ModelArch:
                              "expert: leave mlp_only_layers, decoder_sparse_step, "
                              "moe_shared_expert_ffn_hidden_size and norm_topk_prob at their defaults")
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        self._check_mla()
+        self._check_router()
         if self.arch == "mixtral":  # no dense MLP: HF's intermediate_size is the experts' size
             object.__setattr__(self, "ffn_hidden_size", self.moe_ffn_hidden_size)
+
+    def _check_mla(self) -> None:
+        mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.family.mla:
+            if any(getattr(self, k) for k in ("q_lora_rank", *mla)):
+                raise ValueError(f"model.arch={self.arch} has no multi-latent attention: leave q_lora_rank, "
+                                 f"{', '.join(mla)} at 0")
+            return
+        if any(getattr(self, k) < 1 for k in mla):
+            raise ValueError(f"model.arch={self.arch} (multi-latent attention) needs model.{', '.join(mla)} >= 1")
+        if self.q_lora_rank < 1:
+            # megatron-core 0.19 builds a direct query projection (HF q_lora_rank null) as a fused
+            # norm + linear whenever the kv latent is normalised: a norm HF's model does not have
+            raise ValueError(f"model.q_lora_rank={self.q_lora_rank}: multi-latent attention needs a query latent "
+                             "(q_lora_rank >= 1); megatron-core's MLA adds a norm to a direct query projection "
+                             "that the Hugging Face model does not have")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        # HF's convention for MLA configs: head_dim is the RoPE part, every head is its own kv head
+        object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
+        object.__setattr__(self, "num_kv_heads", self.num_attention_heads)
+
+    def _check_router(self) -> None:
+        if self.family.router != "sigmoid":
+            if (self.moe_routed_scaling_factor, self.moe_num_groups, self.moe_group_topk) != (1.0, 1, 1):
+                raise ValueError(f"model.arch={self.arch}: moe_routed_scaling_factor, moe_num_groups and "
+                                 "moe_group_topk belong to the sigmoid router (deepseek_v3); leave them at 1")
+            return
+        groups, picked = self.moe_num_groups, self.moe_group_topk
+        if groups < 1 or self.num_experts % groups or not 1 <= picked <= groups:
+            raise ValueError(f"model.moe_num_groups={groups} must divide num_experts={self.num_experts} and "
+                             f"model.moe_group_topk={picked} must be in [1, moe_num_groups]")
+        # HF scores a group by its top two experts, megatron-core by its top moe_topk // moe_group_topk
+        if groups > 1 and self.moe_topk // picked != 2:
+            raise ValueError(f"model.moe_topk // model.moe_group_topk = {self.moe_topk} // {picked} must be 2 with "
+                             "group-limited routing (HF scores a group by its two best experts; megatron-core "
+                             "by its moe_topk // moe_group_topk best)")
+        if not self.norm_topk_prob and self.moe_topk > 1:
+            raise ValueError("model.norm_topk_prob=false: megatron-core's sigmoid router always renormalises "
+                             "the top-k scores; set it true")
+        dense = tuple(range(len(self.mlp_only_layers)))
+        if self.mlp_only_layers != dense or self.decoder_sparse_step != 1:
+            raise ValueError(f"model.arch={self.arch}: the dense layers are the first k (HF first_k_dense_replace): "
+                             f"set mlp_only_layers to {list(dense)} and decoder_sparse_step to 1")
+        shared = self.moe_shared_expert_ffn_hidden_size
+        if shared < 1 or shared % self.moe_ffn_hidden_size:
+            raise ValueError(f"model.moe_shared_expert_ffn_hidden_size={shared} must be a positive multiple of "
+                             f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} (HF n_shared_experts >= 1)")
 
     @property
     def family(self) -> Family:
@@ -139,10 +213,8 @@ class ModelArch:
         active: count only the moe_topk routed experts of each MoE layer (the parameters one
         token passes through), as MoE model names such as "30B-A3B" do.
         """
-        h, d = self.hidden_size, self.head_dim
-        qkv_rows = d * (self.num_attention_heads + 2 * self.num_kv_heads)
-        attention = (h * qkv_rows + self.num_attention_heads * d * h  # q, k, v and output projection
-                     + (2 * d if self.family.qk_norm else 0) + (qkv_rows if self.family.qkv_bias else 0))
+        h = self.hidden_size
+        attention = self._mla_parameters() if self.family.mla else self._gqa_parameters()
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h  # + final norm
         for layer in range(self.num_layers):
             total += attention + 2 * h  # + input and pre-MLP norms
@@ -153,6 +225,20 @@ class ModelArch:
             else:
                 total += 3 * h * self.ffn_hidden_size
         return total
+
+    def _gqa_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        qkv_rows = d * (self.num_attention_heads + 2 * self.num_kv_heads)
+        return (h * qkv_rows + self.num_attention_heads * d * h  # q, k, v and output projection
+                + (2 * d if self.family.qk_norm else 0) + (qkv_rows if self.family.qkv_bias else 0))
+
+    def _mla_parameters(self) -> int:
+        h, n, r = self.hidden_size, self.num_attention_heads, self.q_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = h * r + r + r * n * qk  # down, norm, up
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank \
+            + self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * h
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -185,6 +271,8 @@ class ModelArch:
             return transformers.MixtralConfig(num_local_experts=self.num_experts,
                                               num_experts_per_tok=self.moe_topk, router_jitter_noise=0.0,
                                               **common)
+        if self.arch == "deepseek_v3":
+            return self._deepseek_v3_config(common)
         if self.moe_shared_expert_ffn_hidden_size:
             raise ValueError("Hugging Face Qwen3-MoE has no shared expert; set "
                              "model.moe_shared_expert_ffn_hidden_size=0 to export")
@@ -192,6 +280,23 @@ class ModelArch:
             attention_bias=False, num_experts=self.num_experts, moe_intermediate_size=self.moe_ffn_hidden_size,
             num_experts_per_tok=self.moe_topk, norm_topk_prob=self.norm_topk_prob,
             mlp_only_layers=list(self.mlp_only_layers), decoder_sparse_step=self.decoder_sparse_step, **common)
+
+    def _deepseek_v3_config(self, common: dict):
+        import transformers
+
+        del common["head_dim"]  # DeepseekV3Config derives it (= qk_rope_head_dim)
+        return transformers.DeepseekV3Config(
+            attention_bias=False, rope_interleave=True, q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+            n_routed_experts=self.num_experts, moe_intermediate_size=self.moe_ffn_hidden_size,
+            n_shared_experts=self.moe_shared_expert_ffn_hidden_size // self.moe_ffn_hidden_size,
+            num_experts_per_tok=self.moe_topk, norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.moe_routed_scaling_factor, n_group=self.moe_num_groups,
+            topk_group=self.moe_group_topk, first_k_dense_replace=len(self.mlp_only_layers),
+            # DeepSeek's own config.json keys for this router, which transformers keeps as extras
+            # and vLLM's model class reads (without them it builds no score-correction bias)
+            topk_method="noaux_tc", scoring_func="sigmoid", **common)
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArch:
@@ -230,7 +335,38 @@ class ModelArch:
                                  "megatron-core's router does not apply; set it to 0")
             kw.update(num_experts=d["num_local_experts"], moe_ffn_hidden_size=d["intermediate_size"],
                       moe_topk=d["num_experts_per_tok"])
+        if model_type == "deepseek_v3":
+            kw.update(_deepseek_v3_fields(d))
         return cls(**kw)
+
+
+def _deepseek_v3_fields(d: dict) -> dict:
+    """ModelArch fields of a DeepSeek-V3 config.json (MLA, sigmoid router, shared and dense MLPs).
+
+    Its multi-token-prediction layers (num_nextn_predict_layers) are not part of the causal LM
+    (transformers skips them too); their tensors stay unread in the checkpoint.
+    """
+    if not d.get("rope_interleave", True):
+        raise ValueError("config.json rope_interleave=false is not supported: megatron-core's multi-latent "
+                         "attention always rotates the de-interleaved halves of the RoPE dims (rope_interleave=true)")
+    if d.get("scoring_func", "sigmoid") != "sigmoid" or d.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(f"config.json scoring_func={d.get('scoring_func')!r} / topk_method={d.get('topk_method')!r} "
+                         "is not supported for deepseek_v3: its router is sigmoid with a score-correction bias "
+                         "(scoring_func 'sigmoid', topk_method 'noaux_tc')")
+    if float(d.get("rms_norm_eps", 1e-6)) != 1e-6:
+        raise ValueError(f"config.json rms_norm_eps={d['rms_norm_eps']} is not supported for deepseek_v3: HF fixes "
+                         "the q and kv latent norms' epsilon at 1e-6 while megatron-core uses rms_norm_eps for all")
+    moe = d["moe_intermediate_size"]
+    return dict(num_experts=d["n_routed_experts"], moe_ffn_hidden_size=moe, moe_topk=d["num_experts_per_tok"],
+                norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                mlp_only_layers=tuple(range(d.get("first_k_dense_replace", 0))),
+                moe_shared_expert_ffn_hidden_size=moe * d.get("n_shared_experts", 1),
+                moe_routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                moe_num_groups=d.get("n_group") or 1, moe_group_topk=d.get("topk_group") or 1,
+                q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
+                qk_nope_head_dim=d["qk_nope_head_dim"], qk_rope_head_dim=d["qk_rope_head_dim"],
+                v_head_dim=d["v_head_dim"], num_kv_heads=d["num_attention_heads"],
+                head_dim=d["qk_rope_head_dim"])
 
 
 def _rope_fields(d: dict, model_type: str) -> dict:

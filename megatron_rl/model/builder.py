@@ -191,7 +191,7 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
 
     plan: the platform switches (default: this process's plan for the TE or local spec).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     par = groups.config
     plan = plan if plan is not None else plan_for(opts, "te" if use_te else "local")
@@ -203,10 +203,7 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
             num_moe_experts=arch.num_experts,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
             moe_router_topk=arch.moe_topk,
-            # top-k on logits then softmax over the k == renormalised top-k softmax (HF
-            # norm_topk_prob=True); pre-softmax keeps the un-renormalised probabilities.
-            moe_router_pre_softmax=not arch.norm_topk_prob,
-            moe_router_score_function="softmax",
+            **router_fields(arch),
             moe_router_load_balancing_type="aux_loss" if opts.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
             moe_token_dispatcher_type=opts.moe_token_dispatcher,
@@ -216,7 +213,8 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
             **moe_only,
         )
     dtype = opts.torch_dtype
-    return TransformerConfig(
+    config_cls, attention = (MLATransformerConfig, mla_fields(arch)) if arch.family.mla else (TransformerConfig, {})
+    return config_cls(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -232,7 +230,8 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
         # output-projection biases. Qwen2's q/k/v biases are a separate switch.
         add_bias_linear=False,
         add_qkv_bias=arch.family.qkv_bias,
-        qk_layernorm=arch.family.qk_norm,
+        # MLA: the RMSNorms of the q and kv latents (megatron-core builds them only with this on)
+        qk_layernorm=arch.family.qk_norm or arch.family.mla,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=opts.init_std,
@@ -255,7 +254,41 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
         calculate_per_token_loss=True,
         **fp8_fields(opts),
         **moe,
+        **attention,
     )
+
+
+def router_fields(arch: ModelArch) -> dict:
+    """TransformerConfig fields of the family's router (model/arch.py: Family.router)."""
+    if arch.family.router == "sigmoid":
+        grouped = arch.moe_num_groups > 1
+        return dict(
+            # sigmoid scores, top-k of scores + expert_bias, the k scores renormalised (top-k > 1)
+            moe_router_score_function="sigmoid",
+            moe_router_pre_softmax=False,
+            moe_router_enable_expert_bias=True,
+            # RL keeps the checkpoint's score-correction bias: megatron-core's load-balancing update
+            # of it (finalize_model_grads) would move routing between rollout and training
+            moe_router_bias_update_rate=0.0,
+            moe_router_topk_scaling_factor=arch.moe_routed_scaling_factor,
+            moe_router_num_groups=arch.moe_num_groups if grouped else None,
+            moe_router_group_topk=arch.moe_group_topk if grouped else None,
+        )
+    # top-k on logits then softmax over the k == renormalised top-k softmax (HF
+    # norm_topk_prob=True); pre-softmax keeps the un-renormalised probabilities.
+    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not arch.norm_topk_prob)
+
+
+def mla_fields(arch: ModelArch) -> dict:
+    """MLATransformerConfig fields (multi-latent attention, plain RoPE on the qk_rope part).
+
+    megatron-core's MLA rotates the de-interleaved halves of the RoPE dims (HF rope_interleave=true)
+    and scales scores by 1 / sqrt(qk_nope + qk_rope) with rope_type "rope".
+    """
+    return dict(q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+                qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+                v_head_dim=arch.v_head_dim, rope_type="rope", rotary_base=arch.rope_theta,
+                rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
 
 
 def fp8_fields(opts: BuildOptions) -> dict:
@@ -301,6 +334,8 @@ def build_gpt_model(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions 
     torch.manual_seed(opts.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(opts.seed)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if arch.family.mla and not use_te:
+        _duplicate_mla_down_projections(spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -315,11 +350,43 @@ def build_gpt_model(arch: ModelArch, groups: ParallelGroups, opts: BuildOptions 
         rope_scaling_factor=arch.rope_llama3_factor or 8.0,
         pg_collection=groups.pgs,
     )
+    if arch.family.mla and not use_te:
+        _init_mla_down_projections(model, config)
     if plan.device == "cuda":
         # As Megatron-LM's get_model: megatron builds its parallel layers on the current device
         # (torch.cuda.set_device(LOCAL_RANK) in init_distributed), torch's norms on the CPU.
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _duplicate_mla_down_projections(block_spec) -> None:
+    """MLA's q and kv down projections as megatron's duplicated `Linear` (one full copy per TP
+    rank, gradients all-reduced over TP under sequence parallelism), as TE's spec has them
+    (`TELinear`, parallel_mode "duplicated").
+
+    Why: the local spec makes them TP-sharded ColumnParallelLinears, whose MLA branch gathers the
+    [kv latent | RoPE key] columns with an all-gather whose backward only splits; but each TP rank
+    uses the shared RoPE key for its own heads only, so its gradient there is a per-rank partial
+    sum that is never reduced: the loss is right and the gradients below it are wrong (measured:
+    TP=2 vs one rank, tests/distributed/test_model_parallel.py). The duplicated branch gathers the
+    RoPE key over the sequence instead, whose backward reduce-scatters (sums) it.
+    """
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    for layer in block_spec.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        attention.linear_q_down_proj = Linear
+        attention.linear_kv_down_proj = Linear
+
+
+@torch.no_grad()
+def _init_mla_down_projections(model, config) -> None:
+    """megatron's `Linear` keeps torch.nn.Linear's own init; give its weights the model's
+    init_method, as every other layer (and TE's TELinear) has. Drawn from the same seeded
+    generator on every TP rank, so the duplicated copies agree."""
+    for name, module in model.named_modules():
+        if name.endswith(("linear_q_down_proj", "linear_kv_down_proj")):
+            config.init_method(module.weight)
 
 
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:

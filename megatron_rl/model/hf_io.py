@@ -32,6 +32,19 @@ def unwrap(model):
     return model
 
 
+# Buffers that are model state a checkpoint carries: the sigmoid router's score-correction bias
+# (megatron-core's `expert_bias`, HF's `e_score_correction_bias`).
+_STATE_BUFFERS = ("expert_bias",)
+
+
+def mapped_tensors(model) -> dict[str, torch.Tensor]:
+    """Name -> tensor of everything the HF mapping covers: the parameters and the state buffers."""
+    m = unwrap(model)
+    out = dict(m.named_parameters())
+    out.update((n, b) for n, b in m.named_buffers() if n.rsplit(".", 1)[-1] in _STATE_BUFFERS)
+    return out
+
+
 @dataclass(frozen=True)
 class _Slot:
     param: Param
@@ -67,7 +80,7 @@ def local_plan(model, arch: ModelArch, groups: ParallelGroups) -> dict[str, _Slo
     Raises if the model has a parameter the mapping does not cover (a new architecture
     feature that would otherwise be silently left at its random init).
     """
-    names = {n for n, _ in unwrap(model).named_parameters()}
+    names = set(mapped_tensors(model))
     layers = _stage_layers(arch, groups, groups.pp_rank)
     offset = layers.start
     e_local = arch.num_experts // groups.config.ep if arch.is_moe else 0
@@ -120,7 +133,7 @@ def _local_tensor(name: str, slot: _Slot, target_shape, arch: ModelArch, groups:
 @torch.no_grad()
 def load_hf_weights(model, arch: ModelArch, groups: ParallelGroups, read: Callable[[str], torch.Tensor]) -> None:
     """Copy HF tensors (fetched by name with `read`) into this rank's shards of `model`."""
-    params = dict(unwrap(model).named_parameters())
+    params = mapped_tensors(model)
     for name, slot in local_plan(model, arch, groups).items():
         target = params[name]
         target.copy_(_local_tensor(name, slot, target.shape, arch, groups, read))
@@ -134,22 +147,29 @@ def hf_materializer(model, arch: ModelArch, groups: ParallelGroups, read: Callab
     Reads only what the tensor needs: the gate or up half of a fused fc1 reads one HF tensor.
     Used with trainer.lazy_save to convert a checkpoint holding about one tensor at a time.
     """
-    params = dict(unwrap(model).named_parameters())
+    params = mapped_tensors(model)
     by_id = {id(p): n for n, p in params.items()}
     plan = local_plan(model, arch, groups)
+    with torch.no_grad():
+        # what megatron made on a real device despite the meta context (the router's expert_bias,
+        # created with an explicit device) is small: fill it now; the writer saves it as it is
+        for name, t in params.items():
+            if not t.is_meta:
+                t.copy_(_local_tensor(name, plan[name], t.shape, arch, groups, read))
 
     @torch.no_grad()
     def materialize(meta: torch.Tensor) -> torch.Tensor:
         base = meta if meta._base is None else meta._base
         name = by_id[id(base)]
         slot = plan[name]
+        to = torch.float32 if slot.param.fp32 else dtype
         # the writer's tensor may carry megatron's prepended sharding axes: compare element counts
         whole = meta.numel() == base.numel() and meta.storage_offset() == 0
         if not whole and slot.param.kind is Kind.GATED and meta.numel() * 2 == base.numel():
             part = meta.storage_offset() // meta.numel()  # 0: the gate rows, 1: the up rows
             half = (base.shape[0] // 2, *base.shape[1:])
-            return _local_tensor(name, slot, half, arch, groups, read, part).to(dtype).reshape(meta.shape)
-        full = _local_tensor(name, slot, base.shape, arch, groups, read).to(dtype)
+            return _local_tensor(name, slot, half, arch, groups, read, part).to(to).reshape(meta.shape)
+        full = _local_tensor(name, slot, base.shape, arch, groups, read).to(to)
         if whole:
             return full.reshape(meta.shape)
         return full.as_strided(meta.shape, meta.stride(), meta.storage_offset()).clone()
@@ -195,17 +215,24 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
     grads=True exports the parameters' gradients (`main_grad` under megatron DDP, else
     `.grad`) in the same layout, which is how tests compare sharded gradients.
     """
-    params = dict(unwrap(model).named_parameters())
+    params = mapped_tensors(model)
     if grads:
         params = {n: _grad_of(p) for n, p in params.items()}
-    by_key = {(s.param, s.layer, s.expert): n for n, s in local_plan(model, arch, groups).items()}
+    plan = local_plan(model, arch, groups)
+    by_key = {(s.param, s.layer, s.expert): n for n, s in plan.items()}
     pp = groups.config.pp
     per_stage = arch.num_layers // pp
     e_local = arch.num_experts // groups.config.ep if arch.is_moe else 0
     kw = _shape_kwargs(arch)
 
-    def cast(t):
-        return t.detach().to(dtype) if dtype is not None else t.detach().clone()
+    def cast(t, param):
+        to = torch.float32 if param.fp32 else dtype
+        return t.detach().to(to) if to is not None else t.detach().clone()
+
+    def full_of(name, group):  # the whole HF tensor(s) of this rank's shard `name` (None: not on this stage)
+        if name is None:
+            return None
+        return from_shards(plan[name].param.kind, _gather(params[name], group), **kw)
 
     for param in mapping_for(arch):
         if not param.export:
@@ -213,32 +240,29 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
         _, _, tp_group = _tp(param, groups)
         if param.scope is Scope.GLOBAL:
             owner = 0 if param.stage == "first" else pp - 1
-            name = by_key.get((param, None, None))
-            full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
+            full = full_of(by_key.get((param, None, None)), tp_group)
             for hf_name, t in zip(param.hf, _from_stage(full, owner, groups)):
-                yield hf_name, cast(t)
+                yield hf_name, cast(t, param)
             continue
         for layer in _layers_for(param, arch, range(arch.num_layers)):
             owner = layer // per_stage
             if param.scope is not Scope.EXPERT:
-                name = by_key.get((param, layer, None))
-                full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
-                full = _from_stage(full, owner, groups)
+                full = _from_stage(full_of(by_key.get((param, layer, None)), tp_group), owner, groups)
                 for template, t in zip(param.hf, full):
-                    yield template.format(layer=layer), cast(t)
+                    yield template.format(layer=layer), cast(t, param)
                 continue
             for j in range(e_local):
                 name = by_key.get((param, layer, groups.ep_rank * e_local + j))
                 full = None
                 if name:
-                    mine = from_shards(param.kind, _gather(params[name], tp_group), **kw)
+                    mine = full_of(name, tp_group)
                     # experts j, e_local + j, 2*e_local + j, ... from every EP rank
                     full = [t for k in range(len(mine)) for t in _gather(mine[k], groups.ep_group)]
                 full = _from_stage(full, owner, groups)
                 n_ep = len(full) // len(param.hf)
                 for k, template in enumerate(param.hf):
                     for r in range(n_ep):
-                        yield template.format(layer=layer, expert=r * e_local + j), cast(full[k * n_ep + r])
+                        yield template.format(layer=layer, expert=r * e_local + j), cast(full[k * n_ep + r], param)
 
 
 # safetensors dtype names -> torch dtypes (the format's header spells them so)

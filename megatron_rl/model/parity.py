@@ -19,7 +19,9 @@ def random_hf_model(arch: ModelArch, seed: int = 0, std: float = 0.1, dtype: tor
     """A random-initialised `transformers` model of `arch`.
 
     std: weights ~ N(0, std) (larger than the usual 0.02 so logits are far from uniform);
-    norm weights ~ 1 + N(0, 0.1) so a norm mapped to the wrong place cannot pass parity.
+    norm weights ~ 1 + N(0, 0.1) so a norm mapped to the wrong place cannot pass parity;
+    checkpointed buffers (DeepSeek-V3's router score-correction bias) ~ N(0, 0.1), so that they
+    change routing and a dropped one fails parity.
     """
     from transformers import AutoModelForCausalLM
 
@@ -31,6 +33,10 @@ def random_hf_model(arch: ModelArch, seed: int = 0, std: float = 0.1, dtype: tor
                 p.normal_(0.0, std)
             else:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        saved = model.state_dict().keys()
+        for name, b in model.named_buffers():
+            if name in saved and b.is_floating_point():
+                b.normal_(0.0, 0.1)
     return model.eval()
 
 

@@ -7,8 +7,8 @@
 In a run config: `model.arch=qwen3 model.size=qwen3-1.7b`, and `model.overrides` (ModelArch fields)
 to shrink it, e.g. `{num_layers: 4}`. A real preset fixes its arch: naming the other one is an error.
 
-The real shapes are the public Hugging Face config.json values of each release (Llama 3.x, Qwen2.5
-and Mixtral beside Qwen3). For the Qwen3 release (Qwen/Qwen3-*):
+The real shapes are the public Hugging Face config.json values of each release (Llama 3.x, Qwen2.5,
+Mixtral and DeepSeek-V3 beside Qwen3). For the Qwen3 release (Qwen/Qwen3-*):
 vocab 151936, head_dim 128, rope_theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960, no
 linear biases, QK-norm; the MoE models have 128 experts, top-8, norm_topk_prob, every layer sparse.
 Their parameter counts (ModelArch.num_parameters) match the published sizes; see
@@ -23,6 +23,10 @@ _TINY = {"vocab_size": 64, "hidden_size": 64, "num_layers": 2, "num_attention_he
 _SMALL = {"vocab_size": 1024, "hidden_size": 128, "num_layers": 4, "num_attention_heads": 4, "num_kv_heads": 2,
           "head_dim": 32, "ffn_hidden_size": 256, "max_position_embeddings": 1024}
 _MOE = {"num_experts": 4, "moe_ffn_hidden_size": 64, "moe_topk": 2}
+# DeepSeek-V3 at small sizes: MLA latents, a shared expert, the first layer dense, scaled weights
+# (and one shared expert as wide as a routed one, see preset_arch)
+_DEEPSEEK_V3 = {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                "v_head_dim": 16, "mlp_only_layers": (0,), "moe_routed_scaling_factor": 2.5}
 
 # sizes that take any arch (a MoE family adds _MOE)
 PRESETS: dict[str, dict] = {
@@ -77,6 +81,16 @@ REAL_PRESETS: dict[str, dict] = {
                          num_kv_heads=8, head_dim=128, ffn_hidden_size=14336, moe_ffn_hidden_size=14336,
                          num_experts=8, moe_topk=2, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
                          max_position_embeddings=32768, tie_word_embeddings=False),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3, without its multi-token-prediction layer and with plain
+    # RoPE in place of its YaRN scaling): MLA, 256 routed experts in 8 groups (top-4 groups, top-8
+    # experts), one shared expert, the first 3 layers dense
+    "deepseek-v3": dict(arch="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=61,
+                        num_attention_heads=128, ffn_hidden_size=18432, moe_ffn_hidden_size=2048,
+                        num_experts=256, moe_topk=8, moe_num_groups=8, moe_group_topk=4,
+                        moe_shared_expert_ffn_hidden_size=2048, moe_routed_scaling_factor=2.5,
+                        mlp_only_layers=(0, 1, 2), q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+                        max_position_embeddings=163840, tie_word_embeddings=False),
 }
 
 
@@ -98,9 +112,13 @@ def preset_arch(arch: str, size: str = "tiny", **overrides) -> ModelArch:
         fields = dict(PRESETS[size], arch=arch)
         if arch in FAMILIES and FAMILIES[arch].moe:
             fields.update(_MOE)
+        if arch == "deepseek_v3":
+            fields.update(_DEEPSEEK_V3)
     else:
         raise KeyError(f"unknown model size {size!r}; available: {preset_names()}")
     fields.update(overrides)
+    if size in PRESETS and arch == "deepseek_v3" and "moe_shared_expert_ffn_hidden_size" not in overrides:
+        fields["moe_shared_expert_ffn_hidden_size"] = fields["moe_ffn_hidden_size"]  # one shared expert
     if fields.get("arch") in FAMILIES and FAMILIES[fields["arch"]].head_dim_is_derived and "head_dim" not in overrides:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     return ModelArch(**fields)

@@ -1,4 +1,4 @@
-"""Workarounds #1-#9: building and running megatron-core GPT/MoE models without CUDA (gloo) or
+"""Workarounds #1-#9, #16 and #17: building and running megatron-core GPT/MoE models without CUDA (gloo) or
 without Transformer Engine (megatron-core's local layer spec). Each declares its condition.
 
 (#4, `add_bias_linear=False`, is a model setting, not a patch: see megatron_rl.model.builder.)
@@ -161,6 +161,43 @@ def _schedules_device() -> None:
     schedules.torch = torch_proxy()
 
 
+def _mla_local_attention() -> None:
+    # Without Transformer Engine (any device) the local spec's core attention is megatron's
+    # DotProductAttention, whose __init__ has no k_channels / v_channels, while
+    # MLASelfAttention passes them (its keys are qk_nope + qk_rope wide, its values v_head_dim):
+    # "TypeError: DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'".
+    # Its forward takes the head sizes from the tensors except the context's width, which it
+    # computes from kv_channels; with the widths given, that is heads x v_channels.
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.__init__
+    if getattr(original, "_accepts_mla_channels", False):
+        return
+
+    def init(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_attention_head = v_channels
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+        if k_channels is not None and kwargs.get("softmax_scale") is None:
+            raise ValueError("k_channels without softmax_scale: MLA passes its own scale")
+
+    init._accepts_mla_channels = True
+    DotProductAttention.__init__ = init
+
+
+def _mla_have_te() -> None:
+    # Without Transformer Engine, megatron-core 0.16's multi_latent_attention imports the TE
+    # wrappers from megatron.core.extensions (which imports without TE, its classes placeholder
+    # mocks) and so sets HAVE_TE = True; MLASelfAttention then runs isinstance(linear_proj, <mock>):
+    # "TypeError: isinstance() arg 2 must be a type". Fixed in 0.17.0, which takes HAVE_TE from
+    # the extension.
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
+
+
 WORKAROUNDS = (
     Workaround(1, "rng_tracker", Condition.NO_CUDA,
                "AssertionError: Torch not compiled with CUDA enabled (RNG tracker)", _rng_tracker),
@@ -178,4 +215,10 @@ WORKAROUNDS = (
                "TypeError: all_to_all_single(): incompatible function arguments", _split_sizes_numpy),
     Workaround(9, "schedules_device", Condition.NO_CUDA,
                "AssertionError: Torch not compiled with CUDA enabled (schedules)", _schedules_device),
+    Workaround(16, "mla_local_attention", Condition.NO_TE,
+               "TypeError: DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'",
+               _mla_local_attention),
+    Workaround(17, "mla_have_te", Condition.NO_TE,
+               "TypeError: isinstance() arg 2 must be a type, a tuple of types, or a union", _mla_have_te,
+               fixed_in="0.17.0"),
 )

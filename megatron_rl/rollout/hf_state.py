@@ -105,6 +105,15 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
     return {n for n, _ in model.named_parameters(remove_duplicate=False)} - unique
 
 
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and the checkpointed (persistent) buffers, such as DeepSeek-V3's router
+    `e_score_correction_bias`; not RoPE tables, which the model recomputes."""
+    out = dict(model.named_parameters())
+    saved = model.state_dict(keep_vars=True).keys()
+    out.update((n, b) for n, b in model.named_buffers() if n in saved)
+    return out
+
+
 @torch.no_grad()
 def load_checkpoint_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
                             rules: Iterable[FusedRule] = FUSED_RULES) -> None:
@@ -116,7 +125,7 @@ def load_checkpoint_tensors(model: torch.nn.Module, named_tensors: Iterable[tupl
     and ValueError on a shape mismatch. Tensors stream in one at a time; on error the model
     may be partly updated.
     """
-    params = dict(model.named_parameters())
+    params = state_tensors(model)
     layout = checkpoint_layout({n: tuple(p.shape) for n, p in params.items()}, rules)
     aliases = tied_aliases(model)
     seen: set[str] = set()

@@ -47,13 +47,17 @@ def _load_at(rank, world, path, arch_dict, sizes):
     return dict(export_hf_weights(model, arch, groups))
 
 
-@pytest.mark.parametrize("sizes", [{"tensor_model_parallel_size": 2}, {"expert_model_parallel_size": 2}],
-                         ids=["tp2", "ep2"])
-def test_streamed_checkpoint_loads_at_another_layout(tmp_path, sizes):
+@pytest.mark.parametrize("family,sizes", [("mixtral", {"tensor_model_parallel_size": 2}),
+                                          ("mixtral", {"expert_model_parallel_size": 2}),
+                                          ("deepseek_v3", {"tensor_model_parallel_size": 2})],
+                         ids=["tp2", "ep2", "deepseek_v3_tp2"])
+def test_streamed_checkpoint_loads_at_another_layout(tmp_path, family, sizes):
+    """DeepSeek-V3 adds MLA's duplicated down projections and the router's bias, a buffer that the
+    meta-device model materialises like a parameter."""
     from megatron_rl.model.presets import preset_arch
     from tests.spawn import run_ranks
 
-    arch = preset_arch("mixtral")
+    arch = preset_arch(family)
     src = random_hf_dir(arch, root=str(tmp_path))
     _run("--hf-dir", src, "--mcore-dir", str(tmp_path / "mcore"))
     loaded = run_ranks(_load_at, world_size=2, timeout=180, path=str(tmp_path / "mcore" / "iter_0000000"),
@@ -61,3 +65,4 @@ def test_streamed_checkpoint_loads_at_another_layout(tmp_path, sizes):
     ref = hf_tensors(src)
     assert loaded.keys() == ref.keys()
     assert all(torch.equal(loaded[k], ref[k]) for k in ref)
+    assert all(ref[k].abs().sum() > 0 for k in ref if k.endswith("e_score_correction_bias"))

@@ -19,6 +19,10 @@ def _save(rank, world, root, sizes, seed, arch="qwen3_moe"):
     groups = setup_parallel(**sizes)
     arch = preset_arch(arch)
     model = build_gpt_model(arch, groups, BuildOptions(seed=seed))
+    with torch.no_grad():  # a router bias (a buffer, zero at init) that must survive the round trip
+        for name, buf in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buf.copy_(torch.linspace(-0.5, 0.5, buf.numel()))
     save_checkpoint(root, 3, model, extra={"step": 3, "rank": rank})
     return dict(export_hf_weights(model, arch, groups))
 
@@ -47,7 +51,8 @@ EP2 = (2, {"expert_model_parallel_size": 2})
     (EP2, (1, {}), "qwen3_moe"),  # resharding EP=2 -> one rank
     pytest.param(TP2, (1, {}), "qwen2", marks=pytest.mark.variant),  # the TP-sharded qkv biases resharded
     pytest.param(TP2, EP2, "mixtral", marks=pytest.mark.variant),  # TP=2 -> EP=2: attention gathered, experts split
-], ids=["ws1", "tp2", "ep2_to_ws1", "qwen2_tp2_to_ws1", "mixtral_tp2_to_ep2"])
+    (TP2, EP2, "deepseek_v3"),  # MLA's duplicated and sharded projections, the router's bias buffer
+], ids=["ws1", "tp2", "ep2_to_ws1", "qwen2_tp2_to_ws1", "mixtral_tp2_to_ep2", "deepseek_v3_tp2_to_ep2"])
 def test_roundtrip(tmp_path, save_layout, load_layout, arch):
     root = str(tmp_path / "ckpt")
     saved = run_ranks(_save, world_size=save_layout[0], timeout=180, root=root, sizes=save_layout[1], seed=1,
@@ -63,3 +68,4 @@ def test_roundtrip(tmp_path, save_layout, load_layout, arch):
     assert saved.keys() == loaded.keys()
     for k in saved:
         assert torch.equal(saved[k], loaded[k]), k
+    assert all(saved[k].abs().sum() > 0 for k in saved if k.endswith("e_score_correction_bias"))

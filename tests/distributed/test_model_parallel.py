@@ -68,6 +68,10 @@ FAMILY_KWS = {
     "qwen3_moe": dict(arch="qwen3_moe"), "qwen3_moe_dense0": dict(arch="qwen3_moe", mlp_only_layers=(0,)),
     "llama3": LLAMA3, "qwen2_tied": dict(arch="qwen2", tie_word_embeddings=True), "qwen2": dict(arch="qwen2"),
     "mixtral": dict(arch="mixtral"),
+    # MLA, first layer dense, shared expert, random router bias; and with tied embeddings and
+    # group-limited routing
+    "deepseek_v3": dict(arch="deepseek_v3"),
+    "deepseek_v3_grouped": dict(arch="deepseek_v3", tie_word_embeddings=True, moe_num_groups=2),
 }
 
 
@@ -83,9 +87,10 @@ def test_parity_world_size_1():
         assert report.ok(1e-4), (name, report)
 
 
-# per layout, the families whose sharding it exercises (qkv bias rows under TP, Mixtral experts under EP)
-TWO_RANK = {"tp2": ["qwen3_moe", "llama3", "qwen2", "mixtral"], "ep2": ["qwen3_moe", "mixtral"],
-            "tp2ep2": ["qwen3_moe", "mixtral"]}
+# per layout, the families whose sharding it exercises (qkv bias rows and MLA latents under TP,
+# Mixtral's and DeepSeek-V3's experts under EP)
+TWO_RANK = {"tp2": ["qwen3_moe", "llama3", "qwen2", "mixtral", "deepseek_v3", "deepseek_v3_grouped"],
+            "ep2": ["qwen3_moe", "mixtral", "deepseek_v3"], "tp2ep2": ["qwen3_moe", "mixtral", "deepseek_v3"]}
 
 
 @pytest.mark.parametrize("layout", sorted(TWO_RANK))
@@ -134,7 +139,8 @@ def test_llama3_rope_scaling_is_what_parity_checks():
     dict(arch="qwen3_moe"), dict(arch="qwen3", tie_word_embeddings=True),
     pytest.param(dict(arch="qwen2", tie_word_embeddings=True), marks=pytest.mark.variant),
     pytest.param(dict(arch="mixtral"), marks=pytest.mark.variant),
-], ids=["moe", "dense_tied", "qwen2_tied", "mixtral"])
+    pytest.param(dict(arch="deepseek_v3"), marks=pytest.mark.variant),
+], ids=["moe", "dense_tied", "qwen2_tied", "mixtral", "deepseek_v3"])
 def test_export_roundtrip_pp2(arch_kw):
     for export_equal, _ in run_ranks(_parity_and_export, world_size=2, arch_kw=arch_kw, sizes=SIZES["pp2"]):
         assert export_equal
@@ -144,7 +150,7 @@ def test_export_roundtrip_pp2(arch_kw):
 BATCH, SEQ = 4, 16
 
 
-def _fwd_bwd(rank, world, sizes):
+def _fwd_bwd(rank, world, sizes, arch="qwen3_moe"):
     """Loss = sum of token CE / (BATCH*SEQ) over the global batch; returns (loss, HF-named grads)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -156,7 +162,7 @@ def _fwd_bwd(rank, world, sizes):
     from megatron_rl.model import causal_mask
     from megatron_rl.model.hf_io import export_hf_weights
 
-    arch, groups, model, _ = _load(dict(arch="qwen3_moe"), sizes)
+    arch, groups, model, _ = _load(dict(arch=arch), sizes)
     model = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=False), module=model)
     tokens = torch.randint(0, arch.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
@@ -207,3 +213,43 @@ def test_fwd_bwd_matches_single_rank(reference, layout):
         assert grads.keys() == ref_grads.keys()
         for k in ref_grads:
             torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_mla_fwd_bwd_matches_single_rank():
+    """DeepSeek-V3 under TP=2 (sequence parallel, MLA latents gathered): loss and every gradient,
+    the router's bias and the shared expert's included, equal the single-rank ones."""
+    [(ref_loss, ref_grads)] = run_ranks(_fwd_bwd, world_size=1, sizes={}, arch="deepseek_v3")
+    assert any(g.abs().sum() > 0 for k, g in ref_grads.items() if "kv_a_proj_with_mqa" in k)
+    for loss, grads in run_ranks(_fwd_bwd, world_size=2, sizes=SIZES["tp2"], arch="deepseek_v3"):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert grads.keys() == ref_grads.keys()
+        for k in ref_grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def _router_bias_control(rank, world):
+    """DeepSeek-V3 logits against transformers as loaded, then with the router's bias zeroed."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.model.parity import compare_logits, mcore_logits
+
+    arch, groups, model, path = _load(dict(arch="deepseek_v3"), {})
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    tokens = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    out = []
+    with torch.no_grad():
+        for zero in (False, True):
+            if zero:
+                for name, buf in model.named_buffers():
+                    if name.endswith("router.expert_bias"):
+                        buf.zero_()
+            out.append(compare_logits(hf(tokens).logits, mcore_logits(model.eval(), tokens, groups), tokens))
+    return out
+
+
+def test_router_bias_is_what_parity_checks():
+    """Negative control: the sigmoid router's score-correction bias (a buffer, not a parameter) is
+    loaded, and without it the same weights miss parity."""
+    [(loaded, zeroed)] = run_ranks(_router_bias_control, world_size=1, timeout=180)
+    assert loaded.ok(1e-4), loaded
+    assert zeroed.max_logit_diff > 1e-2, zeroed

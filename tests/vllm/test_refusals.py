@@ -63,6 +63,14 @@ def test_head_dim_the_cpu_attention_cannot_run_is_refused(tmp_path):
         check_supported(tiny_arch(head_dim=16), "reload", "cpu", routed_experts=False, can_restart=True)
 
 
+def test_multi_latent_attention_is_refused_on_a_cpu_server():
+    # vLLM 0.32's CPU MLA disagrees with transformers on the same DeepSeek-V3 checkpoint (docs/models.md)
+    arch = tiny_arch("deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64)
+    with pytest.raises(VllmUnsupportedError, match="multi-latent attention.*embedded"):
+        check_supported(arch, "restart", "cpu", routed_experts=False, can_restart=True)
+    check_supported(arch, "restart", "cuda", routed_experts=False, can_restart=True)  # a GPU server: allowed
+
+
 def test_router_replay_r3_in_the_run_config_is_refused_by_a_cpu_server(tmp_path):
     base = RunConfig()
     base.rollout.vllm = {"device": "cpu", "weight_sync": "restart"}  # refused before any launch

@@ -38,6 +38,8 @@ class Param:
         experts of TEGroupedMLP).
     stage: "first" | "last" | None; for GLOBAL params that live on one pipeline stage.
     export: False for an alias that must not be written back (tied output layer copy).
+    fp32: exported in fp32 whatever the requested dtype (a buffer HF keeps in fp32: DeepSeek-V3's
+        router score-correction bias, whose bf16 rounding would move routing decisions).
     """
 
     mcore: str
@@ -47,6 +49,7 @@ class Param:
     te_mcore: str | None = None
     stage: str | None = None
     export: bool = True
+    fp32: bool = False
 
 
 def qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_groups: int,

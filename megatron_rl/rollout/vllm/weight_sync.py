@@ -125,6 +125,12 @@ def check_supported(arch: ModelArch, weight_sync: str, device: str, routed_exper
     device: "cpu" | "cuda" | "unknown" (a server at a URL we were not told about: treated as CPU).
     """
     on_cpu = device != "cuda"
+    if device == "cpu" and arch.family.mla:
+        raise VllmUnsupportedError(
+            f"model.arch={arch.arch} (multi-latent attention) is refused on vLLM's CPU backend: its CPU MLA path "
+            "computes other log-probs than transformers from the same checkpoint (vLLM 0.32.0: equal at the first "
+            "position, off by 0.05 to 0.44 nats after it in our probes: attention across positions differs). Use the embedded "
+            "engine (rollout.backend=embedded) on CPU, or a GPU vLLM server (rollout.vllm.device=cuda).")
     if device == "cpu" and arch.head_dim not in CPU_HEAD_DIMS:
         raise VllmUnsupportedError(f"vLLM's CPU attention supports head_dim in {CPU_HEAD_DIMS}, the model has "
                                    f"head_dim={arch.head_dim}; set model.overrides.head_dim (e.g. 32)")

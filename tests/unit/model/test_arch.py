@@ -10,6 +10,9 @@ def _variants(arch):
         yield preset_arch(arch, tie_word_embeddings=True, mlp_only_layers=(1,))
     elif arch == "llama":
         yield preset_arch(arch, rope_llama3_factor=8.0, max_position_embeddings=16384)
+    elif arch == "deepseek_v3":
+        yield preset_arch(arch, tie_word_embeddings=True, moe_num_groups=2, moe_group_topk=1,
+                          num_layers=3, mlp_only_layers=(0, 1))
     elif not FAMILIES[arch].moe:
         yield preset_arch(arch, tie_word_embeddings=True)
 
@@ -37,8 +40,11 @@ def test_mixtral_experts_are_its_mlp():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"arch": "deepseek_v3"}, "multi-latent attention"),
+    ({"arch": "deepseek_v2"}, "group-limited routing"),
     ({"arch": "gemma"}, "not supported"),
+    ({"arch": "qwen3", "kv_lora_rank": 8}, "no multi-latent attention"),
+    ({"arch": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 8, "moe_routed_scaling_factor": 2.0},
+     "sigmoid router"),
     ({"num_attention_heads": 4, "num_kv_heads": 3}, "multiple"),
     ({"arch": "qwen3_moe", "num_experts": 0}, "num_experts"),
     ({"arch": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 8, "moe_topk": 5}, "moe_topk"),
@@ -51,6 +57,31 @@ def test_validation_messages(kw, msg):
         ModelArch(**kw)
 
 
+def _deepseek(**kw):
+    return preset_arch("deepseek_v3", **kw)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"kv_lora_rank": 0}, "needs model.kv_lora_rank"),
+    ({"q_lora_rank": 0}, "needs a query latent"),
+    ({"qk_rope_head_dim": 7}, "must be even"),
+    ({"moe_num_groups": 3}, "must divide num_experts"),
+    ({"num_experts": 8, "moe_num_groups": 4, "moe_group_topk": 2, "moe_topk": 2}, "must be 2"),
+    ({"norm_topk_prob": False}, "always renormalises"),
+    ({"mlp_only_layers": (1,)}, "first k"),
+    ({"moe_shared_expert_ffn_hidden_size": 0}, "positive multiple"),
+])
+def test_deepseek_v3_validation_names_the_field(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _deepseek(**kw)
+
+
+def test_deepseek_v3_head_fields_follow_hf():
+    a = _deepseek(head_dim=99, num_kv_heads=1)
+    assert (a.head_dim, a.num_kv_heads) == (a.qk_rope_head_dim, a.num_attention_heads)  # HF's MLA convention
+    assert a.is_moe_layer(1) and not a.is_moe_layer(0)
+
+
 def _hf(arch, **fields):
     d = preset_arch(arch).to_hf_config().to_dict()
     d.update(fields)
@@ -58,7 +89,12 @@ def _hf(arch, **fields):
 
 
 @pytest.mark.parametrize("d,msg", [
-    ({"model_type": "deepseek_v3"}, "model_type='deepseek_v3' is not supported \\(multi-latent"),
+    ({"model_type": "deepseek_v2"}, "model_type='deepseek_v2' is not supported \\(its group-limited"),
+    (_hf("deepseek_v3", rope_interleave=False), "rope_interleave=false"),
+    (_hf("deepseek_v3", q_lora_rank=None), "needs a query latent"),
+    (_hf("deepseek_v3", scoring_func="softmax"), "scoring_func='softmax'"),
+    (_hf("deepseek_v3", rms_norm_eps=1e-5), "rms_norm_eps=1e-05"),
+    (_hf("deepseek_v3", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "'yarn'"),
     ({"model_type": "gemma2"}, "model_type='gemma2'"),
     (_hf("llama", attention_bias=True), "attention_bias=true"),
     (_hf("llama", mlp_bias=True), "mlp_bias=true"),

@@ -27,6 +27,7 @@ PUBLISHED = {
     "qwen2.5-0.5b": (0.49 * B, 0.36 * B, None),
     "qwen2.5-7b": (7.61 * B, 6.53 * B, None),
     "mixtral-8x7b": (46.7 * B, None, 12.9 * B),
+    "deepseek-v3": (671 * B, None, 37 * B),  # the model card: 671B total, 37B activated (without MTP)
 }
 
 
@@ -128,7 +129,12 @@ def _build(rank, world, name, overrides):
     ("qwen2.5-0.5b", {"num_layers": 1, "vocab_size": 512}),
     ("mixtral-8x7b", {"num_layers": 1, "vocab_size": 512, "hidden_size": 1024, "num_attention_heads": 8,
                       "num_kv_heads": 2, "moe_ffn_hidden_size": 1024}),
-], ids=["dense", "moe", "llama", "qwen2", "mixtral"])
+    # DeepSeek-V3's real MLA widths (q/kv latents 1536/512, head dims 128+64, v 128) at a small hidden size
+    ("deepseek-v3", {"num_layers": 2, "mlp_only_layers": (0,), "vocab_size": 512, "hidden_size": 1024,
+                     "num_attention_heads": 8, "ffn_hidden_size": 1024, "moe_ffn_hidden_size": 512,
+                     "moe_shared_expert_ffn_hidden_size": 512, "num_experts": 8, "moe_topk": 4,
+                     "moe_num_groups": 4, "moe_group_topk": 2}),
+], ids=["dense", "moe", "llama", "qwen2", "mixtral", "deepseek_v3"])
 def test_shrunk_real_shape_builds(name, overrides):
     """Real hidden size, heads, head_dim and FFN widths, one layer: megatron builds it (on the CPU
     here), runs it, and has exactly the parameters num_parameters() counts."""

@@ -188,6 +188,14 @@ def probe_15():
     scaler.load_state_dict(scaler.state_dict())
 
 
+def probe_16():
+    _forward(_model(arch="deepseek_v3")[0]).sum().backward()
+
+
+def probe_17():
+    _forward(_model(arch="deepseek_v3")[0]).sum().backward()
+
+
 def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore")
     number = int(argv[0])
