@@ -369,7 +369,8 @@ def _duplicate_mla_down_projections(block_spec) -> None:
     uses the shared RoPE key for its own heads only, so its gradient there is a per-rank partial
     sum that is never reduced: the loss is right and the gradients below it are wrong (measured:
     TP=2 vs one rank, tests/distributed/test_model_parallel.py). The duplicated branch gathers the
-    RoPE key over the sequence instead, whose backward reduce-scatters (sums) it.
+    RoPE key over the sequence instead, whose backward reduce-scatters (sums) it. (megatron-core
+    0.17+ recognises this Linear only with platform workaround #17.)
     """
     from megatron.core.post_training.modelopt.layers import Linear
 

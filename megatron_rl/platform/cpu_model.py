@@ -186,16 +186,22 @@ def _mla_local_attention() -> None:
     DotProductAttention.__init__ = init
 
 
-def _mla_have_te() -> None:
-    # Without Transformer Engine, megatron-core 0.16's multi_latent_attention imports the TE
-    # wrappers from megatron.core.extensions (which imports without TE, its classes placeholder
-    # mocks) and so sets HAVE_TE = True; MLASelfAttention then runs isinstance(linear_proj, <mock>):
-    # "TypeError: isinstance() arg 2 must be a type". Fixed in 0.17.0, which takes HAVE_TE from
-    # the extension.
+def _mla_te_globals() -> None:
+    # Without Transformer Engine, multi_latent_attention's TE-dependent globals are wrong, though
+    # differently per release. megatron-core 0.16 imports the TE wrappers from
+    # megatron.core.extensions (which imports without TE, its classes placeholder mocks), so it
+    # sets HAVE_TE = True and MLASelfAttention runs isinstance(linear_proj, <mock>): "TypeError:
+    # isinstance() arg 2 must be a type". From 0.17 it binds the TE names and, with them,
+    # megatron's own duplicated `Linear` (post_training.modelopt.layers, no TE needed) to None, so
+    # a spec with that Linear as a down projection is refused: "ValueError: Unsupported
+    # linear_q_down_proj". The builder uses it (see model/builder.py for why), on every release.
+    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.transformer import multi_latent_attention
 
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
+    if multi_latent_attention.Linear is None:
+        multi_latent_attention.Linear = Linear
 
 
 WORKAROUNDS = (
@@ -218,7 +224,7 @@ WORKAROUNDS = (
     Workaround(16, "mla_local_attention", Condition.NO_TE,
                "TypeError: DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'",
                _mla_local_attention),
-    Workaround(17, "mla_have_te", Condition.NO_TE,
-               "TypeError: isinstance() arg 2 must be a type, a tuple of types, or a union", _mla_have_te,
-               fixed_in="0.17.0"),
+    Workaround(17, "mla_te_globals", Condition.NO_TE,
+               "TypeError: isinstance() arg 2 must be a type (0.16); ValueError: Unsupported linear_q_down_proj "
+               "(0.17 on)", _mla_te_globals),
 )
