@@ -365,8 +365,7 @@ def _deepseek_v3_fields(d: dict) -> dict:
                 moe_num_groups=d.get("n_group") or 1, moe_group_topk=d.get("topk_group") or 1,
                 q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
                 qk_nope_head_dim=d["qk_nope_head_dim"], qk_rope_head_dim=d["qk_rope_head_dim"],
-                v_head_dim=d["v_head_dim"], num_kv_heads=d["num_attention_heads"],
-                head_dim=d["qk_rope_head_dim"])
+                v_head_dim=d["v_head_dim"])
 
 
 def _rope_fields(d: dict, model_type: str) -> dict:

@@ -218,8 +218,7 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
     params = mapped_tensors(model)
     if grads:
         params = {n: _grad_of(p) for n, p in params.items()}
-    plan = local_plan(model, arch, groups)
-    by_key = {(s.param, s.layer, s.expert): n for n, s in plan.items()}
+    by_key = {(s.param, s.layer, s.expert): n for n, s in local_plan(model, arch, groups).items()}
     pp = groups.config.pp
     per_stage = arch.num_layers // pp
     e_local = arch.num_experts // groups.config.ep if arch.is_moe else 0
@@ -229,25 +228,23 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
         to = torch.float32 if param.fp32 else dtype
         return t.detach().to(to) if to is not None else t.detach().clone()
 
-    def full_of(name, group):  # the whole HF tensor(s) of this rank's shard `name` (None: not on this stage)
-        if name is None:
-            return None
-        return from_shards(plan[name].param.kind, _gather(params[name], group), **kw)
-
     for param in mapping_for(arch):
         if not param.export:
             continue
         _, _, tp_group = _tp(param, groups)
         if param.scope is Scope.GLOBAL:
             owner = 0 if param.stage == "first" else pp - 1
-            full = full_of(by_key.get((param, None, None)), tp_group)
+            name = by_key.get((param, None, None))
+            full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
             for hf_name, t in zip(param.hf, _from_stage(full, owner, groups)):
                 yield hf_name, cast(t, param)
             continue
         for layer in _layers_for(param, arch, range(arch.num_layers)):
             owner = layer // per_stage
             if param.scope is not Scope.EXPERT:
-                full = _from_stage(full_of(by_key.get((param, layer, None)), tp_group), owner, groups)
+                name = by_key.get((param, layer, None))
+                full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
+                full = _from_stage(full, owner, groups)
                 for template, t in zip(param.hf, full):
                     yield template.format(layer=layer), cast(t, param)
                 continue
@@ -255,7 +252,7 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
                 name = by_key.get((param, layer, groups.ep_rank * e_local + j))
                 full = None
                 if name:
-                    mine = full_of(name, tp_group)
+                    mine = from_shards(param.kind, _gather(params[name], tp_group), **kw)
                     # experts j, e_local + j, 2*e_local + j, ... from every EP rank
                     full = [t for k in range(len(mine)) for t in _gather(mine[k], groups.ep_group)]
                 full = _from_stage(full, owner, groups)

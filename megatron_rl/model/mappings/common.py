@@ -2,7 +2,7 @@
 
 HF names are the on-disk checkpoint names (per-expert tensors), which is what safetensors
 files, vLLM and `transformers.from_pretrained` use. Qwen3, Llama 3, Qwen2 and their MoE
-variants name attention, norms and dense MLPs alike; DeepSeek-V3 has its own attention (MLA_*).
+variants name attention, norms and dense MLPs alike; DeepSeek-V3 has its own attention (MLA).
 """
 from megatron_rl.model.mappings.base import Kind, Param, Scope
 
