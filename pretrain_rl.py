@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -66,6 +67,9 @@ def print_summary(summary: dict) -> None:
         rows.append(("engine-vs-trainer KL k3 (mean / last)",
                      f"{summary['kl_k3_mean']:.2e} / {summary['kl_k3_last']:.2e}"))
     rows.append(("TensorBoard logs", f"tensorboard --logdir {summary['tensorboard']}"))
+    if summary.get("wall_seconds") is not None:
+        minutes, seconds = divmod(round(summary["wall_seconds"]), 60)
+        rows.append(("wall time (start-up to end)", f"{minutes} min {seconds:02d} s"))
     width = max(len(r[0]) for r in rows)
     print("\n" + "=" * (width + 40))
     for k, v in rows:
@@ -96,6 +100,7 @@ def report_error(e: BaseException, rank: int, run_dir: str, debug: bool) -> None
 def main(argv=None) -> int:
     """Exit codes: 0 done, 1 an error (one line on stderr), 2 a config error, 128 + signal number
     when SIGTERM/SIGINT stopped the run after saving its completed steps."""
+    t0 = time.perf_counter()
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's "no Apex/TE" notices
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed.checkpoint's deprecation notes
     args, overrides = parse_args(argv)
@@ -142,6 +147,7 @@ def main(argv=None) -> int:
     finally:
         stop.uninstall()
     if rank == 0:
+        summary["wall_seconds"] = time.perf_counter() - t0
         print_summary(summary)
         if args.summary_json:
             with open(args.summary_json, "w") as f:

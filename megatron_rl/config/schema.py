@@ -282,6 +282,9 @@ class SFTSection:
     steps: max SFT steps (0 = skip). batch_size, lr. eval_every: held-out greedy accuracy
     cadence (0 = only at the end); target_accuracy: stop as soon as held-out accuracy reaches it
     (RL needs a non-zero success rate but room to improve; null = run all steps).
+    eval_size: held-out problems in each of those checks (the first ones of the held-out set;
+    null = train.eval_size). A small set checked often stops close to the target when accuracy
+    rises abruptly, as it does on the toy tasks.
     """
 
     steps: int = 0
@@ -289,6 +292,7 @@ class SFTSection:
     lr: float = 1e-3
     eval_every: int = 25
     target_accuracy: float | None = 0.35
+    eval_size: int | None = None
 
     def __post_init__(self):
         checks.integer("sft.steps", self.steps, lo=0)
@@ -297,6 +301,8 @@ class SFTSection:
         checks.integer("sft.eval_every", self.eval_every, lo=0, hint="0 = only at the end")
         if self.target_accuracy is not None:
             checks.number("sft.target_accuracy", self.target_accuracy, lo=0, hi=1, hint="null = run all steps")
+        if self.eval_size is not None:
+            checks.integer("sft.eval_size", self.eval_size, lo=1, hint="null = train.eval_size")
 
 
 @dataclass

@@ -42,10 +42,12 @@ def sft_samples(tokenizer, examples) -> list[Sample]:
 def run_sft(ctx, eval_examples, progress=None) -> dict:
     """Train until sft.steps or held-out greedy accuracy >= sft.target_accuracy. Returns a summary.
 
-    Uses ctx.policy.optimizer at lr = sft.lr; the caller rebuilds the optimizer for RL.
+    Uses ctx.policy.optimizer at lr = sft.lr; the caller rebuilds the optimizer for RL. The stopping
+    checks score the first sft.eval_size of `eval_examples` (all of them when it is null).
     """
     cfg, groups, policy = ctx.cfg, ctx.groups, ctx.policy
     sft = cfg.sft
+    eval_examples = eval_examples[: sft.eval_size]
     for group in policy.optimizer.param_groups:
         group["lr"] = sft.lr
     dp, dp_rank = groups.dp_size, dist.get_rank(groups.dp_group)

@@ -1,6 +1,6 @@
 """Short runs of pretrain_rl.py for the GPU tests: the shrunk demo, their overrides, and how to launch them.
 
-The demo (examples/demo_cpu.yaml: a tiny Qwen3-MoE learning to sort digits, embedded engine)
+The demo (examples/demo_cpu.yaml: a tiny Qwen3-MoE learning reversed addition, embedded engine)
 shrunk to a few steps and small batches. `launch` runs pretrain_rl.py under torchrun with one
 process (NCCL on the GPU); `launch_many` runs several in one process through tests.gpu.driver
 (`pretrain_rl.main` once per run) to save the start-up time of each.

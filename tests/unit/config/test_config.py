@@ -20,6 +20,12 @@ def test_yaml_and_overrides(tmp_path):
     ("parallel.tensor_model_parallel_size=0", "tensor_model_parallel_size"),
     ("optim.dtype=bf16", "precision is model.dtype"),
     ("nonsense", "cannot parse"),
+    ("sft.eval_size=0", "sft.eval_size"),
+    # surrogate / correction parameters are checked against the function's keyword parameters
+    ("loss.surrogate_params={epz: 0.2}", r"loss.surrogate_params.epz: not a parameter here; choose from .*eps_low"),
+    ("loss.surrogate_params={eps_high: 1.0e9}", r"eps_high='1.0e9': must be float .*exponent with a sign"),
+    ("loss.corrections=[{name: tis_token, C: two}]", r"loss.corrections\[0\].C='two': must be float"),
+    ("loss.corrections=[{name: tis_token, tis_use_rho: 1}]", r"tis_use_rho=1: must be bool"),
 ])
 def test_bad_config_names_the_key(override, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -36,6 +42,12 @@ def test_bad_config_names_the_key(override, msg):
 def test_invalid_loss_combinations_fail_at_startup(section, msg):
     with pytest.raises((ValueError, KeyError), match=msg):
         resolve_loss(section, 8)
+
+
+def test_loss_parameters_of_the_right_kind_pass():
+    cfg = load_config(None, ["loss.recipe=minirl", "loss.surrogate_params={c_tis: null, eps_high: 1.0e+9}",
+                             "loss.corrections=[{name: tis_token, C: 3}]"])
+    assert cfg.loss.surrogate_params == {"c_tis": None, "eps_high": 1e9}
 
 
 def test_recipe_defaults_and_overrides():
