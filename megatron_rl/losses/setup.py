@@ -3,10 +3,14 @@
 A recipe supplies defaults; explicit fields override them. Every name is checked against its
 registry, and what a surrogate declared when it registered (allowed aggregations, per-step
 statistics it takes as parameters) is checked the same way for every surrogate, so incompatible
-choices fail here, at start-up (RunConfig validation), with the reason.
+choices fail here, at start-up (RunConfig validation), with the reason. Parameters are checked
+against the function's own keyword parameters: an unknown name, or a value of the wrong kind
+(YAML reads `1.0e9` as a string; `1.0e+9` is the number), fails here and not mid-step.
 """
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +40,39 @@ class ResolvedLoss:
                     agg_params=dict(self.agg_params))
 
 
+def _kind_ok(value: Any, default: Any, annotation: str) -> bool:
+    """Whether `value` fits a parameter with this default and (string) annotation."""
+    if value is None:
+        return default is None or "None" in annotation
+    if isinstance(default, bool) or annotation.startswith("bool"):
+        return isinstance(value, bool)
+    if isinstance(default, (int, float)) or annotation.startswith(("float", "int")):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str) or annotation.startswith("str"):
+        return isinstance(value, str)
+    return True
+
+
+def check_params(where: str, fn: Callable, params: Mapping[str, Any], computed: tuple[str, ...] = ()) -> None:
+    """Every key of `params` must be a keyword-only parameter of `fn` (other than the `computed`
+    ones the trainer fills in) with a value of its kind; raises ValueError naming `where`.<key>."""
+    allowed = {n: p for n, p in inspect.signature(fn).parameters.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in computed}
+    for key, value in params.items():
+        if key not in allowed:
+            raise ValueError(f"{where}.{key}: not a parameter here; choose from {', '.join(sorted(allowed)) or '(none)'}")
+        p = allowed[key]
+        if not _kind_ok(value, p.default, str(p.annotation)):
+            hint = ""
+            if isinstance(value, str):
+                try:
+                    float(value)
+                    hint = f"; YAML reads {value} as text: write the exponent with a sign (e.g. 1.0e+9)"
+                except ValueError:
+                    pass
+            raise ValueError(f"{where}.{key}={value!r}: must be {p.annotation} (default {p.default!r}){hint}")
+
+
 def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
     """Merge the recipe with explicit settings and validate. max_response_len: default L_norm."""
     recipe = RECIPES.get(section.recipe) if section.recipe else None
@@ -51,6 +88,7 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
         if name in params:
             raise ValueError(f"loss.surrogate_params.{name}: {surrogate}'s {name} is computed by the trainer every "
                              f"step ({stat}); remove it from the config")
+    check_params("loss.surrogate_params", SURROGATES.get(surrogate), params)
     if section.corrections is not None:
         corrections = []
         for i, c in enumerate(section.corrections):
@@ -59,6 +97,7 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
                                  f"{{name: tis_token, C: 2}}), got {c!r}")
             CORRECTIONS.get(c["name"])
             corrections.append((c["name"], {k: v for k, v in c.items() if k != "name"}))
+            check_params(f"loss.corrections[{i}]", CORRECTIONS.get(c["name"]), corrections[-1][1])
     else:
         corrections = [(n, dict(p)) for n, p in recipe.corrections] if recipe else []
     aggregation = section.aggregation or (recipe.aggregation if recipe else "token_mean")

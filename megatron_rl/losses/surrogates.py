@@ -173,12 +173,14 @@ def gspo_token(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4
 
 @register_surrogate("minirl")
 def minirl(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.27,
-           c_tis: float = 5.0) -> SurrogateOut:
+           c_tis: float | None = 5.0) -> SurrogateOut:
     """MiniRL (Qwen, eq. 7): ℓ_t = −M_t · sg[min(ρ_t, C_tis)] · A · log π_θ,t, with the decoupled clip mask
     M_t = 0 if (A > 0 and r_t > 1+ε_high) or (A < 0 and r_t < 1−ε_low), else 1.
 
     IS weight against μ (rollout engine), clip mask against π_old. Paper defaults; pair with
     aggregation `token_sum_norm` and advantages `mean_centered` (recipe `minirl`).
+    c_tis=None drops the training-inference IS weight (ρ_t := 1): the paper's "w/o IS correction"
+    ablation; eps_low=1, eps_high=inf drops the clip mask (its "w/o clipping").
     Metrics: clip_masked (M_t = 0), tis_truncated (ρ_t > C_tis).
     """
     m = batch.mask
@@ -187,12 +189,12 @@ def minirl(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.27,
     log_rho = masked_log_ratio(lp_d, batch.rollout_logprobs, m)
     adv = masked(batch.advantages, m)
     clip_mask = _clip_active(r, adv, eps_low, eps_high)
-    coef = torch.exp(log_rho.clamp(max=math.log(c_tis)))
+    coef = torch.exp(log_rho.clamp(max=math.log(c_tis))) if c_tis is not None else torch.ones_like(log_rho)
     loss = -coef * adv * masked(batch.logprobs, m)
     loss = torch.where(m & ~clip_mask, loss, _zero(loss))
     metrics = {}
     add_fraction(metrics, "clip_masked", m & clip_mask, m)
-    add_fraction(metrics, "tis_truncated", m & (log_rho > math.log(c_tis)), m)
+    add_fraction(metrics, "tis_truncated", m & (log_rho > math.log(c_tis if c_tis is not None else math.inf)), m)
     return SurrogateOut(loss, metrics)
 
 

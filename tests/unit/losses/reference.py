@@ -67,7 +67,7 @@ def minirl(lp, old, ro, A, m, eps_low, eps_high, c_tis):
             if not m[i][t] or masked_out:
                 loss[i].append(0.0), grad[i].append(0.0)
                 continue
-            c = min(math.exp(lp[i][t] - ro[i][t]), c_tis)
+            c = min(math.exp(lp[i][t] - ro[i][t]), c_tis) if c_tis is not None else 1.0
             loss[i].append(-c * a * lp[i][t]), grad[i].append(-c * a)
     return loss, grad
 

@@ -131,6 +131,9 @@ TOKEN_SURROGATES = {
     "reinforce": ({}, lambda L, O, R, A, M: ref.reinforce(L, R, A, M)),
     "cispo": ({"eps_low": 0.5, "eps_high": 0.3}, lambda L, O, R, A, M: ref.cispo(L, O, A, M, 0.5, 0.3)),
     "minirl": ({}, lambda L, O, R, A, M: ref.minirl(L, O, R, A, M, 0.2, 0.27, 5.0)),
+    "minirl_no_is": ({"c_tis": None}, lambda L, O, R, A, M: ref.minirl(L, O, R, A, M, 0.2, 0.27, None)),
+    "minirl_no_clip": ({"eps_low": 1.0, "eps_high": math.inf},
+                       lambda L, O, R, A, M: ref.minirl(L, O, R, A, M, 1.0, math.inf, 5.0)),
 }
 
 
@@ -141,7 +144,8 @@ def test_token_surrogates_match_reference(name, seed, shape, sr, sw):
     arr = make_arrays(seed, *shape, sigma_r=sr, sigma_w=sw, garbage=seed % 2 == 0)
     batch, lp = to_batch(arr)
     params, fn = TOKEN_SURROGATES[name]
-    out = get_surrogate(name.replace("_dual", ""))(batch, **params)
+    registered = name.removesuffix("_dual").removesuffix("_no_is").removesuffix("_no_clip")
+    out = get_surrogate(registered)(batch, **params)
     want_loss, want_grad = fn(*as_lists(arr))
     assert_close(out.per_token, want_loss)
     assert_close(_grad(out.per_token, lp), want_grad)
