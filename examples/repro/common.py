@@ -113,21 +113,38 @@ class ArmRun:
 
 def run_arm(out: str, checkpoint: str, arm: str, overrides: list[str], seed: int, scale: Scale) -> ArmRun:
     """RL from the warm start with `overrides`; seed k sets train.seed (sampling). data.seed stays,
-    so every arm and seed sees the same prompts and is scored on the same held-out problems."""
+    so every arm and seed sees the same prompts and is scored on the same held-out problems.
+
+    A run that already finished in its folder with the same command is read back instead of run
+    again, so an interrupted script resumes at the first unfinished arm, and a second call only
+    rebuilds the table and the plot."""
     run_dir = os.path.join(out, "runs", arm.replace(" ", "_").replace("/", "-"), f"seed{seed}")
+    cmd = [f"train.init_checkpoint={checkpoint}", "sft.steps=0", "train.resume=false",
+           f"train.steps={scale.steps}", f"train.seed={1234 + seed}",
+           f"train.eval_size={scale.eval_size}", f"train.eval_every={scale.eval_every}",
+           *([f"data.heldout_size={scale.eval_size}"] if scale.eval_size < 500 else []), *overrides]
+    done = os.path.join(run_dir, "arm.json")
+    if os.path.exists(done):
+        with open(done) as f:
+            record = json.load(f)
+        if record["overrides"] == cmd:
+            with open(os.path.join(run_dir, "summary.json")) as f:
+                summary = json.load(f)
+            return ArmRun(arm, seed, summary, _rl_rows(run_dir), record["seconds"])
     t0 = time.perf_counter()
-    summary = _pretrain(run_dir, [f"train.init_checkpoint={checkpoint}", "sft.steps=0", "train.resume=false",
-                                  f"train.steps={scale.steps}", f"train.seed={1234 + seed}",
-                                  f"train.eval_size={scale.eval_size}", f"train.eval_every={scale.eval_every}",
-                                  *([f"data.heldout_size={scale.eval_size}"] if scale.eval_size < 500 else []),
-                                  *overrides])
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if r.get("phase") == "rl"]
+    summary = _pretrain(run_dir, cmd)
     seconds = time.perf_counter() - t0
+    with open(done, "w") as f:  # written last: its presence means the run finished
+        json.dump({"overrides": cmd, "seconds": seconds}, f)
     after = summary.get("after_rl_accuracy")
     print(f"  {arm} seed {seed}: held-out greedy "
           f"{'n/a' if after is None else f'{100 * after:.1f}%'}, {seconds:.0f} s", flush=True)
-    return ArmRun(arm, seed, summary, rows, seconds)
+    return ArmRun(arm, seed, summary, _rl_rows(run_dir), seconds)
+
+
+def _rl_rows(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("phase") == "rl"]
 
 
 def run_arms(out: str, checkpoint: str, arms: dict[str, list[str]], scale: Scale) -> dict[str, list[ArmRun]]:
@@ -180,8 +197,27 @@ def collapsed(run: ArmRun, drop: float = 0.5) -> bool:
     return before is not None and after is not None and after < drop * before
 
 
+def series_mean(runs: list[ArmRun], key: str) -> float:
+    """Mean over seeds of each run's mean of metric `key` over its steps."""
+    return mean(mean(v for _, v in curve(r, key)) for r in runs)
+
+
 def pct(x: float) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
+ACCURACY_HEADER = ["arm", "greedy before", "greedy after (mean)", "per seed", "peak"]
+
+
+def accuracy_cells(arm: str, runs: list[ArmRun]) -> list[str]:
+    """The first cells of every script's table row (ACCURACY_HEADER): held-out greedy accuracy."""
+    after, per_seed = final(runs)
+    return [arm, pct(final(runs, "before_rl_accuracy")[0]), pct(after), " / ".join(pct(v) for v in per_seed),
+            pct(peak(runs))]
+
+
+def collapsed_cell(runs: list[ArmRun]) -> str:
+    return f"{sum(collapsed(r) for r in runs)}/{len(runs)}"
 
 
 # ----------------------------------------------------------------------------- report
@@ -189,8 +225,8 @@ def pct(x: float) -> str:
 
 def write_report(out: str, title: str, header: list[str], rows: list[list[str]], notes: list[str]) -> str:
     """<out>/results.md: title, the machine and date, a Markdown table, notes. Also printed."""
-    lines = [f"# {title}", "", f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, "
-             f"`{' '.join(sys.argv[1:]) or '(defaults)'}`.", "",
+    command = " ".join(sys.argv[1:]) or "(defaults)"
+    lines = [f"# {title}", "", f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, `{command}`.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", *notes]

@@ -35,19 +35,12 @@ def main() -> None:
     args, scale = c.parse_args(__doc__, steps=48, seeds=2)
     ckpt = c.warm_start(args.sft_dir, scale)
     runs = c.run_arms(args.out, ckpt, ARMS, scale)
-    rows = []
-    for arm, rs in runs.items():
-        after, per_seed = c.final(rs)
-        rows.append([arm, c.pct(c.final(rs, "before_rl_accuracy")[0]), c.pct(after),
-                     " / ".join(c.pct(v) for v in per_seed), c.pct(c.peak(rs)),
-                     c.pct(c.final(rs, "after_rl_sampled_accuracy")[0]),
-                     f"{c.mean(c.mean(v for _, v in c.curve(r, 'mismatch/kl_k3')) for r in rs):.2e}",
-                     f"{sum(c.collapsed(r) for r in rs)}/{len(rs)}"])
+    rows = [[*c.accuracy_cells(arm, rs), c.pct(c.final(rs, "after_rl_sampled_accuracy")[0]),
+             f"{c.series_mean(rs, 'mismatch/kl_k3'):.2e}", c.collapsed_cell(rs)] for arm, rs in runs.items()]
     c.write_report(args.out, "MiniRL: IS correction, length normalisation, clipping, R2 vs R3",
-                   ["arm", "greedy before", "greedy after (mean)", "per seed", "peak", "sampled after",
-                    "KL(μ‖π) k3 mean", "collapsed"], rows,
-                   [f"{scale.steps} RL steps per arm from one SFT checkpoint, seeds {list(scale.seeds)}; "
-                    "collapsed = ended below half its starting greedy accuracy."])
+                   [*c.ACCURACY_HEADER, "sampled after", "KL(μ‖π) k3 mean", "collapsed"], rows,
+                   [(f"{scale.steps} RL steps per arm from one SFT checkpoint, seeds {list(scale.seeds)}; "
+                     "collapsed = ended below half its starting greedy accuracy.")])
     c.plot_panels(args.out, [
         ("on-policy", "eval/heldout_accuracy", {a: runs[a] for a in runs if a.startswith("on-policy")}),
         ("N=2", "eval/heldout_accuracy", {a: runs[a] for a in runs if a.startswith("N=2")}),

@@ -34,19 +34,12 @@ def main() -> None:
         raise SystemExit(f"--steps {scale.steps}: the staged schedule needs a multiple of 4")
     ckpt = c.warm_start(args.sft_dir, scale)
     runs = c.run_arms(args.out, ckpt, ARMS, scale)
-    rows = []
-    for arm, rs in runs.items():
-        after, per_seed = c.final(rs)
-        rows.append([arm, c.pct(c.final(rs, "before_rl_accuracy")[0]), c.pct(after),
-                     " / ".join(c.pct(v) for v in per_seed), c.pct(c.peak(rs)),
-                     f"{c.mean(c.mean(v for _, v in c.curve(r, 'schedule/staleness_mean')) for r in rs):.1f}",
-                     f"{c.mean(c.mean(v for _, v in c.curve(r, 'timing/step')) for r in rs):.2f} s",
-                     f"{sum(c.collapsed(r) for r in rs)}/{len(rs)}"])
+    rows = [[*c.accuracy_cells(arm, rs), f"{c.series_mean(rs, 'schedule/staleness_mean'):.1f}",
+             f"{c.series_mean(rs, 'timing/step'):.2f} s", c.collapsed_cell(rs)] for arm, rs in runs.items()]
     c.write_report(args.out, "µ-GRPO: relaxed clipping and the negative-advantage veto under stale stages",
-                   ["arm", "greedy before", "greedy after (mean)", "per seed", "peak", "mean staleness",
-                    "time per step", "collapsed"], rows,
-                   [f"{scale.steps} RL steps per arm from one SFT checkpoint, seeds {list(scale.seeds)}; "
-                    "staleness in trainer versions; collapsed = ended below half its starting greedy accuracy."])
+                   [*c.ACCURACY_HEADER, "mean staleness", "time per step", "collapsed"], rows,
+                   [(f"{scale.steps} RL steps per arm from one SFT checkpoint, seeds {list(scale.seeds)}; "
+                     "staleness in trainer versions; collapsed = ended below half its starting greedy accuracy.")])
     c.plot_panels(args.out, [("held-out greedy", "eval/heldout_accuracy", runs),
                              ("sampled reward", "rollout/reward_mean", runs)])
 

@@ -27,19 +27,13 @@ def main() -> None:
     args, scale = c.parse_args(__doc__, steps=48, seeds=2)
     ckpt = c.warm_start(args.sft_dir, scale)
     runs = c.run_arms(args.out, ckpt, ARMS, scale)
-    rows = []
-    for arm, rs in runs.items():
-        after, per_seed = c.final(rs)
-        rows.append([arm, c.pct(c.final(rs, "before_rl_accuracy")[0]), c.pct(after),
-                     " / ".join(c.pct(v) for v in per_seed), c.pct(c.peak(rs)),
-                     f"{c.mean(c.mean(v for _, v in c.curve(r, 'mismatch/r/ess')) for r in rs):.3f}",
-                     f"{sum(c.collapsed(r) for r in rs)}/{len(rs)}"])
+    rows = [[*c.accuracy_cells(arm, rs), f"{c.series_mean(rs, 'mismatch/r/ess'):.3f}", c.collapsed_cell(rs)]
+            for arm, rs in runs.items()]
     c.write_report(args.out, "P3O: ESS-adaptive trust region vs fixed clip ranges (async, staleness 2)",
-                   ["arm", "greedy before", "greedy after (mean)", "per seed", "peak", "mean ESS of r",
-                    "collapsed"], rows,
-                   [f"{scale.steps} RL steps per arm from one SFT checkpoint, seeds {list(scale.seeds)}; "
-                    "ESS of r = π_θ/π_old per batch (1 = on-policy); collapsed = ended below half its "
-                    "starting greedy accuracy."])
+                   [*c.ACCURACY_HEADER, "mean ESS of r", "collapsed"], rows,
+                   [(f"{scale.steps} RL steps per arm from one SFT checkpoint, seeds {list(scale.seeds)}; "
+                     "ESS of r = π_θ/π_old per batch (1 = on-policy); collapsed = ended below half its "
+                     "starting greedy accuracy.")])
     c.plot_panels(args.out, [("held-out greedy", "eval/heldout_accuracy", runs),
                              ("sampled reward", "rollout/reward_mean", runs),
                              ("ESS of π_θ/π_old", "mismatch/r/ess", runs)])

@@ -73,28 +73,24 @@ def main() -> None:
     precision = c.run_arms(args.out, ckpt, PRECISION, short)
     rows = []
     for arm, rs in runs.items():
-        after, per_seed = c.final(rs)
-        kl = [c.mean(v for _, v in c.curve(r, "mismatch/kl_k3")) for r in rs]
         kl_first = c.mean(r.rows[0].get("mismatch/kl_k3") for r in rs)
         kl_last = c.mean(r.rows[-1].get("mismatch/kl_k3") for r in rs)
-        rows.append([arm, c.pct(c.final(rs, "before_rl_accuracy")[0]), c.pct(after),
-                     " / ".join(c.pct(v) for v in per_seed), c.pct(c.peak(rs)),
-                     f"{kl_first:.2e} → {kl_last:.2e}", f"{c.mean(kl):.2e}",
-                     f"{c.mean(c.mean(v for _, v in c.curve(r, 'optim/grad_norm')) for r in rs):.3g}",
-                     f"{sum(c.collapsed(r) for r in rs)}/{len(rs)}"])
-    notes = [f"Part A: {scale.steps} RL steps per arm from one SFT checkpoint, seeds {list(scale.seeds)}; "
-             "KL = engine-vs-trainer KL k3 (first → last step, and mean); collapsed = ended below half its "
-             "starting greedy accuracy.", "", "Part B: precision recipes, step 1 (same weights and prompts), "
-             f"then the mean over {short.steps} steps:", "",
+        rows.append([*c.accuracy_cells(arm, rs), f"{kl_first:.2e} → {kl_last:.2e}",
+                     f"{c.series_mean(rs, 'mismatch/kl_k3'):.2e}", f"{c.series_mean(rs, 'optim/grad_norm'):.3g}",
+                     c.collapsed_cell(rs)])
+    notes = [(f"Part A: {scale.steps} RL steps per arm from one SFT checkpoint, seeds {list(scale.seeds)}; "
+              "KL = engine-vs-trainer KL k3 (first → last step, and mean); collapsed = ended below half its "
+              "starting greedy accuracy."), "",
+             f"Part B: precision recipes, step 1 (same weights and prompts), then the mean over {short.steps} steps:",
+             "",
              "| recipe | KL k3 step 1 | mean \\|Δlog p\\| step 1 | KL k3 mean |", "|---|---|---|---|"]
     for arm, rs in precision.items():
         r = rs[0]
         notes.append(f"| {arm.split()[1]} | {r.rows[0].get('mismatch/kl_k3', float('nan')):.2e} | "
                      f"{r.rows[0].get('mismatch/abs_logprob_diff', float('nan')):.2e} | "
-                     f"{c.mean(v for _, v in c.curve(r, 'mismatch/kl_k3')):.2e} |")
+                     f"{c.series_mean([r], 'mismatch/kl_k3'):.2e} |")
     c.write_report(args.out, "Training-inference mismatch: where it is, how it grows, what stops the lr collapse",
-                   ["arm", "greedy before", "greedy after (mean)", "per seed", "peak", "KL first → last",
-                    "KL mean", "grad norm mean", "collapsed"], rows, notes)
+                   [*c.ACCURACY_HEADER, "KL first → last", "KL mean", "grad norm mean", "collapsed"], rows, notes)
     c.plot_panels(args.out, [("held-out greedy", "eval/heldout_accuracy", runs),
                              ("engine-vs-trainer KL k3", "mismatch/kl_k3", runs),
                              ("sampled reward", "rollout/reward_mean", runs)])

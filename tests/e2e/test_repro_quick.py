@@ -17,7 +17,7 @@ def test_repro_script_quick(script, tmp_path):
     out = tmp_path / script
     env = dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1")
     proc = subprocess.run([sys.executable, f"examples/repro/{script}.py", "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (out / "results.md").read_text()
     assert report.startswith("# ") and "| arm |" in report
