@@ -19,6 +19,8 @@ so that no large tensor is allocated per chunk.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -30,15 +32,54 @@ def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | No
     return t
 
 
+VOCAB_BLOCK = 2048  # weight rows upcast at a time where no mixed-precision GEMM exists
+
+
+@functools.cache
+def mixed_gemm(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
+    """How this device writes an `out_dtype` GEMM result from `dtype` inputs without rounding it to
+    `dtype`: "out" (torch.mm(..., out_dtype=, out=) into the caller's buffer), "new" (out_dtype
+    only, into a new tensor) or None (no such kernel: CUDA has one for bf16/fp16 -> fp32, the CPU
+    does not). Probed once per (device type, dtypes) on a 1x1 GEMM."""
+    a = torch.zeros(1, 1, dtype=dtype, device=device_type)
+    try:
+        torch.mm(a, a, out_dtype=out_dtype, out=torch.empty(1, 1, dtype=out_dtype, device=device_type))
+        return "out"
+    except (RuntimeError, NotImplementedError, TypeError):
+        pass
+    try:
+        torch.mm(a, a, out_dtype=out_dtype)
+        return "new"
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def project(h: torch.Tensor, weight: torch.Tensor, inv_temp: float, out: torch.Tensor) -> torch.Tensor:
-    """`out[n, V_r] = (h[n, H] · weight[V_r, H]ᵀ) · inv_temp` in `out`'s dtype (fp32 or fp64);
-    the GEMM runs in `weight`'s dtype (bf16 weights: bf16 GEMM, upcast result)."""
+    """`out[n, V_r] = (h[n, H] · weight[V_r, H]ᵀ) · inv_temp`, accumulated and written in `out`'s
+    dtype (fp32, or fp64 if given): the logits are never rounded to bf16/fp16.
+
+    bf16/fp16 inputs use the device's mixed GEMM (`mixed_gemm`: low-precision inputs at the tensor
+    cores' rate, fp32 accumulation and output). Without one, the inputs are upcast exactly (every
+    bf16/fp16 value is an fp32 value) and the GEMM runs in `out`'s dtype, VOCAB_BLOCK weight rows
+    at a time so the upcast copy stays small. The temperature scales the fp32 result, not h.
+    """
     hs = h.to(weight.dtype)
-    if inv_temp != 1.0:
-        hs = hs * inv_temp
     if weight.dtype == out.dtype:
-        return torch.mm(hs, weight.t(), out=out)
-    return out.copy_(torch.mm(hs, weight.t()))
+        torch.mm(hs, weight.t(), out=out)
+    else:
+        kind = mixed_gemm(out.device.type, weight.dtype, out.dtype)
+        if kind == "out":
+            torch.mm(hs, weight.t(), out_dtype=out.dtype, out=out)
+        elif kind == "new":
+            out.copy_(torch.mm(hs, weight.t(), out_dtype=out.dtype))
+        else:
+            hs = hs.to(out.dtype)
+            for v in range(0, weight.shape[0], VOCAB_BLOCK):
+                block = weight[v:v + VOCAB_BLOCK].to(out.dtype)
+                out[:, v:v + VOCAB_BLOCK] = torch.mm(hs, block.t())
+    if inv_temp != 1.0:
+        out.mul_(inv_temp)
+    return out
 
 
 def local_index(ids: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
