@@ -10,7 +10,8 @@
 chunk by chunk (`chunk_size` tokens at a time). The backward recomputes each chunk's logits from
 the saved `hidden`, `weight`, `labels` (and `kept_ids`) plus three fp32 numbers per token
 (logZ, H, logZ_K), so peak memory is two fp32 `[chunk_size, V/TP]` buffers plus the gradients of
-`hidden` and `weight`, whatever N is. The price is one extra output-projection GEMM (4 instead
+`hidden` and `weight`, whatever N is; under megatron DDP the weight gradient is accumulated
+straight into the parameter's fp32 `main_grad` (`_accumulates_into_main_grad`), with no buffer. The price is one extra output-projection GEMM (4 instead
 of 3). See `chunk_math` for the formulas and the TP all-reduces.
 
 Tensor parallelism (megatron `ColumnParallelLinear` layout: TP rank r holds vocabulary rows
@@ -121,7 +122,11 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         zbuf = torch.empty(chunk, vocab_local, dtype=acc, device=hidden.device)
         ebuf = torch.empty_like(zbuf)
         d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        d_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        into_main = need_w and _accumulates_into_main_grad(weight, acc)
+        if into_main:
+            d_weight = weight.main_grad
+        else:
+            d_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
         for s in range(0, n_tok, chunk):
             sl = slice(s, min(s + chunk, n_tok))
             g = chunk_logit_grad(
@@ -137,20 +142,38 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                     d_hidden[sl] = torch.mm(g.to(weight.dtype), weight)
                 if inv_temp != 1.0:
                     d_hidden[sl].mul_(inv_temp)
-            if need_w:   # ∂L/∂W += Gᵀ h / temperature  (the first chunk initialises it)
+            if need_w:   # ∂L/∂W += Gᵀ h / temperature  (the first chunk initialises a fresh buffer)
                 h = hidden[sl].to(acc)
                 h = h if inv_temp == 1.0 else h * inv_temp
-                if s == 0:
+                if s == 0 and not into_main:
                     torch.mm(g.t(), h, out=d_weight)
                 else:
                     d_weight.addmm_(g.t(), h)
-        if need_w and n_tok == 0:
+        if need_w and n_tok == 0 and not into_main:
             d_weight.zero_()
         if need_h and reduce_grad_input:
             all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group)
-        if need_w:
+        if into_main:
+            d_weight = None  # already in main_grad; other uses of a tied weight still reach .grad
+        elif need_w:
             d_weight = d_weight.to(weight.dtype)
         return d_hidden, d_weight, None, None, None, None, None, None, None
+
+
+def _accumulates_into_main_grad(weight: torch.Tensor, acc: torch.dtype) -> bool:
+    """Whether the weight gradient goes straight into megatron DDP's `main_grad` buffer.
+
+    megatron-core's DistributedDataParallel gives every parameter a `main_grad` (fp32 with
+    grad_reduce_in_fp32) and, in a hook after autograd accumulates `.grad`, adds `.grad` to it.
+    Accumulating `Gᵀh` into `main_grad` here, chunk by chunk, skips the separate fp32 `[V/TP, H]`
+    buffer and the `.grad` round trip (as megatron's gradient-accumulation fusion does) and keeps
+    the weight gradient in fp32 for bf16 weights. The backward then returns no weight gradient, so
+    the hook sees only what other uses of a tied weight (the embedding lookup) put in `.grad`. That
+    hook has nothing to wait for only with overlap_grad_reduce=False, which trainer/stack.py sets.
+    """
+    main_grad = getattr(weight, "main_grad", None)
+    return (isinstance(main_grad, torch.Tensor) and main_grad.dtype == acc and main_grad.shape == weight.shape
+            and main_grad.device == weight.device)
 
 
 def token_logprobs_and_entropy(

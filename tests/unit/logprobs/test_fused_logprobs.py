@@ -138,6 +138,41 @@ def test_low_precision_inputs_give_fp32_accurate_logprobs(dtype, temperature):
     assert (rounded[0].logprobs.double() - f64[0].logprobs).abs().max() > 1e-3  # the test can tell
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_accumulates_into_main_grad(dtype):
+    """A weight with megatron DDP's fp32 `main_grad` gets Gᵀh added to it in the backward (what was
+    there stays) and no `.grad`; the sum equals the float64 weight gradient (bf16 weights too:
+    the gradient is never rounded to bf16)."""
+    h, w, y = _inputs(seed=21)
+    h, w = h.to(dtype), w.to(dtype)
+    grads = [torch.ones(N), torch.full((N,), 0.5), None]
+    f64 = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, grads)
+    weight = w.clone().requires_grad_()
+    before = torch.randn(w.shape, generator=torch.Generator().manual_seed(3))
+    weight.main_grad = before.clone()
+    hh = h.clone().requires_grad_()
+    out = token_logprobs_and_entropy(hh, weight, y, chunk_size=8)
+    (out.logprobs.sum() + 0.5 * out.entropy.sum()).backward()
+    assert weight.grad is None and weight.main_grad.dtype == torch.float32
+    atol = 1e-5 if dtype == torch.float32 else 2e-5
+    torch.testing.assert_close((weight.main_grad - before).double(), f64[2], atol=atol, rtol=1e-5)
+    torch.testing.assert_close(hh.grad.double(), f64[1], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+
+
+def test_tied_weight_with_main_grad_keeps_both_contributions():
+    """Tied head under megatron DDP's contract: the head's part goes to main_grad, the embedding
+    lookup's part to .grad (DDP's hook then adds it): together the full gradient."""
+    model = _TiedLM(V, H, seed=5)
+    tokens = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(6))
+    y = torch.roll(tokens, -1)
+    full = torch.autograd.grad(reference_logprobs_and_entropy(model.hidden(tokens), model.emb, y).logprobs.sum(),
+                               model.emb)[0]
+    model.emb.main_grad = torch.zeros_like(model.emb)
+    token_logprobs_and_entropy(model.hidden(tokens), model.emb, y, chunk_size=8).logprobs.sum().backward()
+    assert model.emb.grad is not None
+    torch.testing.assert_close(model.emb.main_grad + model.emb.grad, full, atol=ATOL, rtol=0)
+
+
 class _TiedLM(torch.nn.Module):
     """Embedding -> tiny mixer -> tied output layer (the embedding weight passed as W)."""
 
