@@ -8,7 +8,7 @@ to tune, and is the more stable under stale (asynchronous) rollouts.
 Every arm trains on asynchronous rollouts (train.schedule=async, max_staleness=2: each batch was
 sampled two trainer versions ago) with 2 mini-batches per batch:
     P3O (ESS)            recipe p3o: ESS-capped score-function weight + ESS-weighted regulariser
-    clip ε=0.1|0.2|0.4   PPO clip, symmetric range
+    clip ε=0.2|0.4|0.6   PPO clip, symmetric range (the paper's GRPO sweep)
     no clip              PPO's ratio-weighted objective without clipping (ε = 1e+9)
 Writes <out>/results.md, <out>/curves.png, TensorBoard under <out>/runs.
 """
@@ -18,7 +18,7 @@ import common as c
 
 ASYNC = ["train.schedule=async", "train.max_staleness=2"]
 ARMS = {"P3O (ESS)": ["loss.recipe=p3o", *ASYNC]}
-for eps in (0.1, 0.2, 0.4):
+for eps in (0.2, 0.4, 0.6):  # the paper's GRPO sweep
     ARMS[f"clip ε={eps}"] = ["loss.recipe=grpo", f"loss.surrogate_params={{eps_low: {eps}, eps_high: {eps}}}", *ASYNC]
 ARMS["no clip"] = ["loss.recipe=grpo", "loss.surrogate_params={eps_low: 1.0e+9, eps_high: 1.0e+9}", *ASYNC]
 
