@@ -7,6 +7,7 @@ holds two `[chunk, V/TP]` buffers. Qwen vocabulary V = 151,936, hidden 256, fp32
     python benchmarks/logprobs.py            # full table: T in {1k,2k,4k} side by side,
                                              # then ours alone at T in {8k,32k,64k}, TP=1 and CP=2
     python benchmarks/logprobs.py --quick    # T = 2k side by side only
+    python benchmarks/logprobs.py --device cuda   # the GPU table: bf16, H=4096, peers (logprobs_cuda.py)
 
 Method: every configuration runs in a fresh process (`--child`). It allocates its inputs
 (`h [T, H]`, `W [V, H]`, labels), runs a 16-token warm-up, records its resident set size, runs
@@ -148,6 +149,10 @@ def _eff(r: dict, tokens: int, cpu: bool = False) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only T = 2k, side by side")
+    ap.add_argument("--device", default="cpu", help="cpu (this table) | cuda (benchmarks/logprobs_cuda.py's table)")
+    ap.add_argument("--gpu-tokens", type=int, nargs="*", default=[4096, 16384, 65536],
+                    help="--device cuda: values of T")
+    ap.add_argument("--out", default=None, help="--device cuda: also write the table (Markdown) here")
     ap.add_argument("--chunk-size", type=int, default=None, help="ours: tokens per chunk (default: auto_chunk_size(V))")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", default="fused", help=argparse.SUPPRESS)
@@ -160,6 +165,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         print(json.dumps(_child(args)))
+        return
+    if args.device != "cpu":
+        from logprobs_cuda import table
+
+        text = table(args.gpu_tokens, V, 4096, args.device)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
         return
 
     import torch

@@ -1,0 +1,206 @@
+"""Log-probs + entropy on one GPU: ours against the straightforward path and two peers, one table.
+
+    python benchmarks/logprobs.py --device cuda                      # T in {4k, 16k, 64k}
+    python benchmarks/logprobs.py --device cuda --gpu-tokens 4096 --out benchmarks/results/logprobs_gpu.md
+
+bf16 hidden `[T, H]` and weight `[V, H]` (V = 151,936, H = 4,096), forward + backward of
+`Σ logprob + 0.1 · Σ entropy`. Paths, one after another in this process:
+
+    straightforward  full `[T, V]` logits (`reference_logprobs_and_entropy`: bf16 GEMM, upcast,
+                     log_softmax); "does not fit" when it runs out of memory
+    ours             `token_logprobs_and_entropy` (fp32 logits from the mixed GEMM, chunked)
+    verl             `verl.utils.kernel.linear_cross_entropy` (log-probs and entropy), if installed
+    liger            Liger's fused linear cross entropy (log-probs only, no entropy), if installed
+
+Per path and T: time = median of 3 CUDA-event timings after a warm-up; peak = the most memory
+allocated during one run beyond what was allocated before it (the inputs) and beyond the returned
+gradients of h and W; floor = 3 × the time of one `[T, H] × [H, V]` bf16 GEMM measured in the
+same run (forward, d_hidden, d_weight), and `% of floor` = floor / time. Accuracy at T = 2k: the
+largest |log-prob − float64| and |entropy − float64| from the same bf16 inputs. A peer is only
+imported from an installed package, never vendored.
+
+`table()` also runs on the CPU at small sizes (times from perf_counter, no memory column): that
+is what tests/unit/platform/test_logprobs_benchmark.py runs, so this file cannot rot unseen.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def _ours(h, w, y):
+    from megatron_rl.logprobs import token_logprobs_and_entropy
+
+    out = token_logprobs_and_entropy(h, w, y)
+    return out.logprobs, out.entropy
+
+
+def _straightforward(h, w, y):
+    from megatron_rl.logprobs import reference_logprobs_and_entropy
+
+    out = reference_logprobs_and_entropy(h, w, y)
+    return out.logprobs, out.entropy
+
+
+def _verl(h, w, y):
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+    logprobs, entropy = linear_cross_entropy(h, w, y, 1.0, "none")
+    return logprobs, entropy
+
+
+def _liger(h, w, y):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return -LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, y), None
+
+
+PATHS: dict[str, Callable] = {"straightforward": _straightforward, "ours": _ours, "verl": _verl, "liger": _liger}
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+class _Timer:
+    """CUDA events on a GPU (device time), perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+
+def inputs(tokens: int, vocab: int, hidden: int, device, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = (torch.randn(tokens, hidden, device=device, generator=g)).bfloat16()
+    w = (torch.randn(vocab, hidden, device=device, generator=g) * hidden**-0.5).bfloat16()
+    y = torch.randint(0, vocab, (tokens,), device=device, generator=g)
+    return h, w, y
+
+
+def gemm_floor(tokens: int, vocab: int, hidden: int, device) -> float:
+    """3 × the time of one [T, H] x [H, V] bf16 GEMM (median of 3 after a warm-up)."""
+    h, w, _ = inputs(tokens, vocab, hidden, device)
+    timer = _Timer(torch.device(device))
+    torch.mm(h, w.t())
+    return 3 * statistics.median(timer(lambda: torch.mm(h, w.t())) for _ in range(3))
+
+
+def measure(path: str, tokens: int, vocab: int, hidden: int, device, reps: int = 3) -> dict:
+    """{"time", "peak"} of one path at T = tokens, or {"error": text}."""
+    dev = torch.device(device)
+    fn = PATHS[path]
+    h, w, y = inputs(tokens, vocab, hidden, dev)
+    h.requires_grad_(), w.requires_grad_()
+
+    def once():
+        h.grad = w.grad = None
+        logprobs, entropy = fn(h, w, y)
+        loss = logprobs.float().sum() + (0.1 * entropy.float().sum() if entropy is not None else 0.0)
+        loss.backward()
+
+    timer = _Timer(dev)
+    try:
+        once()  # warm-up (kernel compilation, autotuning)
+        times = [timer(once) for _ in range(reps)]
+        peak = None
+        if dev.type == "cuda":
+            h.grad = w.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            once()
+            grads = h.grad.numel() * h.grad.element_size() + w.grad.numel() * w.grad.element_size()
+            peak = torch.cuda.max_memory_allocated() - base - grads
+    except torch.OutOfMemoryError:
+        return {"error": "does not fit"}
+    except Exception as e:  # noqa: BLE001 - a peer's API or kernel failing is a table entry, not a crash
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
+    finally:
+        h.grad = w.grad = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"time": statistics.median(times), "peak": peak}
+
+
+def accuracy(path: str, tokens: int, vocab: int, hidden: int, device) -> dict:
+    """Largest |log-prob − float64| and |entropy − float64| from the same bf16 inputs."""
+    from megatron_rl.logprobs import reference_logprobs_and_entropy
+
+    h, w, y = inputs(tokens, vocab, hidden, device)
+    try:
+        with torch.no_grad():
+            lp, ent = PATHS[path](h, w, y)
+            ref = reference_logprobs_and_entropy(h.double(), w.double(), y)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}"}
+    out = {"logprob": float((lp.double() - ref.logprobs).abs().max())}
+    if ent is not None:
+        out["entropy"] = float((ent.double() - ref.entropy).abs().max())
+    return out
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def available(path: str) -> bool:
+    module = {"verl": "verl.utils.kernel.linear_cross_entropy", "liger": "liger_kernel.transformers"}.get(path)
+    if module is None:
+        return True
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def table(tokens: list[int], vocab: int, hidden: int, device: str, accuracy_tokens: int = 2048) -> str:
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    paths = [p for p in PATHS if available(p)]
+    lines = [f"log-prob + entropy forward+backward, bf16 inputs, V={vocab:,}, H={hidden}, {name}, torch "
+             f"{torch.__version__}, {time.strftime('%Y-%m-%d')}; peers not installed: "
+             f"{', '.join(p for p in PATHS if p not in paths) or 'none'}", "",
+             "| T | floor | " + " | ".join(paths) + " |", "|---|---|" + "---|" * len(paths)]
+    for t in tokens:
+        floor = gemm_floor(t, vocab, hidden, dev)
+        cells = []
+        for p in paths:
+            r = measure(p, t, vocab, hidden, dev)
+            if "error" in r:
+                cells.append(r["error"])
+                continue
+            mem = f", {r['peak'] / GiB:.2f} GiB" if r["peak"] is not None else ""
+            cells.append(f"{r['time']:.3f} s ({floor / r['time']:.0%} of floor){mem}")
+        label = f"{t // 1024}k" if t % 1024 == 0 else str(t)
+        lines.append(f"| {label} | {floor:.3f} s | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    lines += ["", f"accuracy vs float64 from the same bf16 inputs, T={accuracy_tokens}:", "",
+              "| path | max abs log-prob error | max abs entropy error |", "|---|---|---|"]
+    for p in paths:
+        a = accuracy(p, accuracy_tokens, vocab, hidden, dev)
+        if "error" in a:
+            lines.append(f"| {p} | {a['error']} | |")
+        else:
+            ent = f"{a['entropy']:.1e}" if "entropy" in a else "(no entropy)"
+            lines.append(f"| {p} | {a['logprob']:.1e} | {ent} |")
+    return "\n".join(lines)
