@@ -177,9 +177,10 @@ def table(tokens: list[int], vocab: int, hidden: int, device: str, accuracy_toke
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     paths = [p for p in PATHS if available(p)]
-    lines = [f"log-prob + entropy forward+backward, bf16 inputs, V={vocab:,}, H={hidden}, {name}, torch "
-             f"{torch.__version__}, {time.strftime('%Y-%m-%d')}; peers not installed: "
-             f"{', '.join(p for p in PATHS if p not in paths) or 'none'}", "",
+    missing = ", ".join(p for p in PATHS if p not in paths) or "none"
+    title = (f"log-prob + entropy forward+backward, bf16 inputs, V={vocab:,}, H={hidden}, {name}, torch "
+             f"{torch.__version__}, {time.strftime('%Y-%m-%d')}; peers not installed: {missing}")
+    lines = [title, "",
              "| T | floor | " + " | ".join(paths) + " |", "|---|---|" + "---|" * len(paths)]
     for t in tokens:
         floor = gemm_floor(t, vocab, hidden, dev)

@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
 
-import logprobs_cuda as bench  # noqa: E402
+import logprobs_cuda as bench
 
 
 def test_table_runs_on_cpu_at_a_small_size():
