@@ -7,7 +7,8 @@
 # For each megatron-core in .whl/mcore-*/: install it and .whl/common/ into /tmp/site-<version>
 # (pip --no-index --no-deps --target: the machine's torch, triton and transformers are used as
 # they are), print the versions and the GPUs, run the unit and GPU tests (not the vLLM ones),
-# then benchmarks/rl_step_gpu.py. Logs go to ${OUT:-benchmarks/results}, named by date, device
+# then benchmarks/rl_step_gpu.py; once at the end, the log-prob kernel table
+# (benchmarks/logprobs.py --device cuda). Logs go to ${OUT:-benchmarks/results}, named by date, device
 # and megatron-core version. Exits non-zero if any install, test run or benchmark failed.
 #
 # Environment: WHL (wheel folder, default .whl), PYTHON (default python3), OUT (log folder),
@@ -82,6 +83,13 @@ EOF
     "$PYTHON" benchmarks/rl_step_gpu.py --json "$OUT_DIR/rl_step_gpu_${tag}.json" ${BENCH_ARGS:-} 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("benchmark mcore-$version")
 done
+
+# the fused log-prob kernel against the straightforward path (and verl/Liger if installed): one
+# table, the same under every megatron-core (it does not use megatron)
+echo "--- benchmarks/logprobs.py --device cuda"
+"$PYTHON" benchmarks/logprobs.py --device cuda --out "$OUT_DIR/logprobs_gpu_${stamp}_${device}.md" 2>&1 \
+    | tee "$OUT_DIR/logprobs_gpu_${stamp}_${device}.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("logprobs benchmark")
 
 echo
 if [ ${#failures[@]} -gt 0 ]; then
