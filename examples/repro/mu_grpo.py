@@ -15,6 +15,8 @@ Writes <out>/results.md, <out>/curves.png, TensorBoard under <out>/runs.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import common as c
 
 STAGED = ["train.schedule=staged", "train.stages=4"]
@@ -29,7 +31,7 @@ ARMS = {
 def main() -> None:
     args, scale = c.parse_args(__doc__, steps=48, seeds=2)
     if args.quick:
-        scale = c.Scale(4, scale.seeds, scale.eval_size, scale.eval_every, scale.sft)  # one batch per stage
+        scale = dataclasses.replace(scale, steps=4)  # one batch per stage
     if scale.steps % 4:
         raise SystemExit(f"--steps {scale.steps}: the staged schedule needs a multiple of 4")
     ckpt = c.warm_start(args.sft_dir, scale)

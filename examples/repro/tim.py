@@ -16,6 +16,7 @@ the uncorrected lr 1e-3 run), TensorBoard under <out>/runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import common as c
@@ -69,7 +70,8 @@ def main() -> None:
     args, scale = c.parse_args(__doc__, steps=48, seeds=2)
     ckpt = c.warm_start(args.sft_dir, scale)
     runs = c.run_arms(args.out, ckpt, COLLAPSE, scale)
-    short = c.Scale(min(PRECISION_STEPS, scale.steps), scale.seeds[:1], 0, 0, scale.sft)
+    short = dataclasses.replace(scale, steps=min(PRECISION_STEPS, scale.steps), seeds=scale.seeds[:1], eval_size=0,
+                                eval_every=0)
     precision = c.run_arms(args.out, ckpt, PRECISION, short)
     rows = []
     for arm, rs in runs.items():
