@@ -6,11 +6,15 @@ clipping + the negative-advantage veto (NAV) stays stable and matches on-policy 
     .venv/bin/python examples/repro/mu_grpo.py --quick    # 2 steps per arm (what the e2e tier runs)
 
 Arms (staged = train.schedule=staged, K=4 stages: each stage generates all of its steps' batches
-from one set of weights, so a batch is up to steps/4 - 1 versions stale):
-    GRPO sync            the low-staleness reference (a weight sync every step)
-    GRPO staged          clip [0.8, 1.2] on stale data
-    relaxed clip staged  µ-GRPO's surrogate, clip [0, 5], without the veto
-    µ-GRPO staged        relaxed clip + NAV (recipe mu_grpo)
+from one set of weights β, so a batch is up to steps/4 - 1 versions stale). As in the paper, the
+staged arms take the ratio against the behaviour policy, r = π_θ/β (loss.ratio_reference=rollout:
+β is the engine's μ), so the clip and the veto act on the staleness:
+    GRPO sync                 the low-staleness reference (a weight sync every step)
+    GRPO staged               clip [0.8, 1.2] on r = π_θ/β
+    relaxed clip staged       µ-GRPO's surrogate, clip [0, 5], without the veto
+    µ-GRPO staged             relaxed clip + NAV (recipe mu_grpo)
+    µ-GRPO staged, r vs π_old the same with this trainer's default ratio (π_old recomputed each
+                              step: r starts at 1 and neither the clip nor the veto sees the staleness)
 Writes <out>/results.md, <out>/curves.png, TensorBoard under <out>/runs.
 """
 from __future__ import annotations
@@ -20,11 +24,13 @@ import dataclasses
 import common as c
 
 STAGED = ["train.schedule=staged", "train.stages=4"]
+BEHAVIOUR = "loss.ratio_reference=rollout"
 ARMS = {
     "GRPO sync": ["loss.recipe=grpo", "train.schedule=sync"],
-    "GRPO staged": ["loss.recipe=grpo", *STAGED],
-    "relaxed clip staged": ["loss.recipe=mu_grpo", "loss.corrections=[]", *STAGED],
-    "µ-GRPO staged": ["loss.recipe=mu_grpo", *STAGED],
+    "GRPO staged": ["loss.recipe=grpo", BEHAVIOUR, *STAGED],
+    "relaxed clip staged": ["loss.recipe=mu_grpo", "loss.corrections=[]", BEHAVIOUR, *STAGED],
+    "µ-GRPO staged": ["loss.recipe=mu_grpo", BEHAVIOUR, *STAGED],
+    "µ-GRPO staged, r vs π_old": ["loss.recipe=mu_grpo", *STAGED],
 }
 
 

@@ -158,6 +158,11 @@ class LossSection:
     filter_zero_variance_groups: drop groups whose rewards are all equal (DAPO dynamic sampling).
     keep_sampling_mask: with top-p/top-k sampling, the engine reports the kept token set and its
         renormalised log-probs, and the trainer renormalises π over the same set (DeepSeek-V3.2).
+    ratio_reference: the policy the surrogate's ratio r (and a per-step statistic such as P3O's
+        ESS) is taken against: "old" (default: π_old, the trainer's recomputation at the start of
+        the step, decoupled PPO's proximal policy; stale data is then corrected by a w = π_old/μ
+        correction such as tis_token) | "rollout" (μ, the behaviour policy that generated the
+        batch, as µ-GRPO and P3O's asynchronous runs define r; w-based corrections then see w = 1).
     The combination is resolved and validated by megatron_rl.losses.setup.resolve_loss, from
     `RunConfig.__post_init__`.
     """
@@ -171,6 +176,10 @@ class LossSection:
     advantages: str | None = None
     filter_zero_variance_groups: bool = False
     keep_sampling_mask: bool = False
+    ratio_reference: str = "old"
+
+    def __post_init__(self):
+        checks.choice("loss.ratio_reference", self.ratio_reference, ("old", "rollout"))
 
 
 @dataclass

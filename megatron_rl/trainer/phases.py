@@ -131,12 +131,14 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     counts, and takes the per-step statistics its surrogate declared (losses/step_stats.py)."""
     policy, local, mbs = ctx.policy, batch.local, batch.settings.micro_batch_size
     loss_kw = ctx.loss.loss_kwargs()
+    # what r = π_θ / reference is taken against (loss.ratio_reference): π_old, or the behaviour μ
+    reference = local.rollout_logprobs if ctx.cfg.loss.ratio_reference == "rollout" else old.logprobs
     values: dict = {}
     grad_norms, skipped = [], 0
     for slices in minibatch_slices(local.size, ctx.cfg.train.num_minibatches, mbs):
         counts = global_counts(local, slices, ctx.groups, batch.seq)
-        loss_kw["surrogate_params"].update(step_parameters(ctx, batch, slices, old.logprobs))
-        loss_fn = policy_loss_fn(loss_kw, counts, old.logprobs, batch.seq, batch.staleness, ctx.schedule.max_staleness)
+        loss_kw["surrogate_params"].update(step_parameters(ctx, batch, slices, reference))
+        loss_fn = policy_loss_fn(loss_kw, counts, reference, batch.seq, batch.staleness, ctx.schedule.max_staleness)
         with ctx.replay.update(slices, mbs):
             outs = train_pass(policy.model, policy.optimizer, ctx.groups, local, slices, batch.settings, loss_fn,
                               wrap_step=ctx.replay.wrap)
@@ -246,8 +248,9 @@ def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: 
                    staleness: torch.Tensor | None = None, max_staleness: int = 0):
     """The update pass's loss_fn(micro_batch, logprobs, entropy) -> (loss, values).
 
-    old: [N, L] π_old log-probs of the rank's rows (indexed by the micro-batch's "rows"), in the
-    same (CP-local) layout as the micro-batch; counts: the mini-batch's global normalisers;
+    old: [N, L] log-probs the ratio r is taken against (π_old, or μ with loss.ratio_reference=rollout)
+    for the rank's rows (indexed by the micro-batch's "rows"), in the same (CP-local) layout as the
+    micro-batch; counts: the mini-batch's global normalisers;
     staleness: [N] per row, for the ratio statistics split by staleness (max_staleness > 0).
     """
 
