@@ -47,7 +47,7 @@ from megatron_rl.trainer.stack import build_optimizer
 from megatron_rl.trainer.stop import Stopped, StopSignals
 
 STDOUT_KEYS = ("rollout/reward_mean", "rollout/accuracy", "mismatch/kl_k3", "loss/policy", "optim/grad_norm",
-               "eval/heldout_accuracy", "timing/step")
+               "eval/heldout_accuracy", "timing/step", "sft/heldout_accuracy")
 
 
 @dataclass
