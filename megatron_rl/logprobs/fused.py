@@ -11,7 +11,8 @@ chunk by chunk (`chunk_size` tokens at a time). The backward recomputes each chu
 the saved `hidden`, `weight`, `labels` (and `kept_ids`) plus three fp32 numbers per token
 (logZ, H, logZ_K), so peak memory is two fp32 `[chunk_size, V/TP]` buffers plus the gradients of
 `hidden` and `weight`, whatever N is; under megatron DDP the weight gradient is accumulated
-straight into the parameter's fp32 `main_grad` (`_accumulates_into_main_grad`), with no buffer. The price is one extra output-projection GEMM (4 instead
+straight into the parameter's fp32 `main_grad` (`_accumulates_into_main_grad`), with no buffer.
+The price is one extra output-projection GEMM (4 instead
 of 3). See `chunk_math` for the formulas and the TP all-reduces.
 
 Tensor parallelism (megatron `ColumnParallelLinear` layout: TP rank r holds vocabulary rows

@@ -53,11 +53,10 @@ def _kind_ok(value: Any, default: Any, annotation: str) -> bool:
     return True
 
 
-def check_params(where: str, fn: Callable, params: Mapping[str, Any], computed: tuple[str, ...] = ()) -> None:
-    """Every key of `params` must be a keyword-only parameter of `fn` (other than the `computed`
-    ones the trainer fills in) with a value of its kind; raises ValueError naming `where`.<key>."""
-    allowed = {n: p for n, p in inspect.signature(fn).parameters.items()
-               if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in computed}
+def check_params(where: str, fn: Callable, params: Mapping[str, Any]) -> None:
+    """Every key of `params` must be a keyword-only parameter of `fn` with a value of its kind;
+    raises ValueError naming `where`.<key>."""
+    allowed = {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     for key, value in params.items():
         if key not in allowed:
             raise ValueError(f"{where}.{key}: not a parameter here; choose from {', '.join(sorted(allowed)) or '(none)'}")
