@@ -8,14 +8,18 @@ bf16 hidden `[T, H]` and weight `[V, H]` (V = 151,936, H = 4,096), forward + bac
 
     straightforward  full `[T, V]` logits (`reference_logprobs_and_entropy`: bf16 GEMM, upcast,
                      log_softmax); "does not fit" when it runs out of memory
-    ours             `token_logprobs_and_entropy` (fp32 logits from the mixed GEMM, chunked)
+    ours             `token_logprobs_and_entropy` (fp32 logits from the mixed GEMM, chunked; on a
+                     GPU with Triton the chunk math is Inductor-compiled, `compiled_math`)
+    ours eager       the same with the eager in-place chunk math (`kernels=None`), to show what
+                     compiling buys
     verl             `verl.utils.kernel.linear_cross_entropy` (log-probs and entropy), if installed
     liger            Liger's fused linear cross entropy (log-probs only, no entropy), if installed
 
 Per path and T: time = median of 3 CUDA-event timings after a warm-up; peak = the most memory
 allocated during one run beyond what was allocated before it (the inputs) and beyond the returned
 gradients of h and W; floor = 3 × the time of one `[T, H] × [H, V]` bf16 GEMM measured in the
-same run (forward, d_hidden, d_weight), and `% of floor` = floor / time. Accuracy at T = 2k: the
+same run (forward, d_hidden, d_weight), and `% of floor` = floor / time. Ours recomputes the
+logits in the backward, a fourth GEMM: its own bound is 4/3 of the floor (75% of floor). Accuracy at T = 2k: the
 largest |log-prob − float64| and |entropy − float64| from the same bf16 inputs. A peer is only
 imported from an installed package, never vendored.
 
@@ -43,6 +47,13 @@ def _ours(h, w, y):
     return out.logprobs, out.entropy
 
 
+def _ours_eager(h, w, y):
+    from megatron_rl.logprobs import token_logprobs_and_entropy
+
+    out = token_logprobs_and_entropy(h, w, y, kernels=None)
+    return out.logprobs, out.entropy
+
+
 def _straightforward(h, w, y):
     from megatron_rl.logprobs import reference_logprobs_and_entropy
 
@@ -63,7 +74,8 @@ def _liger(h, w, y):
     return -LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, y), None
 
 
-PATHS: dict[str, Callable] = {"straightforward": _straightforward, "ours": _ours, "verl": _verl, "liger": _liger}
+PATHS: dict[str, Callable] = {"straightforward": _straightforward, "ours": _ours, "ours eager": _ours_eager,
+                              "verl": _verl, "liger": _liger}
 
 
 # ----------------------------------------------------------------------------- measurement

@@ -15,7 +15,9 @@ owns the label (0 elsewhere). The backward is local to the shard (no communicati
     ∂kept/∂z_v    = 1[v=y] − 1[v∈K] e^{z_v − logZ_K}
 
 The `[n, V_r]` work happens in two caller-owned fp32 buffers (`zbuf`, `ebuf`), reused across chunks
-so that no large tensor is allocated per chunk.
+so that no large tensor is allocated per chunk. Given `kernels` (`compiled_math.kernels_for`: where
+Inductor emits GPU kernels), the same work runs as compiled pure functions instead, one or two
+passes over the logits in place of about nine (`compiled_math` says why).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import functools
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.logprobs.compiled_math import CompiledChunkMath, max_stage
 
 
 def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -52,6 +56,20 @@ def mixed_gemm(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype) -> 
         return "new"
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+@functools.cache
+def mixed_addmm(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether `torch.addmm(c, a, b, out_dtype=out_dtype, out=c)` adds a product of `dtype` inputs into
+    an `out_dtype` `c` in place, accumulating in `out_dtype` (CUDA: yes for bf16/fp16 -> fp32; the CPU
+    has no such kernel). Probed once per (device type, dtypes) on a 1x1 GEMM, value checked."""
+    c = torch.ones(1, 1, dtype=out_dtype, device=device_type)
+    a = torch.ones(1, 1, dtype=dtype, device=device_type)
+    try:
+        torch.addmm(c, a, a, out_dtype=out_dtype, out=c)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return float(c.item()) == 2.0
 
 
 def project(h: torch.Tensor, weight: torch.Tensor, inv_temp: float, out: torch.Tensor) -> torch.Tensor:
@@ -101,13 +119,15 @@ def chunk_forward(
     tp_group: dist.ProcessGroup | None,
     zbuf: torch.Tensor,
     ebuf: torch.Tensor,
+    kernels: CompiledChunkMath | None = None,
 ) -> dict[str, torch.Tensor]:
     """Forward statistics of one chunk.
 
     Args:
         h: `[n, H]` hidden states; weight: `[V_r, H]` this rank's vocab shard.
         labels: `[n]` global ids (negative = ignored); kept_ids: `[n, K]` global ids padded with -1.
-        zbuf, ebuf: fp32 scratch of at least `[n, V_r]` (overwritten).
+        zbuf, ebuf: fp32 scratch of at least `[n, V_r]` (overwritten; `ebuf` unused with `kernels`).
+        kernels: compiled chunk math, or None for the eager in-place ops.
 
     Returns:
         dict of `[n]` fp32 tensors: `logprob`, `logZ`, and `entropy` (if asked), `kept_logprob` and
@@ -118,25 +138,26 @@ def chunk_forward(
     project(h, weight, inv_temp, out=z)
 
     yidx, y_here = local_index(labels, vocab_start, vocab_local)
-    z_y = torch.where(y_here, z.gather(1, yidx[:, None])[:, 0], 0.0)
-    maxes = [z.amax(dim=1)]
-    if kept_ids is not None:
-        kidx, k_here = local_index(kept_ids, vocab_start, vocab_local)
-        z_k = z.gather(1, kidx).masked_fill_(~k_here, float("-inf"))
-        maxes.append(z_k.amax(dim=1))
-    maxes = all_reduce(torch.stack(maxes, dim=1), dist.ReduceOp.MAX, tp_group)
+    kidx, k_here = (None, None) if kept_ids is None else local_index(kept_ids, vocab_start, vocab_local)
+    maxes, z_y, z_k = (max_stage if kernels is None else kernels.max_stage)(z, yidx, y_here, kidx, k_here)
+    maxes = all_reduce(maxes, dist.ReduceOp.MAX, tp_group)
     m = maxes[:, 0]
-
-    z.sub_(m[:, None])                      # z − M
-    torch.exp(z, out=e)                     # e^{z − M}
-    sums = [e.sum(dim=1), z_y]
-    if compute_entropy:
-        sums.append(z.mul_(e).sum(dim=1))   # T; destroys z
+    m_k = None
     if kept_ids is not None:
         m_k = maxes[:, 1]
         m_k = torch.where(torch.isfinite(m_k), m_k, torch.zeros_like(m_k))
-        sums.append(torch.exp(z_k - m_k[:, None]).sum(dim=1))
-    sums = all_reduce(torch.stack(sums, dim=1), dist.ReduceOp.SUM, tp_group)
+    if kernels is not None:
+        sums = kernels.sum_stage(z, m, z_y, z_k, m_k, compute_entropy)
+    else:
+        z.sub_(m[:, None])                      # z − M
+        torch.exp(z, out=e)                     # e^{z − M}
+        sums = [e.sum(dim=1), z_y]
+        if compute_entropy:
+            sums.append(z.mul_(e).sum(dim=1))   # T; destroys z
+        if kept_ids is not None:
+            sums.append(torch.exp(z_k - m_k[:, None]).sum(dim=1))
+        sums = torch.stack(sums, dim=1)
+    sums = all_reduce(sums, dist.ReduceOp.SUM, tp_group)
 
     s, z_y = sums[:, 0], sums[:, 1]
     log_s = torch.log(s)
@@ -167,8 +188,11 @@ def chunk_logit_grad(
     inv_temp: float,
     zbuf: torch.Tensor,
     ebuf: torch.Tensor,
+    kernels: CompiledChunkMath | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Recompute the chunk's logits and return `G = ∂L/∂z` `[n, V_r]` (a view of `ebuf`).
+    """Recompute the chunk's logits and return `G = ∂L/∂z` `[n, V_r]` (a view of `ebuf`; with
+    `kernels`, a new tensor in `out_dtype`, default `zbuf`'s dtype).
 
     `L = Σ_t g_logprob_t·logprob_t + g_entropy_t·H_t + g_kept_t·kept_t`. With `logp = z − logZ`:
 
@@ -184,10 +208,14 @@ def chunk_logit_grad(
     z, p = zbuf[:n], ebuf[:n]
     log_z, ent, log_zk = stats[:, 0], stats[:, 1], stats[:, 2]
     project(h, weight, inv_temp, out=z)
+    yidx, y_here = local_index(labels, vocab_start, vocab_local)
+    kidx, k_here = (None, None) if kept_ids is None else local_index(kept_ids, vocab_start, vocab_local)
+    if kernels is not None:
+        return kernels.logit_grad(z, stats, g_logprob, g_entropy, g_kept, yidx, y_here, kidx, k_here,
+                                  out_dtype or z.dtype)
     z.sub_(log_z[:, None])                  # log p
     torch.exp(z, out=p)                     # p
     if kept_ids is not None and g_kept is not None:
-        kidx, k_here = local_index(kept_ids, vocab_start, vocab_local)
         q = torch.exp(z.gather(1, kidx) + (log_z - log_zk)[:, None]).masked_fill_(~k_here, 0.0)
         kept_term = -(g_kept[:, None] * q)
     if g_entropy is not None:
@@ -200,7 +228,6 @@ def chunk_logit_grad(
         p.zero_()
     g_y = [g for g in (g_logprob, g_kept) if g is not None]
     if g_y:
-        yidx, y_here = local_index(labels, vocab_start, vocab_local)
         coef = g_y[0] if len(g_y) == 1 else g_y[0] + g_y[1]
         p.scatter_add_(1, yidx[:, None], torch.where(y_here, coef, torch.zeros_like(coef))[:, None])
     if kept_ids is not None and g_kept is not None:

@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megatron_rl.logprobs.chunk_math import all_reduce, chunk_forward, chunk_logit_grad
+from megatron_rl.logprobs.chunk_math import all_reduce, chunk_forward, chunk_logit_grad, mixed_addmm
+from megatron_rl.logprobs.compiled_math import CompiledChunkMath, kernels_for
 from megatron_rl.logprobs.types import LogprobOutput
 
 CHUNK_BUFFER_BYTES = 256 * 2**20
@@ -68,7 +69,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, kept_ids, tp_group, chunk_size, compute_entropy,
-                temperature, reduce_grad_input):
+                temperature, reduce_grad_input, kernels):
         ctx.set_materialize_grads(False)
         n_tok, vocab_local = hidden.shape[0], weight.shape[0]
         vocab_start = _tp_rank(tp_group) * vocab_local
@@ -76,7 +77,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         chunk = max(1, min(chunk_size, n_tok))
         acc = torch.promote_types(weight.dtype, torch.float32)   # logits/stats: fp32 (fp64 if given)
         zbuf = torch.empty(chunk, vocab_local, dtype=acc, device=hidden.device)
-        ebuf = torch.empty_like(zbuf)
+        ebuf = torch.empty_like(zbuf) if kernels is None else zbuf[:0]
         like = {"dtype": acc, "device": hidden.device}
         logprob = torch.empty(n_tok, **like)
         entropy = torch.empty(n_tok if compute_entropy else 0, **like)
@@ -87,7 +88,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
             out = chunk_forward(
                 hidden[sl], weight, labels[sl], None if kept_ids is None else kept_ids[sl],
                 vocab_start=vocab_start, inv_temp=inv_temp, compute_entropy=compute_entropy,
-                tp_group=tp_group, zbuf=zbuf, ebuf=ebuf)
+                tp_group=tp_group, zbuf=zbuf, ebuf=ebuf, kernels=kernels)
             logprob[sl] = out["logprob"]
             stats[sl, 0] = out["logZ"]
             if compute_entropy:
@@ -97,17 +98,17 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                 kept[sl] = out["kept_logprob"]
                 stats[sl, 2] = out["logZ_K"]
         ctx.save_for_backward(hidden, weight, labels, kept_ids, stats)
-        ctx.cfg = (tp_group, chunk, vocab_start, inv_temp, reduce_grad_input)
+        ctx.cfg = (tp_group, chunk, vocab_start, inv_temp, reduce_grad_input, kernels)
         return logprob, entropy, kept
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logprob, g_entropy, g_kept):
         hidden, weight, labels, kept_ids, stats = ctx.saved_tensors
-        tp_group, chunk, vocab_start, inv_temp, reduce_grad_input = ctx.cfg
+        tp_group, chunk, vocab_start, inv_temp, reduce_grad_input, kernels = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_logprob is None and g_entropy is None and g_kept is None) or not (need_h or need_w):
-            return (None,) * 9
+            return (None,) * 10
         # Outputs defined as 0 (ignored label, empty kept set) carry no gradient.
         valid = labels >= 0
         acc = stats.dtype
@@ -121,7 +122,11 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
 
         n_tok, vocab_local = hidden.shape[0], weight.shape[0]
         zbuf = torch.empty(chunk, vocab_local, dtype=acc, device=hidden.device)
-        ebuf = torch.empty_like(zbuf)
+        ebuf = torch.empty_like(zbuf) if kernels is None else zbuf[:0]
+        # G straight in the weight's dtype (the GEMMs' input) where the device adds a low-precision
+        # product into fp32 (`mixed_addmm`); else fp32, with the inputs upcast for d_weight.
+        low_g = (kernels is not None and weight.dtype != acc
+                 and mixed_addmm(weight.device.type, weight.dtype, acc))
         d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         into_main = need_w and _accumulates_into_main_grad(weight, acc)
         if into_main:
@@ -135,7 +140,8 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                 None if g_logprob is None else g_logprob[sl],
                 None if g_entropy is None else g_entropy[sl],
                 None if g_kept is None else g_kept[sl],
-                vocab_start=vocab_start, inv_temp=inv_temp, zbuf=zbuf, ebuf=ebuf)
+                vocab_start=vocab_start, inv_temp=inv_temp, zbuf=zbuf, ebuf=ebuf, kernels=kernels,
+                out_dtype=weight.dtype if low_g else acc)
             if need_h:   # ∂L/∂h = G W / temperature  (partial sum over this vocab shard)
                 if weight.dtype == acc and hidden.dtype == acc:
                     torch.mm(g, weight, out=d_hidden[sl])
@@ -143,10 +149,14 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                     d_hidden[sl] = torch.mm(g.to(weight.dtype), weight)
                 if inv_temp != 1.0:
                     d_hidden[sl].mul_(inv_temp)
-            if need_w:   # ∂L/∂W += Gᵀ h / temperature  (the first chunk initialises a fresh buffer)
+            fresh = s == 0 and not into_main
+            if need_w and low_g:   # fp32 accumulation of the bf16/fp16 product, scaled by alpha
+                torch.addmm(d_weight, g.t(), hidden[sl].to(weight.dtype), out_dtype=acc,
+                            beta=0.0 if fresh else 1.0, alpha=inv_temp, out=d_weight)
+            elif need_w:   # ∂L/∂W += Gᵀ h / temperature  (the first chunk initialises a fresh buffer)
                 h = hidden[sl].to(acc)
                 h = h if inv_temp == 1.0 else h * inv_temp
-                if s == 0 and not into_main:
+                if fresh:
                     torch.mm(g.t(), h, out=d_weight)
                 else:
                     d_weight.addmm_(g.t(), h)
@@ -158,7 +168,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
             d_weight = None  # already in main_grad; other uses of a tied weight still reach .grad
         elif need_w:
             d_weight = d_weight.to(weight.dtype)
-        return d_hidden, d_weight, None, None, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None, None, None
 
 
 def _accumulates_into_main_grad(weight: torch.Tensor, acc: torch.dtype) -> bool:
@@ -188,6 +198,7 @@ def token_logprobs_and_entropy(
     compute_entropy: bool = True,
     temperature: float = 1.0,
     reduce_grad_input: bool = False,
+    kernels: CompiledChunkMath | None | str = "auto",
 ) -> LogprobOutput:
     """Per-token log-probs of `labels`, entropy and kept-set log-probs, without full logits.
 
@@ -205,6 +216,9 @@ def token_logprobs_and_entropy(
         temperature: logits are divided by it (use the rollout's sampling temperature).
         reduce_grad_input: all-reduce the gradient of `hidden` over `tp_group` in the backward
             (only when `hidden` did not go through megatron's TP mapping; see the module doc).
+        kernels: "auto" (`compiled_math.kernels_for(hidden.device)`: Inductor-compiled chunk math
+            where it emits GPU kernels, else the eager path), None (eager), or a
+            `CompiledChunkMath` (tests compile it on the CPU).
 
     Returns:
         `LogprobOutput(logprobs, entropy, kept_logprobs)`, fp32, each shaped like `labels` (or
@@ -226,7 +240,7 @@ def token_logprobs_and_entropy(
     logprob, entropy, kept = FusedVocabParallelLogprobs.apply(
         h, weight, y, k, tp_group, int(chunk_size or auto_chunk_size(weight.shape[0])),
         bool(compute_entropy), float(temperature),
-        bool(reduce_grad_input))
+        bool(reduce_grad_input), kernels_for(hidden.device) if kernels == "auto" else kernels)
     return LogprobOutput(
         logprob.reshape(lead),
         entropy.reshape(lead) if compute_entropy else None,

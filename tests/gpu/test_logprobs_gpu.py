@@ -1,17 +1,28 @@
 """The fused log-prob kernel on a GPU: bf16/fp16 inputs, fp32 logits from the device's mixed GEMM
 (chunk_math.mixed_gemm), log-probs and entropy within 2e-5 of a float64 computation from the same
-low-precision values, gradients within their rounding. GPU lane: skipped without CUDA."""
+low-precision values, gradients within their rounding; both the Inductor-compiled chunk math (the
+default on a GPU with Triton) and the eager one. GPU lane: skipped without CUDA."""
 import pytest
 import torch
 
 from megatron_rl.logprobs import reference_logprobs_and_entropy, token_logprobs_and_entropy
-from megatron_rl.logprobs.chunk_math import mixed_gemm
+from megatron_rl.logprobs.chunk_math import mixed_addmm, mixed_gemm
+from megatron_rl.logprobs.compiled_math import kernels_for
 
 pytestmark = [pytest.mark.gpu]
 
 
+def test_the_gpu_takes_the_compiled_path_and_mixed_gemms():
+    """torch.compile is on and Triton importable on a GPU machine: the compiled chunk math, the
+    bf16 -> fp32 GEMM into the chunk buffer and the in-place fp32 addmm of bf16 products."""
+    assert kernels_for(torch.device("cuda")) is not None
+    assert mixed_gemm("cuda", torch.bfloat16, torch.float32) == "out"
+    assert mixed_addmm("cuda", torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("kernels", ["auto", None], ids=["compiled", "eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp32_accurate_logprobs_on_the_gpu(dtype):
+def test_fp32_accurate_logprobs_on_the_gpu(dtype, kernels):
     g = torch.Generator(device="cuda").manual_seed(0)
     n, hidden, vocab = 512, 256, 32_000
     h = (torch.randn(n, hidden, device="cuda", generator=g) * 2).to(dtype)
@@ -26,10 +37,34 @@ def test_fp32_accurate_logprobs_on_the_gpu(dtype):
         (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
         return out, hh.grad, ww.grad
 
-    ours, dh, dw = run(token_logprobs_and_entropy, h, w, chunk_size=128)
+    ours, dh, dw = run(token_logprobs_and_entropy, h, w, chunk_size=96, kernels=kernels)  # 512 = 5x96 + 32
     ref, dh64, dw64 = run(reference_logprobs_and_entropy, h.double(), w.double())
     assert ours.logprobs.device.type == "cuda" and dh.dtype == dtype and dw.dtype == dtype
     torch.testing.assert_close(ours.logprobs.double(), ref.logprobs, atol=2e-5, rtol=0)
     torch.testing.assert_close(ours.entropy.double(), ref.entropy, atol=2e-5, rtol=0)
     torch.testing.assert_close(dh.double(), dh64, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(dw.double(), dw64, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kernels", ["auto", None], ids=["compiled", "eager"])
+def test_bf16_weight_gradient_accumulates_in_fp32_into_main_grad(kernels):
+    """Under megatron DDP (fp32 main_grad): the bf16 Gᵀh products are added in fp32 into main_grad
+    (mixed_addmm on the compiled path), matching the float64 weight gradient to fp32-level error
+    plus G's bf16 rounding, never bf16-rounded as a whole."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n, hidden, vocab = 1024, 256, 32_000
+    h = torch.randn(n, hidden, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.5).bfloat16()
+    y = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    weight = w.clone().requires_grad_()
+    weight.main_grad = torch.zeros(vocab, hidden, device="cuda")
+    out = token_logprobs_and_entropy(h, weight, y, chunk_size=256, temperature=0.8, kernels=kernels)
+    (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
+    assert weight.grad is None
+    w64 = w.double().requires_grad_()
+    ref = reference_logprobs_and_entropy(h.double(), w64, y, temperature=0.8)
+    (ref.logprobs.sum() + 0.1 * ref.entropy.sum()).backward()
+    err = (weight.main_grad.double() - w64.grad).abs().max().item()
+    scale = w64.grad.abs().max().item()
+    print(f"main_grad max error {err:.2e} (max |grad| {scale:.2e})")
+    assert err <= 1e-2 * scale

@@ -1,16 +1,27 @@
-"""The fused chunked path equals the straightforward full-logits computation (fp32, atol 1e-5)."""
+"""The fused chunked path equals the straightforward full-logits computation (fp32, atol 1e-5).
+
+Tests marked with the `kernels` parameter run twice: the eager in-place chunk math (None, the CPU's
+path) and `compiled_math`'s pure functions run uncompiled (PURE: the graphs Inductor compiles on a
+GPU; test_compiled_math.py compiles them)."""
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
 
 from megatron_rl.logprobs import (
+    compiled_math,
     next_token_labels,
     reference_logprobs_and_entropy,
     token_logprobs_and_entropy,
     zigzag_shard,
     zigzag_unshard,
 )
+
+PURE = types.SimpleNamespace(max_stage=compiled_math.max_stage, sum_stage=compiled_math.sum_stage,
+                             logit_grad=compiled_math.logit_grad)
+KERNELS = pytest.mark.parametrize("kernels", [None, PURE], ids=["eager", "pure"])
 
 ATOL = 1e-5
 N, H, V = 29, 16, 97
@@ -61,36 +72,40 @@ def _assert_same(a, b):
     torch.testing.assert_close(dwa, dwb, atol=ATOL, rtol=0)
 
 
+@KERNELS
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, N, 64])
-def test_matches_reference_all_outputs(chunk_size):
+def test_matches_reference_all_outputs(chunk_size, kernels):
     h, w, y = _inputs()
     kept = _kept_sets(y, V, 6, seed=1)
     g = torch.Generator().manual_seed(2)
     grads = [torch.randn(N, generator=g) for _ in range(3)]
     ref = _run(reference_logprobs_and_entropy, h, w, y, grads, kept_ids=kept)
-    ours = _run(token_logprobs_and_entropy, h, w, y, grads, kept_ids=kept, chunk_size=chunk_size)
+    ours = _run(token_logprobs_and_entropy, h, w, y, grads, kept_ids=kept, chunk_size=chunk_size,
+                kernels=kernels)
     _assert_same(ours, ref)
     assert ours[0].logprobs[3] == 0 and ours[0].kept_logprobs[1] == 0   # ignored label, empty set
 
 
+@KERNELS
 @pytest.mark.parametrize("which", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1)])
-def test_each_output_alone_and_in_pairs(which):
+def test_each_output_alone_and_in_pairs(which, kernels):
     h, w, y = _inputs(seed=3)
     kept = _kept_sets(y, V, 5, seed=4)
     g = torch.Generator().manual_seed(5)
     grads = [torch.randn(N, generator=g) if on else None for on in which]
     ref = _run(reference_logprobs_and_entropy, h, w, y, grads, kept_ids=kept)
-    ours = _run(token_logprobs_and_entropy, h, w, y, grads, kept_ids=kept, chunk_size=8)
+    ours = _run(token_logprobs_and_entropy, h, w, y, grads, kept_ids=kept, chunk_size=8, kernels=kernels)
     _assert_same(ours, ref)
 
 
-def test_temperature_no_entropy_no_kept_and_leading_dims():
+@KERNELS
+def test_temperature_no_entropy_no_kept_and_leading_dims(kernels):
     h, w, y = _inputs(seed=6, n=24)
     h3, y3 = h.view(4, 6, H), y.view(4, 6)
     grads = [torch.ones(4, 6), None, None]
     ref = _run(reference_logprobs_and_entropy, h3, w, y3, grads, temperature=0.7)
     ours = _run(token_logprobs_and_entropy, h3, w, y3, grads, temperature=0.7, chunk_size=5,
-                compute_entropy=False)
+                compute_entropy=False, kernels=kernels)
     assert ours[0].entropy is None and ours[0].kept_logprobs is None and ours[0].logprobs.shape == (4, 6)
     _assert_same((ours[0][:1], ours[1], ours[2]), (ref[0][:1], ref[1], ref[2]))
 
@@ -117,9 +132,10 @@ def test_large_logits_are_stable(dtype):
             torch.testing.assert_close(a.double(), b, atol=1e-2, rtol=2e-3)
 
 
+@KERNELS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_low_precision_inputs_give_fp32_accurate_logprobs(dtype, temperature):
+def test_low_precision_inputs_give_fp32_accurate_logprobs(dtype, temperature, kernels):
     """bf16/fp16 hidden and weight: the logits are accumulated and kept in fp32 (never rounded to
     the inputs' precision), so log-probs and entropy match a float64 computation from the same
     low-precision values to 2e-5; gradients come back in the inputs' dtype within its rounding.
@@ -128,7 +144,8 @@ def test_low_precision_inputs_give_fp32_accurate_logprobs(dtype, temperature):
     h, w = (h * 2).to(dtype), w.to(dtype)
     grads = [torch.ones(64), torch.full((64,), 0.5), None]
     f64 = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, grads, temperature=temperature)
-    ours = _run(token_logprobs_and_entropy, h, w, y, grads, chunk_size=16, temperature=temperature)
+    ours = _run(token_logprobs_and_entropy, h, w, y, grads, chunk_size=16, temperature=temperature,
+                kernels=kernels)
     assert ours[0].logprobs.dtype == torch.float32 and ours[1].dtype == ours[2].dtype == dtype
     for a, b in zip(ours[0][:2], f64[0][:2]):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0)
@@ -138,8 +155,9 @@ def test_low_precision_inputs_give_fp32_accurate_logprobs(dtype, temperature):
     assert (rounded[0].logprobs.double() - f64[0].logprobs).abs().max() > 1e-3  # the test can tell
 
 
+@KERNELS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_gradient_accumulates_into_main_grad(dtype):
+def test_weight_gradient_accumulates_into_main_grad(dtype, kernels):
     """A weight with megatron DDP's fp32 `main_grad` gets Gᵀh added to it in the backward (what was
     there stays) and no `.grad`; the sum equals the float64 weight gradient (bf16 weights too:
     the gradient is never rounded to bf16)."""
@@ -151,7 +169,7 @@ def test_weight_gradient_accumulates_into_main_grad(dtype):
     before = torch.randn(w.shape, generator=torch.Generator().manual_seed(3))
     weight.main_grad = before.clone()
     hh = h.clone().requires_grad_()
-    out = token_logprobs_and_entropy(hh, weight, y, chunk_size=8)
+    out = token_logprobs_and_entropy(hh, weight, y, chunk_size=8, kernels=kernels)
     (out.logprobs.sum() + 0.5 * out.entropy.sum()).backward()
     assert weight.grad is None and weight.main_grad.dtype == torch.float32
     atol = 1e-5 if dtype == torch.float32 else 2e-5

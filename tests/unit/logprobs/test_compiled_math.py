@@ -1,0 +1,72 @@
+"""The chunk math compiled by Inductor equals the float64 computation.
+
+On a GPU, Inductor turns `compiled_math`'s functions into Triton kernels; here its C++ backend
+compiles the same graphs, so what the compiler does to them (fusing, reordering the reductions,
+symbolic shapes for a shorter last chunk) is checked on every CI run. The run must really compile:
+a counting backend checks that graphs were captured, so a silently eager run cannot pass.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from megatron_rl.logprobs import reference_logprobs_and_entropy, token_logprobs_and_entropy
+from megatron_rl.logprobs.compiled_math import CompiledChunkMath, inductor_emits_gpu_kernels, kernels_for
+
+N, H, V, K = 29, 16, 97, 6
+
+
+def _case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.5
+    y = torch.randint(0, V, (N,), generator=g)
+    y[3] = -100
+    kept = torch.full((N, K), -1)
+    for t in range(N):
+        size = int(torch.randint(1, K + 1, (1,), generator=g))
+        kept[t, :size] = torch.randperm(V, generator=g)[:size]
+        kept[t, 0] = y[t] if y[t] >= 0 else kept[t, 0]
+    kept[1] = -1
+    grads = [torch.randn(N, generator=g) for _ in range(3)]
+    return h, w, y, kept, grads
+
+
+def _run(fn, h, w, y, kept, grads, **kw):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = fn(h, w, y, kept_ids=kept, temperature=0.7, **kw)
+    loss = sum((o * g).sum() for o, g in zip(out, grads))
+    return (*out, *torch.autograd.grad(loss, [h, w]))
+
+
+@pytest.fixture
+def dynamo_on(monkeypatch):
+    """The CPU lane switches torch.compile off (TORCHDYNAMO_DISABLE=1, for megatron's fusions)."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow   # about 20 s of C++ compiles on 2 cores
+def test_inductor_compiled_chunk_math_matches_float64(dynamo_on):
+    """All three outputs with kept sets, an ignored label, an empty kept set and temperature 0.7;
+    chunks of 8 over 29 tokens, so a shorter last chunk recompiles with a symbolic token dim."""
+    h, w, y, kept, grads = _case()
+    counter = CompileCounterWithBackend("inductor")
+    ours = _run(token_logprobs_and_entropy, h, w, y, kept, grads, chunk_size=8,
+                kernels=CompiledChunkMath(backend=counter))
+    assert counter.frame_count >= 3, "the chunk math ran without being compiled"
+    ref = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, kept, grads)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+    assert ours[0][3] == 0 and ours[2][1] == 0   # ignored label, empty kept set
+
+
+def test_compiled_path_is_chosen_only_where_inductor_emits_gpu_kernels(monkeypatch):
+    """CPU tensors take the eager in-place path; a CUDA device with torch.compile switched off
+    does too (checked without a GPU: the switch is read before anything touches CUDA)."""
+    assert kernels_for(torch.device("cpu")) is None
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert not inductor_emits_gpu_kernels(torch.device("cuda"))
