@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser = torch.compile: slow first call
+if not torch.cuda.is_available():  # megatron's jit_fuser is torch.compile: minutes of CPU compiles
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # (on a GPU it stays on, as in a real run)
 
 
 def pytest_collection_modifyitems(config, items):
