@@ -16,6 +16,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
+# the Makefile switches torch.compile off for the CPU lane; a GPU run compiles (megatron's fusions,
+# the log-prob chunk math), so the check does too
+unset TORCHDYNAMO_DISABLE
 WHL=${WHL:-.whl}
 PYTHON=${PYTHON:-python3}
 OUT_DIR=${OUT:-benchmarks/results}
