@@ -4,8 +4,9 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # megatron's jit_fuser is torch.compile: minutes of CPU compiles
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # (on a GPU it stays on, as in a real run)
+# megatron's jit_fuser is torch.compile: minutes of CPU compiles for the CPU-lane tests. The GPU
+# tests turn it back on where they run what a GPU run compiles (tests/gpu/runs.py, the log-prob tests).
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def pytest_collection_modifyitems(config, items):

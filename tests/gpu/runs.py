@@ -29,7 +29,10 @@ STEP_KEYS = ("loss/policy", "rollout/reward_mean", "mismatch/kl_k3")
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "4", "PYTHONPATH": os.pathsep.join(
+    """A GPU run's environment: torch.compile on (the CPU lane's off switch dropped), as
+    pretrain_rl.py leaves it beside a GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    return {**env, "OMP_NUM_THREADS": "4", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
 
 

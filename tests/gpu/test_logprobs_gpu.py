@@ -12,6 +12,12 @@ from megatron_rl.logprobs.compiled_math import kernels_for
 pytestmark = [pytest.mark.gpu]
 
 
+@pytest.fixture(autouse=True)
+def dynamo_on(monkeypatch):
+    """torch.compile on, as in a GPU run (the test session switches it off for the CPU lane)."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+
+
 def test_the_gpu_takes_the_compiled_path_and_mixed_gemms():
     """torch.compile is on and Triton importable on a GPU machine: the compiled chunk math, the
     bf16 -> fp32 GEMM into the chunk buffer and the in-place fp32 addmm of bf16 products."""
