@@ -143,7 +143,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                 vocab_start=vocab_start, inv_temp=inv_temp, zbuf=zbuf, ebuf=ebuf, kernels=kernels,
                 out_dtype=weight.dtype if low_g else acc)
             if need_h:   # ∂L/∂h = G W / temperature  (partial sum over this vocab shard)
-                if weight.dtype == acc and hidden.dtype == acc:
+                if g.dtype == weight.dtype == hidden.dtype:   # fp32, or bf16 G on the compiled path
                     torch.mm(g, weight, out=d_hidden[sl])
                 else:
                     d_hidden[sl] = torch.mm(g.to(weight.dtype), weight)
