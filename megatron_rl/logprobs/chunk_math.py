@@ -60,16 +60,19 @@ def mixed_gemm(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype) -> 
 
 @functools.cache
 def mixed_addmm(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
-    """Whether `torch.addmm(c, a, b, out_dtype=out_dtype, out=c)` adds a product of `dtype` inputs into
-    an `out_dtype` `c` in place, accumulating in `out_dtype` (CUDA: yes for bf16/fp16 -> fp32; the CPU
-    has no such kernel). Probed once per (device type, dtypes) on a 1x1 GEMM, value checked."""
-    c = torch.ones(1, 1, dtype=out_dtype, device=device_type)
+    """Whether `torch.addmm(c, a, b, out_dtype=out_dtype, beta=, alpha=, out=c)` adds a product of
+    `dtype` inputs into an `out_dtype` `c` in place, accumulating in `out_dtype` (CUDA: bf16/fp16 ->
+    fp32 in recent torch; the CPU has no such kernel). Probed once per (device type, dtypes) on
+    1x1 GEMMs as the backward uses it, values checked: beta=0 on a NaN buffer (it must be
+    ignored), then beta=1 with alpha=0.5."""
+    c = torch.full((1, 1), float("nan"), dtype=out_dtype, device=device_type)
     a = torch.ones(1, 1, dtype=dtype, device=device_type)
     try:
-        torch.addmm(c, a, a, out_dtype=out_dtype, out=c)
+        torch.addmm(c, a, a, out_dtype=out_dtype, beta=0.0, alpha=0.5, out=c)
+        torch.addmm(c, a, a, out_dtype=out_dtype, beta=1.0, alpha=0.5, out=c)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    return float(c.item()) == 2.0
+    return float(c.item()) == 1.0
 
 
 def project(h: torch.Tensor, weight: torch.Tensor, inv_temp: float, out: torch.Tensor) -> torch.Tensor:

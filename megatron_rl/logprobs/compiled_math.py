@@ -106,16 +106,35 @@ def logit_grad(z: torch.Tensor, stats: torch.Tensor, g_logprob: torch.Tensor | N
 class CompiledChunkMath:
     """`max_stage`, `sum_stage` and `logit_grad`, each through `torch.compile` (Inductor).
 
-    `dynamic=None`: the first chunk shape compiles static; a second one (a shorter last chunk,
-    another batch) recompiles with the token dimension symbolic, so a run compiles a few graphs
-    per (vocab shard size, outputs asked) and then reuses them.
+    `dynamic=True`: sizes are symbolic from the first compile, so a shorter last chunk, another
+    batch size or a new chunk size reuses the graph; what does recompile is which optional inputs
+    are None, `compute_entropy` and `out_dtype`, a handful of graphs per run. `fullgraph=True`
+    guarantees one graph per function (no silent graph breaks); it also makes passing Dynamo's
+    recompile limit an error rather than a fallback, so that case runs the same function eagerly.
     """
 
     def __init__(self, backend="inductor"):
-        compile_ = functools.partial(torch.compile, backend=backend, fullgraph=True)
-        self.max_stage = compile_(max_stage)
-        self.sum_stage = compile_(sum_stage)
-        self.logit_grad = compile_(logit_grad)
+        for fn in (max_stage, sum_stage, logit_grad):
+            setattr(self, fn.__name__, _eager_past_recompile_limit(
+                torch.compile(fn, backend=backend, fullgraph=True, dynamic=True), fn))
+
+
+def _eager_past_recompile_limit(compiled, eager):
+    """`compiled`, or `eager` once Dynamo refuses another recompile (a process mixing many
+    configurations): slower, never wrong. `call.compiled` says which it is now."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    @functools.wraps(eager)
+    def call(*args):
+        if call.compiled:
+            try:
+                return compiled(*args)
+            except FailOnRecompileLimitHit:
+                call.compiled = False
+        return eager(*args)
+
+    call.compiled = True
+    return call
 
 
 def inductor_emits_gpu_kernels(device: torch.device) -> bool:

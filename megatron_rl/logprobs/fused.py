@@ -123,9 +123,10 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         n_tok, vocab_local = hidden.shape[0], weight.shape[0]
         zbuf = torch.empty(chunk, vocab_local, dtype=acc, device=hidden.device)
         ebuf = torch.empty_like(zbuf) if kernels is None else zbuf[:0]
-        # G straight in the weight's dtype (the GEMMs' input) where the device adds a low-precision
-        # product into fp32 (`mixed_addmm`); else fp32, with the inputs upcast for d_weight.
-        low_g = (kernels is not None and weight.dtype != acc
+        # G straight in bf16 (the GEMMs' input) where the device adds a bf16 product into fp32
+        # (`mixed_addmm`); else fp32, with the inputs upcast for d_weight. Not for fp16: its range
+        # flushes small probabilities and overflows under loss scaling.
+        low_g = (kernels is not None and weight.dtype == hidden.dtype == torch.bfloat16
                  and mixed_addmm(weight.device.type, weight.dtype, acc))
         d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         into_main = need_w and _accumulates_into_main_grad(weight, acc)
@@ -150,8 +151,8 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                 if inv_temp != 1.0:
                     d_hidden[sl].mul_(inv_temp)
             fresh = s == 0 and not into_main
-            if need_w and low_g:   # fp32 accumulation of the bf16/fp16 product, scaled by alpha
-                torch.addmm(d_weight, g.t(), hidden[sl].to(weight.dtype), out_dtype=acc,
+            if need_w and low_g:   # fp32 accumulation of the bf16 product, scaled by alpha
+                torch.addmm(d_weight, g.t(), hidden[sl], out_dtype=acc,
                             beta=0.0 if fresh else 1.0, alpha=inv_temp, out=d_weight)
             elif need_w:   # ∂L/∂W += Gᵀ h / temperature  (the first chunk initialises a fresh buffer)
                 h = hidden[sl].to(acc)

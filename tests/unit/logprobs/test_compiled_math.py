@@ -70,3 +70,23 @@ def test_compiled_path_is_chosen_only_where_inductor_emits_gpu_kernels(monkeypat
     assert kernels_for(torch.device("cpu")) is None
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     assert not inductor_emits_gpu_kernels(torch.device("cuda"))
+
+
+def test_past_the_recompile_limit_the_same_math_runs_eagerly(dynamo_on):
+    """With fullgraph=True, Dynamo raises once a function passes its recompile limit; the chunk math
+    then runs the same functions eagerly and the results stay right. Limit 1 here, and a second
+    configuration (no entropy, no kept sets) forces the recompile."""
+    h, w, y, kept, grads = _case(seed=1)
+    kernels = CompiledChunkMath(backend="eager")   # Dynamo capture without Inductor: fast
+    with torch._dynamo.config.patch(recompile_limit=1):
+        first = _run(token_logprobs_and_entropy, h, w, y, kept, grads, chunk_size=8, kernels=kernels)
+        h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        second = token_logprobs_and_entropy(h2, w2, y, temperature=0.7, compute_entropy=False, chunk_size=8,
+                                            kernels=kernels)
+        second.logprobs.sum().backward()
+    assert not kernels.sum_stage.compiled and not kernels.logit_grad.compiled   # the limit was hit
+    ref = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, kept, grads)
+    for a, b in zip(first, ref):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second.logprobs.double(), ref[0], atol=1e-5, rtol=1e-5)
+    assert second.entropy is None and torch.isfinite(h2.grad).all() and torch.isfinite(w2.grad).all()
