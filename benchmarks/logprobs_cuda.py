@@ -12,20 +12,20 @@ bf16 hidden `[T, H]` and weight `[V, H]` (V = 151,936, H = 4,096), forward + bac
                      GPU with Triton the chunk math is Inductor-compiled, `compiled_math`)
     ours eager       the same with the eager in-place chunk math (`kernels=None`), to show what
                      compiling buys
+    verl             `verl.utils.kernel.linear_cross_entropy` (log-probs and entropy), if installed
+    liger            Liger's fused linear cross entropy (log-probs only, no entropy), if installed
 
 Both "ours" rows run as in the trainer: the weight carries megatron DDP's fp32 `main_grad`,
 allocated with the inputs, and the weight gradient is accumulated into it (no `[V, H]` buffer of
 its own; without one, an fp32 `[V, H]` accumulator, 2.3 GiB here, adds to the peak).
-    verl             `verl.utils.kernel.linear_cross_entropy` (log-probs and entropy), if installed
-    liger            Liger's fused linear cross entropy (log-probs only, no entropy), if installed
 
 Per path and T: time = median of 3 CUDA-event timings after a warm-up; peak = the most memory
 allocated during one run beyond what was allocated before it (the inputs) and beyond the returned
 gradients of h and W; floor = 3 × the time of one `[T, H] × [H, V]` bf16 GEMM measured in the
 same run (forward, d_hidden, d_weight), and `% of floor` = floor / time. Ours recomputes the
-logits in the backward, a fourth GEMM: its own bound is 4/3 of the floor (75% of floor). Accuracy at T = 2k: the
-largest |log-prob − float64| and |entropy − float64| from the same bf16 inputs. A peer is only
-imported from an installed package, never vendored.
+logits in the backward, a fourth GEMM: its own bound is 4/3 of the floor (75% of floor).
+Accuracy at T = 2k: the largest |log-prob − float64| and |entropy − float64| from the same bf16
+inputs. A peer is only imported from an installed package, never vendored.
 
 `table()` also runs on the CPU at small sizes (times from perf_counter, no memory column): that
 is what tests/unit/platform/test_logprobs_benchmark.py runs, so this file cannot rot unseen.

@@ -12,8 +12,8 @@ the saved `hidden`, `weight`, `labels` (and `kept_ids`) plus three fp32 numbers 
 (logZ, H, logZ_K), so peak memory is two fp32 `[chunk_size, V/TP]` buffers plus the gradients of
 `hidden` and `weight`, whatever N is; under megatron DDP the weight gradient is accumulated
 straight into the parameter's fp32 `main_grad` (`_accumulates_into_main_grad`), with no buffer.
-The price is one extra output-projection GEMM (4 instead
-of 3). See `chunk_math` for the formulas and the TP all-reduces.
+The price is one extra output-projection GEMM (4 instead of 3). See `chunk_math` for the formulas
+and the TP all-reduces, `compiled_math` for the compiled chunk math a GPU runs.
 
 Tensor parallelism (megatron `ColumnParallelLinear` layout: TP rank r holds vocabulary rows
 `[r·V/TP, (r+1)·V/TP)` of the output weight; `hidden` is the full sequence, replicated on the TP
@@ -231,6 +231,8 @@ def token_logprobs_and_entropy(
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(lead)} disagree")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V/TP, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if isinstance(kernels, str) and kernels != "auto":
+        raise ValueError(f"kernels must be 'auto', None or a CompiledChunkMath, got {kernels!r}")
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1).long()
     k = None
@@ -241,7 +243,7 @@ def token_logprobs_and_entropy(
     logprob, entropy, kept = FusedVocabParallelLogprobs.apply(
         h, weight, y, k, tp_group, int(chunk_size or auto_chunk_size(weight.shape[0])),
         bool(compute_entropy), float(temperature),
-        bool(reduce_grad_input), kernels_for(hidden.device) if kernels == "auto" else kernels)
+        bool(reduce_grad_input), kernels_for(hidden.device) if isinstance(kernels, str) else kernels)
     return LogprobOutput(
         logprob.reshape(lead),
         entropy.reshape(lead) if compute_entropy else None,

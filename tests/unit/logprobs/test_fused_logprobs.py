@@ -281,6 +281,8 @@ def test_rejects_bad_shapes():
         token_logprobs_and_entropy(h, w[:, :-1], y)
     with pytest.raises(ValueError):
         token_logprobs_and_entropy(h, w, y, kept_ids=torch.zeros(N - 1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="kernels"):
+        token_logprobs_and_entropy(h, w, y, kernels="eager")
 
 
 _PEAK_SCRIPT = r"""
