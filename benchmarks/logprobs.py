@@ -167,6 +167,12 @@ def main() -> None:
         print(json.dumps(_child(args)))
         return
     if args.device != "cpu":
+        import torch
+
+        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            print("logprobs.py --device cuda: torch.cuda.is_available() is False here; run it on a GPU machine "
+                  "(tools/gpu_check.sh does)", file=sys.stderr)
+            sys.exit(2)
         from logprobs_cuda import table
 
         text = table(args.gpu_tokens, V, 4096, args.device)

@@ -13,6 +13,7 @@ bf16 hidden `[T, H]` and weight `[V, H]` (V = 151,936, H = 4,096), forward + bac
     ours eager       the same with the eager in-place chunk math (`kernels=None`), to show what
                      compiling buys
     verl             `verl.utils.kernel.linear_cross_entropy` (log-probs and entropy), if installed
+                     (without Ray: see `peer_module`)
     liger            Liger's fused linear cross entropy (log-probs only, no entropy), if installed
 
 Both "ours" rows run as in the trainer: the weight carries megatron DDP's fp32 `main_grad`,
@@ -32,9 +33,15 @@ is what tests/unit/platform/test_logprobs_benchmark.py runs, so this file cannot
 """
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
+import importlib.util
 import statistics
+import sys
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -66,16 +73,47 @@ def _straightforward(h, w, y):
 
 
 def _verl(h, w, y):
-    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
-
-    logprobs, entropy = linear_cross_entropy(h, w, y, 1.0, "none")
+    lce = peer_module(PEER_MODULES["verl"])
+    logprobs, entropy = lce.linear_cross_entropy(h, w, y, 1.0, "none")
     return logprobs, entropy
 
 
 def _liger(h, w, y):
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    liger = peer_module(PEER_MODULES["liger"])
+    return -liger.LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, y), None
 
-    return -LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, y), None
+
+PEER_MODULES = {"verl": "verl.utils.kernel.linear_cross_entropy", "liger": "liger_kernel.transformers"}
+
+
+def peer_module(name: str) -> types.ModuleType:
+    """Import module `name` of an installed peer package.
+
+    verl's top-level `__init__` imports its trainer stack (Ray, tensordict, ...), which a GPU box
+    set up only to benchmark need not have, while its kernel module needs only torch and Triton.
+    So when the plain import fails on a missing module other than the package itself, the parent
+    packages are registered bare (their `__path__` pointing at the installed folders, their
+    `__init__` not run) and the module is imported from the installed files under them. The code
+    that runs is the installed package's own; nothing of it is copied here.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        top = name.split(".")[0]
+        spec = importlib.util.find_spec(top)
+        if spec is None or e.name == top or not spec.submodule_search_locations:
+            raise
+    for key in [k for k in sys.modules if k == top or k.startswith(top + ".")]:
+        del sys.modules[key]   # what the failed import left half-initialised
+    folder = Path(spec.submodule_search_locations[0])
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        parent = types.ModuleType(".".join(parts[:i]))
+        parent.__path__ = [str(folder.joinpath(*parts[1:i]))]
+        parent.__spec__ = importlib.machinery.ModuleSpec(parent.__name__, None, is_package=True)
+        parent.__spec__.submodule_search_locations = parent.__path__
+        sys.modules[parent.__name__] = parent
+    return importlib.import_module(name)
 
 
 MAIN_GRAD_PATHS = {"ours", "ours eager"}
@@ -182,11 +220,10 @@ def accuracy(path: str, tokens: int, vocab: int, hidden: int, device) -> dict:
 
 
 def available(path: str) -> bool:
-    module = {"verl": "verl.utils.kernel.linear_cross_entropy", "liger": "liger_kernel.transformers"}.get(path)
-    if module is None:
+    if path not in PEER_MODULES:
         return True
     try:
-        __import__(module)
+        peer_module(PEER_MODULES[path])
     except ImportError:
         return False
     return True

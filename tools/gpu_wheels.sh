@@ -10,6 +10,8 @@
 #   .whl/common/            math-verify and its parser (latex2sympy2_extended, antlr4 runtime),
 #                           psutil (megatron's checkpoint writer), hypothesis (unit tests),
 #                           matplotlib and its dependencies (mismatch figures, a unit test)
+#   .whl/peers/             the log-prob benchmark's peers, Liger and verl (pure-Python wheels with
+#                           Triton kernels; installed apart, for benchmarks/logprobs.py only)
 #   .whl/SHA256SUMS         checksums, verified by gpu_check.sh
 # Versions other than megatron-core's are the CPU lane's pins (constraints/cpu-py311.txt).
 # TensorBoard is left out (about 20 MB with grpcio): the GPU tests run with log.tensorboard=false.
@@ -22,6 +24,9 @@ DEST=${DEST:-.whl}
 PYTHON=${PYTHON:-python3}
 MCORE_SPECS=${MCORE_SPECS:-"megatron-core==0.16.1;megatron-core>=0.19,<0.20"}
 PINS=constraints/cpu-py311.txt
+# the versions issue 13's table was measured with; verl's package needs Ray, which is not carried:
+# benchmarks/logprobs_cuda.py loads its kernel module without the package's __init__
+PEERS=("liger-kernel==0.8.5" "verl==0.9.1")
 COMMON=(math-verify latex2sympy2_extended antlr4-python3-runtime psutil hypothesis sortedcontainers
         matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil tzdata)
 
@@ -57,6 +62,11 @@ for name in "${COMMON[@]}"; do
         echo "note: $name is not pinned in $PINS; taking the newest"
     fi
     download "$DEST/common" "$req"
+done
+
+mkdir -p "$DEST/peers"
+for req in "${PEERS[@]}"; do
+    download "$DEST/peers" "$req"
 done
 
 (cd "$DEST" && find . -name '*.whl' | sort | xargs sha256sum > SHA256SUMS)

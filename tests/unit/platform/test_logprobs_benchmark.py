@@ -2,7 +2,10 @@
 path minus CUDA events and memory statistics), and its accuracy column can tell fp32 logits from
 bf16-rounded ones. No GPU result is produced or checked here."""
 import os
+import subprocess
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
 
@@ -21,3 +24,45 @@ def test_accuracy_column_separates_fp32_logits_from_bf16_rounded_ones():
     straightforward = bench.accuracy("straightforward", 128, 2048, 64, "cpu")
     assert ours["logprob"] < 2e-5 and ours["entropy"] < 2e-5
     assert straightforward["logprob"] > 10 * ours["logprob"]
+
+
+def _peer_package(root):
+    """An installed package laid out like verl: its `__init__` (and a sub-package's) imports a
+    dependency that is not installed; the kernel module needs only a sibling and another sub-package."""
+    files = {
+        "peerpkg/__init__.py": "import not_installed_trainer_stack\nFROM_INIT = 1\n",
+        "peerpkg/utils/__init__.py": "import not_installed_config_lib\n",
+        "peerpkg/utils/device.py": "NAME = 'cuda'\n",
+        "peerpkg/utils/kernel/__init__.py": "",
+        "peerpkg/utils/kernel/kernels.py": "from peerpkg.utils.device import NAME\n",
+        "peerpkg/utils/kernel/lce.py": "from . import kernels\nDEVICE = kernels.NAME\n",
+        "peerpkg/utils/kernel/broken.py": "import not_installed_kernel_dependency\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_peer_module_skips_a_package_init_that_needs_a_missing_dependency(tmp_path, monkeypatch):
+    _peer_package(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        lce = bench.peer_module("peerpkg.utils.kernel.lce")
+        assert lce.DEVICE == "cuda" and lce.__file__ == str(tmp_path / "peerpkg/utils/kernel/lce.py")
+        assert not hasattr(sys.modules["peerpkg"], "FROM_INIT")   # the package's __init__ did not run
+        # the kernel module's own missing dependency is not hidden
+        with pytest.raises(ModuleNotFoundError, match="not_installed_kernel_dependency"):
+            bench.peer_module("peerpkg.utils.kernel.broken")
+        # an absent package is absent
+        with pytest.raises(ModuleNotFoundError):
+            bench.peer_module("not_installed_peer.kernels")
+    finally:
+        for key in [k for k in sys.modules if k == "peerpkg" or k.startswith("peerpkg.")]:
+            del sys.modules[key]
+
+
+def test_the_gpu_table_exits_2_without_cuda():
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "logprobs.py")
+    run = subprocess.run([sys.executable, script, "--device", "cuda"], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2 and "torch.cuda.is_available() is False" in run.stderr, run.stderr[-2000:]
