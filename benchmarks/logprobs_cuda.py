@@ -10,13 +10,16 @@ bf16 hidden `[T, H]` and weight `[V, H]` (V = 151,936, H = 4,096), forward + bac
                      log_softmax); "does not fit" when it runs out of memory
     ours             `token_logprobs_and_entropy` (fp32 logits from the mixed GEMM, chunked; on a
                      GPU with Triton the chunk math is Inductor-compiled, `compiled_math`)
-    ours eager       the same with the eager in-place chunk math (`kernels=None`), to show what
-                     compiling buys
+    ours untiled     the same, with the backward in the forward's chunks over the whole vocabulary
+                     (`grad_tile=(chunk, V)`) instead of `auto_grad_tile`'s tiles, to show what
+                     tiling buys (the weight-gradient GEMM's inner dimension: 384 vs 4096 tokens)
+    ours eager       the same with the eager in-place chunk math (`kernels=None`, untiled), to show
+                     what compiling buys
     verl             `verl.utils.kernel.linear_cross_entropy` (log-probs and entropy), if installed
                      (without Ray: see `peer_module`)
     liger            Liger's fused linear cross entropy (log-probs only, no entropy), if installed
 
-Both "ours" rows run as in the trainer: the weight carries megatron DDP's fp32 `main_grad`,
+The "ours" rows run as in the trainer: the weight carries megatron DDP's fp32 `main_grad`,
 allocated with the inputs, and the weight gradient is accumulated into it (no `[V, H]` buffer of
 its own; without one, an fp32 `[V, H]` accumulator, 2.3 GiB here, adds to the peak).
 
@@ -55,6 +58,13 @@ def _ours(h, w, y):
     from megatron_rl.logprobs import token_logprobs_and_entropy
 
     out = token_logprobs_and_entropy(h, w, y)
+    return out.logprobs, out.entropy
+
+
+def _ours_untiled(h, w, y):
+    from megatron_rl.logprobs import auto_chunk_size, token_logprobs_and_entropy
+
+    out = token_logprobs_and_entropy(h, w, y, grad_tile=(auto_chunk_size(w.shape[0]), w.shape[0]))
     return out.logprobs, out.entropy
 
 
@@ -116,9 +126,9 @@ def peer_module(name: str) -> types.ModuleType:
     return importlib.import_module(name)
 
 
-MAIN_GRAD_PATHS = {"ours", "ours eager"}
-PATHS: dict[str, Callable] = {"straightforward": _straightforward, "ours": _ours, "ours eager": _ours_eager,
-                              "verl": _verl, "liger": _liger}
+MAIN_GRAD_PATHS = {"ours", "ours untiled", "ours eager"}
+PATHS: dict[str, Callable] = {"straightforward": _straightforward, "ours": _ours, "ours untiled": _ours_untiled,
+                              "ours eager": _ours_eager, "verl": _verl, "liger": _liger}
 
 
 # ----------------------------------------------------------------------------- measurement

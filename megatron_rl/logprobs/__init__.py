@@ -20,6 +20,7 @@ from megatron_rl.logprobs.context_parallel import (
 from megatron_rl.logprobs.fused import (
     FusedVocabParallelLogprobs,
     auto_chunk_size,
+    auto_grad_tile,
     token_logprobs_and_entropy,
 )
 from megatron_rl.logprobs.reference import reference_logprobs_and_entropy
@@ -29,6 +30,7 @@ __all__ = [
     "FusedVocabParallelLogprobs",
     "LogprobOutput",
     "auto_chunk_size",
+    "auto_grad_tile",
     "global_positions",
     "local_cu_seqlens",
     "next_token_labels",

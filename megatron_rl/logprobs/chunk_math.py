@@ -103,6 +103,12 @@ def project(h: torch.Tensor, weight: torch.Tensor, inv_temp: float, out: torch.T
     return out
 
 
+def scratch(buf: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """A contiguous `[n, width]` view of the front of scratch buffer `buf` (`[0, width]` for an
+    empty `buf`), so a narrower last vocab block still gets a contiguous GEMM output."""
+    return buf.view(-1)[:n * width].view(n, width) if buf.numel() else buf.new_empty(0, width)
+
+
 def local_index(ids: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Global token ids `[...]` -> (index into this shard clamped to 0, mask of ids this shard owns)."""
     loc = ids - vocab_start
@@ -208,7 +214,7 @@ def chunk_logit_grad(
             was defined as 0 (ignored label / empty kept set).
     """
     n, vocab_local = h.shape[0], weight.shape[0]
-    z, p = zbuf[:n], ebuf[:n]
+    z, p = scratch(zbuf, n, vocab_local), scratch(ebuf, n, vocab_local)
     log_z, ent, log_zk = stats[:, 0], stats[:, 1], stats[:, 2]
     project(h, weight, inv_temp, out=z)
     yidx, y_here = local_index(labels, vocab_start, vocab_local)

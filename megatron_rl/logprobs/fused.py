@@ -7,12 +7,15 @@
     entropy_t = logZ_t − Σ_v p_{t,v} z_{t,v}
     kept_t    = z_{t,y_t} − logsumexp_{v ∈ K_t} z_{t,v}                       (optional)
 
-chunk by chunk (`chunk_size` tokens at a time). The backward recomputes each chunk's logits from
-the saved `hidden`, `weight`, `labels` (and `kept_ids`) plus three fp32 numbers per token
-(logZ, H, logZ_K), so peak memory is two fp32 `[chunk_size, V/TP]` buffers plus the gradients of
-`hidden` and `weight`, whatever N is; under megatron DDP the weight gradient is accumulated
-straight into the parameter's fp32 `main_grad` (`_accumulates_into_main_grad`), with no buffer.
-The price is one extra output-projection GEMM (4 instead of 3). See `chunk_math` for the formulas
+chunk by chunk (`chunk_size` tokens at a time). The backward recomputes the logits from the saved
+`hidden`, `weight`, `labels` (and `kept_ids`) plus three fp32 numbers per token (logZ, H,
+logZ_K), in tiles of `grad_tile` = (tokens, vocab rows): those three numbers are all a tile needs
+of the rest of the vocabulary. So peak memory is two fp32 buffers of a chunk's or a tile's logits
+plus the gradients of `hidden` and `weight`, whatever N is; under megatron DDP the weight gradient
+is accumulated straight into the parameter's fp32 `main_grad` (`_accumulates_into_main_grad`),
+with no buffer. The price is one extra output-projection GEMM (4 instead of 3). Tiles of many
+tokens by a block of the vocabulary keep the weight-gradient GEMM compute-bound at that memory
+(`auto_grad_tile`). See `chunk_math` for the formulas
 and the TP all-reduces, `compiled_math` for the compiled chunk math a GPU runs.
 
 Tensor parallelism (megatron `ColumnParallelLinear` layout: TP rank r holds vocabulary rows
@@ -60,6 +63,25 @@ def auto_chunk_size(vocab_local: int, buffer_bytes: int = CHUNK_BUFFER_BYTES) ->
     return max(64, buffer_bytes // (4 * max(1, vocab_local)) // 64 * 64)
 
 
+GRAD_TILE_TOKENS = 4096
+
+
+def auto_grad_tile(vocab_local: int, buffer_bytes: int = CHUNK_BUFFER_BYTES,
+                   tokens: int = GRAD_TILE_TOKENS) -> tuple[int, int]:
+    """Default backward tile of the compiled path: `tokens` tokens by the most vocab rows (a
+    multiple of 128, at least 128, at most V/TP) whose fp32 `[tokens, rows]` logits fit in
+    `buffer_bytes` ((4096, 16384) for V/TP = 151,936: 256 MiB of logits, 128 MiB of bf16 G).
+
+    Why tiles: the weight-gradient GEMM `G_bᵀ h` has the tile's token count as its inner
+    dimension K, and reads and writes the fp32 `[rows, H]` gradient block (8 bytes an element)
+    for 2·K flops an element. With a chunk of a few hundred tokens over the whole vocabulary that
+    traffic, not the arithmetic, bounds it on a GPU (an H100 does ~700 bf16 TFLOP/s over
+    ~3.3 TB/s: K below ~850 is memory-bound). 4096 tokens make it compute-bound; splitting the
+    vocabulary into blocks keeps the tile's buffers as small as the forward's chunk."""
+    rows = max(128, buffer_bytes // (4 * tokens) // 128 * 128)
+    return tokens, min(rows, max(1, vocab_local))
+
+
 def _tp_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
@@ -68,7 +90,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
     """autograd Function behind `token_logprobs_and_entropy` (flattened `[N, H]` inputs)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, kept_ids, tp_group, chunk_size, compute_entropy,
+    def forward(ctx, hidden, weight, labels, kept_ids, tp_group, chunk_size, grad_tile, compute_entropy,
                 temperature, reduce_grad_input, kernels):
         ctx.set_materialize_grads(False)
         n_tok, vocab_local = hidden.shape[0], weight.shape[0]
@@ -98,17 +120,17 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                 kept[sl] = out["kept_logprob"]
                 stats[sl, 2] = out["logZ_K"]
         ctx.save_for_backward(hidden, weight, labels, kept_ids, stats)
-        ctx.cfg = (tp_group, chunk, vocab_start, inv_temp, reduce_grad_input, kernels)
+        ctx.cfg = (tp_group, grad_tile, vocab_start, inv_temp, reduce_grad_input, kernels)
         return logprob, entropy, kept
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logprob, g_entropy, g_kept):
         hidden, weight, labels, kept_ids, stats = ctx.saved_tensors
-        tp_group, chunk, vocab_start, inv_temp, reduce_grad_input, kernels = ctx.cfg
+        tp_group, tile, vocab_start, inv_temp, reduce_grad_input, kernels = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_logprob is None and g_entropy is None and g_kept is None) or not (need_h or need_w):
-            return (None,) * 10
+            return (None,) * 11
         # Outputs defined as 0 (ignored label, empty kept set) carry no gradient.
         valid = labels >= 0
         acc = stats.dtype
@@ -121,7 +143,9 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
             g_entropy = g_entropy.to(acc)
 
         n_tok, vocab_local = hidden.shape[0], weight.shape[0]
-        zbuf = torch.empty(chunk, vocab_local, dtype=acc, device=hidden.device)
+        rows = min(tile[0], max(n_tok, 1))
+        blocks = [(v, min(v + tile[1], vocab_local)) for v in range(0, vocab_local, tile[1])] or [(0, 0)]
+        zbuf = torch.empty(rows, blocks[0][1], dtype=acc, device=hidden.device)
         ebuf = torch.empty_like(zbuf) if kernels is None else zbuf[:0]
         # G straight in bf16 (the GEMMs' input) where the device adds a bf16 product into fp32
         # (`mixed_addmm`); else fp32, with the inputs upcast for d_weight. Not for fp16: its range
@@ -129,38 +153,39 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         low_g = (kernels is not None and weight.dtype == hidden.dtype == torch.bfloat16
                  and mixed_addmm(weight.device.type, weight.dtype, acc))
         d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        # several vocab blocks: each block's G W_b is a partial sum of ∂L/∂h, added up in fp32
+        dh_acc = (torch.empty(rows, hidden.shape[1], dtype=acc, device=hidden.device)
+                  if need_h and len(blocks) > 1 else None)
         into_main = need_w and _accumulates_into_main_grad(weight, acc)
         if into_main:
             d_weight = weight.main_grad
         else:
             d_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        for s in range(0, n_tok, chunk):
-            sl = slice(s, min(s + chunk, n_tok))
-            g = chunk_logit_grad(
-                hidden[sl], weight, labels[sl], None if kept_ids is None else kept_ids[sl], stats[sl],
-                None if g_logprob is None else g_logprob[sl],
-                None if g_entropy is None else g_entropy[sl],
-                None if g_kept is None else g_kept[sl],
-                vocab_start=vocab_start, inv_temp=inv_temp, zbuf=zbuf, ebuf=ebuf, kernels=kernels,
-                out_dtype=weight.dtype if low_g else acc)
-            if need_h:   # ∂L/∂h = G W / temperature  (partial sum over this vocab shard)
-                if g.dtype == weight.dtype == hidden.dtype:   # fp32, or bf16 G on the compiled path
-                    torch.mm(g, weight, out=d_hidden[sl])
-                else:
-                    d_hidden[sl] = torch.mm(g.to(weight.dtype), weight)
-                if inv_temp != 1.0:
-                    d_hidden[sl].mul_(inv_temp)
-            fresh = s == 0 and not into_main
-            if need_w and low_g:   # fp32 accumulation of the bf16 product, scaled by alpha
-                torch.addmm(d_weight, g.t(), hidden[sl], out_dtype=acc,
-                            beta=0.0 if fresh else 1.0, alpha=inv_temp, out=d_weight)
-            elif need_w:   # ∂L/∂W += Gᵀ h / temperature  (the first chunk initialises a fresh buffer)
-                h = hidden[sl].to(acc)
-                h = h if inv_temp == 1.0 else h * inv_temp
-                if fresh:
-                    torch.mm(g.t(), h, out=d_weight)
-                else:
-                    d_weight.addmm_(g.t(), h)
+        for s in range(0, n_tok, rows):
+            sl = slice(s, min(s + rows, n_tok))
+            for j, (v0, v1) in enumerate(blocks):
+                w_b = weight[v0:v1]
+                g = chunk_logit_grad(
+                    hidden[sl], w_b, labels[sl], None if kept_ids is None else kept_ids[sl], stats[sl],
+                    None if g_logprob is None else g_logprob[sl],
+                    None if g_entropy is None else g_entropy[sl],
+                    None if g_kept is None else g_kept[sl],
+                    vocab_start=vocab_start + v0, inv_temp=inv_temp, zbuf=zbuf, ebuf=ebuf, kernels=kernels,
+                    out_dtype=weight.dtype if low_g else acc)
+                if dh_acc is not None:   # ∂L/∂h = Σ_b G_b W_b / temperature
+                    add_product(dh_acc[:sl.stop - s], g, w_b, fresh=j == 0, alpha=inv_temp, mixed=low_g)
+                elif need_h:   # one block: G W / temperature straight into ∂L/∂h
+                    if g.dtype == weight.dtype == hidden.dtype:   # fp32, or bf16 G on the compiled path
+                        torch.mm(g, weight, out=d_hidden[sl])
+                    else:
+                        d_hidden[sl] = torch.mm(g.to(weight.dtype), weight)
+                    if inv_temp != 1.0:
+                        d_hidden[sl].mul_(inv_temp)
+                if need_w:   # ∂L/∂W_b += G_bᵀ h / temperature  (the first chunk initialises a fresh buffer)
+                    add_product(d_weight[v0:v1], g.t(), hidden[sl], fresh=s == 0 and not into_main,
+                                alpha=inv_temp, mixed=low_g)
+            if dh_acc is not None:
+                d_hidden[sl] = dh_acc[:sl.stop - s]
         if need_w and n_tok == 0 and not into_main:
             d_weight.zero_()
         if need_h and reduce_grad_input:
@@ -169,7 +194,27 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
             d_weight = None  # already in main_grad; other uses of a tied weight still reach .grad
         elif need_w:
             d_weight = d_weight.to(weight.dtype)
-        return d_hidden, d_weight, None, None, None, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None, None, None, None
+
+
+def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, fresh: bool, alpha: float,
+                mixed: bool) -> None:
+    """`out = alpha · a b` (fresh) or `out += alpha · a b`, summed in `out`'s dtype (fp32).
+
+    mixed: `a` and `b` are bf16 and the device adds their product into `out` with fp32
+    accumulation (`mixed_addmm`: tensor-core rate, no rounding of the sum). Otherwise both are
+    upcast exactly to `out`'s dtype first (`a` is then usually already fp32), and alpha scales `b`
+    (the smaller operand where this is used: a hidden-state chunk or one vocab block).
+    """
+    if mixed:
+        torch.addmm(out, a, b, out_dtype=out.dtype, beta=0.0 if fresh else 1.0, alpha=alpha, out=out)
+        return
+    a, b = a.to(out.dtype), b.to(out.dtype)
+    b = b if alpha == 1.0 else b * alpha
+    if fresh:
+        torch.mm(a, b, out=out)
+    else:
+        out.addmm_(a, b)
 
 
 def _accumulates_into_main_grad(weight: torch.Tensor, acc: torch.dtype) -> bool:
@@ -195,6 +240,7 @@ def token_logprobs_and_entropy(
     *,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    grad_tile: tuple[int, int] | None = None,
     kept_ids: torch.Tensor | None = None,
     compute_entropy: bool = True,
     temperature: float = 1.0,
@@ -209,8 +255,11 @@ def token_logprobs_and_entropy(
         weight: `[V/TP, H]` this TP rank's rows of the output-layer (or tied embedding) weight.
         labels: `[*]` next-token ids in the global vocabulary; negative = ignored (output 0).
         tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
-        chunk_size: tokens per chunk; peak extra memory ≈ `2 · chunk_size · V/TP · 4` bytes
-            (plus the gradients of `hidden` and `weight`). None: `auto_chunk_size(V/TP)`.
+        chunk_size: tokens per forward chunk; peak extra memory ≈ `2 · chunk_size · V/TP · 4`
+            bytes (plus the gradients of `hidden` and `weight`). None: `auto_chunk_size(V/TP)`.
+        grad_tile: (tokens, vocab rows) of the backward's tiles: each recomputes the logits of
+            that many tokens against that many rows of the shard. None: `(chunk_size, V/TP)` on
+            the eager path, `auto_grad_tile(V/TP)` on the compiled one.
         kept_ids: `[*, K]` global ids of the kept top-p/top-k set per position, padded with -1,
             unique per position; the label is expected to be in its set.
         compute_entropy: also return the full-vocabulary entropy.
@@ -240,10 +289,15 @@ def token_logprobs_and_entropy(
         if kept_ids.shape[:-1] != lead:
             raise ValueError(f"kept_ids {tuple(kept_ids.shape)} must be labels' shape + [K]")
         k = kept_ids.reshape(y.shape[0], -1).long()
+    chunk = int(chunk_size or auto_chunk_size(weight.shape[0]))
+    kernels = kernels_for(hidden.device) if isinstance(kernels, str) else kernels
+    if grad_tile is None:   # the eager path: one chunk by the whole shard (on a CPU tiles changed little)
+        grad_tile = (chunk, weight.shape[0]) if kernels is None else auto_grad_tile(weight.shape[0])
+    elif len(grad_tile) != 2 or min(grad_tile) < 1:
+        raise ValueError(f"grad_tile must be (tokens, vocab rows), both >= 1, got {grad_tile!r}")
     logprob, entropy, kept = FusedVocabParallelLogprobs.apply(
-        h, weight, y, k, tp_group, int(chunk_size or auto_chunk_size(weight.shape[0])),
-        bool(compute_entropy), float(temperature),
-        bool(reduce_grad_input), kernels_for(hidden.device) if isinstance(kernels, str) else kernels)
+        h, weight, y, k, tp_group, chunk, (int(grad_tile[0]), int(grad_tile[1])),
+        bool(compute_entropy), float(temperature), bool(reduce_grad_input), kernels)
     return LogprobOutput(
         logprob.reshape(lead),
         entropy.reshape(lead) if compute_entropy else None,

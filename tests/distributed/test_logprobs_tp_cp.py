@@ -86,8 +86,10 @@ def _tp_case(rank, world_size, tied):
             h = leaf = p["h"].clone().requires_grad_()
         if mode == "megatron_copy":
             h = copy_to_tensor_model_parallel_region(h, group=tp)
+        # megatron_copy also tiles the backward: blocks of 13 rows inside each rank's vocab shard
         out = token_logprobs_and_entropy(h, w, p["labels"], tp_group=tp, kept_ids=p["kept"],
-                                         chunk_size=7, reduce_grad_input=mode == "reduce_grad_input")
+                                         chunk_size=7, grad_tile=(5, 13) if mode == "megatron_copy" else None,
+                                         reduce_grad_input=mode == "reduce_grad_input")
         _weighted(out, p["grads"]).backward()
         results[mode] = ([o.detach() for o in out], leaf.grad, w.grad)
     return results

@@ -1,7 +1,8 @@
 """The fused log-prob kernel on a GPU: bf16/fp16 inputs, fp32 logits from the device's mixed GEMM
 (chunk_math.mixed_gemm), log-probs and entropy within 2e-5 of a float64 computation from the same
 low-precision values, gradients within their rounding; both the Inductor-compiled chunk math (the
-default on a GPU with Triton) and the eager one. GPU lane: skipped without CUDA."""
+default on a GPU with Triton, whose backward runs in tiles of tokens by vocab rows) and the eager
+one. GPU lane: skipped without CUDA."""
 import pytest
 import torch
 
@@ -78,11 +79,14 @@ def test_bf16_weight_gradient_accumulates_in_fp32_into_main_grad(kernels):
     assert err <= 1e-2 * scale
 
 
+@pytest.mark.parametrize("grad_tile", [None, (256, 5000)], ids=["auto-tiles", "small-tiles"])
 @pytest.mark.parametrize("entropy", [True, False])
-def test_compiled_equals_eager_with_kept_sets_temperature_and_a_one_token_last_chunk(entropy):
+def test_compiled_equals_eager_with_kept_sets_temperature_and_a_one_token_last_chunk(entropy, grad_tile):
     """The Inductor/Triton kernels against the eager chunk math on the same bf16 inputs: kept sets
     (their scatter), temperature 0.7 (alpha in the fp32 addmm), no main_grad (beta=0 into a fresh
-    buffer), 1025 tokens in chunks of 128 (a last chunk of one token); compiled for real (counted)."""
+    buffer), 1025 tokens in chunks of 128 (a last chunk of one token); compiled for real (counted).
+    The compiled backward runs in tiles: by default one of 1025 tokens by 16,384 + 15,616 vocab
+    rows; small tiles are 256 tokens (a last tile of one) by 5,000 rows (a last block of 2,000)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from megatron_rl.logprobs.compiled_math import CompiledChunkMath
@@ -98,17 +102,17 @@ def test_compiled_equals_eager_with_kept_sets_temperature_and_a_one_token_last_c
     kept[:, k // 2:] = -1                                      # padding
     counter = CompileCounterWithBackend("inductor")
 
-    def run(kernels):
+    def run(kernels, tile=None):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         out = token_logprobs_and_entropy(hh, ww, y, kept_ids=kept, temperature=0.7, chunk_size=128,
-                                         compute_entropy=entropy, kernels=kernels)
+                                         grad_tile=tile, compute_entropy=entropy, kernels=kernels)
         loss = out.logprobs.sum() + 0.3 * out.kept_logprobs.sum()
         if entropy:
             loss = loss + 0.1 * out.entropy.sum()
         loss.backward()
         return out, hh.grad, ww.grad
 
-    ours, dh, dw = run(CompiledChunkMath(backend=counter))
+    ours, dh, dw = run(CompiledChunkMath(backend=counter), grad_tile)
     eager, dh_e, dw_e = run(None)
     assert counter.frame_count >= 3
     for a, b in zip(ours, eager):

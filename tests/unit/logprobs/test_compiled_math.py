@@ -52,10 +52,11 @@ def dynamo_on(monkeypatch):
 @pytest.mark.slow   # about 20 s of C++ compiles on 2 cores
 def test_inductor_compiled_chunk_math_matches_float64(dynamo_on):
     """All three outputs with kept sets, an ignored label, an empty kept set and temperature 0.7;
-    chunks of 8 over 29 tokens, so a shorter last chunk recompiles with a symbolic token dim."""
+    forward chunks of 8 over 29 tokens, so a shorter last chunk recompiles with a symbolic token
+    dim, and backward tiles of 12 tokens by 40 vocab rows (ragged in both: 12, 12, 5 by 40, 40, 17)."""
     h, w, y, kept, grads = _case()
     counter = CompileCounterWithBackend("inductor")
-    ours = _run(token_logprobs_and_entropy, h, w, y, kept, grads, chunk_size=8,
+    ours = _run(token_logprobs_and_entropy, h, w, y, kept, grads, chunk_size=8, grad_tile=(12, 40),
                 kernels=CompiledChunkMath(backend=counter))
     assert counter.frame_count >= 3, "the chunk math ran without being compiled"
     ref = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, kept, grads)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from megatron_rl.logprobs import (
+    auto_chunk_size,
+    auto_grad_tile,
     compiled_math,
     next_token_labels,
     reference_logprobs_and_entropy,
@@ -87,6 +89,22 @@ def test_matches_reference_all_outputs(chunk_size, kernels):
 
 
 @KERNELS
+@pytest.mark.parametrize("grad_tile", [(1, V), (4, 10), (7, 33), (N, 1), (64, 96), (5, 2 * V)])
+def test_backward_tiles_match_reference(grad_tile, kernels):
+    """The backward in tiles of (tokens, vocab rows), independent of the forward's chunks: blocks
+    that split the vocabulary (one row, ragged last block, one block) and token tiles that split
+    the sequence or exceed it, with kept sets, an ignored label and a temperature."""
+    h, w, y = _inputs(seed=8)
+    kept = _kept_sets(y, V, 6, seed=9)
+    g = torch.Generator().manual_seed(10)
+    grads = [torch.randn(N, generator=g) for _ in range(3)]
+    ref = _run(reference_logprobs_and_entropy, h, w, y, grads, kept_ids=kept, temperature=0.7)
+    ours = _run(token_logprobs_and_entropy, h, w, y, grads, kept_ids=kept, temperature=0.7, chunk_size=6,
+                grad_tile=grad_tile, kernels=kernels)
+    _assert_same(ours, ref)
+
+
+@KERNELS
 @pytest.mark.parametrize("which", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1)])
 def test_each_output_alone_and_in_pairs(which, kernels):
     h, w, y = _inputs(seed=3)
@@ -133,9 +151,10 @@ def test_large_logits_are_stable(dtype):
 
 
 @KERNELS
+@pytest.mark.parametrize("grad_tile", [None, (24, 300)], ids=["chunks", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_low_precision_inputs_give_fp32_accurate_logprobs(dtype, temperature, kernels):
+def test_low_precision_inputs_give_fp32_accurate_logprobs(dtype, temperature, grad_tile, kernels):
     """bf16/fp16 hidden and weight: the logits are accumulated and kept in fp32 (never rounded to
     the inputs' precision), so log-probs and entropy match a float64 computation from the same
     low-precision values to 2e-5; gradients come back in the inputs' dtype within its rounding.
@@ -145,7 +164,7 @@ def test_low_precision_inputs_give_fp32_accurate_logprobs(dtype, temperature, ke
     grads = [torch.ones(64), torch.full((64,), 0.5), None]
     f64 = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, grads, temperature=temperature)
     ours = _run(token_logprobs_and_entropy, h, w, y, grads, chunk_size=16, temperature=temperature,
-                kernels=kernels)
+                grad_tile=grad_tile, kernels=kernels)
     assert ours[0].logprobs.dtype == torch.float32 and ours[1].dtype == ours[2].dtype == dtype
     for a, b in zip(ours[0][:2], f64[0][:2]):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0)
@@ -156,8 +175,9 @@ def test_low_precision_inputs_give_fp32_accurate_logprobs(dtype, temperature, ke
 
 
 @KERNELS
+@pytest.mark.parametrize("grad_tile", [None, (8, 40)], ids=["chunks", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_gradient_accumulates_into_main_grad(dtype, kernels):
+def test_weight_gradient_accumulates_into_main_grad(dtype, grad_tile, kernels):
     """A weight with megatron DDP's fp32 `main_grad` gets Gᵀh added to it in the backward (what was
     there stays) and no `.grad`; the sum equals the float64 weight gradient (bf16 weights too:
     the gradient is never rounded to bf16)."""
@@ -169,7 +189,7 @@ def test_weight_gradient_accumulates_into_main_grad(dtype, kernels):
     before = torch.randn(w.shape, generator=torch.Generator().manual_seed(3))
     weight.main_grad = before.clone()
     hh = h.clone().requires_grad_()
-    out = token_logprobs_and_entropy(hh, weight, y, chunk_size=8, kernels=kernels)
+    out = token_logprobs_and_entropy(hh, weight, y, chunk_size=8, grad_tile=grad_tile, kernels=kernels)
     (out.logprobs.sum() + 0.5 * out.entropy.sum()).backward()
     assert weight.grad is None and weight.main_grad.dtype == torch.float32
     atol = 1e-5 if dtype == torch.float32 else 2e-5
@@ -283,6 +303,19 @@ def test_rejects_bad_shapes():
         token_logprobs_and_entropy(h, w, y, kept_ids=torch.zeros(N - 1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="kernels"):
         token_logprobs_and_entropy(h, w, y, kernels="eager")
+    for tile in ((0, 8), (8,), (8, -1)):
+        with pytest.raises(ValueError, match="grad_tile"):
+            token_logprobs_and_entropy(h, w, y, grad_tile=tile)
+
+
+def test_auto_tiles():
+    """Forward chunks and backward tiles keep their fp32 logits within 256 MiB: 384 tokens of the
+    whole Qwen vocabulary forward, 4096 tokens by 16,384 rows backward, never wider than the shard."""
+    assert auto_chunk_size(151_936) == 384
+    assert auto_grad_tile(151_936) == (4096, 16_384)
+    assert auto_grad_tile(151_936 // 8) == (4096, 16_384)
+    assert auto_grad_tile(97) == (4096, 97)
+    assert auto_grad_tile(151_936, tokens=2**20) == (2**20, 128)   # at least 128 rows
 
 
 _PEAK_SCRIPT = r"""
@@ -294,20 +327,23 @@ h = torch.randn(n, hid, requires_grad=True)
 w = (torch.randn(v, hid) * 0.3).requires_grad_()
 y = torch.randint(0, v, (n,))
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-out = token_logprobs_and_entropy(h, w, y, chunk_size=128)
+out = token_logprobs_and_entropy(h, w, y, chunk_size=128, grad_tile=GRAD_TILE)
 (out.logprobs.sum() + out.entropy.sum()).backward()
 assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
 """
 
 
-def test_peak_memory_is_chunk_sized_not_logits_sized():
+@pytest.mark.parametrize("grad_tile", [None, (1024, 4096)], ids=["chunks", "tiles"])
+def test_peak_memory_is_chunk_sized_not_logits_sized(grad_tile):
     """In a fresh process: forward+backward at N×V = 2^27 (512 MiB of fp32 logits) raises peak
-    RSS by about two [chunk, V] buffers (2 × 16 MiB) plus small tensors, far below the logits."""
+    RSS by about two [chunk, V] buffers (2 × 16 MiB) plus small tensors, far below the logits;
+    likewise with backward tiles of 1024 tokens by 4096 rows (2 × 16 MiB, an fp32 [1024, H] sum)."""
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, check=False,
+    script = f"GRAD_TILE = {grad_tile!r}\n" + _PEAK_SCRIPT
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False,
                          timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert res.returncode == 0, res.stderr
     peak = int(res.stdout.strip().splitlines()[-1])
