@@ -63,16 +63,19 @@ def mixed_addmm(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype) ->
     """Whether `torch.addmm(c, a, b, out_dtype=out_dtype, beta=, alpha=, out=c)` adds a product of
     `dtype` inputs into an `out_dtype` `c` in place, accumulating in `out_dtype` (CUDA: bf16/fp16 ->
     fp32 in recent torch; the CPU has no such kernel). Probed once per (device type, dtypes) on
-    1x1 GEMMs as the backward uses it, values checked: beta=0 on a NaN buffer (it must be
-    ignored), then beta=1 with alpha=0.5."""
-    c = torch.full((1, 1), float("nan"), dtype=out_dtype, device=device_type)
-    a = torch.ones(1, 1, dtype=dtype, device=device_type)
+    tiny GEMMs shaped as the backward uses it, values checked: `c` a row block of a larger buffer
+    (as a vocab block of `main_grad`), `a` a transposed view (as `G_bᵀ`); beta=0 on NaN (it must
+    be ignored), then beta=1 with alpha=0.5; the rows around `c` untouched."""
+    buf = torch.full((3, 2), float("nan"), dtype=out_dtype, device=device_type)
+    c = buf[1:2]
+    a = torch.ones(2, 1, dtype=dtype, device=device_type).t()
+    b = torch.ones(2, 2, dtype=dtype, device=device_type)
     try:
-        torch.addmm(c, a, a, out_dtype=out_dtype, beta=0.0, alpha=0.5, out=c)
-        torch.addmm(c, a, a, out_dtype=out_dtype, beta=1.0, alpha=0.5, out=c)
+        torch.addmm(c, a, b, out_dtype=out_dtype, beta=0.0, alpha=0.5, out=c)   # 0.5 · 2 = 1
+        torch.addmm(c, a, b, out_dtype=out_dtype, beta=1.0, alpha=0.5, out=c)   # 1 + 1 = 2
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    return float(c.item()) == 1.0
+    return bool((c == 2.0).all()) and bool(buf[0::2].isnan().all())
 
 
 def project(h: torch.Tensor, weight: torch.Tensor, inv_temp: float, out: torch.Tensor) -> torch.Tensor:
