@@ -32,25 +32,34 @@ def test_the_gpu_takes_the_compiled_path_and_mixed_gemms():
 @pytest.mark.parametrize("kernels", ["auto", None], ids=["compiled", "eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp32_accurate_logprobs_on_the_gpu(dtype, kernels):
+    """Against float64 from the same low-precision values: log-probs, entropy and kept-set
+    log-probs within 2e-5, with an ignored label, an empty kept set and temperature 0.8."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    n, hidden, vocab = 512, 256, 32_000
-    h = (torch.randn(n, hidden, device="cuda", generator=g) * 2).to(dtype)
-    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.5).to(dtype)
+    n, hidden, vocab, k = 512, 256, 32_000, 6
+    # logits of a trained LM's size (std ~3 at temperature 1): the 2e-5 bound is absolute, and fp32
+    # rounding of a sum of 256 products grows with the logits' magnitude
+    h = torch.randn(n, hidden, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 3 * hidden**-0.5).to(dtype)
     y = torch.randint(0, vocab, (n,), device="cuda", generator=g)
     y[3] = -100
+    kept = (y.clamp(min=0)[:, None] + torch.arange(k, device="cuda") * 5003) % vocab   # the label first
+    kept[:, 4:] = -1
+    kept[7] = -1
     print("mixed GEMM:", mixed_gemm("cuda", dtype, torch.float32))
 
     def run(fn, hh, ww, **kw):
         hh, ww = hh.clone().requires_grad_(), ww.clone().requires_grad_()
-        out = fn(hh, ww, y, temperature=0.8, **kw)
-        (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
+        out = fn(hh, ww, y, kept_ids=kept, temperature=0.8, **kw)
+        (out.logprobs.sum() + 0.1 * out.entropy.sum() + 0.3 * out.kept_logprobs.sum()).backward()
         return out, hh.grad, ww.grad
 
     ours, dh, dw = run(token_logprobs_and_entropy, h, w, chunk_size=96, kernels=kernels)  # 512 = 5x96 + 32
     ref, dh64, dw64 = run(reference_logprobs_and_entropy, h.double(), w.double())
     assert ours.logprobs.device.type == "cuda" and dh.dtype == dtype and dw.dtype == dtype
+    assert ours.logprobs[3] == 0 and ours.kept_logprobs[7] == 0   # ignored label, empty kept set
     torch.testing.assert_close(ours.logprobs.double(), ref.logprobs, atol=2e-5, rtol=0)
     torch.testing.assert_close(ours.entropy.double(), ref.entropy, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ours.kept_logprobs.double(), ref.kept_logprobs, atol=2e-5, rtol=0)
     torch.testing.assert_close(dh.double(), dh64, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(dw.double(), dw64, atol=1e-2, rtol=1e-2)
 
