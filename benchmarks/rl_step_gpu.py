@@ -344,7 +344,8 @@ def main(argv=None) -> int:
     import torch
 
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's "no Apex/TE" notices
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # as pretrain_rl.py (before megatron is imported)
+    # torch.compile stays as the environment has it: on, as pretrain_rl.py leaves it beside a GPU
+    # (megatron's fused kernels, the compiled log-prob chunk math)
     import megatron.core
 
     from megatron_rl.parallel import ParallelConfig, destroy_parallel, init_distributed, init_parallel

@@ -5,7 +5,7 @@
 RUNS.json maps a name to pretrain_rl.py arguments. Each run is `pretrain_rl.main(args)` (it sets up
 and tears down torch.distributed itself) on a fresh MASTER_PORT; RESULTS.json maps each name to
 null, or to the traceback / exit code text of a run that failed. A failed run does not stop the
-others.
+others. The dense test reward of tests/golden.py is registered first, so runs may use it.
 """
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ def main(argv: list[str]) -> int:
     with open(spec_file) as f:
         runs = json.load(f)
     import pretrain_rl
+    from tests.golden import register_reward
     from tests.spawn import free_port
+
+    register_reward()   # runs may name the dense test reward (tests.gpu.runs.DENSE_REWARD)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     results = {}

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.golden import REWARD
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = "examples/demo_cpu.yaml"
 QUIET = ["log.tensorboard=false", "log.progress=false", "log.figure_every=0"]
@@ -24,6 +26,10 @@ DEMO_SHORT = ["train.steps=3", "rollout.prompts_per_step=8", "rollout.group_size
 # one RL step, no SFT, no evaluation
 ONE_STEP = ["train.steps=1", "rollout.prompts_per_step=8", "rollout.group_size=4", "train.micro_batch_size=8",
             "train.num_minibatches=2", "train.eval_size=0", "data.heldout_size=32", "sft.steps=0", *QUIET]
+# the dense test reward (fraction of digits in the response, tests/golden.py): mixed rewards in every
+# group from the first step, so every recipe's update is non-zero without an SFT warm start (exact
+# match on the untrained demo model rewards nothing). Registered in-process: launch_many only.
+DENSE_REWARD = [f"data.reward={REWARD}"]
 # metrics every RL step reports, all of which must be finite
 STEP_KEYS = ("loss/policy", "rollout/reward_mean", "mismatch/kl_k3")
 
@@ -37,13 +43,15 @@ def _env() -> dict:
 
 
 def _read(run_dir: Path, summary: Path) -> tuple[dict, list[dict]]:
+    """(summary, the RL steps' rows of metrics.jsonl): the SFT warm start logs there too, as
+    rows with phase "sft"."""
     metrics = run_dir / "metrics.jsonl"
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return json.loads(summary.read_text()), steps
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return json.loads(summary.read_text()), [row for row in rows if row.get("phase") == "rl"]
 
 
 def launch(tmp_path: Path, name: str, overrides: list[str], timeout: int = 900) -> tuple[dict, list[dict]]:
-    """`torchrun --nproc-per-node=1 pretrain_rl.py --config DEMO ...`; (summary, metrics.jsonl rows)."""
+    """`torchrun --nproc-per-node=1 pretrain_rl.py --config DEMO ...`; (summary, RL steps' rows)."""
     run_dir, summary = tmp_path / name, tmp_path / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "pretrain_rl.py",
            "--config", DEMO, "--summary-json", str(summary), f"train.run_dir={run_dir}", *overrides]

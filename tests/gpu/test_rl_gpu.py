@@ -10,7 +10,7 @@ import math
 import pytest
 
 from megatron_rl.losses import RECIPES
-from tests.gpu.runs import DEMO_SHORT, ONE_STEP, STEP_KEYS, launch, launch_many
+from tests.gpu.runs import DEMO_SHORT, DENSE_REWARD, ONE_STEP, STEP_KEYS, launch, launch_many
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -37,7 +37,8 @@ def test_demo_short(tmp_path, dtype):
 
 def test_every_recipe_one_step(tmp_path):
     names = sorted(RECIPES.names())
-    out = launch_many(tmp_path, {name: ONE_STEP + [f"loss.recipe={name}", "model.dtype=bf16"] for name in names})
+    out = launch_many(tmp_path, {name: ONE_STEP + DENSE_REWARD + [f"loss.recipe={name}", "model.dtype=bf16"]
+                                 for name in names})
     failed = {name: r for name, r in out.items() if isinstance(r, str)}
     assert not failed, "\n\n".join(f"--- {name}\n{err[-3000:]}" for name, err in failed.items())
     for name, (summary, steps) in out.items():

@@ -4,11 +4,13 @@ import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.losses import RECIPES
-from tests.gpu.runs import DEMO, DEMO_SHORT, ONE_STEP, ROOT
+from tests.golden import register_reward
+from tests.gpu.runs import DEMO, DEMO_SHORT, DENSE_REWARD, ONE_STEP, ROOT
 
 CONFIGS = {
     **{f"demo_{d}": DEMO_SHORT + [f"model.dtype={d}"] for d in ("fp32", "bf16", "fp16")},
-    **{f"recipe_{r}": ONE_STEP + [f"loss.recipe={r}", "model.dtype=bf16"] for r in sorted(RECIPES.names())},
+    **{f"recipe_{r}": ONE_STEP + DENSE_REWARD + [f"loss.recipe={r}", "model.dtype=bf16"]
+       for r in sorted(RECIPES.names())},
     **{f"replay_{m}": ONE_STEP + ["--router-replay", m, "model.dtype=bf16"] for m in ("r2", "r3")},
     "sft_only": ONE_STEP + ["train.steps=0", "sft.steps=6", "sft.batch_size=16", "sft.eval_every=3",
                             "train.eval_size=32"],
@@ -18,6 +20,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_run_config_loads(name, tmp_path):
+    register_reward()   # as tests.gpu.driver does before the recipe runs
     cfg = load_config(str(ROOT / DEMO), CONFIGS[name] + [f"train.run_dir={tmp_path}"])
     assert cfg.log.tensorboard is False  # the GPU machine has no TensorBoard wheel (tools/gpu_wheels.sh)
 
