@@ -8,10 +8,11 @@ Rules that need the world size (the batch layout over data-parallel ranks) are i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 
 from megatron_rl.config import checks
-from megatron_rl.model.arch import ARCHS, FAMILIES
+from megatron_rl.model.arch import ARCHS, FAMILIES, ModelArch
 from megatron_rl.parallel import ParallelConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -48,6 +49,13 @@ class ModelSection:
         checks.number("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, lo=0)
         if not isinstance(self.overrides, dict):
             raise TypeError(f"model.overrides={self.overrides!r}: must be a mapping, e.g. {{num_layers: 4}}")
+        known = sorted(f.name for f in fields(ModelArch) if f.name != "arch")   # the family is model.arch
+        for key in self.overrides:
+            if key not in known:
+                near = difflib.get_close_matches(str(key), known, n=1)
+                hint = " (set the family with model.arch)" if key == "arch" else (
+                    f" (did you mean {near[0]}?)" if near else "")
+                raise ValueError(f"model.overrides.{key}: not a ModelArch field{hint}; choose from {', '.join(known)}")
 
 
 @dataclass

@@ -21,6 +21,9 @@ def test_yaml_and_overrides(tmp_path):
     ("optim.dtype=bf16", "precision is model.dtype"),
     ("nonsense", "cannot parse"),
     ("sft.eval_size=0", "sft.eval_size"),
+    ("model.overrides={num_moe_experts: 8}",
+     r"model.overrides.num_moe_experts: not a ModelArch field \(did you mean num_experts\?\); choose from .*num_layers"),
+    ("model.overrides={arch: llama}", r"model.overrides.arch: not a ModelArch field.*model.arch"),
     # surrogate / correction parameters are checked against the function's keyword parameters
     ("loss.surrogate_params={epz: 0.2}", r"loss.surrogate_params.epz: not a parameter here; choose from .*eps_low"),
     ("loss.surrogate_params={eps_high: 1.0e9}", r"eps_high='1.0e9': must be float .*exponent with a sign"),
