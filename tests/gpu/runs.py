@@ -35,10 +35,17 @@ STEP_KEYS = ("loss/policy", "rollout/reward_mean", "mismatch/kl_k3")
 
 
 def _env() -> dict:
-    """A GPU run's environment: torch.compile on (the CPU lane's off switch dropped), as
-    pretrain_rl.py leaves it beside a GPU."""
-    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
-    return {**env, "OMP_NUM_THREADS": "4", "PYTHONPATH": os.pathsep.join(
+    """The runs' environment, with torch.compile as pretrain_rl.py has it: on beside a GPU (the CPU
+    lane's off switch dropped), off without one (tests/e2e/test_gpu_lane_on_cpu.py runs these runs
+    on the CPU, where megatron's fusions would take minutes to compile)."""
+    import torch
+
+    env = dict(os.environ)
+    if torch.cuda.is_available():
+        env.pop("TORCHDYNAMO_DISABLE", None)
+    else:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    return {**env, "OMP_NUM_THREADS": "4" if torch.cuda.is_available() else "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
 
 
