@@ -164,3 +164,44 @@ def test_make_batch_on_the_synthetic_rollout(tmp_path):
     assert out["shape"] == [4, 11] and out["masked"] == 4 * 7  # 5 + 7 tokens -> 11 inputs per row
     assert out["rows"] == [0, 1, 2, 3] and out["mbs"] == 2 and out["engine"] == "EmbeddedEngine"
     assert all(a != 0 for a in out["adv"])  # a mixed group: every sample has an advantage
+
+
+_BENCH_FLOW = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("rl_step_gpu", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+from megatron_rl.parallel import ParallelConfig, destroy_parallel, init_distributed, init_parallel
+from megatron_rl.platform import apply_platform_workarounds
+apply_platform_workarounds()
+init_distributed("gloo")
+groups = init_parallel(ParallelConfig(), seed=1)
+args = mod.parse_args(["--rows", "4", "--prompt-len", "5", "--response-len", "7", "--micro-batch-size", "2",
+                       "--num-minibatches", "2", "--warmup", "1", "--repeats", "1", "--tmp-dir", sys.argv[2]])
+try:
+    r = mod.bench_preset("tiny", args, groups)
+finally:
+    destroy_parallel()
+print(json.dumps({k: r[k] for k in ("phases_s", "plain_lm_s", "update_s", "summary", "finite_loss", "engine_sync",
+                                      "tokens_per_step")}))
+"""
+
+
+@pytest.mark.slow  # a subprocess that builds the tiny trainer and engine and runs two steps (~15 s)
+def test_the_whole_timed_step_runs_on_the_tiny_preset(tmp_path):
+    """bench_preset end to end on the CPU (one gloo process): every phase of the trainer's step, the
+    engine sync and the plain megatron LM step run and are reported, with a finite loss. It
+    checks the benchmark's code path only; its times here are not a measurement."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = subprocess.run([sys.executable, "-c", _BENCH_FLOW, SCRIPT, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(port),
+                              "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(out["phases_s"]) == {"make_batch", "old_logprobs", "train_pass", "optimizer", "sync", "step_metrics"}
+    assert all(t >= 0 for t in out["phases_s"].values()) and out["plain_lm_s"] > 0 and out["update_s"] > 0
+    assert out["finite_loss"] and out["engine_sync"] and out["tokens_per_step"] == 4 * 11
+    assert out["summary"]["train_vs_lm"] > 0 and 0 <= out["summary"]["non_model_share"] < 1
+    assert list(tmp_path.iterdir()) == []   # the temporary run_dir is removed
