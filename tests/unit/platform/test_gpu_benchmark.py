@@ -121,6 +121,20 @@ def test_timed_optimizer_steps_restores_the_method():
     assert len(times) == 2 and "step" not in vars(opt)
 
 
+def _one_gloo_process(script: str, tmp_path) -> dict:
+    """Run `script` (argv: this benchmark's path, tmp_path) as one gloo process on the CPU; the JSON
+    object on its last stdout line."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = subprocess.run([sys.executable, "-c", script, SCRIPT, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(port),
+                              "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 _MAKE_BATCH = """
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("rl_step_gpu", sys.argv[1])
@@ -152,15 +166,7 @@ finally:
 def test_make_batch_on_the_synthetic_rollout(tmp_path):
     """The trainer's setup + make_batch on the benchmark's config and rollout (tiny preset, CPU, one
     gloo process in a subprocess): the shapes the timed phases would get. No timing."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    run = subprocess.run([sys.executable, "-c", _MAKE_BATCH, SCRIPT, str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, check=False,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(port),
-                              "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": ROOT})
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = _one_gloo_process(_MAKE_BATCH, tmp_path)
     assert out["shape"] == [4, 11] and out["masked"] == 4 * 7  # 5 + 7 tokens -> 11 inputs per row
     assert out["rows"] == [0, 1, 2, 3] and out["mbs"] == 2 and out["engine"] == "EmbeddedEngine"
     assert all(a != 0 for a in out["adv"])  # a mixed group: every sample has an advantage
@@ -191,15 +197,7 @@ def test_the_whole_timed_step_runs_on_the_tiny_preset(tmp_path):
     """bench_preset end to end on the CPU (one gloo process): every phase of the trainer's step, the
     engine sync and the plain megatron LM step run and are reported, with a finite loss. It
     checks the benchmark's code path only; its times here are not a measurement."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    run = subprocess.run([sys.executable, "-c", _BENCH_FLOW, SCRIPT, str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, check=False,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(port),
-                              "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": ROOT})
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = _one_gloo_process(_BENCH_FLOW, tmp_path)
     assert set(out["phases_s"]) == {"make_batch", "old_logprobs", "train_pass", "optimizer", "sync", "step_metrics"}
     assert all(t >= 0 for t in out["phases_s"].values()) and out["plain_lm_s"] > 0 and out["update_s"] > 0
     assert out["finite_loss"] and out["engine_sync"] and out["tokens_per_step"] == 4 * 11
