@@ -173,7 +173,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                     vocab_start=vocab_start + v0, inv_temp=inv_temp, zbuf=zbuf, ebuf=ebuf, kernels=kernels,
                     out_dtype=weight.dtype if low_g else acc)
                 if dh_acc is not None:   # ∂L/∂h = Σ_b G_b W_b / temperature
-                    add_product(dh_acc[:sl.stop - s], g, w_b, fresh=j == 0, alpha=inv_temp, mixed=low_g)
+                    add_hidden_grad(dh_acc[:sl.stop - s], g, w_b, fresh=j == 0, alpha=inv_temp, mixed=low_g)
                 elif need_h:   # one block: G W / temperature straight into ∂L/∂h
                     if g.dtype == weight.dtype == hidden.dtype:   # fp32, or bf16 G on the compiled path
                         torch.mm(g, weight, out=d_hidden[sl])
@@ -182,8 +182,8 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                     if inv_temp != 1.0:
                         d_hidden[sl].mul_(inv_temp)
                 if need_w:   # ∂L/∂W_b += G_bᵀ h / temperature  (the first chunk initialises a fresh buffer)
-                    add_product(d_weight[v0:v1], g.t(), hidden[sl], fresh=s == 0 and not into_main,
-                                alpha=inv_temp, mixed=low_g)
+                    add_weight_grad(d_weight[v0:v1], g, hidden[sl], fresh=s == 0 and not into_main,
+                                    alpha=inv_temp, mixed=low_g)
             if dh_acc is not None:
                 d_hidden[sl] = dh_acc[:sl.stop - s]
         if need_w and n_tok == 0 and not into_main:
@@ -197,24 +197,44 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         return d_hidden, d_weight, None, None, None, None, None, None, None, None, None
 
 
-def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, fresh: bool, alpha: float,
-                mixed: bool) -> None:
-    """`out = alpha · a b` (fresh) or `out += alpha · a b`, summed in `out`'s dtype (fp32).
+def add_weight_grad(out: torch.Tensor, g: torch.Tensor, h: torch.Tensor, *, fresh: bool, alpha: float,
+                    mixed: bool) -> None:
+    """`out = alpha · Gᵀ h` (fresh) or `out += alpha · Gᵀ h`, summed in `out`'s dtype (fp32).
 
-    mixed: `a` and `b` are bf16 and the device adds their product into `out` with fp32
-    accumulation (`mixed_addmm`: tensor-core rate, no rounding of the sum). Otherwise both are
-    upcast exactly to `out`'s dtype first (`a` is then usually already fp32), and alpha scales `b`
-    (the smaller operand where this is used: a hidden-state chunk or one vocab block).
+    `g [n, V_b]`, `h [n, H]`, `out [V_b, H]` (rows of the weight gradient or of `main_grad`).
+    mixed: `g` and `h` are bf16 and the device adds their product into `out` with fp32
+    accumulation (`mixed_addmm`: tensor-core rate, the sum never rounded). Otherwise `g` is already
+    in `out`'s dtype and `h` (a token tile, the small operand) is upcast exactly and scaled.
     """
     if mixed:
-        torch.addmm(out, a, b, out_dtype=out.dtype, beta=0.0 if fresh else 1.0, alpha=alpha, out=out)
+        torch.addmm(out, g.t(), h, out_dtype=out.dtype, beta=0.0 if fresh else 1.0, alpha=alpha, out=out)
         return
-    a, b = a.to(out.dtype), b.to(out.dtype)
-    b = b if alpha == 1.0 else b * alpha
+    h = h.to(out.dtype)
+    h = h if alpha == 1.0 else h * alpha
     if fresh:
-        torch.mm(a, b, out=out)
+        torch.mm(g.t(), h, out=out)
     else:
-        out.addmm_(a, b)
+        out.addmm_(g.t(), h)
+
+
+def add_hidden_grad(out: torch.Tensor, g: torch.Tensor, w: torch.Tensor, *, fresh: bool, alpha: float,
+                    mixed: bool) -> None:
+    """`out = alpha · G W_b` (fresh) or `out += alpha · G W_b`: one vocab block's part of `∂L/∂h`,
+    summed over the blocks in `out`'s dtype (fp32).
+
+    `g [n, V_b]`, `w [V_b, H]`, `out [n, H]`. mixed: as in `add_weight_grad`. Where `g` and `w`
+    share a dtype (fp32 runs), one addmm. Otherwise (fp16, or bf16 without `mixed_addmm`) `g` is
+    rounded to `w`'s dtype and the product runs at its tensor-core rate, as the one-block path
+    does, rather than copying the `[V_b, H]` block up to fp32; only the block sums are added in fp32.
+    """
+    if mixed:
+        torch.addmm(out, g, w, out_dtype=out.dtype, beta=0.0 if fresh else 1.0, alpha=alpha, out=out)
+    elif g.dtype == w.dtype == out.dtype:
+        torch.addmm(out, g, w, beta=0.0 if fresh else 1.0, alpha=alpha, out=out)
+    elif fresh:
+        torch.mul(torch.mm(g.to(w.dtype), w), alpha, out=out)
+    else:
+        out.add_(torch.mm(g.to(w.dtype), w), alpha=alpha)
 
 
 def _accumulates_into_main_grad(weight: torch.Tensor, acc: torch.dtype) -> bool:

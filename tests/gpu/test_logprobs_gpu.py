@@ -64,11 +64,13 @@ def test_fp32_accurate_logprobs_on_the_gpu(dtype, kernels):
     torch.testing.assert_close(dw.double(), dw64, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("grad_tile", [None, (256, 5000)], ids=["auto-tiles", "small-tiles"])
 @pytest.mark.parametrize("kernels", ["auto", None], ids=["compiled", "eager"])
-def test_bf16_weight_gradient_accumulates_in_fp32_into_main_grad(kernels):
+def test_bf16_weight_gradient_accumulates_in_fp32_into_main_grad(kernels, grad_tile):
     """Under megatron DDP (fp32 main_grad): the bf16 Gᵀh products are added in fp32 into main_grad
     (mixed_addmm on the compiled path), matching the float64 weight gradient to fp32-level error
-    plus G's bf16 rounding, never bf16-rounded as a whole."""
+    plus G's bf16 rounding, never bf16-rounded as a whole. Small tiles: four token tiles add into
+    the same rows of main_grad, in vocab blocks with a narrower last one."""
     g = torch.Generator(device="cuda").manual_seed(1)
     n, hidden, vocab = 1024, 256, 32_000
     h = torch.randn(n, hidden, device="cuda", generator=g).bfloat16()
@@ -76,7 +78,8 @@ def test_bf16_weight_gradient_accumulates_in_fp32_into_main_grad(kernels):
     y = torch.randint(0, vocab, (n,), device="cuda", generator=g)
     weight = w.clone().requires_grad_()
     weight.main_grad = torch.zeros(vocab, hidden, device="cuda")
-    out = token_logprobs_and_entropy(h, weight, y, chunk_size=256, temperature=0.8, kernels=kernels)
+    out = token_logprobs_and_entropy(h, weight, y, chunk_size=256, temperature=0.8, grad_tile=grad_tile,
+                                     kernels=kernels)
     (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
     assert weight.grad is None
     w64 = w.double().requires_grad_()

@@ -348,3 +348,52 @@ def test_peak_memory_is_chunk_sized_not_logits_sized(grad_tile):
     assert res.returncode == 0, res.stderr
     peak = int(res.stdout.strip().splitlines()[-1])
     assert peak < 96 * 2**20, f"peak RSS grew by {peak / 2**20:.0f} MiB"
+
+
+def _cuda_like_addmm(real, calls: list):
+    """torch.addmm plus the form a GPU has and the CPU lacks: bf16 operands, an fp32 `out_dtype`,
+    in place, the bf16 products summed in fp32 (what `mixed_addmm` probes for). Every other call
+    goes to torch; `calls` counts the mixed ones."""
+    def addmm(c, a, b, *, out_dtype=None, beta=1.0, alpha=1.0, out=None):
+        if out_dtype is None:
+            return real(c, a, b, beta=beta, alpha=alpha, out=out)
+        assert a.dtype == b.dtype == torch.bfloat16 and out_dtype == out.dtype == torch.float32 and out is c
+        assert beta in (0.0, 1.0)
+        prod = (a.float() @ b.float()).mul_(alpha)
+        out.copy_(prod) if beta == 0.0 else out.add_(prod)
+        calls.append(tuple(out.shape))
+        return out
+    return addmm
+
+
+@pytest.mark.parametrize("grad_tile", [None, (8, 40), (5, 211)], ids=["auto", "tiles", "ragged-tiles"])
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_the_gpu_weight_gradient_path_with_a_cuda_like_addmm(monkeypatch, grad_tile, main_grad):
+    """The compiled path's bf16 branch (G in bf16, both gradient GEMMs as fp32-accumulating addmm
+    into `main_grad` or a fresh buffer, ∂L/∂h summed over vocab blocks in fp32), which only a GPU
+    takes, run here on the CPU through a stand-in for the GPU's mixed addmm: equal to float64
+    within bf16 rounding of G, with kept sets, temperature 0.7 and one or several vocab blocks."""
+    from megatron_rl.logprobs import fused
+
+    calls: list = []
+    monkeypatch.setattr(fused, "mixed_addmm", lambda *args: True)
+    monkeypatch.setattr(torch, "addmm", _cuda_like_addmm(torch.addmm, calls))
+    h, w, y = _inputs(seed=31, n=40, vocab=500, hidden=32)
+    h, w = h.bfloat16(), (w * 0.5).bfloat16()
+    kept = _kept_sets(y, 500, 5, seed=32)
+    grads = [torch.ones(40), torch.full((40,), 0.1), torch.full((40,), 0.3)]
+    f64 = _run(reference_logprobs_and_entropy, h.double(), w.double(), y, grads, kept_ids=kept, temperature=0.7)
+    weight, hh = w.clone().requires_grad_(), h.clone().requires_grad_()
+    if main_grad:
+        weight.main_grad = torch.ones(w.shape)
+    out = token_logprobs_and_entropy(hh, weight, y, kept_ids=kept, temperature=0.7, chunk_size=16,
+                                     grad_tile=grad_tile, kernels=PURE)
+    sum(((o * g).sum() for o, g in zip(out, grads)), torch.zeros(())).backward()
+    assert calls, "the mixed addmm branch did not run"
+    for a, b in zip(out, f64[0]):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0)
+    dw = weight.main_grad - 1.0 if main_grad else weight.grad
+    assert (weight.grad is None) == main_grad
+    scale = f64[2].abs().max()
+    assert (dw.double() - f64[2]).abs().max() <= 1e-2 * scale
+    assert (hh.grad.double() - f64[1]).abs().max() <= 1e-2 * f64[1].abs().max()
