@@ -15,8 +15,8 @@ plus the gradients of `hidden` and `weight`, whatever N is; under megatron DDP t
 is accumulated straight into the parameter's fp32 `main_grad` (`_accumulates_into_main_grad`),
 with no buffer. The price is one extra output-projection GEMM (4 instead of 3). Tiles of many
 tokens by a block of the vocabulary keep the weight-gradient GEMM compute-bound at that memory
-(`auto_grad_tile`). See `chunk_math` for the formulas
-and the TP all-reduces, `compiled_math` for the compiled chunk math a GPU runs.
+(`auto_grad_tile`). See `chunk_math` for the formulas and the TP all-reduces, `compiled_math` for
+the compiled chunk math a GPU runs.
 
 Tensor parallelism (megatron `ColumnParallelLinear` layout: TP rank r holds vocabulary rows
 `[r·V/TP, (r+1)·V/TP)` of the output weight; `hidden` is the full sequence, replicated on the TP

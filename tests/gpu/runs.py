@@ -40,12 +40,11 @@ def _env() -> dict:
     on the CPU, where megatron's fusions would take minutes to compile)."""
     import torch
 
-    env = dict(os.environ)
-    if torch.cuda.is_available():
-        env.pop("TORCHDYNAMO_DISABLE", None)
-    else:
+    cuda = torch.cuda.is_available()
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    if not cuda:
         env["TORCHDYNAMO_DISABLE"] = "1"
-    return {**env, "OMP_NUM_THREADS": "4" if torch.cuda.is_available() else "1", "PYTHONPATH": os.pathsep.join(
+    return {**env, "OMP_NUM_THREADS": "4" if cuda else "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
 
 
