@@ -87,8 +87,8 @@ def cases() -> dict[str, list[str]]:
 
 
 def run_cases(rank: int, world: int, cases: dict[str, list[str]], run_root: str, extra: list[str] = ()) -> dict:
-    """In a spawned rank (tests.spawn.run_ranks): run every case; return
-    {case: [{key: value} for each step]} with the values of KEYS each step reported.
+    """In a spawned rank (tests.spawn.run_ranks): run every case; return {"numerics": numerics(),
+    "values": {case: [{key: value} for each step]}} with the values of KEYS each step reported.
     extra: overrides applied after every case's own (negative controls, experiments)."""
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
@@ -106,12 +106,13 @@ def run_cases(rank: int, world: int, cases: dict[str, list[str]], run_root: str,
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
         out[name] = [{k: row[k] for k in KEYS if k in row} for row in rows]
-    return out
+    return {"numerics": numerics(), "values": out}
 
 
 def run_fresh(run_root: str, cases_: dict[str, list[str]] | None = None, extra: list[str] = (),
               timeout: float = 900.0) -> dict:
-    """run_cases in one fresh single-rank process (deterministic thread count, clean globals)."""
+    """run_cases in one fresh single-rank process (deterministic thread count, clean globals):
+    {"numerics": ..., "values": ...}."""
     from tests.spawn import run_ranks
 
     [out] = run_ranks(run_cases, world_size=1, timeout=timeout, cases=cases_ if cases_ is not None else cases(),
@@ -120,12 +121,9 @@ def run_fresh(run_root: str, cases_: dict[str, list[str]] | None = None, extra: 
 
 
 def versions() -> dict[str, str]:
-    """The stack the numbers depend on: packages, and the CPU kernels torch dispatches to (AVX2 and
-    AVX512 kernels round differently, and the bf16 engine and sampling amplify such differences)."""
+    """The software the numbers depend on (the CPU's part is `numerics()`)."""
     import platform
     from importlib.metadata import PackageNotFoundError, version
-
-    import torch
 
     out = {}
     for pkg in ("torch", "megatron-core", "transformers"):
@@ -135,8 +133,29 @@ def versions() -> dict[str, str]:
             out[pkg] = "missing"
     out["python"] = platform.python_version()
     out["machine"] = platform.machine()
-    out["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return out
+
+
+def numerics() -> dict[str, str]:
+    """What the golden numbers depend on in the CPU: torch's kernel capability (AVX2, AVX512, ...)
+    and a hash of a probe of the kernels the run uses (fp32 and bf16 matmuls, which MKL and oneDNN
+    pick by CPU, and torch's vectorised math), computed in the calling process (the golden run's
+    own, one thread). Two machines with equal values give the same golden numbers."""
+    import hashlib
+
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(37, 64, generator=g), torch.randn(96, 64, generator=g)
+    x = torch.randn(8, 151, generator=g) * 4
+    outs = [a @ b.t(), F.linear(a, b), a.bfloat16() @ b.bfloat16().t(), F.linear(a.bfloat16(), b.bfloat16()),
+            x.log_softmax(-1), x.softmax(-1), x.exp(), x.abs().log1p(), x.tanh(), F.silu(x), x.abs().rsqrt(),
+            x.sum(-1), x.cumsum(-1), x.bfloat16().float(), x.bfloat16().softmax(-1)]
+    digest = hashlib.sha256()
+    for t in outs:
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "probe": digest.hexdigest()[:16]}
 
 
 def sanity(values: dict) -> list[str]:
@@ -160,25 +179,41 @@ def sanity(values: dict) -> list[str]:
     return problems
 
 
-def golden_document(values: dict) -> dict:
+def golden_document(records: list[dict]) -> dict:
     return {
         "description": "Per-step metrics of a 3-step single-rank CPU RL run for every loss recipe and for "
-                       "R2/R3 router replay; compared by tests/e2e/test_golden.py. Regenerate with "
-                       "`python tools/record_golden.py` (see tests/golden.py).",
+                       "R2/R3 router replay, one record per CPU numerics; compared by tests/e2e/test_golden.py. "
+                       "Regenerate with `python tools/record_golden.py` (see tests/golden.py).",
         "steps": STEPS,
         "config": {"base_overrides": BASE, "cases": cases(), "reward": "fraction of digits in the response",
                    "process": "one fresh single-rank gloo process, OMP_NUM_THREADS=1, torch threads 1"},
         "keys": list(KEYS),
-        "versions": versions(),
-        "values": values,
+        "records": records,
     }
 
 
-def write_golden(values: dict, path: str = GOLDEN_PATH) -> None:
+def matches(record: dict, numerics_: dict) -> bool:
+    """A record applies to a machine whose numerics() agree with every field the record has (the
+    first record, from before the probe existed, has only the capability)."""
+    return all(numerics_.get(k) == v for k, v in record["numerics"].items())
+
+
+def find_record(golden: dict, numerics_: dict) -> dict | None:
+    return next((r for r in golden["records"] if matches(r, numerics_)), None)
+
+
+def write_golden(run: dict, path: str = GOLDEN_PATH, keep_other_cpus: bool = False) -> None:
+    """Write run_fresh's result as the record of its numerics. The records of other CPUs are dropped
+    (numbers recorded before a change of the math are stale) unless keep_other_cpus (adding a CPU,
+    or refreshing one, with the math unchanged)."""
+    here = {"numerics": run["numerics"], "versions": versions(), "values": run["values"]}
+    others = []
+    if keep_other_cpus and os.path.exists(path):
+        others = [r for r in load_golden(path)["records"] if not matches(r, run["numerics"])]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         # json writes floats with repr(): the shortest string that round-trips the exact double
-        json.dump(golden_document(values), f, indent=1)
+        json.dump(golden_document(others + [here]), f, indent=1)
         f.write("\n")
 
 
