@@ -3,17 +3,27 @@
     # HF -> mcore (the checkpoint loads at any TP/EP/PP layout later: dist_checkpointing reshards)
     python tools/convert_hf_to_mcore.py --hf-dir Qwen3-30B-A3B --mcore-dir ckpt/qwen3moe
     torchrun --nproc_per_node=2 tools/convert_hf_to_mcore.py --hf-dir ... --mcore-dir ... --expert-model-parallel-size 2
-    # mcore -> HF (config.json comes from --arch-from, an HF dir or the checkpoint's saved arch)
-    python tools/convert_hf_to_mcore.py --reverse --mcore-dir ckpt/qwen3moe/iter_0000000 --hf-dir out_hf
+    # mcore -> HF, into a new (or empty) folder; the tokenizer files come from --arch-from
+    python tools/convert_hf_to_mcore.py --reverse --mcore-dir runs/rl/checkpoints/iter_0000100 --hf-dir rl_hf --arch-from Qwen3-30B-A3B
 
 The mcore checkpoint is our trainer's format (megatron_rl.trainer.checkpoint): usable as
-`train.init_checkpoint` of pretrain_rl.py. Supported families: see docs/models.md (Qwen3,
-Qwen3-MoE, Llama 3, Qwen2/2.5, Mixtral).
+`train.init_checkpoint` of pretrain_rl.py, and the trainer's own checkpoints (RL, SFT) export
+with --reverse (their optimizer state is ignored). Supported families: see docs/models.md
+(Qwen3, Qwen3-MoE, Llama 3, Qwen2/2.5, Mixtral, DeepSeek-V3).
 HF -> mcore streams: the model is built on the meta device (shapes only) and each tensor is read,
 converted through the weight mapping (megatron_rl/model/mappings) and written when megatron's
 writer reaches it (megatron_rl/trainer/lazy_save.py), so peak memory is about the largest
 tensor, not the model (benchmarks/convert_memory.py). mcore -> HF loads the model, then streams
 the export.
+
+--reverse writes --hf-dir and never reads it. An --hf-dir that exists and is not empty is
+refused (exit code 2) unless --overwrite is given, which replaces the whole folder once the
+export is complete. The architecture (config.json) is the one the checkpoint records (this
+tool's and the trainer's checkpoints do); for a checkpoint that does not, --arch-from HF_DIR
+names the HF model folder whose config.json it is. The tokenizer and generation files found in
+--arch-from (tokenizer.json, tokenizer_config.json, special_tokens_map.json, vocab.json,
+merges.txt, tokenizer.model, generation_config.json, chat_template.jinja) are copied into the
+export, so that it loads with `transformers` as a whole model.
 """
 from __future__ import annotations
 
@@ -23,13 +33,25 @@ import os
 import sys
 import warnings
 
+# What an HF model folder holds besides config.json and the weights that `transformers` needs to
+# use an export: --reverse copies those that --arch-from has.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf-dir", required=True, help="HF checkpoint directory (input, or output with --reverse)")
+    p.add_argument("--hf-dir", required=True,
+                   help="HF checkpoint directory: the input, or with --reverse the output (new or empty "
+                        "unless --overwrite)")
     p.add_argument("--mcore-dir", required=True,
                    help="mcore checkpoint root (output; iter_0000000 is created) or, with --reverse, the iter dir")
     p.add_argument("--reverse", action="store_true", help="mcore -> HF")
+    p.add_argument("--arch-from", metavar="HF_DIR",
+                   help="with --reverse: the HF model folder whose config.json is the architecture (when the "
+                        "checkpoint does not record it) and whose tokenizer files are copied into the export")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --reverse: replace an existing, non-empty --hf-dir (everything in it is deleted)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -37,7 +59,75 @@ def parse_args(argv=None):
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on rank 0 (default: only when stderr is a terminal)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.reverse and (args.arch_from or args.overwrite):
+        p.error("--arch-from and --overwrite apply to --reverse only")
+    return args
+
+
+def occupied(path: str) -> bool:
+    """Whether `path` holds something an export would destroy: a file, a link, or a folder with
+    anything in it (a missing or empty folder is free to write)."""
+    if not os.path.lexists(path):
+        return False
+    return os.path.islink(path) or not os.path.isdir(path) or bool(os.listdir(path))
+
+
+def inside(path: str, folder: str) -> bool:
+    """Whether `path` is `folder` or lies under it (links resolved)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def tokenizer_files(hf_dir: str | None) -> dict[str, str]:
+    """{source path: name in the export} for the TOKENIZER_FILES that `hf_dir` holds."""
+    if hf_dir is None:
+        return {}
+    return {os.path.join(hf_dir, n): n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, n))}
+
+
+class Refused(Exception):
+    """A reason not to start, printed as one line (exit code 2)."""
+
+
+def check_output(args) -> None:
+    """Refuse to write --hf-dir when the export would destroy something. Checked on every rank
+    before any work: the export replaces the folder, so one that holds anything (the HF model it
+    came from, `.`, a home directory) is replaced only when asked to with --overwrite."""
+    if not occupied(args.hf_dir):
+        return
+    if not args.overwrite:
+        raise Refused(f"--hf-dir {args.hf_dir} exists and is not empty; export to a new folder, or pass "
+                      f"--overwrite to replace it (everything in it is deleted)")
+    if inside(args.mcore_dir, args.hf_dir):
+        raise Refused(f"--hf-dir {args.hf_dir} holds --mcore-dir {args.mcore_dir}; --overwrite would delete "
+                      f"the checkpoint")
+
+
+def reverse_arch(extra: dict, arch_from: str | None):
+    """The checkpoint's architecture (a ModelArch): the one it records (this tool's and the
+    trainer's checkpoints do), else --arch-from's config.json. Never the output folder's: reading
+    it is what invited exporting into the source model."""
+    from megatron_rl.model import ModelArch
+    from megatron_rl.model.hf_io import load_arch
+
+    if arch_from is not None and not os.path.isdir(arch_from):
+        raise Refused(f"--arch-from {arch_from} is not a folder")
+    if "arch" in extra:
+        return ModelArch(**extra["arch"])
+    if arch_from is None:
+        raise Refused("the checkpoint does not record its architecture; pass --arch-from HF_DIR, the HF model "
+                      "folder holding its config.json")
+    if not os.path.isfile(os.path.join(arch_from, "config.json")):
+        raise Refused(f"--arch-from {arch_from} has no config.json")
+    return load_arch(arch_from)
+
+
+def refuse(message: str) -> int:
+    """Print `message` (on rank 0 of a launch only: one line, not one per rank); exit code 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"convert_hf_to_mcore.py: error: {message}", file=sys.stderr)
+    return 2
 
 
 def progress_bar(enabled: bool, **kw):
@@ -60,11 +150,19 @@ def counted(items, bar, size=lambda item: 1):
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     args = parse_args(argv)
+    arch = None
+    if args.reverse:  # refuse before the process group, the model and the load
+        from megatron_rl.trainer.checkpoint import read_extra
+
+        try:
+            check_output(args)
+            arch = reverse_arch(read_extra(args.mcore_dir), args.arch_from)  # JSON: nothing is unpickled
+        except Refused as e:
+            return refuse(str(e))
+    import torch
     import torch.distributed as dist
 
-    from megatron_rl.model import BuildOptions, ModelArch, build_gpt_model
-    import torch
-
+    from megatron_rl.model import BuildOptions, build_gpt_model
     from megatron_rl.model.hf_io import (
         SafetensorsReader,
         export_hf_weights,
@@ -74,7 +172,7 @@ def main(argv=None) -> int:
     )
     from megatron_rl.parallel import ParallelConfig, destroy_parallel, init_distributed, init_parallel
     from megatron_rl.platform import apply_platform_workarounds
-    from megatron_rl.trainer.checkpoint import load_checkpoint, read_extra, save_checkpoint
+    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.lazy_save import make_materializing_save
 
     apply_platform_workarounds()
@@ -108,20 +206,12 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(f"wrote {out} ({arch.arch}, {sum(p.numel() for p in model.parameters())} params on rank 0)")
         else:
-            extra = read_extra(args.mcore_dir)  # JSON: nothing in a checkpoint is unpickled
-            if "arch" in extra:
-                arch = ModelArch(**extra["arch"])
-            elif os.path.exists(os.path.join(args.hf_dir, "config.json")):
-                arch = load_arch(args.hf_dir)
-            else:
-                print("the checkpoint does not record its architecture; pass an --hf-dir holding its "
-                      "config.json", file=sys.stderr)
-                return 2
             model = build_gpt_model(arch, groups, BuildOptions(dtype=args.dtype))
-            load_checkpoint(args.mcore_dir, model)
+            load_checkpoint(args.mcore_dir, model)  # the model only: a trainer checkpoint's optimizer stays
             bar = progress_bar(show, unit="tensor", desc="export")
             save_hf_checkpoint(args.hf_dir, arch, counted(export_hf_weights(model, arch, groups), bar),
-                               write=rank == 0)
+                               write=rank == 0, extra_files=tokenizer_files(args.arch_from),
+                               overwrite=args.overwrite)
             if bar is not None:
                 bar.close()
             if rank == 0:

@@ -202,5 +202,17 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     return _build(RunConfig, data, "")
 
 
+REDACTED = "<redacted>"
+
+
 def config_to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data, for printing and for the copy each checkpoint keeps, with its
+    secrets replaced by "<redacted>": `rollout.vllm.api_key` and the values of `rollout.vllm.env`
+    (which may carry tokens such as HF_TOKEN). Checkpoints are copied and shared; keys are not."""
+    data = dataclasses.asdict(cfg)
+    vllm = data.get("rollout", {}).get("vllm") or {}
+    if vllm.get("api_key") is not None:
+        vllm["api_key"] = REDACTED
+    if isinstance(vllm.get("env"), dict):
+        vllm["env"] = {k: REDACTED for k in vllm["env"]}
+    return data

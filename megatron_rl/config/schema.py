@@ -247,6 +247,9 @@ class TrainSection:
     run_dir: logs, TensorBoard events, checkpoints (run_dir/checkpoints).
     resume: continue from run_dir/checkpoints/latest when it exists. A fresh run (resume=false)
         in a run_dir that holds checkpoints moves them to run_dir/checkpoints/previous/<time>/.
+        A resume refuses a config that changes what the remaining steps compute (model, data,
+        loss, sampling, optimizer, seeds, schedule: megatron_rl/trainer/resume_check.py).
+    allow_config_change: resume even so, with the new values (default false).
     init_checkpoint: start RL from this checkpoint dir's model weights (e.g. the SFT result).
     schedule: when rollouts are generated (megatron_rl/trainer/schedule.py): "sync" (default:
         generate, update, sync weights, every step) | "staged" (µ-GRPO: `stages` stages, each
@@ -267,6 +270,7 @@ class TrainSection:
     keep_checkpoints: int = 2
     run_dir: str = "runs/rl"
     resume: bool = True
+    allow_config_change: bool = False
     init_checkpoint: str | None = None
     schedule: str = "sync"
     stages: int = 4
@@ -284,6 +288,7 @@ class TrainSection:
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"train.run_dir={self.run_dir!r}: name a directory")
         checks.boolean("train.resume", self.resume)
+        checks.boolean("train.allow_config_change", self.allow_config_change)
         checks.choice("train.schedule", self.schedule, ("sync", "staged", "async"))
         checks.integer("train.stages", self.stages, lo=1)
         checks.integer("train.max_staleness", self.max_staleness, lo=1)

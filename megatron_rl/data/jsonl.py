@@ -20,6 +20,7 @@ so it is a pure function of (seed, step, size) and a resume at step k replays ex
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -181,14 +182,17 @@ class JsonlPrompts:
         return order
 
     def state_dict(self) -> dict:
+        """What identifies the source: rows, seed, shuffle and a sha256 of the rows' content
+        (prompt, label, task, in order; the file's path and formatting do not count)."""
+        content = hashlib.sha256(json.dumps([[e.prompt, e.label, e.task] for e in self.examples]).encode())
         return {"kind": "JsonlPrompts", "path": self.path, "rows": len(self.examples),
-                "seed": self.seed, "shuffle": self.shuffle}
+                "seed": self.seed, "shuffle": self.shuffle, "sha256": content.hexdigest()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Check a checkpoint's source against this one (same row count, seed, shuffle; the path
-        may move). Raises ValueError naming what differs."""
+        """Check a checkpoint's source against this one (same rows, content, seed, shuffle; the
+        path may move). Raises ValueError naming what differs."""
         mine = self.state_dict()
-        diffs = [k for k in ("rows", "seed", "shuffle") if state.get(k) != mine[k]]
+        diffs = [k for k in ("rows", "sha256", "seed", "shuffle") if k in state and state[k] != mine[k]]
         if diffs:
             raise ValueError(
                 "the checkpoint was trained on different JSONL prompts ("

@@ -36,17 +36,12 @@ from __future__ import annotations
 
 import torch
 
-
-def unwrap_gpt_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Strip megatron wrappers (DDP, Float16Module: each keeps the wrapped model in `.module`)."""
-    while not hasattr(model, "output_layer") and hasattr(model, "module"):
-        model = model.module
-    return model
+from megatron_rl.model.builder import unwrap_model
 
 
 def output_weight(model: torch.nn.Module) -> torch.Tensor:
     """This TP rank's output-layer weight `[V/TP, H]` (the embedding weight when tied)."""
-    gpt = unwrap_gpt_model(model)
+    gpt = unwrap_model(model)
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
     return gpt.output_layer.weight
@@ -63,7 +58,7 @@ def gpt_hidden_states(model: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
         whose backward performs the TP reduction megatron's output layer would have done.
         Pair with `labels.t()` (`[S, B]`) and `output_weight(model)`.
     """
-    gpt = unwrap_gpt_model(model)
+    gpt = unwrap_model(model)
     layer = getattr(gpt, "output_layer", None)
     if layer is None or not getattr(gpt, "post_process", True):
         raise ValueError("model has no output layer on this pipeline stage")

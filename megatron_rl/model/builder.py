@@ -394,3 +394,11 @@ def causal_mask(seq_len: int, device=None) -> torch.Tensor:
     """[1, 1, S, S] boolean mask, True = masked (megatron's local attention convention)."""
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1).view(
         1, 1, seq_len, seq_len)
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's wrappers (DDP, Float16Module: each keeps what it wraps in
+    `.module`). Checkpoints and weight export use its names, the same whatever wraps it."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

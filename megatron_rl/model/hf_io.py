@@ -21,16 +21,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.model.builder import unwrap_model
 from megatron_rl.model.mappings import Kind, Param, Scope, from_shards, mapping_for, to_local_shard
 from megatron_rl.parallel import ParallelGroups
-
-
-def unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
 
 # Buffers that are model state a checkpoint carries: the sigmoid router's score-correction bias
 # (megatron-core's `expert_bias`, HF's `e_score_correction_bias`).
@@ -39,7 +32,7 @@ _STATE_BUFFERS = ("expert_bias",)
 
 def mapped_tensors(model) -> dict[str, torch.Tensor]:
     """Name -> tensor of everything the HF mapping covers: the parameters and the state buffers."""
-    m = unwrap(model)
+    m = unwrap_model(model)
     out = dict(m.named_parameters())
     out.update((n, b) for n, b in m.named_buffers() if n.rsplit(".", 1)[-1] in _STATE_BUFFERS)
     return out
@@ -191,15 +184,17 @@ def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def _from_stage(tensors: list[torch.Tensor] | None, owner: int, groups: ParallelGroups) -> list[torch.Tensor]:
-    """Broadcast a list of tensors from pipeline stage `owner` to every stage."""
+def _from_stage(tensors: list[torch.Tensor] | None, owner: int, groups: ParallelGroups,
+                device: torch.device) -> list[torch.Tensor]:
+    """Broadcast a list of tensors from pipeline stage `owner` to every stage; the other stages
+    receive into buffers on `device`, the model's (NCCL needs them on the GPU)."""
     if groups.config.pp == 1:
         return tensors
     src = dist.get_global_rank(groups.pp_group, owner)
     meta = [[(t.shape, t.dtype) for t in tensors] if tensors is not None else None]
     dist.broadcast_object_list(meta, src=src, group=groups.pp_group)
     if tensors is None:
-        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in meta[0]]
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta[0]]
     for t in tensors:
         dist.broadcast(t, src=src, group=groups.pp_group)
     return tensors
@@ -216,6 +211,7 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
     `.grad`) in the same layout, which is how tests compare sharded gradients.
     """
     params = mapped_tensors(model)
+    device = next(iter(params.values())).device
     if grads:
         params = {n: _grad_of(p) for n, p in params.items()}
     by_key = {(s.param, s.layer, s.expert): n for n, s in local_plan(model, arch, groups).items()}
@@ -236,7 +232,7 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
             owner = 0 if param.stage == "first" else pp - 1
             name = by_key.get((param, None, None))
             full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
-            for hf_name, t in zip(param.hf, _from_stage(full, owner, groups)):
+            for hf_name, t in zip(param.hf, _from_stage(full, owner, groups, device)):
                 yield hf_name, cast(t, param)
             continue
         for layer in _layers_for(param, arch, range(arch.num_layers)):
@@ -244,7 +240,7 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
             if param.scope is not Scope.EXPERT:
                 name = by_key.get((param, layer, None))
                 full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
-                full = _from_stage(full, owner, groups)
+                full = _from_stage(full, owner, groups, device)
                 for template, t in zip(param.hf, full):
                     yield template.format(layer=layer), cast(t, param)
                 continue
@@ -255,7 +251,7 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
                     mine = from_shards(param.kind, _gather(params[name], tp_group), **kw)
                     # experts j, e_local + j, 2*e_local + j, ... from every EP rank
                     full = [t for k in range(len(mine)) for t in _gather(mine[k], groups.ep_group)]
-                full = _from_stage(full, owner, groups)
+                full = _from_stage(full, owner, groups, device)
                 n_ep = len(full) // len(param.hf)
                 for k, template in enumerate(param.hf):
                     for r in range(n_ep):
@@ -326,11 +322,18 @@ def load_arch(hf_dir: str) -> ModelArch:
 
 def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[str, torch.Tensor]], *,
                        write: bool = True, max_shard_bytes: int = 2 << 30,
-                       extra_files: dict[str, str] | None = None) -> None:
+                       extra_files: dict[str, str] | None = None, overwrite: bool = False) -> None:
     """Write an HF-format checkpoint directory atomically (temp dir + rename), streaming shards.
 
-    Non-writing ranks still drain `tensors` (export is collective). `extra_files` are copied
-    in (tokenizer files). An existing `out_dir` is replaced only after the new one is complete.
+    Non-writing ranks still drain `tensors` (export is collective). `extra_files` {source: name}
+    are copied in (tokenizer files). `out_dir` may be missing or an empty folder; anything else
+    there is someone's data (the HF model exported from, a home directory), replaced only with
+    overwrite=True, else FileExistsError: raised before `tensors` is read (a collective caller
+    checks on every rank first, as tools/convert_hf_to_mcore.py does, or the other ranks would
+    wait in the export) and again by the final rename itself, which refuses a non-empty target.
+    Replacing moves the old folder into a fresh temporary folder beside it (a unique name, never a
+    fixed one like `<out_dir>.old` that may be someone's too) and deletes it only once the new
+    one is in place.
     """
     if not write:
         for _ in tensors:
@@ -338,9 +341,22 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
         return
     from safetensors.torch import save_file
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    out_dir = os.path.abspath(out_dir)  # `.` and `dir/` have a real name and parent
+    name, parent = os.path.basename(out_dir), os.path.dirname(out_dir)
+
+    def occupied() -> bool:
+        if not os.path.lexists(out_dir):
+            return False
+        return os.path.islink(out_dir) or not os.path.isdir(out_dir) or bool(os.listdir(out_dir))
+
+    def refusal() -> FileExistsError:
+        return FileExistsError(f"{out_dir} exists and is not empty; write to a new folder, or pass "
+                               f"overwrite=True to replace it")
+
+    if occupied() and not overwrite:
+        raise refusal()
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + name + "-", dir=parent)
     try:
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
@@ -353,15 +369,15 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
             files.append(f"part-{i:05d}.safetensors")
             save_file(shards[-1], os.path.join(tmp, files[-1]), metadata={"format": "pt"})
 
-        for name, t in tensors:
+        for hf_name, t in tensors:
             dtype = dtype or t.dtype
             nbytes = t.numel() * t.element_size()
             if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
                 flush()
                 shards[-1], sizes[-1] = {}, 0
-            shards[-1][name] = t.contiguous()
+            shards[-1][hf_name] = t.contiguous()
             sizes[-1] += nbytes
-            weight_map[name] = len(files)
+            weight_map[hf_name] = len(files)
         flush()
         if len(files) == 1:
             os.replace(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
@@ -380,14 +396,24 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
         hf_config.save_pretrained(tmp)
         for src, dst in (extra_files or {}).items():
             shutil.copy(src, os.path.join(tmp, dst))
-        if os.path.exists(out_dir):
-            old = out_dir + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)  # onto nothing or an empty folder; a non-empty one fails, atomically
+            return
+        except OSError:
+            if not occupied():
+                raise
+            if not overwrite:
+                raise refusal() from None
+        aside = tempfile.mkdtemp(prefix=".replaced-" + name + "-", dir=parent)
+        old = os.path.join(aside, name)
+        os.replace(out_dir, old)
+        try:
             os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        except BaseException:
+            os.replace(old, out_dir)  # put it back: the caller keeps what it had
+            os.rmdir(aside)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -11,9 +11,12 @@ Saving writes into `iter_XXXXXXX.tmp`, all ranks barrier, the manifest is comput
 and written, rank 0 renames the directory into place and only then rewrites `latest` (temp file
 + fsync + os.replace). A crash at any point leaves `latest` naming a checkpoint that loads.
 
-Loading verifies the manifest first. Nothing here unpickles code: host state is JSON, tensors go
-through dist_checkpointing, and rank 0's extra tensors (a schedule's queued rollouts) load with
-weights_only, so a crafted checkpoint cannot run code. A checkpoint that fails
+Loading verifies the manifest first. Nothing here unpickles code: host state is JSON, rank 0's
+extra tensors (a schedule's queued rollouts) load with weights_only, and megatron's own reads are
+made safe around it (`no_code_load`: `.metadata` is checked with a restricted unpickler first,
+and the load runs with torch's weights-only override), so a crafted checkpoint cannot run code.
+The model's names are the bare GPTModel's (no `module.` from the trainer's wrappers), so the
+converter's checkpoints and the trainer's are interchangeable. A checkpoint that fails
 verification is renamed `iter_XXXXXXX.corrupt` (kept for inspection, never deleted) and
 `resume_checkpoint` falls back to the newest older checkpoint of the same run that verifies.
 
@@ -25,15 +28,19 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_rl.model.builder import unwrap_model
 from megatron_rl.platform.reaping import reaped_checkpoint_queue
 from megatron_rl.trainer.manifest import MANIFEST, build_manifest, read_manifest, verify_manifest, write_json
+from megatron_rl.trainer.no_code_load import UnsafeCheckpoint, check_metadata, weights_only_torch_loads
 
 # The distributed optimizer's checkpoint layout: megatron-core's own default raises
 # "ShardedTensor.flattened_range is not supported"; this is Megatron-LM's default.
@@ -70,19 +77,25 @@ def complete_checkpoints(root: str) -> list[str]:
 
 
 def latest_checkpoint(root: str) -> str | None:
-    """The dir `root/latest` names when it exists; else the highest-step checkpoint; else None."""
+    """The dir `root/latest` names when it exists; else the highest-step checkpoint; else None.
+    `latest` may only name an `iter_NNNNNNN` dir of `root` (never `../x` or an absolute path:
+    a resume renames a damaged checkpoint, and must not reach outside `root`)."""
     marker = os.path.join(root, "latest")
     if os.path.exists(marker):
-        with open(marker) as f:
-            path = os.path.join(root, f.read().strip())
-        if os.path.isdir(path):
+        with open(marker, errors="replace") as f:
+            name = f.read().strip()
+        path = os.path.join(root, name)
+        if _ITER.match(name) and os.path.isdir(path):
             return path
     done = complete_checkpoints(root)
     return done[-1] if done else None
 
 
-def _sharded_state(model, optimizer, is_loading: bool) -> dict:
-    state = {"model": model.sharded_state_dict()}
+def _sharded_state(model, optimizer, is_loading: bool, prefix: str = "") -> dict:
+    """The model's (and optimizer's) sharded state under the bare GPTModel's names: a checkpoint
+    reads the same whether the model was wrapped (the trainer's DDP / Float16Module) or not (the
+    converter's). `prefix` reads checkpoints saved under a wrapper's name (`module.`)."""
+    state = {"model": unwrap_model(model).sharded_state_dict(prefix=prefix)}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
                                                           metadata=OPTIMIZER_METADATA)
@@ -237,14 +250,50 @@ def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> di
                                   (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
     extra = read_extra(path, _rank())
     try:
-        state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), path)
-    except Exception as e:
-        first = (str(e).splitlines() or [""])[0]  # a bare assert has no message
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {first}") from e
-    model.load_state_dict(state["model"], strict=False)
+        metadata = check_metadata(path)
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a damaged file: name it, whatever the unpickler says
+        raise CorruptCheckpoint(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+    prefix = _saved_prefix(metadata, model)
+    try:
+        with weights_only_torch_loads():  # megatron's byte items and common.pt: tensors, never code
+            state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True, prefix=prefix), path)
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        raise CheckpointError(f"cannot load checkpoint {path}: {_first_failure(e)}") from e
+    unwrap_model(model).load_state_dict(_strip(state["model"], prefix), strict=False)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     return extra
+
+
+def _first_failure(e: BaseException) -> str:
+    """`Type: first line` of what went wrong; for torch's CheckpointException (which gathers every
+    rank's exception), of the lowest failing rank's."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = e.failures[min(e.failures)][0]
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if isinstance(e, pickle.UnpicklingError):  # torch's weights-only refusal: say what it refused, not "retry"
+        named = [line.strip() for line in lines if "GLOBAL" in line]
+        return ("an item holds more than tensors and plain data, refused because loading it could run code"
+                + (f" ({named[0]})" if named else ""))
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"  # a bare assert has no message
+
+
+def _saved_prefix(metadata, model) -> str:
+    """`module.` for a checkpoint written before checkpoints used the bare model's names (the
+    trainer saved its DDP wrapper's), else ``."""
+    if metadata is None:
+        return ""
+    names = set(unwrap_model(model).state_dict())
+    saved = metadata.state_dict_metadata
+    if any(n in saved for n in names) or not any(f"module.{n}" in saved for n in names):
+        return ""
+    return "module."
+
+
+def _strip(state: dict, prefix: str) -> dict:
+    return {k[len(prefix):] if prefix and k.startswith(prefix) else k: v for k, v in state.items()}
 
 
 def resume_checkpoint(root: str, model, optimizer=None, log=print) -> tuple[str, dict] | None:

@@ -39,6 +39,7 @@ from megatron_rl.trainer.checkpoint import (
 )
 from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
 from megatron_rl.trainer.replay import NoReplay, make_replay
+from megatron_rl.trainer.resume_check import config_changes, describe_changes
 from megatron_rl.trainer.rl_step import RolloutFailed, rl_step
 from megatron_rl.trainer.rollout_io import broadcast, evaluate, sync_weights
 from megatron_rl.trainer.schedule import SyncSchedule, make_schedule
@@ -69,6 +70,7 @@ class RunContext:
     run_id: str = ""  # names this run's checkpoints (retention never touches another run's)
     resuming: bool = False
     state: dict = field(default_factory=dict)  # carried across resume (before-RL accuracy, curves)
+    run_dir_lock: object | None = None  # rank 0: the open, flock'ed run_dir/.lock (run_dir.lock_run_dir)
 
 
 def make_engine(cfg: RunConfig, arch, run_dir: str):
@@ -148,8 +150,32 @@ def _jsonable(obj):
     return [_jsonable(o) for o in obj] if isinstance(obj, (tuple, list)) else obj
 
 
-def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None) -> RunContext:
-    """Build everything the run needs, after checking what would otherwise fail later."""
+def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None,
+          check_checkpoint_space: bool = True) -> RunContext:
+    """Build everything the run needs, after checking what would otherwise fail later. The run
+    directory is locked first (rank 0 holds the lock until `close`); a directory another live run
+    holds raises RunDirInUse on every rank before anything in it is touched.
+    check_checkpoint_space=False: for a caller that never saves (a benchmark driving the phases)."""
+    lock, problem = None, None
+    if dist.get_rank() == 0:
+        try:
+            lock = run_files.lock_run_dir(cfg.train.run_dir)
+        except run_files.RunDirInUse as e:
+            problem = str(e)
+    problem = broadcast(problem)
+    if problem:
+        raise run_files.RunDirInUse(problem)
+    try:
+        ctx = _build(cfg, groups, stop, check_checkpoint_space)
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
+    ctx.run_dir_lock = lock
+    return ctx
+
+
+def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, check_checkpoint_space: bool) -> RunContext:
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
     rank0 = dist.get_rank() == 0
@@ -181,7 +207,8 @@ def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = Non
         RouterReplayController.forget_global_instances()  # megatron keeps them process-wide
     policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed, routing_replay=mode != "none",
                           precision=cfg.precision)
-    _check_checkpoint_dirs(cfg, policy, groups)
+    if check_checkpoint_space:
+        _check_checkpoint_dirs(cfg, policy, groups)
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
                        jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
@@ -249,10 +276,14 @@ def run(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None)
 
 
 def close(ctx: RunContext) -> None:
-    ctx.schedule.close()
-    ctx.sink.close()
-    if ctx.engine is not None:
-        ctx.engine.close()
+    try:
+        ctx.schedule.close()
+        ctx.sink.close()
+        if ctx.engine is not None:
+            ctx.engine.close()
+    finally:
+        if ctx.run_dir_lock is not None:
+            ctx.run_dir_lock.close()
 
 
 def _start(ctx: RunContext, heldout) -> int:
@@ -264,6 +295,7 @@ def _start(ctx: RunContext, heldout) -> int:
                                   log=lambda msg: print(msg, file=sys.stderr, flush=True))
         if found is not None:
             path, extra = found
+            _check_resumable(ctx, path, extra)
             start, ctx.policy_version, ctx.state = extra["step"], extra["policy_version"], extra["state"]
             ctx.run_id = extra["run_id"]
             _set_rng_state(extra["rng"])
@@ -287,7 +319,7 @@ def _start(ctx: RunContext, heldout) -> int:
         # reusable warm start: `train.init_checkpoint=<run_dir>/sft/iter_...` skips SFT next time
         ctx.state["sft"]["checkpoint"] = save_checkpoint(
             os.path.join(cfg.train.run_dir, "sft"), ctx.state["sft"]["steps"], ctx.policy.model,
-            extra={"step": 0, "sft": True}, run_id=ctx.run_id)
+            extra={"step": 0, "sft": True, "arch": ctx.policy.arch.to_dict()}, run_id=ctx.run_id)
         ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)  # fresh Adam for RL
     sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
     if heldout:
@@ -296,6 +328,21 @@ def _start(ctx: RunContext, heldout) -> int:
         ctx.state["before_rl_sampled_accuracy"] = before["eval/heldout_sampled_accuracy"]
     ctx.state["curve"] = []
     return 0
+
+
+def _check_resumable(ctx: RunContext, path: str, extra: dict) -> None:
+    """Refuse (ValueError, every rank alike) to continue checkpoint `path` under a config or prompt
+    source that changes what the remaining steps compute, unless train.allow_config_change."""
+    if ctx.cfg.train.allow_config_change:
+        return
+    changes = config_changes(extra.get("config", {}), config_to_dict(ctx.cfg))
+    if changes:
+        raise ValueError(describe_changes(changes, path))
+    if "data" in extra:  # rows, seed, content: step k must map to the same prompts as before
+        try:
+            ctx.prompts.load_state_dict(extra["data"])
+        except ValueError as e:
+            raise ValueError(f"train.resume: {path}: {e} (or pass train.allow_config_change=true)") from None
 
 
 def train(ctx: RunContext) -> dict:
@@ -316,18 +363,17 @@ def train(ctx: RunContext) -> dict:
                     ctx.schedule.ensure_synced(ctx)  # staged: the engine may still hold the stage's weights
                     metrics.update(_evaluate_both(ctx, heldout))
                 except RolloutFailed as e:
-                    e.completed_steps = step + 1
+                    e.completed_steps, e.metrics = step + 1, metrics
                     raise
         except RolloutFailed as e:
             # keep what the completed steps learned (a failure before the update leaves `step` of them)
             completed = e.completed_steps if e.completed_steps is not None else step
+            if e.metrics is not None:  # the step was applied: its row and curve point go with it
+                _record(ctx, completed, e.metrics, bar)
             path = _save(ctx, ckpt_root, completed) if completed != saved else latest_checkpoint(ckpt_root)
             raise RolloutFailed(f"{e}. Saved a checkpoint of the {completed} completed steps to {path}; fix the "
                                 f"engine and rerun with train.resume=true", completed) from e
-        ctx.state["curve"].append({k: metrics[k] for k in ("rollout/reward_mean", "mismatch/kl_k3",
-                                                          "eval/heldout_accuracy", "eval/heldout_sampled_accuracy",
-                                                          "loss/policy") if k in metrics})
-        ctx.sink.log(step + 1, metrics, echo=None if bar is not None else f"step {step + 1}")
+        _record(ctx, step + 1, metrics, bar)
         if metrics["optim/skipped_steps"] and ctx.sink.enabled:
             print(f"step {step + 1}: {metrics['optim/skipped_steps']:.0f} of {cfg.train.num_minibatches} updates "
                   f"skipped (fp16 gradient overflow: weights unchanged); loss scale now "
@@ -354,10 +400,20 @@ def train(ctx: RunContext) -> dict:
     return summarize(ctx, last)
 
 
+def _record(ctx: RunContext, completed_steps: int, metrics: dict, bar) -> None:
+    """Step `completed_steps`'s point on the run's curve (saved with checkpoints) and its metrics row."""
+    ctx.state["curve"].append({k: metrics[k] for k in ("rollout/reward_mean", "mismatch/kl_k3",
+                                                      "eval/heldout_accuracy", "eval/heldout_sampled_accuracy",
+                                                      "loss/policy") if k in metrics})
+    ctx.sink.log(completed_steps, metrics, echo=None if bar is not None else f"step {completed_steps}")
+
+
 def _save(ctx: RunContext, root: str, completed_steps: int) -> str:
     return save_checkpoint(root, completed_steps, ctx.policy.model, ctx.policy.optimizer,
                            extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
-                                  "rng": _rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg)},
+                                  "rng": _rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg),
+                                  "data": ctx.prompts.state_dict(),
+                                  "arch": ctx.policy.arch.to_dict()},  # tools/convert_hf_to_mcore.py --reverse
                            keep=ctx.cfg.train.keep_checkpoints, run_id=ctx.run_id,
                            rank0_tensors={"schedule": ctx.schedule.state_dict()} if dist.get_rank() == 0 else None)
 

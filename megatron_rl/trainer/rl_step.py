@@ -38,13 +38,16 @@ def rl_step(ctx, step: int) -> dict[str, float]:
         old = phases.old_logprobs(ctx, batch, rollout)
     with timed(times, "train"):
         updates = phases.update(ctx, batch, old)
+    failed = None
     with timed(times, "weight_sync"):
         try:
             phases.sync(ctx)
-        except RolloutFailed as e:  # this step's update is in the weights: a checkpoint keeps it
-            e.completed_steps = step + 1
-            raise
+        except RolloutFailed as e:  # every rank alike
+            failed = e
     metrics = phases.step_metrics(ctx, rollout, batch, old, updates)
     metrics.update(times)
     metrics["timing/step"] = time.perf_counter() - t_step
+    if failed is not None:  # this step's update is in the weights: the checkpoint and the log keep it
+        failed.completed_steps, failed.metrics = step + 1, metrics
+        raise failed
     return metrics

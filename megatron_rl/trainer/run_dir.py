@@ -17,6 +17,38 @@ import torch
 import torch.distributed as dist
 
 MOVED_BY_FRESH_RUN = ("checkpoints", "metrics.jsonl", "tensorboard")
+LOCK = ".lock"
+
+
+class RunDirInUse(RuntimeError):
+    """Another live process holds the run directory's lock."""
+
+
+def lock_run_dir(run_dir: str):
+    """Rank 0, before anything in `run_dir` is touched: take an exclusive `flock` on
+    `run_dir/.lock` for the life of the run and return the open file (keep it; closing it, or the
+    process ending in any way, SIGKILL included, releases the lock). A second launch into the same
+    directory (a SLURM requeue while the old job still runs, a repeated command) would otherwise
+    move, truncate or retire the first one's checkpoints and metrics: it gets RunDirInUse naming
+    the holder's pid and host instead."""
+    import fcntl
+    import socket
+
+    os.makedirs(run_dir, exist_ok=True)
+    f = open(os.path.join(run_dir, LOCK), "a+")  # noqa: SIM115 - held open for the whole run
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirInUse(f"train.run_dir={run_dir} is in use by another run ({holder}); wait for it to end, stop "
+                          f"it, or choose another train.run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
 
 
 def archive_previous_run(run_dir: str) -> str | None:

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM and Ctrl-C: finish the step, save, exit; a second signal stops at once.
+"""Graceful stop on SIGTERM and Ctrl-C: finish the step, save, exit; a second Ctrl-C stops at once.
 
     stop = StopSignals.install()       # main thread, before the run
     ...
@@ -9,11 +9,19 @@
 SLURM and torchrun send SIGTERM to every rank before they kill it; a user presses Ctrl-C. Both
 set a flag: the loop finishes the step in flight (so no half-applied update is ever saved), all
 ranks agree on the flag with one MAX all-reduce, save a checkpoint of the completed steps, and
-raise `Stopped`. A second Ctrl-C raises KeyboardInterrupt at once: nothing is saved, and the exit
-paths (finally blocks, atexit) still stop the rollout engine and reap child processes. Repeated
-SIGTERMs are one request: SLURM signals every process of a step and torchrun forwards the signal
-to its workers, so a rank may get it twice in a row. The launcher's own grace period (torchrun:
-30 s before SIGKILL; SLURM: KillWait) bounds how long the step may take to finish and save.
+raise `Stopped`.
+
+Which later signal stops at once. A Ctrl-C (SIGINT) after any first signal, SIGTERM or Ctrl-C,
+raises KeyboardInterrupt at once: nothing is saved, and the exit paths (finally blocks, atexit)
+still stop the rollout engine and reap child processes. This is how a person gets out of a stop
+that hangs (e.g. a rollout request waiting out its timeout after SIGTERM). A later SIGTERM never
+does, it is logged and changes nothing: SIGTERM is the launchers' signal, and they send it more
+than once for one stop. SLURM signals every process of a step, at preemption and at the time
+limit; torchrun forwards the signal it got to its workers, and SIGTERMs them again when it
+shuts down: when a second Ctrl-C reaches it, and when one rank has exited with an error code (a
+stopped rank exits with 128 + signal) while the others still save. Stopping at once on any of
+these would lose the save. Every launcher follows its SIGTERM with SIGKILL after a grace period (torchrun:
+30 s; SLURM: KillWait), which bounds how long the step may take to finish and save.
 """
 from __future__ import annotations
 
@@ -25,6 +33,10 @@ import torch
 import torch.distributed as dist
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _name(signum: int) -> str:
+    return signal.Signals(signum).name
 
 
 class Stopped(Exception):
@@ -57,14 +69,20 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
-            if signum == signal.SIGINT and self.signum == signal.SIGINT:
-                raise KeyboardInterrupt("second Ctrl-C: stopping now without saving")
-            return  # a duplicate SIGTERM from the launcher: the first one is being honoured
+            self._again(signum)
+            return
         self.signum = signum
-        again = " (Ctrl-C again to stop at once without saving)" if signum == signal.SIGINT else ""
         # os.write, not print: a signal handler may interrupt a print (a tqdm bar) on stderr
-        os.write(2, f"\n{signal.Signals(signum).name} received: stopping after the current step and saving a "
-                    f"checkpoint{again}\n".encode())
+        os.write(2, f"\n{_name(signum)} received: stopping after the current step and saving a checkpoint "
+                    f"(Ctrl-C to stop at once without saving)\n".encode())
+
+    def _again(self, signum: int) -> None:
+        """A signal after the first: Ctrl-C stops at once, SIGTERM is the same request again (see
+        the module docstring for why a repeated SIGTERM must not lose the save)."""
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt(f"Ctrl-C after {_name(self.signum)}: stopping now without saving")
+        os.write(2, f"\n{_name(signum)} received: already stopping after the current step "
+                    f"(Ctrl-C to stop at once without saving)\n".encode())
 
     def agreed(self, device: torch.device | str = "cpu") -> bool:
         """Collective over the world: True on every rank when any rank got a signal."""

@@ -130,7 +130,7 @@ def test_keep_sampling_mask_requires_truncation():
         load_config(None, ["loss.keep_sampling_mask=true"])
 
 
-def _failing_engine(rank, world, run_dir, hf):
+def _failing_engine(rank, world, run_dir, hf, where):
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
@@ -143,25 +143,34 @@ def _failing_engine(rank, world, run_dir, hf):
                                     "--tensor-model-parallel-size", str(world)])
     ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
     if ctx.engine is not None:  # rank 0 holds the engine: it dies during the second step
-        real, calls = ctx.engine.generate, []
+        # generate: 1-2 greedy + sampled eval before RL, 3 step 1, 4 step 2 (before its update);
+        # update_weights: 1 before RL, 2 after step 1, 3 after step 2's update
+        method, fail_at = {"generate": ("generate", 4), "sync": ("update_weights", 3)}[where]
+        real, calls = getattr(ctx.engine, method), []
 
-        def generate(*args, **kwargs):
+        def failing(*args, **kwargs):
             calls.append(1)
-            if len(calls) == 4:  # 1-2: greedy + sampled eval before RL, 3: step 1, 4: step 2
+            if len(calls) == fail_at:
                 raise ConnectionError("server went away")
             return real(*args, **kwargs)
 
-        ctx.engine.generate = generate
+        setattr(ctx.engine, method, failing)
     try:
         with pytest.raises(RolloutFailed, match="resume"):
             train(ctx)
     finally:
         close(ctx)
-    return os.path.basename(latest_checkpoint(os.path.join(run_dir, "checkpoints")))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line)["step"] for line in f if json.loads(line).get("phase") == "rl"]
+    return os.path.basename(latest_checkpoint(os.path.join(run_dir, "checkpoints"))), rows
 
 
 @pytest.mark.variant  # the loop's fault handling; test_resume_reproduces_uninterrupted_run saves and loads
-def test_engine_failure_stops_every_rank_with_a_resumable_checkpoint(tmp_path, hf_dir):
+@pytest.mark.parametrize("where,completed", [("generate", 1), ("sync", 2)])
+def test_engine_failure_stops_every_rank_with_a_resumable_checkpoint(tmp_path, hf_dir, where, completed):
+    """A failure before step 2's update keeps step 1; one in the weight sync after step 2's update
+    keeps step 2, in the checkpoint and in the metrics log (its row is written before the save)."""
     # two ranks: the rank without the engine must not hang waiting for samples
-    out = run_ranks(_failing_engine, world_size=2, timeout=300, run_dir=str(tmp_path), hf=hf_dir)
-    assert out == ["iter_0000001", "iter_0000001"]
+    out = run_ranks(_failing_engine, world_size=2, timeout=300, run_dir=str(tmp_path), hf=hf_dir, where=where)
+    expected = (f"iter_{completed:07d}", list(range(1, completed + 1)))
+    assert out == [expected, expected]

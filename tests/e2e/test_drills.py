@@ -4,11 +4,12 @@ directory appears, a metrics row is written), never by timers; deadlines only gu
 
 Numbers refer to the review's list: 1 retention, 2 no unpickling, 4 corrupt bytes, 5 unwritable
 checkpoints, 6 children reaped on SIGTERM / SIGKILL, 7 metrics rows on resume, 8 prompt length,
-9 config values, 10 clear errors, 12 progress bars in a log file. (3, the vLLM server's key,
+9 config values, 10 clear errors, 12 progress bars in a log file, 13 resuming under another config, 14 two runs in one run_dir. (3, the vLLM server's key,
 and 11, fault tests without timers, live in tests/vllm.)
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -20,6 +21,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.slow
@@ -114,6 +116,65 @@ def test_2_crafted_pickles_in_a_checkpoint_do_not_run(finished_run, tmp_path):
     assert proc.returncode == 1 and "iter_0000002" in proc.stderr, proc.stderr[-2000:]
 
 
+def _republish(r, latest):
+    """Rewrite a tampered checkpoint's manifest as an attacker would (the sha256 list has no key)."""
+    from megatron_rl.trainer.manifest import build_manifest
+
+    run_id = json.loads((r / "checkpoints" / "iter_0000001" / "manifest.json").read_text())["run_id"]
+    os.remove(latest / "manifest.json")
+    build_manifest(str(latest), {"run_id": run_id, "step": 2, "written_at": time.time()})
+
+
+@pytest.mark.parametrize("where", ["metadata", "byte_item"])
+def test_2_crafted_pickles_in_megatrons_files_do_not_run(finished_run, tmp_path, where):
+    """megatron-core's reader unpickles `.metadata` with plain pickle and its byte items (each
+    layer's `_extra_state`) with torch.load(weights_only=False): a payload in either must not run."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    r = copy_of(finished_run, tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    latest = r / "checkpoints" / "iter_0000002"
+    with open(latest / ".metadata", "rb") as f:
+        md = pickle.load(f)  # the run's own file
+    if where == "metadata":
+        md.planner_data = Payload()
+    else:  # point one byte item at a torch.save'd payload appended to its shard file
+        key = next(k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+        info = md.storage_data[MetadataIndex(key)]
+        shard = latest / info.relative_path
+        buf = io.BytesIO()
+        torch.save(Payload(), buf)
+        md.storage_data[MetadataIndex(key)] = dataclasses.replace(info, offset=shard.stat().st_size,
+                                                                  length=len(buf.getvalue()))
+        with open(shard, "ab") as f:
+            f.write(buf.getvalue())
+    (latest / ".metadata").write_bytes(pickle.dumps(md))
+    _republish(r, latest)
+    proc = run(r, "train.steps=3", "train.resume=true")
+    assert not marker.exists(), "code from the checkpoint ran"
+    assert proc.returncode == 1 and "iter_0000002" in proc.stderr, proc.stderr[-2000:]
+    assert (".metadata is refused" if where == "metadata" else "refused because loading it could run code") \
+        in proc.stderr, proc.stderr[-2000:]
+
+
+# ---- 13: a resume under a config that changes what the remaining steps compute is refused
+def test_13_resume_refuses_a_changed_config_unless_allowed(finished_run, tmp_path):
+    r = copy_of(finished_run, tmp_path)
+    refused = run(r, "train.steps=3", "train.resume=true", "loss.recipe=minirl", "train.save_every=1")
+    assert refused.returncode != 0 and "loss.recipe: 'grpo' -> 'minirl'" in refused.stderr, refused.stderr[-2000:]
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_0000001", "iter_0000002", "latest"]  # nothing ran
+    assert metric_steps(r) == [1, 2]
+    ok(run(r, "train.steps=3", "train.resume=true", "loss.recipe=minirl", "train.allow_config_change=true"))
+    assert metric_steps(r) == [1, 2, 3]
+
+
 # ---- 4: flipped bits are found; the run falls back to the last good checkpoint, deleting nothing
 def test_4_corrupt_bytes_fall_back_to_the_previous_good_checkpoint(finished_run, tmp_path):
     r = copy_of(finished_run, tmp_path)
@@ -151,7 +212,8 @@ def test_5_unwritable_checkpoints_fail_at_start_up(tmp_path):
     assert not (r / "metrics.jsonl").exists() or metric_steps(r) == []
 
 
-# ---- 6 + 7: SIGKILL while a checkpoint is being written: no process left, no row logged twice
+# ---- 6 + 7 (+ 14): SIGKILL while a checkpoint is being written: no process left, no row logged twice;
+#      meanwhile a second launch into the same run_dir is refused, and the SIGKILL frees the directory
 def test_6_7_sigkill_mid_save_leaves_no_process_and_no_duplicate_rows(tmp_path):
     r = tmp_path / "R"
     proc = subprocess.Popen(cmd(r, "train.steps=200", "train.save_every=1"), cwd=ROOT, env=ENV,
@@ -167,6 +229,10 @@ def test_6_7_sigkill_mid_save_leaves_no_process_and_no_duplicate_rows(tmp_path):
                 break
             os.kill(proc.pid, signal.SIGCONT)
         assert caught is not None, "never caught a save in flight"
+        # 14: a second launch into the directory the (frozen) run holds is refused, touching nothing
+        intruder = run(r, "train.steps=2")
+        assert intruder.returncode == 1 and "is in use by another run (pid" in intruder.stderr, intruder.stderr[-2000:]
+        assert (r / "checkpoints" / f"iter_{caught - 1:07d}").is_dir() and not (r / "previous").exists()
         children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert children, "expected megatron's checkpoint writer helper"
         proc.kill()

@@ -189,6 +189,24 @@ def test_restarts_are_bounded(tmp_path, weights):
     engine.close()
 
 
+
+def test_a_server_dead_at_the_weight_sync_is_restarted_on_the_new_weights(tmp_path, weights):
+    engine, fake = make_engine(tmp_path, weights, max_restarts=1)
+    fake.stop()  # dead between two syncs: the reload request finds no server
+    engine.update_weights(weights, version=4)
+    assert fake.restarts == 1 and engine.stats()["vllm/restarts"] == 1
+    assert engine.policy_version == 4 and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
+    engine.close()
+
+
+def test_max_restarts_bounds_the_weight_sync_too(tmp_path, weights):
+    engine, fake = make_engine(tmp_path, weights, max_restarts=0)
+    fake.stop()
+    with pytest.raises(VllmServerDiedError, match="max_restarts=0 allows no restart"):
+        engine.update_weights(weights, version=4)
+    assert fake.restarts == 0 and engine.policy_version == 3
+    engine.close()
+
 def test_every_request_carries_the_key_and_none_passes_without_it(tmp_path, weights):
     engine, fake = make_engine(tmp_path, weights)
     engine.generate(PROMPTS, 2, SAMPLING)

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -172,6 +173,41 @@ def test_start_failure_and_timeout_raise_with_the_log(fake_vllm, tmp_path):
         s.start(str(tmp_path))
     assert s.proc is None
 
+
+
+def _in_a_thread_that_ends(job) -> None:
+    """job() in a new thread, its exception raised here; returns once that thread has ended in
+    the kernel too (it is gone from /proc, which happens after its exit sent PR_SET_PDEATHSIG to
+    the children it forked)."""
+    errors = []
+
+    def run():
+        try:
+            job()
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    wait_until(lambda: not os.path.exists(f"/proc/self/task/{thread.native_id}"), "gone from /proc")
+    if errors:
+        raise errors[0]
+
+
+def test_a_server_started_or_restarted_from_a_thread_outlives_that_thread(fake_vllm, tmp_path):
+    """The kernel sends PR_SET_PDEATHSIG when the thread that forked the child ends, not the
+    process; the async schedule's generation thread, which may restart the server, ends after
+    each batch. The server answers a health check after that thread is gone: a SIGTERM from its
+    end would have killed the server before it could answer."""
+    s = server(fake_vllm, tmp_path)
+    try:
+        _in_a_thread_that_ends(lambda: s.start(str(tmp_path)))
+        assert s.alive(), f"the server died with the thread that started it (exit code {s.proc.poll()})"
+        _in_a_thread_that_ends(lambda: s.restart(str(tmp_path)))
+        assert s.alive(), f"the server died with the thread that restarted it (exit code {s.proc.poll()})"
+    finally:
+        s.stop()
 
 OWNER = """
 import os, signal, sys, time

@@ -24,6 +24,8 @@ and the call returns only when every key has a validated sample.
   or hung (a request timed out): the server is stopped, restarted on the latest weights
   (`vllm/restarts`), and the unfinished samples are sent again. After `max_restarts` restarts
   within one call: VllmServerDiedError (the trainer checkpoints and stops).
+- server dead during update_weights(): restarted on the new weights, which loads them, when
+  `max_restarts` >= 1 (it bounds each update_weights() call too); else VllmServerDiedError.
 """
 from __future__ import annotations
 
@@ -212,9 +214,7 @@ class VllmEngine:
                     self._warmup()
                     self._stats["timing/vllm_restart"] = seconds
             except (TransportError, HttpStatusError) as e:
-                if not self.server.can_restart or self.server.alive():
-                    raise VllmServerDiedError(f"weight sync to {model_dir} failed: {e}") from e
-                self._restart(model_dir, f"died during the weight sync: {e}")  # a fresh start loads model_dir
+                self._sync_failed(model_dir, e)
         self._syncs += 1
         self._stats["vllm/weight_syncs"] = self._syncs
         if self.cfg.probe_every and (self._syncs - 1) % self.cfg.probe_every == 0:
@@ -222,6 +222,17 @@ class VllmEngine:
         self.policy_version = version
         self.store.prune()
         self._stats["timing/vllm_weight_sync"] = time.perf_counter() - t0
+
+    def _sync_failed(self, model_dir: str, e: Exception) -> None:
+        """A weight sync that failed because the server died: one restart, which loads `model_dir`
+        as a fresh start does, when max_restarts allows one (it bounds the restarts of an
+        update_weights() call as it does those of a generate() call)."""
+        if not self.server.can_restart or self.server.alive():
+            raise VllmServerDiedError(f"weight sync to {model_dir} failed: {e}") from e
+        if self.cfg.max_restarts < 1:
+            raise VllmServerDiedError(f"the vLLM server died during the weight sync to {model_dir} ({e}) and "
+                                      f"rollout.vllm.max_restarts=0 allows no restart. Log: {self._log_hint()}") from e
+        self._restart(model_dir, f"died during the weight sync: {e}")
 
     def _probe(self, model_dir: str) -> None:
         tokens = probe_tokens(self.arch.vocab_size, min(self.cfg.probe_tokens, self.max_model_len - 1))

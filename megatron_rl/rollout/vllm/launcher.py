@@ -22,23 +22,31 @@ time without the reservation (for a server that binds without SO_REUSEADDR).
 
 The child runs in its own process group (so a stop takes vLLM's engine-core process with it)
 and gets SIGTERM from the kernel if the thread that launched it dies (PR_SET_PDEATHSIG, set in
-a two-line exec wrapper: no preexec_fn, which is unsafe with threads). Servers still running when
-the trainer exits are stopped by an atexit hook and, if the process gets SIGTERM, by a signal
-handler that then re-delivers the signal; Ctrl-C unwinds through KeyboardInterrupt into both.
-Every start appends the server's output to `log_path` under a header line.
+a two-line exec wrapper: no preexec_fn, which is unsafe with threads). The kernel ties that
+signal to the thread that forked, not to the process, and a server may be (re)started from a
+thread that ends soon after (the async schedule generates, and the client restarts a failed
+server, on a thread per batch), so every server is forked by one daemon launcher thread that
+lives as long as the process: a server dies with the trainer, never with the thread that asked
+for it. Servers still running when the trainer exits are stopped by an atexit hook and, if the
+process gets SIGTERM, by a signal handler that then re-delivers the signal; Ctrl-C unwinds
+through KeyboardInterrupt into both. Every start appends the server's output to `log_path`
+under a header line.
 """
 from __future__ import annotations
 
 import atexit
 import os
+import queue
 import secrets
 import signal
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from megatron_rl.rollout.vllm.errors import VllmServerDiedError, VllmStartError
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, healthy, request_json
@@ -93,16 +101,22 @@ def _on_sigterm(signum, frame):
     os.kill(os.getpid(), signum)
 
 
-def _track(proc: subprocess.Popen) -> None:
+def _install_reaping() -> None:
+    """The atexit hook and, called from the main thread (the only one that may set it), the
+    SIGTERM handler; once per process."""
     global _HANDLERS_INSTALLED
     with _LOCK:
-        _LIVE[proc.pid] = proc
         if not _HANDLERS_INSTALLED:
             atexit.register(_stop_all)
             if threading.current_thread() is threading.main_thread() and \
                     signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
                 signal.signal(signal.SIGTERM, _on_sigterm)
             _HANDLERS_INSTALLED = True
+
+
+def _track(proc: subprocess.Popen) -> None:
+    with _LOCK:
+        _LIVE[proc.pid] = proc
 
 
 def _untrack(proc: subprocess.Popen) -> None:
@@ -132,7 +146,67 @@ def reserve_port() -> socket.socket:
     return s
 
 
-# Runs in the child before vLLM: die with the launching thread, and not at all if it is gone.
+# ---- the launcher thread: the one thread that forks servers ------------------------------------
+T = TypeVar("T")
+
+
+class _LauncherThread:
+    """A daemon thread that runs the jobs given to `call` one at a time and never ends before
+    its process: the thread PR_SET_PDEATHSIG ties our servers to (see the module docstring)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="vllm-launcher", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            future, job = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
+                    future.set_exception(e)
+
+    def call(self, job: Callable[[], T]) -> T:
+        """job() on the launcher thread; its result or its exception, here."""
+        if threading.current_thread() is self.thread:
+            return job()
+        future: Future = Future()
+        self._jobs.put((future, job))
+        return future.result()
+
+
+_LAUNCHER: _LauncherThread | None = None
+
+
+def _launcher() -> _LauncherThread:
+    """The process's launcher thread, started on first use (anew in a forked child, which has
+    none of its parent's threads)."""
+    global _LAUNCHER
+    with _LOCK:
+        if _LAUNCHER is None or _LAUNCHER.pid != os.getpid():
+            _LAUNCHER = _LauncherThread()
+        return _LAUNCHER
+
+
+def _popen_logged(cmd: list[str], env: dict[str, str], log_path: str, header: str) -> subprocess.Popen:
+    """Start `cmd` in a new session, its output appended to `log_path` after `header`, and track
+    it for the exit reaping. Runs on the launcher thread, start to finish: a caller interrupted
+    while it waits (Ctrl-C) neither closes the log under Popen nor loses the server, which the
+    exit reaping still stops."""
+    with open(log_path, "ab") as log:
+        log.write(header.encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _track(proc)
+    return proc
+
+
+# Runs in the child before vLLM: die with the launcher thread (that is, with our process), and not
+# at all if it is gone.
 _EXEC_WRAPPER = (
     "import ctypes, os, signal, sys\n"
     "try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
@@ -244,14 +318,10 @@ class LocalServer:
         env[ENV_API_KEY] = env["VLLM_API_KEY"] = self.api_key  # the environment: not visible to `ps`
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         self.starts += 1
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n===== start {self.starts} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                      f"{' '.join(cmd)}\n".encode())
-            log.flush()
-            wrapped = [self.python, "-c", _EXEC_WRAPPER, str(os.getpid()), *cmd[1:]]
-            self.proc = subprocess.Popen(wrapped, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        _track(self.proc)
+        header = f"\n===== start {self.starts} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n"
+        wrapped = [self.python, "-c", _EXEC_WRAPPER, str(os.getpid()), *cmd[1:]]
+        _install_reaping()  # here, not on the launcher thread: the SIGTERM handler needs the main thread
+        self.proc = _launcher().call(lambda: _popen_logged(wrapped, env, self.log_path, header))
 
     def _wait_healthy(self, t0: float) -> None:
         while True:

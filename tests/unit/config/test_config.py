@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from megatron_rl.config import ConfigError, LossSection, load_config
@@ -65,3 +67,16 @@ def test_recipe_implications_conflict_even_with_the_default_value():
     with pytest.raises(ConfigError, match="loss.recipe=minirl_r3 implies moe.router_replay=r3"):
         load_config(None, ["loss.recipe=minirl_r3", "moe.router_replay=none"])
     assert load_config(None, ["loss.recipe=minirl_r3"]).moe.router_replay == "r3"
+
+
+def test_printed_and_saved_configs_carry_no_secrets():
+    """config_to_dict feeds --print-config and every checkpoint's copy: the server key and the
+    server's environment values are redacted there, not in the config the run uses."""
+    from megatron_rl.config.loader import config_to_dict
+
+    cfg = load_config(None, ["rollout.backend=vllm",
+                             "rollout.vllm={url: 'http://127.0.0.1:8000', api_key: SECRET-KEY, env: {HF_TOKEN: hf_SECRET}}"])
+    text = json.dumps(config_to_dict(cfg))
+    assert "SECRET" not in text and '"HF_TOKEN": "<redacted>"' in text and '"api_key": "<redacted>"' in text
+    assert cfg.rollout.vllm["api_key"] == "SECRET-KEY" and cfg.rollout.vllm["env"] == {"HF_TOKEN": "hf_SECRET"}
+    assert config_to_dict(load_config(None, []))["rollout"]["vllm"] == {}

@@ -98,6 +98,23 @@ def test_jsonl_prompts_epochs_and_determinism(tmp_path):
     assert JsonlPrompts([Example("a", "b", "t")], seed=0).batch(3, 2) == [Example("a", "b", "t")] * 2
 
 
+def test_a_checkpoints_source_must_have_the_same_rows(tmp_path):
+    """Same rows in another file (moved, reformatted) pass; one edited row fails even at the same
+    row count, since step k would map to other prompts."""
+    rows = [{"prompt": f"{i}+{i}=", "label": str(2 * i)} for i in range(6)]
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    b.write_text("".join(json.dumps(r, indent=None, separators=(", ", ":  ")) + "\n\n" for r in rows))
+    rows[3]["label"] = "7"
+    c.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    saved = JsonlPrompts(a, seed=1).state_dict()
+    JsonlPrompts(b, seed=1).load_state_dict(saved)
+    with pytest.raises(ValueError, match="sha256"):
+        JsonlPrompts(c, seed=1).load_state_dict(saved)
+    old = {k: v for k, v in saved.items() if k != "sha256"}  # a checkpoint from before the hash
+    JsonlPrompts(c, seed=1).load_state_dict(old)
+
+
 def test_overlong_prompts_error_or_skip(tmp_path):
     """A prompt that does not fit the model is refused at load (first line named, all counted),
     or dropped and counted with overlong="skip"."""

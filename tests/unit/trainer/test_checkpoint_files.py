@@ -73,6 +73,15 @@ def test_latest_falls_back_to_the_highest_complete_checkpoint(tmp_path):
     assert read_extra(a) == {"step": 3}
 
 
+@pytest.mark.parametrize("content", ["../outside", "/abs/iter_0000001", "iter_0000001/../../outside", "\xff\xfe"])
+def test_latest_never_names_a_dir_outside_root(tmp_path, content):
+    root = tmp_path / "ckpts"
+    a = _fake_checkpoint(str(root), 2, "r", 1.0)
+    (tmp_path / "outside").mkdir()
+    (root / "latest").write_bytes(content.encode("latin-1"))
+    assert latest_checkpoint(str(root)) == a
+
+
 def test_fresh_run_moves_the_earlier_run_aside(tmp_path):
     run = tmp_path / "run"
     assert run_files.archive_previous_run(str(run)) is None
@@ -108,3 +117,11 @@ def test_read_extra_is_json_only(tmp_path):
     (tmp_path / "iter_0000001" / "extra" / "rank_00000.json").write_text("\x00\x00\x00")
     with pytest.raises(Exception, match="rank_00000.json is damaged"):
         read_extra(path)
+
+
+def test_a_run_dir_is_held_by_one_run_at_a_time(tmp_path):
+    first = run_files.lock_run_dir(str(tmp_path / "run"))
+    with pytest.raises(run_files.RunDirInUse, match=rf"in use by another run \(pid {os.getpid()} on "):
+        run_files.lock_run_dir(str(tmp_path / "run"))
+    first.close()  # the process ending (any way) releases it the same way
+    run_files.lock_run_dir(str(tmp_path / "run")).close()

@@ -1,0 +1,51 @@
+"""What a resume may change: the config a checkpoint was trained with against the one resuming it.
+
+A resumed run is the same experiment continued, so the fields that decide what the remaining
+steps compute (model, data, loss, sampling, optimizer, seeds, schedule, precision, router replay)
+must match the checkpoint's. Without this check a reused `train.run_dir` (`train.resume` is on by
+default) would quietly continue an old run under a new config.
+
+`MAY_CHANGE` lists what a resume may change, by dotted name or section prefix: where and how
+often to log, save and evaluate; the parallel layout (checkpoints reshard); the micro-batch size
+(a memory setting: the same gradient, summed in other groupings); SFT (it ran before the
+checkpoint); the engine's placement and server address; and `train.steps` (to extend or shorten
+the run), except under `train.schedule=staged`, where it sets the stages' length. Anything not
+listed must match; `train.allow_config_change=true` continues anyway.
+"""
+from __future__ import annotations
+
+MAY_CHANGE = (
+    "train.steps", "train.eval_every", "train.eval_size", "train.save_every", "train.keep_checkpoints",
+    "train.run_dir", "train.resume", "train.init_checkpoint", "train.allow_config_change",
+    "train.micro_batch_size", "data.heldout_size", "rollout.max_batch_size", "rollout.device", "rollout.vllm",
+    "parallel", "log", "sft",
+)
+
+
+def fields(config: dict) -> dict[str, object]:
+    """`{"train": {"steps": 3}}` -> `{"train.steps": 3}` (section.field; a mapping-valued field
+    such as `model.overrides` stays one value)."""
+    return {f"{section}.{name}": value for section, values in config.items() for name, value in values.items()}
+
+
+def may_change(name: str, now: dict[str, object]) -> bool:
+    if name == "train.steps":
+        return now.get("train.schedule") != "staged"
+    return any(name == p or name.startswith(p + ".") for p in MAY_CHANGE)
+
+
+def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+    """`(name, checkpoint's value, current value)` of every field that differs and may not change
+    on resume, sorted by name. `saved`, `now`: `config_to_dict` trees. A field only one side has
+    (a checkpoint from before the field existed) is not compared."""
+    a, b = fields(saved), fields(now)
+    return sorted((k, a[k], b[k]) for k in a.keys() & b.keys() if a[k] != b[k] and not may_change(k, b))
+
+
+def describe_changes(changes: list[tuple[str, object, object]], checkpoint: str) -> str:
+    """The start-up error for `changes` (non-empty)."""
+    listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:8])
+    more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
+    return (f"train.resume: {checkpoint} was trained with another config ({listed}{more}); these change what the "
+            f"remaining steps compute. Resume with the checkpoint's values, start a fresh run (train.resume=false "
+            f"or another train.run_dir), or pass train.allow_config_change=true to continue with the new ones")
