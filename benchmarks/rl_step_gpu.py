@@ -24,8 +24,37 @@ trainer.stack.forward_backward, without an optimizer step; it is compared with t
 update minus its optimizer steps (both zero and finalise the grads the same way).
 
 Targets: train pass >= 0.85x the plain LM step; non-model time (make_batch + sync + step_metrics)
-<= 15% of the step. --strict exits 1 when missed; exits 2 without a CUDA GPU. setup() checks that
-the temporary run_dir has room for one checkpoint (~14 bytes/parameter; nothing is written there).
+<= 15% of the step. --strict exits 1 when missed; exits 2 without a CUDA GPU. Nothing is saved: the
+temporary run_dir is not checked for room for a checkpoint (setup(check_checkpoint_space=False)).
+
+A PRESET THAT FAILS (out of GPU memory, or any other error) is that preset's outcome: its error, the
+GPU memory at the failure (peak, allocated, reserved, capacity) and the estimate below go into the
+table and the JSON, its memory is freed and the next preset runs; the exit code is then 1. A
+SIGINT (Ctrl-C, or tools/gpu_check.sh's part time limit) stops the run with the JSON written.
+
+MEMORY (one H100: 79.6 GiB). The default --recompute core_attn is megatron-core's selective
+recompute of core attention (model.recompute): without Transformer Engine megatron runs its local
+DotProductAttention (no flash attention), which keeps every layer's attention scores for the
+backward: fp32 softmax output + bf16 probabilities, 6 bytes x 16 heads x 4351^2 = 1.69 GiB a layer
+for qwen3-1.7b at 256 + 4096 tokens (mb 1), 47 GiB over 28 layers; with recompute a layer keeps q,
+k, v only and recomputes the scores in its backward (same loss and gradients; one more attention
+forward a layer). qwen3-1.7b (1.72e9 parameters, tied embeddings), bf16, 8 rows x 4351 tokens, mb 1:
+  weights + grads + optimizer  18 B/param (bf16 weights 2, fp32 main grads 4, fp32 master 4,
+                               Adam 8) x 1.72e9                                       = 28.8 GiB
+  embedded engine              bf16 weights, 2 B x 1.72e9                              =  3.2 GiB
+  activations of one micro-batch (saved for the backward; ~164 KiB a token a layer with
+                               core_attn recompute, measured on the CPU with saved-tensor hooks)
+                               164 KiB x 4351 x 28                                     = 19.1 GiB
+  transients, one at a time    the recomputed layer's scores and their gradients
+                               (~16-20 B x 16 x 4351^2 = 4.5-5.6 GiB), or the plain LM step's
+                               logits (bf16 + fp32 copy + fp32 softmax, 10 B x 4351 x 151936
+                               = 6.2 GiB)                                             <= 6.2 GiB
+  total                                                                               ~ 57 GiB
+  (without recompute: + 28 x 1.69 = 47.4 GiB of kept scores ~ 105 GiB: out of memory.)
+The MoE preset (qwen3-moe-30b-a3b cut to 2 layers: 1.87e9 parameters, 32 heads) needs ~31.3 +
+3.5 + 1.9 (230 KiB a token a layer) + ~10 GiB of one layer's attention transients ~ 47 GiB.
+`memory_estimate` prints this estimate for every preset before it runs; the table shows the
+measured peak beside it.
 """
 from __future__ import annotations
 
@@ -39,6 +68,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -72,6 +102,9 @@ def parse_args(argv=None):
     p.add_argument("--num-minibatches", type=int, default=1, help="train.num_minibatches (default 1)")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="model.dtype (default bf16)")
     p.add_argument("--recipe", default="dapo", help="loss.recipe (default dapo: ppo_clip 0.2/0.28, token mean)")
+    p.add_argument("--recompute", default="core_attn", choices=["none", "core_attn"],
+                   help="model.recompute (default core_attn: without it the 4k-token default runs out of "
+                        "memory on an 80 GB GPU without Transformer Engine; see MEMORY above)")
     p.add_argument("--no-engine-sync", action="store_true",
                    help="drop the embedded engine after setup (frees its GPU copy): sync = weight export only")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
@@ -103,8 +136,8 @@ def config_overrides(name: str, args, run_dir: str) -> list[str]:
     elif real and kind == "qwen3_moe":
         model["num_layers"] = args.moe_layers
     return [f"model.arch={kind}", f"model.size={name}", f"model.dtype={args.dtype}",
-            f"model.overrides={json.dumps(model)}", "rollout.prompts_per_step=1", f"rollout.group_size={args.rows}",
-            f"rollout.max_tokens={args.response_len}", f"loss.recipe={args.recipe}",
+            f"model.overrides={json.dumps(model)}", f"model.recompute={args.recompute}", "rollout.prompts_per_step=1",
+            f"rollout.group_size={args.rows}", f"rollout.max_tokens={args.response_len}", f"loss.recipe={args.recipe}",
             f"train.micro_batch_size={args.micro_batch_size}", f"train.num_minibatches={args.num_minibatches}",
             f"train.seed={args.seed}", f"train.run_dir={run_dir}", "train.resume=false", "train.eval_size=0",
             "train.steps=1", "sft.steps=0", "optim.lr=1e-7", "log.tensorboard=false", "log.jsonl=false",
@@ -184,6 +217,63 @@ def targets_met(s: Summary) -> bool:
     return s.train_vs_lm >= TARGET_TRAIN_VS_LM and s.non_model_share <= TARGET_NON_MODEL
 
 
+def memory_estimate(arch, dtype: str, micro_batch: int, seq_len: int, recompute: str,
+                    engine_dtype: str = "bf16") -> dict[str, float]:
+    """A rough peak-GPU-memory estimate of the benchmark (GiB), as in the docstring's MEMORY: the
+    model state (exact), the engine's weights (exact), one micro-batch's saved activations (per
+    token and layer 2 or 4 bytes x (32 x hidden + the MLP's 3 x ffn, or top-k x (3 x expert ffn +
+    2 x hidden)): calibrated on the CPU with saved-tensor hooks, +-15%), the attention scores every
+    layer keeps without recompute (fp32 softmax + probabilities in the model dtype), and the
+    largest transient (one layer's scores and their gradients, ~18 B a score, or the plain LM
+    step's logits, 10 B a logit)."""
+    gib = 2**30
+    params = arch.num_parameters()
+    act = 4 if dtype == "fp32" else 2
+    state = (16 if dtype == "fp32" else 18) * params  # fp32: weights, grads, Adam; else + fp32 master
+    h = arch.hidden_size
+    per_token = 0
+    for layer in range(arch.num_layers):
+        mlp = (arch.moe_topk * (3 * arch.moe_ffn_hidden_size + 2 * h) + 3 * arch.moe_shared_expert_ffn_hidden_size
+               if arch.is_moe_layer(layer) else 3 * arch.ffn_hidden_size)
+        per_token += act * (32 * h + mlp)
+    scores = micro_batch * arch.num_attention_heads * seq_len**2
+    kept = 0 if recompute == "core_attn" else arch.num_layers * (4 + act) * scores
+    transient = max(18 * scores, 10 * micro_batch * seq_len * arch.vocab_size)
+    engine = params * (4 if engine_dtype == "fp32" else 2)
+    out = {"weights + grads + optimizer": state / gib, "embedded engine": engine / gib,
+           "activations": micro_batch * seq_len * per_token / gib, "attention scores kept": kept / gib,
+           "largest transient": transient / gib}
+    out["total"] = sum(out.values())
+    return out
+
+
+def format_memory(est: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in est.items()) + " GiB"
+
+
+def format_failure(name: str, record: dict) -> str:
+    """The table of a preset that did not finish: its error and the memory known at that point."""
+    lines = [f"{name}: FAILED ({record['outcome']})", f"  error: {record['error']}"]
+    lines += [f"  {k}: {v}" for k, v in record.get("memory_at_failure", {}).items()]
+    if record.get("memory_estimate_gib"):
+        lines.append(f"  estimate: {format_memory(record['memory_estimate_gib'])}")
+    return "\n".join(lines)
+
+
+def gpu_memory() -> dict[str, str]:
+    """This GPU's memory now (peak since the preset's start, allocated, reserved, free of total)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    gib = 2**30
+    free, total = torch.cuda.mem_get_info()
+    return {"peak GPU memory": f"{torch.cuda.max_memory_allocated() / gib:.1f} GiB (since the preset's start)",
+            "allocated at failure": f"{torch.cuda.memory_allocated() / gib:.1f} GiB",
+            "reserved at failure": f"{torch.cuda.memory_reserved() / gib:.1f} GiB",
+            "device free / total": f"{free / gib:.1f} / {total / gib:.1f} GiB"}
+
+
 # ------------------------------------------------------------------------------------- GPU parts
 
 
@@ -261,7 +351,9 @@ def plain_lm_pass(ctx, batch, counts) -> None:
                          local.input_len, mbs, optimizer=ctx.policy.optimizer)
 
 
-def bench_preset(name: str, args, groups) -> dict:
+def bench_preset(name: str, args, groups, info: dict | None = None) -> dict:
+    """Time one preset's RL step. `info` (if given) receives its config overrides and memory
+    estimate before anything is built, for the caller's record of a preset that fails."""
     import torch
 
     from megatron_rl.config import load_config
@@ -269,16 +361,24 @@ def bench_preset(name: str, args, groups) -> dict:
     from megatron_rl.trainer.batch import minibatch_slices
     from megatron_rl.trainer.loop import close, setup
     from megatron_rl.trainer.passes import logprob_pass
+    from megatron_rl.trainer.policy import arch_from_config
 
+    info = {} if info is None else info
     run_dir = tempfile.mkdtemp(prefix="rl_step_gpu-", dir=args.tmp_dir)
     overrides = config_overrides(name, args, run_dir)
     cfg = load_config(None, overrides)
     cfg.check_layout(1)
+    estimate = memory_estimate(arch_from_config(cfg.model), args.dtype, cfg.train.micro_batch_size,
+                               args.prompt_len + args.response_len - 1, args.recompute, cfg.rollout.dtype)
+    info.update(config_overrides=overrides, memory_estimate_gib=estimate)
+    print(f"{name}: memory estimate (model.recompute={args.recompute}): {format_memory(estimate)}", flush=True)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     ctx = None
     try:
-        ctx = setup(cfg, groups)  # policy, optimizer, loss, replay, and the embedded engine on this GPU
+        # policy, optimizer, loss, replay, and the embedded engine on this GPU; nothing is saved, so
+        # the run_dir's room for a checkpoint (~24 GiB at 1.7B parameters) is not checked
+        ctx = setup(cfg, groups, check_checkpoint_space=False)
         hf = getattr(ctx.engine, "model", None)  # the embedded engine's transformers model
         engine_gib = sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**30 if hf is not None else 0.0
         engine_where = f"{engine_gib:.2f} GiB of weights on {ctx.engine.device}" if hf is not None else str(ctx.engine)
@@ -319,22 +419,32 @@ def bench_preset(name: str, args, groups) -> dict:
                 f"micro-batch {cfg.train.micro_batch_size}, {cfg.train.num_minibatches} optimizer step(s); "
                 f"SYNTHETIC rollout (random tokens, μ = own log-probs + noise)")
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-        extra = {"peak GPU memory": f"{peak:.1f} GiB (since setup)", "rollout engine": engine_where,
+        extra = {"peak GPU memory": f"{peak:.1f} GiB (since setup; estimate {estimate['total']:.1f} GiB)",
+                 "model.recompute": args.recompute, "rollout engine": engine_where,
                  "update (train pass + optimizer)": f"{update:.3f} s",
                  "loss/policy (last repeat)": f"{loss:.4g}", "generation": "not run (synthetic rollout)"}
         print(format_table(name, desc, per_step, lm, s, extra), flush=True)
-        return {"preset": name, "config_overrides": overrides, "arch": arch.to_dict(), "params": params,
+        return {"preset": name, "outcome": "ok", "config_overrides": overrides, "arch": arch.to_dict(), "params": params,
+                "memory_estimate_gib": estimate, "peak_gpu_memory_gib": peak,
                 "tokens_per_step": tokens, "phases_s": per_step, "update_s": update, "plain_lm_s": lm,
                 "summary": s.__dict__, "targets_met": targets_met(s), "finite_loss": math.isfinite(loss),
                 "engine_sync": ctx.engine is not None, "engine_weights_gib": engine_gib, **extra}
     finally:
         if ctx is not None:
-            close(ctx)
+            try:
+                close(ctx)
+            except Exception as e:  # noqa: BLE001 - never in place of the error that got us here
+                print(f"{name}: closing the run context failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    presets = args.preset or DEFAULT_PRESETS
+    for name in presets:  # an unknown name stops here, before any GPU time is spent
+        config_overrides(name, args, "unused")
+    # fewer out-of-memory errors from fragmentation (read when CUDA's allocator starts, below)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not cuda_available():
         print("rl_step_gpu.py: needs a CUDA GPU, and torch.cuda.is_available() is False here. "
               "Run it on a GPU machine (tools/gpu_check.sh does).", file=sys.stderr)
@@ -360,24 +470,63 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (NOT A MEASUREMENT)"
     print(f"{device} | torch {torch.__version__} | megatron-core {megatron.core.__version__} | "
           f"{capabilities().describe()} | workarounds {applied} | "
-          f"TORCHDYNAMO_DISABLE={os.environ.get('TORCHDYNAMO_DISABLE')}", flush=True)
-    results = []
+          f"TORCHDYNAMO_DISABLE={os.environ.get('TORCHDYNAMO_DISABLE')} | "
+          f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}", flush=True)
+    results: list[dict] = []
     try:
-        for name in args.preset or DEFAULT_PRESETS:
-            results.append(bench_preset(name, args, groups))
-            gc.collect()  # the previous model's memory, before the next one is built
-            torch.cuda.empty_cache()
-            print(flush=True)
+        run_presets(presets, args, groups, results)
     finally:
         destroy_parallel()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "torch": torch.__version__, "megatron_core": megatron.core.__version__,
-                       "args": vars(args), "results": results}, f, indent=1, default=str)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": device, "torch": torch.__version__, "megatron_core": megatron.core.__version__,
+                           "args": vars(args), "results": results}, f, indent=1, default=str)
+    return exit_code(results, presets, args.strict)
+
+
+def run_presets(presets: list[str], args, groups, results: list[dict]) -> list[dict]:
+    """bench_preset for each preset in turn, each one's record appended to `results`. A preset
+    that raises (out of GPU memory, or any other error) is recorded as its outcome, with the GPU
+    memory at that point, its memory is freed, and the next preset runs; a KeyboardInterrupt
+    (SIGINT: the part's time limit) is recorded and stops the loop."""
+    import torch
+
+    for name in presets:
+        info: dict = {}
+        try:
+            results.append(bench_preset(name, args, groups, info))
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - each preset's outcome is recorded
+            outcome = ("out of GPU memory" if isinstance(e, torch.cuda.OutOfMemoryError)
+                       else "interrupted" if isinstance(e, KeyboardInterrupt) else "error")
+            record = {"preset": name, "outcome": outcome, "error": f"{type(e).__name__}: {e}".strip(),
+                      "traceback": traceback.format_exc(limit=-12), "memory_at_failure": gpu_memory(), **info}
+            results.append(record)
+            print(format_failure(name, record), flush=True)
+            print(record["traceback"], file=sys.stderr, flush=True)
+            if outcome == "interrupted":
+                break
+        finally:
+            # this preset's memory, before the next one is built (the exception, whose traceback's
+            # frames hold the preset's tensors, is gone once its except block has ended)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            print(flush=True)
+    return results
+
+
+def exit_code(results: list[dict], presets: list[str], strict: bool) -> int:
+    """1 if a preset failed or did not run, or a loss was not finite (or, with --strict, a target
+    was missed); else 0."""
+    failed = [f"{r['preset']} ({r['outcome']})" for r in results if r["outcome"] != "ok"]
+    failed += [f"{name} (not run)" for name in presets[len(results):]]
+    if failed:
+        print(f"rl_step_gpu.py: FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
     if not all(r["finite_loss"] for r in results):
         print("rl_step_gpu.py: a loss was not finite", file=sys.stderr)
         return 1
-    return 1 if args.strict and not all(r["targets_met"] for r in results) else 0
+    return 1 if strict and not all(r["targets_met"] for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -7,35 +7,79 @@
 #
 # Parts (PARTS, default "gpu bench logprobs"), in this order:
 #   unit      pytest tests/unit -m "not vllm" (the CPU lane's unit tier, here beside CUDA)   per version
-#   gpu       pytest tests/gpu (RL runs per dtype, every recipe, R2/R3, SFT, resume, kernels)   per version
+#   gpu       pytest tests/gpu, one pytest per group of GPU_TESTS (below)                     per version
 #   bench     benchmarks/rl_step_gpu.py (phase times, ratio to a plain megatron LM step)      per version
 #   logprobs  benchmarks/logprobs.py --device cuda (the log-prob kernel table, with Liger and
 #             verl from .whl/peers/ when present); it does not use megatron-core, so it runs once
+# GPU_TESTS (default "rl kernels more"): the groups of tests/gpu the gpu part runs, each its own
+# pytest under its own time limit, in the order given (every test of tests/gpu is in exactly one;
+# tests/unit/platform/test_gpu_check_script.py checks that). Estimated times on one H100 (never
+# measured: each pretrain_rl process takes ~10 s on the CPU lane, mostly start-up; on a GPU add
+# CUDA/NCCL set-up and torch.compile's first compiles, cached on disk for the later processes):
+#   rl       the first evidence: the demo (SFT + 3 RL steps) in fp32, bf16, fp16; router replay
+#            R3; resume vs the uninterrupted run. 7 pretrain_rl processes, ~4-6 min
+#   kernels  the fused log-prob kernel (compiled and eager) against float64, the embedded engine
+#            on the GPU, the model against Hugging Face's; in-process, ~2-4 min (CP: skipped, it
+#            needs 2 GPUs and TE)
+#   more     router replay R2, SFT only, every loss recipe one step (14 runs in one process).
+#            3 processes, ~2-4 min
+# (No pytest-xdist: the GPU machine lacks it and .whl/ does not carry it; tests run one at a time, so
+# runs do not share the GPU or their output, and a stopped group has the results of its first tests.)
 # For each megatron-core in .whl/mcore-*/ (or MCORE="0.19.2 0.16.1", in that order): install it and
 # .whl/common/ into /tmp/site-<version> (pip --no-index --no-deps --target: the machine's torch,
-# triton and transformers are used as they are), print the versions and the GPUs, then run the
-# per-version parts. Logs go to ${OUT:-benchmarks/results}, named by date, device and megatron-core
+# triton and transformers are used as they are; kept for the next call while its wheels are the
+# same), print the versions, the GPUs and the free disk, then run the per-version parts. Logs (and a
+# JUnit XML per test group) go to ${OUT:-benchmarks/results}, named by date, device and megatron-core
 # version. Exits non-zero if any install, part or benchmark failed or ran out of time.
 #
-# A device session with a per-command time limit runs the parts in several calls, e.g.
-#   MCORE=0.19.2 PARTS=gpu, then MCORE=0.19.2 PARTS="bench logprobs", then MCORE=0.16.1 PARTS=gpu;
-# PART_TIMEOUT (seconds, 0 = none) stops a part that overruns so the next one and the logs survive.
+# Time limits. PART_TIMEOUT (seconds, default 540; 0 = none) stops a part (one test group, the
+# benchmark, the table) that overruns: SIGINT first, so pytest prints its summary and failures so
+# far and the benchmark writes its JSON, SIGKILL 30 s later; the next part and the summary
+# still run. BUDGET (seconds for the whole call, default 0 = none) shortens the last parts' limits
+# to end the call within it (40 s kept for the stop and the summary), and skips a part with less
+# than 60 s left.
+#
+# A device session of ~30 minutes with at most 600 s a command (the machine's start counts too):
+# three calls, back to back, most important evidence first (OUT=$OUT brings the logs back):
+#   1. OUT=$OUT BUDGET=570 MCORE=0.19.2 PARTS=gpu GPU_TESTS="rl more" bash tools/gpu_check.sh  ~7-9 min
+#   2. OUT=$OUT BUDGET=570 MCORE=0.19.2 PARTS="bench logprobs" bash tools/gpu_check.sh         ~6-8 min
+#   3. OUT=$OUT BUDGET=570 MCORE=0.16.1 PARTS=gpu GPU_TESTS="rl kernels" bash tools/gpu_check.sh ~7-9 min
+# (kernels does not depend on the megatron-core release but for its model test, so it runs once;
+# with time left: MCORE=0.16.1 PARTS=bench, then MCORE=0.19.2 PARTS=gpu GPU_TESTS=kernels).
 #
 # Environment: WHL (wheel folder, default .whl), PYTHON (default python3), OUT (log folder),
-# MCORE, PARTS, PART_TIMEOUT, PYTEST_ARGS (extra pytest arguments), BENCH_ARGS (extra
-# benchmarks/rl_step_gpu.py arguments).
+# MCORE, PARTS, GPU_TESTS, PART_TIMEOUT, BUDGET, PYTEST_ARGS (extra pytest arguments), BENCH_ARGS
+# (extra benchmarks/rl_step_gpu.py arguments).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 # the Makefile switches torch.compile off for the CPU lane; a GPU run compiles (megatron's fusions,
 # the log-prob chunk math), so the check does too
 unset TORCHDYNAMO_DISABLE
+# every line of a part's output reaches its log (and the device session's output) as it is printed,
+# also when the part is stopped at its time limit
+export PYTHONUNBUFFERED=1
 WHL=${WHL:-.whl}
 PYTHON=${PYTHON:-python3}
 OUT_DIR=${OUT:-benchmarks/results}
 PARTS=${PARTS:-gpu bench logprobs}
-PART_TIMEOUT=${PART_TIMEOUT:-0}
+GPU_TESTS=${GPU_TESTS:-rl kernels more}
+PART_TIMEOUT=${PART_TIMEOUT:-540}
+BUDGET=${BUDGET:-0}
 KNOWN_PARTS=(unit gpu bench logprobs)
+KNOWN_GROUPS=(rl kernels more)
+
+# gpu_group NAME: the pytest node ids of a GPU_TESTS group into GROUP (see the header)
+gpu_group() {
+    local rl=tests/gpu/test_rl_gpu.py
+    case $1 in
+        rl) GROUP=("$rl::test_demo_short" "$rl::test_router_replay[r3]"
+                   "$rl::test_resume_continues_like_the_uninterrupted_run") ;;
+        kernels) GROUP=(tests/gpu/test_logprobs_gpu.py tests/gpu/test_embedded_engine_gpu.py
+                        tests/gpu/test_model_gpu.py tests/gpu/test_context_parallel_loop.py) ;;
+        more) GROUP=("$rl::test_router_replay[r2]" "$rl::test_sft_only" "$rl::test_every_recipe_one_step") ;;
+    esac
+}
 plan=0
 case "${1:-}" in
     --plan) plan=1 ;;
@@ -49,7 +93,11 @@ wants() { [[ " $PARTS " == *" $1 "* ]]; }
 for part in $PARTS; do
     [[ " ${KNOWN_PARTS[*]} " == *" $part "* ]] || die "PARTS has '$part'; choose from: ${KNOWN_PARTS[*]}"
 done
+for group in $GPU_TESTS; do
+    [[ " ${KNOWN_GROUPS[*]} " == *" $group "* ]] || die "GPU_TESTS has '$group'; choose from: ${KNOWN_GROUPS[*]}"
+done
 [[ "$PART_TIMEOUT" =~ ^[0-9]+$ ]] || die "PART_TIMEOUT='$PART_TIMEOUT' is not a whole number of seconds (0 = no limit)"
+[[ "$BUDGET" =~ ^[0-9]+$ ]] || die "BUDGET='$BUDGET' is not a whole number of seconds (0 = no limit)"
 
 shopt -s nullglob
 available=()
@@ -74,23 +122,39 @@ fi
 common=("$WHL"/common/*.whl)
 peers=("$WHL"/peers/*.whl)
 
-# part_cmd PART TAG: the command line of a part into CMD (TAG names its output files)
+# part_cmd PART TAG [GROUP]: the command line of a part into CMD (TAG names its output files; GROUP:
+# the GPU_TESTS group of the gpu part)
 part_cmd() {
     # shellcheck disable=SC2206  # PYTEST_ARGS / BENCH_ARGS are split into words on purpose
     case $1 in
         unit) CMD=("$PYTHON" -m pytest -q -p no:cacheprovider --durations=20 tests/unit -m "not vllm" ${PYTEST_ARGS:-}) ;;
-        gpu) CMD=("$PYTHON" -m pytest -q -p no:cacheprovider --durations=20 tests/gpu -m "not vllm" ${PYTEST_ARGS:-}) ;;
+        gpu) gpu_group "$3"
+             CMD=("$PYTHON" -m pytest -q -p no:cacheprovider --durations=20 --junitxml "$OUT_DIR/gpu_$3_$2.xml"
+                  -m "not vllm" "${GROUP[@]}" ${PYTEST_ARGS:-}) ;;
         bench) CMD=("$PYTHON" benchmarks/rl_step_gpu.py --json "$OUT_DIR/rl_step_gpu_$2.json" ${BENCH_ARGS:-}) ;;
         logprobs) CMD=("$PYTHON" benchmarks/logprobs.py --device cuda --out "$OUT_DIR/logprobs_gpu_$2.md") ;;
     esac
 }
 
+# version_parts: the per-version parts as "part" or "gpu:<group>", in order, into VPARTS
+version_parts() {
+    VPARTS=()
+    wants unit && VPARTS+=(unit)
+    if wants gpu; then
+        for group in $GPU_TESTS; do VPARTS+=("gpu:$group"); done
+    fi
+    wants bench && VPARTS+=(bench)
+}
+
 if [ "$plan" -eq 1 ]; then
-    echo "gpu_check plan: parts: $PARTS; megatron-core: ${versions[*]:-none}; part time limit: ${PART_TIMEOUT}s (0 = none)"
+    echo "gpu_check plan: parts: $PARTS; megatron-core: ${versions[*]:-none}; part time limit: ${PART_TIMEOUT}s (0 = none); call budget: ${BUDGET}s (0 = none)"
+    wants gpu && echo "gpu test groups: $GPU_TESTS"
+    version_parts
     for v in "${versions[@]}"; do
         echo "megatron-core $v: install $WHL/mcore-$v/*.whl and ${#common[@]} common wheels into /tmp/site-$v"
-        for part in unit gpu bench; do
-            wants "$part" && part_cmd "$part" "<date>_<device>_mcore-$v" && echo "  $part: $(printf '%q ' "${CMD[@]}")"
+        for item in "${VPARTS[@]}"; do
+            part_cmd "${item%%:*}" "<date>_<device>_mcore-$v" "${item#*:}"
+            echo "  ${item/:/ }: $(printf '%q ' "${CMD[@]}")"
         done
     done
     if wants logprobs; then
@@ -113,14 +177,24 @@ device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr -cs 
 failures=()
 
 run_part() {  # run_part NAME LOG COMMAND...: run under the part time limit, output appended to LOG
-    local name=$1 log=$2 rc
+    local name=$1 log=$2 rc limit=$PART_TIMEOUT left
     shift 2
-    echo "--- $name: $*" | tee -a "$log"
+    if [ "$BUDGET" -gt 0 ]; then  # end the call within BUDGET: 40 s for the stop and the summary
+        left=$((BUDGET - SECONDS - 40))
+        if [ "$left" -lt 60 ]; then
+            echo "--- $name: not started: ${left}s left of BUDGET=${BUDGET}s" | tee -a "$log"
+            failures+=("$name (not started: budget)")
+            return
+        fi
+        if [ "$limit" -eq 0 ] || [ "$left" -lt "$limit" ]; then limit=$left; fi
+    fi
+    echo "--- $name (time limit ${limit}s): $*" | tee -a "$log"
     local start=$SECONDS
-    timeout --kill-after=30 "$PART_TIMEOUT" "$@" 2>&1 | tee -a "$log"
+    # SIGINT first: pytest prints its summary, the benchmark writes its JSON; SIGKILL 30 s later
+    timeout -s INT --kill-after=30 "$limit" "$@" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
-    if [ "$PART_TIMEOUT" -gt 0 ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then
-        echo "--- $name: stopped at the part time limit (${PART_TIMEOUT}s)" | tee -a "$log"
+    if [ "$limit" -gt 0 ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then
+        echo "--- $name: stopped at its time limit (${limit}s)" | tee -a "$log"
         failures+=("$name (time limit)")
     elif [ "$rc" -ne 0 ]; then
         failures+=("$name")
@@ -133,16 +207,24 @@ for version in "${versions[@]}"; do
     tag="${stamp}_${device}_mcore-${version}"
     log="$OUT_DIR/gpu_check_${tag}.log"
     echo "=== megatron-core $version: log $log"
-    rm -rf "$site"
-    if ! "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
-            "$WHL/mcore-$version"/*.whl "${common[@]}" > "$log" 2>&1; then
-        cat "$log"
-        failures+=("install mcore-$version")
-        continue
+    # the same wheels as a previous call's install (a machine kept warm between calls): keep it
+    key=$(sha256sum "$WHL/mcore-$version"/*.whl "${common[@]}" | sha256sum | cut -c1-16)
+    if [ -f "$site/.gpu_check-$key" ]; then
+        echo "megatron-core $version: $site is installed from the same wheels; kept" > "$log"
+    else
+        rm -rf "$site"
+        if ! "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+                "$WHL/mcore-$version"/*.whl "${common[@]}" > "$log" 2>&1; then
+            cat "$log"
+            failures+=("install mcore-$version")
+            continue
+        fi
+        touch "$site/.gpu_check-$key"
     fi
     export PYTHONPATH="$site:$PWD"
     {
-        echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)  parts: $PARTS"
+        echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)  parts: $PARTS;" \
+             "gpu tests: $GPU_TESTS; part time limit: ${PART_TIMEOUT}s; budget: ${BUDGET}s (${SECONDS}s used)"
         "$PYTHON" - <<'EOF'
 import platform, sys, torch, megatron.core, transformers
 if not torch.cuda.is_available():  # else every GPU test would skip and the part would "pass"
@@ -159,6 +241,8 @@ print(f"capabilities: {capabilities().describe()}; workarounds needed: {[w.numbe
 EOF
         status=$?
         nvidia-smi -L
+        nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+        df -h "${TMPDIR:-/tmp}" "$OUT_DIR" . | awk '!seen[$0]++'   # room for pytest's runs and the logs
         exit $status
     } 2>&1 | tee -a "$log"
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
@@ -166,8 +250,10 @@ EOF
         continue
     fi
 
-    for part in unit gpu bench; do
-        wants "$part" && part_cmd "$part" "$tag" && run_part "$part mcore-$version" "$log" "${CMD[@]}"
+    version_parts
+    for item in "${VPARTS[@]}"; do
+        part_cmd "${item%%:*}" "$tag" "${item#*:}"
+        run_part "${item/:/ } mcore-$version" "$log" "${CMD[@]}"
     done
 done
 
@@ -194,4 +280,4 @@ if [ ${#failures[@]} -gt 0 ]; then
     echo "gpu_check: FAILED: ${failures[*]} (logs in $OUT_DIR)"
     exit 1
 fi
-echo "gpu_check: all passed (parts: $PARTS; megatron-core: ${versions[*]:-none}; logs in $OUT_DIR)"
+echo "gpu_check: all passed (parts: $PARTS; gpu tests: $GPU_TESTS; megatron-core: ${versions[*]:-none}; logs in $OUT_DIR; ${SECONDS}s)"

@@ -31,6 +31,11 @@ class ModelSection:
     dtype: training parameter precision "fp32" | "bf16" | "fp16" (bf16/fp16 train with fp32
         master weights in megatron's optimizer).
     init_std: std of random init. moe_aux_loss_coeff: load-balancing loss (0 = off).
+    recompute: activation recompute in training, "none" (default) | "core_attn" (megatron-core's
+        selective recompute of core attention: each layer keeps q, k, v instead of its [heads,
+        seq, seq] attention scores and recomputes them in the backward; the same loss and
+        gradients, one more attention forward per layer; for long sequences without Transformer
+        Engine's fused attention. megatron_rl/model/builder.py: RECOMPUTE).
     """
 
     arch: str = "qwen3_moe"
@@ -40,6 +45,7 @@ class ModelSection:
     dtype: str = "fp32"
     init_std: float = 0.02
     moe_aux_loss_coeff: float = 0.0
+    recompute: str = "none"
 
     def __post_init__(self):
         if self.hf_dir is None:
@@ -47,6 +53,7 @@ class ModelSection:
         checks.choice("model.dtype", self.dtype, DTYPES)
         checks.number("model.init_std", self.init_std, lo=0, lo_open=True)
         checks.number("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, lo=0)
+        checks.choice("model.recompute", self.recompute, ("none", "core_attn"))
         if not isinstance(self.overrides, dict):
             raise TypeError(f"model.overrides={self.overrides!r}: must be a mapping, e.g. {{num_layers: 4}}")
         known = sorted(f.name for f in fields(ModelArch) if f.name != "arch")   # the family is model.arch

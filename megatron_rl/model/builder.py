@@ -18,6 +18,24 @@ from megatron_rl.parallel import ParallelGroups
 from megatron_rl.platform.capabilities import Capabilities, capabilities
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Activation recompute (BuildOptions.recompute, model.recompute) -> megatron-core TransformerConfig
+# fields (the same in megatron-core 0.16 and 0.19). "core_attn": megatron's selective recompute of
+# core attention: in training, each layer keeps only its attention's inputs (q, k, v) for the
+# backward and runs QK^T, softmax and the product with V again there. Without Transformer Engine
+# (megatron's local DotProductAttention: no flash attention) that drops the [heads, s, s]
+# scores and probabilities each layer would keep (fp32 scores + bf16 probabilities: 6 bytes a
+# score, 1.8 GB a layer at 16 heads and 4351 tokens), at the cost of one more attention forward
+# per layer. The loss and gradients are the same (attention has no dropout here). With TE's fused
+# attention, which keeps no scores, it only costs time.
+RECOMPUTE = ("none", "core_attn")
+
+
+def recompute_fields(recompute: str) -> dict:
+    """TransformerConfig's activation-recompute fields for BuildOptions.recompute (a new list each
+    call: TransformerConfig may append to recompute_modules)."""
+    if recompute == "core_attn":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {}
 
 
 @dataclass(frozen=True)
@@ -34,6 +52,7 @@ class BuildOptions:
     routing_replay: enable megatron-core's RouterReplay hooks in every MoE router.
     fp8: Transformer Engine FP8 training, "e4m3" | "hybrid" (None: off), with megatron-core's
         `fp8_recipe` ("tensorwise" | "delayed" | "blockwise" | "mxfp8"); needs TE on CUDA.
+    recompute: activation recompute, "none" | "core_attn" (see RECOMPUTE).
     """
 
     dtype: str = "fp32"
@@ -45,6 +64,7 @@ class BuildOptions:
     routing_replay: bool = False
     fp8: str | None = None
     fp8_recipe: str = "tensorwise"
+    recompute: str = "none"
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -53,6 +73,8 @@ class BuildOptions:
             raise ValueError(f"fp8={self.fp8!r}; choose e4m3, hybrid or None")
         if self.spec not in ("auto", "local", "te"):
             raise ValueError(f"spec={self.spec!r}; choose auto, local or te")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -253,6 +275,7 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
         # micro-batches; the trainer calls finalize_model_grads itself with num_tokens=None.
         calculate_per_token_loss=True,
         **fp8_fields(opts),
+        **recompute_fields(opts.recompute),
         **moe,
         **attention,
     )

@@ -56,7 +56,8 @@ def build_policy(model_section, optim, groups: ParallelGroups, arch: ModelArch, 
     fp8 = {} if precision is None or precision.fp8 is None else {"fp8": precision.fp8,
                                                                 "fp8_recipe": precision.fp8_recipe}
     opts = BuildOptions(**fp8, dtype=model_section.dtype, seed=seed, init_std=model_section.init_std,
-                        moe_aux_loss_coeff=model_section.moe_aux_loss_coeff, routing_replay=routing_replay)
+                        moe_aux_loss_coeff=model_section.moe_aux_loss_coeff, routing_replay=routing_replay,
+                        recompute=model_section.recompute)
     model = build_gpt_model(arch, groups, opts)
     if model_section.hf_dir:
         load_hf_weights(model, arch, groups, SafetensorsReader(model_section.hf_dir))

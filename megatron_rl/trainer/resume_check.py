@@ -7,7 +7,8 @@ default) would quietly continue an old run under a new config.
 
 `MAY_CHANGE` lists what a resume may change, by dotted name or section prefix: where and how
 often to log, save and evaluate; the parallel layout (checkpoints reshard); the micro-batch size
-(a memory setting: the same gradient, summed in other groupings); SFT (it ran before the
+and activation recompute (memory settings: the same gradient, summed in other groupings or
+recomputed); SFT (it ran before the
 checkpoint); the engine's placement and server address; and `train.steps` (to extend or shorten
 the run), except under `train.schedule=staged`, where it sets the stages' length. Anything not
 listed must match; `train.allow_config_change=true` continues anyway.
@@ -17,7 +18,7 @@ from __future__ import annotations
 MAY_CHANGE = (
     "train.steps", "train.eval_every", "train.eval_size", "train.save_every", "train.keep_checkpoints",
     "train.run_dir", "train.resume", "train.init_checkpoint", "train.allow_config_change",
-    "train.micro_batch_size", "data.heldout_size", "rollout.max_batch_size", "rollout.device", "rollout.vllm",
+    "train.micro_batch_size", "model.recompute", "data.heldout_size", "rollout.max_batch_size", "rollout.device", "rollout.vllm",
     "parallel", "log", "sft",
 )
 

@@ -4,6 +4,10 @@ The demo (examples/demo_cpu.yaml: a tiny Qwen3-MoE learning reversed addition, e
 shrunk to a few steps and small batches. `launch` runs pretrain_rl.py under torchrun with one
 process (NCCL on the GPU); `launch_many` runs several in one process through tests.gpu.driver
 (`pretrain_rl.main` once per run) to save the start-up time of each.
+
+Both pass --debug (pretrain_rl.py then prints an error's traceback on stderr, not only one line)
+and a failure's message carries stderr's tail and run_dir/error-rank0.log: the run directories
+live under pytest's tmp dir on the machine that ran them, and only the test output comes back.
 """
 from __future__ import annotations
 
@@ -56,24 +60,48 @@ def _read(run_dir: Path, summary: Path) -> tuple[dict, list[dict]]:
     return json.loads(summary.read_text()), [row for row in rows if row.get("phase") == "rl"]
 
 
+def _text(out) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def error_log(run_dir: Path, shown: str = "") -> str:
+    """run_dir/error-rank0.log (pretrain_rl.py's traceback of a failed run), unless `shown` has it."""
+    log = run_dir / "error-rank0.log"
+    if not log.exists():
+        return ""
+    trace = log.read_text(errors="replace")
+    return "" if trace.strip() in shown else f"\n--- {log}:\n{trace}"
+
+
 def launch(tmp_path: Path, name: str, overrides: list[str], timeout: int = 900) -> tuple[dict, list[dict]]:
-    """`torchrun --nproc-per-node=1 pretrain_rl.py --config DEMO ...`; (summary, RL steps' rows)."""
+    """`torchrun --nproc-per-node=1 pretrain_rl.py --config DEMO --debug ...`; (summary, RL steps' rows)."""
     run_dir, summary = tmp_path / name, tmp_path / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "pretrain_rl.py",
-           "--config", DEMO, "--summary-json", str(summary), f"train.run_dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
-    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+           "--config", DEMO, "--debug", "--summary-json", str(summary), f"train.run_dir={run_dir}", *overrides]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        out, err = _text(e.stdout), _text(e.stderr)
+        raise AssertionError(f"{name}: still running after {timeout} s\n--- stdout:\n{out[-3000:]}\n"
+                             f"--- stderr:\n{err[-6000:]}") from None
+    assert proc.returncode == 0, (f"{name}: exit {proc.returncode}\n--- stdout:\n{proc.stdout[-3000:]}\n"
+                                  f"--- stderr:\n{proc.stderr[-6000:]}{error_log(run_dir, proc.stderr[-6000:])}")
     return _read(run_dir, summary)
 
 
 def launch_many(tmp_path: Path, runs: dict[str, list[str]], timeout: int = 1800) -> dict[str, tuple | str]:
     """Several runs in one process (tests.gpu.driver): name -> (summary, rows), or the error text."""
-    spec = {name: ["--config", DEMO, "--summary-json", str(tmp_path / f"{name}.json"),
+    spec = {name: ["--config", DEMO, "--debug", "--summary-json", str(tmp_path / f"{name}.json"),
                    f"train.run_dir={tmp_path / name}", *overrides] for name, overrides in runs.items()}
     spec_file, result_file = tmp_path / "runs.json", tmp_path / "results.json"
     spec_file.write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "tests.gpu.driver", str(spec_file), str(result_file)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
-    assert result_file.exists(), f"driver died: exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"driver still running after {timeout} s\n--- stdout:\n{_text(e.stdout)[-3000:]}\n"
+                             f"--- stderr:\n{_text(e.stderr)[-6000:]}") from None
+    assert result_file.exists(), (f"driver died: exit {proc.returncode}\n--- stdout:\n{proc.stdout[-3000:]}\n"
+                                  f"--- stderr:\n{proc.stderr[-6000:]}")
     errors = json.loads(result_file.read_text())
     return {name: errors[name] or _read(tmp_path / name, tmp_path / f"{name}.json") for name in runs}

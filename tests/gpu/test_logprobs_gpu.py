@@ -6,17 +6,36 @@ one. GPU lane: skipped without CUDA."""
 import pytest
 import torch
 
-from megatron_rl.logprobs import reference_logprobs_and_entropy, token_logprobs_and_entropy
+from megatron_rl.logprobs import compiled_math, reference_logprobs_and_entropy, token_logprobs_and_entropy
 from megatron_rl.logprobs.chunk_math import mixed_addmm, mixed_gemm
 from megatron_rl.logprobs.compiled_math import kernels_for
 
 pytestmark = [pytest.mark.gpu]
+COMPILED = ("max_stage", "sum_stage", "logit_grad")
+
+
+def fresh_compiles() -> None:
+    """Forget every compiled graph: Dynamo's caches and the process-wide compiled chunk math.
+
+    Dynamo's recompile limit (8) counts per function across every torch.compile wrapper of it: the
+    tests here compile `compiled_math`'s three functions for many configurations (dtype, None-ness
+    of the optional inputs, entropy, a one-token last chunk or tile), so without this a later test
+    passes the limit, `_eager_past_recompile_limit` switches that function to eager for the rest
+    of the process, and `test_compiled_equals_eager_*` would compare eager with eager (its frame
+    count, measured on the CPU with the eager backend: 5, 6, 3, 1 over its four cases without
+    this; 5, 7, 5, 7 with it; tests/unit/platform/test_gpu_logprob_compiles.py)."""
+    torch._dynamo.reset()
+    compiled_math._compiled.cache_clear()
 
 
 @pytest.fixture(autouse=True)
 def dynamo_on(monkeypatch):
-    """torch.compile on, as in a GPU run (the test session switches it off for the CPU lane)."""
+    """torch.compile on, as in a GPU run (the test session switches it off for the CPU lane), and
+    every test compiles from scratch (`fresh_compiles`)."""
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    fresh_compiles()
+    yield
+    fresh_compiles()
 
 
 def test_the_gpu_takes_the_compiled_path_and_mixed_gemms():
@@ -124,9 +143,11 @@ def test_compiled_equals_eager_with_kept_sets_temperature_and_a_one_token_last_c
         loss.backward()
         return out, hh.grad, ww.grad
 
-    ours, dh, dw = run(CompiledChunkMath(backend=counter), grad_tile)
+    compiled = CompiledChunkMath(backend=counter)
+    ours, dh, dw = run(compiled, grad_tile)
     eager, dh_e, dw_e = run(None)
     assert counter.frame_count >= 3
+    assert all(getattr(compiled, name).compiled for name in COMPILED), "fell back to eager (recompile limit)"
     for a, b in zip(ours, eager):
         if b is not None:
             torch.testing.assert_close(a, b, atol=2e-5, rtol=0)

@@ -41,7 +41,7 @@ def test_every_recipe_one_step(tmp_path):
     out = launch_many(tmp_path, {name: ONE_STEP + DENSE_REWARD + [f"loss.recipe={name}", "model.dtype=bf16"]
                                  for name in names})
     failed = {name: r for name, r in out.items() if isinstance(r, str)}
-    assert not failed, "\n\n".join(f"--- {name}\n{err[-3000:]}" for name, err in failed.items())
+    assert not failed, "\n\n".join(f"--- {name}\n{err[-6000:]}" for name, err in failed.items())
     for name, (summary, steps) in out.items():
         assert len(steps) == 1, name
         _finite(steps[0])

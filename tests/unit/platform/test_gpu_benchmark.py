@@ -1,5 +1,7 @@
 """benchmarks/rl_step_gpu.py on a machine without a GPU: --help, a clear exit 2, its arithmetic, its
-config and synthetic rollout, and the trainer's make_batch on that rollout. Nothing here measures
+config and synthetic rollout, its memory estimate, a failing preset recorded as that preset's
+outcome, the trainer's make_batch on that rollout, and the recompute of core attention its default
+relies on (model.recompute=core_attn: the same loss and gradients). Nothing here measures
 anything: the benchmark itself runs on a GPU machine (tools/gpu_check.sh)."""
 import importlib.util
 import json
@@ -31,7 +33,8 @@ def _run(*args, **env):
 def test_help():
     run = _run("--help")
     assert run.returncode == 0
-    for text in ("SYNTHETIC", "GENERATION IS NOT RUN", "--preset", "--recipe", "--no-engine-sync", "--strict"):
+    for text in ("SYNTHETIC", "GENERATION IS NOT RUN", "--preset", "--recipe", "--no-engine-sync", "--strict",
+                 "--recompute", "MEMORY", "A PRESET THAT FAILS"):
         assert text in run.stdout
 
 
@@ -39,6 +42,8 @@ def test_exits_2_without_cuda():
     run = _run("--preset", "qwen3-1.7b", CUDA_VISIBLE_DEVICES="")
     assert run.returncode == 2
     assert "needs a CUDA GPU" in run.stderr
+    run = _run("--preset", "qwen9", CUDA_VISIBLE_DEVICES="")   # a wrong name stops first
+    assert run.returncode != 0 and "unknown preset 'qwen9'" in run.stderr
 
 
 def test_summary_and_table():
@@ -73,6 +78,7 @@ def test_config_overrides_make_a_valid_config(tmp_path):
     dense.check_layout(1)
     assert (dense.model.arch, dense.model.size, dense.model.dtype) == ("qwen3", "qwen3-1.7b", "bf16")
     assert dense.model.overrides == {"vocab_size": 151936}  # the real vocabulary, not the tokenizer's
+    assert dense.model.recompute == "core_attn"   # the default: see the docstring's MEMORY
     assert (dense.rollout.prompts_per_step, dense.rollout.group_size, dense.rollout.max_tokens) == (1, 8, 4096)
     assert (dense.train.micro_batch_size, dense.train.num_minibatches, dense.loss.recipe) == (2, 2, "grpo")
     assert not dense.log.tensorboard and not dense.log.jsonl and dense.sft.steps == 0 and dense.train.eval_size == 0
@@ -84,6 +90,64 @@ def test_config_overrides_make_a_valid_config(tmp_path):
         == {"vocab_size": 64, "num_layers": 1}
     with pytest.raises(SystemExit, match="unknown preset"):
         mod.config_overrides("qwen9", args, str(tmp_path))
+    plain = load_config(None, mod.config_overrides("qwen3-1.7b", _args(mod, "--recompute", "none"), str(tmp_path)))
+    assert plain.model.recompute == "none"
+    with pytest.raises(ValueError, match="model.recompute='full': choose one of none, core_attn"):
+        load_config(None, ["model.recompute=full"])
+
+
+def test_memory_estimate_of_the_default_fits_an_80_gb_gpu_and_without_recompute_does_not():
+    """The docstring's MEMORY arithmetic: qwen3-1.7b, bf16, mb 1, 256 + 4096 tokens (4351 inputs)."""
+    from megatron_rl.model.presets import preset_arch
+
+    mod = _module()
+    arch = preset_arch("qwen3", "qwen3-1.7b")
+    est = mod.memory_estimate(arch, "bf16", 1, 4351, "core_attn")
+    assert est["weights + grads + optimizer"] == pytest.approx(18 * 1_720_574_976 / 2**30)   # 28.8
+    assert est["embedded engine"] == pytest.approx(3.2, abs=0.05)
+    assert est["activations"] == pytest.approx(19.1, abs=0.1) and est["attention scores kept"] == 0
+    assert est["largest transient"] == pytest.approx(6.2, abs=0.05)   # the plain LM step's logits
+    assert 55 < est["total"] < 60
+    plain = mod.memory_estimate(arch, "bf16", 1, 4351, "none")
+    assert plain["attention scores kept"] == pytest.approx(28 * 6 * 16 * 4351**2 / 2**30)   # 47.4
+    assert plain["total"] > 100   # an H100 has 79.6 GiB
+    moe = mod.memory_estimate(preset_arch("qwen3_moe", "qwen3-moe-30b-a3b", num_layers=2), "bf16", 1, 4351,
+                              "core_attn")
+    assert 45 < moe["total"] < 50 and moe["activations"] == pytest.approx(1.9, abs=0.1)
+    assert "total 57." in mod.format_memory(est)
+
+
+def test_a_failing_preset_is_its_outcome_and_the_next_one_runs(monkeypatch):
+    """Out of GPU memory in the first preset: recorded (error, memory, estimate) and printed, the
+    second preset still runs, the exit code says the run failed; an interrupt stops the loop."""
+    mod = _module()
+    calls = []
+
+    def bench(name, args, groups, info):
+        calls.append(name)
+        info.update(memory_estimate_gib={"total": 57.0}, config_overrides=["x=1"])
+        if name == "big":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.69 GiB.")
+        if name == "stop":
+            raise KeyboardInterrupt
+        return {"preset": name, "outcome": "ok", "finite_loss": True, "targets_met": True}
+
+    monkeypatch.setattr(mod, "bench_preset", bench)
+    results = []
+    mod.run_presets(["big", "small"], mod.parse_args([]), None, results)
+    assert calls == ["big", "small"] and [r["outcome"] for r in results] == ["out of GPU memory", "ok"]
+    big = results[0]
+    assert big["error"].startswith("OutOfMemoryError: CUDA out of memory") and "Traceback" in big["traceback"]
+    assert big["memory_estimate_gib"] == {"total": 57.0} and big["config_overrides"] == ["x=1"]
+    json.dumps(big)   # goes into the JSON as it is
+    assert "big: FAILED (out of GPU memory)" in mod.format_failure("big", big)
+    assert mod.exit_code(results, ["big", "small"], strict=False) == 1
+    assert mod.exit_code(results[1:], ["small"], strict=False) == 0
+
+    results = []
+    mod.run_presets(["stop", "small"], mod.parse_args([]), None, results)
+    assert [r["outcome"] for r in results] == ["interrupted"] and calls[-1] == "stop"
+    assert mod.exit_code(results, ["stop", "small"], strict=False) == 1
 
 
 def test_synthetic_rollout():
@@ -194,6 +258,7 @@ print(json.dumps({k: r[k] for k in ("phases_s", "plain_lm_s", "update_s", "summa
 
 @pytest.mark.slow  # a subprocess that builds the tiny trainer and engine and runs two steps (~15 s)
 def test_the_whole_timed_step_runs_on_the_tiny_preset(tmp_path):
+    """(With the default model.recompute=core_attn, and no checkpoint-space check.)"""
     """bench_preset end to end on the CPU (one gloo process): every phase of the trainer's step, the
     engine sync and the plain megatron LM step run and are reported, with a finite loss. It
     checks the benchmark's code path only; its times here are not a measurement."""
@@ -203,3 +268,51 @@ def test_the_whole_timed_step_runs_on_the_tiny_preset(tmp_path):
     assert out["finite_loss"] and out["engine_sync"] and out["tokens_per_step"] == 4 * 11
     assert out["summary"]["train_vs_lm"] > 0 and 0 <= out["summary"]["non_model_share"] < 1
     assert list(tmp_path.iterdir()) == []   # the temporary run_dir is removed
+
+
+def _recompute_matches(rank, world, arch_name):
+    """One gloo rank: the tiny model built with model.recompute none and core_attn, forward +
+    backward through the trainer's wrapping (megatron DDP, Float16Module for bf16): the losses and
+    every main_grad, and how often core attention ran."""
+    from megatron_rl.model import BuildOptions, build_gpt_model, causal_mask
+    from megatron_rl.model.presets import preset_arch
+    from megatron_rl.trainer.stack import OptimSettings, wrap_model
+    from tests.mcore_setup import setup_parallel
+
+    groups = setup_parallel()
+    arch = preset_arch(arch_name, "tiny")
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        runs = []
+        for recompute in ("none", "core_attn"):
+            model = build_gpt_model(arch, groups, BuildOptions(dtype=dtype, seed=3, recompute=recompute))
+            calls = []
+            for m in model.modules():
+                if type(m).__name__ == "DotProductAttention":   # megatron's local (non-TE) attention
+                    m.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+            ddp = wrap_model(model, OptimSettings(dtype=dtype))
+            ddp.train()
+            g = torch.Generator().manual_seed(0)
+            tokens = torch.randint(0, arch.vocab_size, (2, 24), generator=g)
+            loss = ddp(tokens, torch.arange(24).expand(2, -1), causal_mask(24), labels=tokens)
+            loss.float().mean().backward()
+            runs.append((loss.detach().float(), [p.main_grad.clone() for p in ddp.parameters()], len(calls)))
+        (a, ga, na), (b, gb, nb) = runs
+        out[dtype] = {"loss_equal": torch.equal(a, b), "grads": len(ga),
+                      "grads_equal": all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True)),
+                      "attention_calls": (na, nb), "layers": arch.num_layers}
+    return out
+
+
+@pytest.mark.slow   # one spawned gloo rank building four tiny models (~15 s)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_recompute_of_core_attention_gives_the_same_loss_and_gradients(arch):
+    """model.recompute=core_attn (the benchmark's default) with megatron's local attention: core
+    attention runs again in the backward (twice per layer), the loss and gradients are bitwise
+    the same as without."""
+    from tests.spawn import run_ranks
+
+    [out] = run_ranks(_recompute_matches, world_size=1, timeout=300, arch_name=arch)
+    for dtype, r in out.items():
+        assert r["loss_equal"] and r["grads_equal"] and r["grads"] > 10, (dtype, r)
+        assert r["attention_calls"] == (r["layers"], 2 * r["layers"]), (dtype, r)

@@ -1,5 +1,6 @@
 """The GPU lane's run configurations (tests/gpu) are valid: checked here, on any machine (no GPU needed), so a
-config change that would break the GPU lane shows up in the CPU suite too. Nothing is run."""
+config change that would break the GPU lane shows up in the CPU suite too (nothing is run for that), and a
+failed GPU-lane run reports its error in the test output (two runs that fail at start-up)."""
 import pytest
 
 from megatron_rl.config import load_config
@@ -30,3 +31,19 @@ def test_context_parallel_config_loads(tmp_path):
 
     cfg = load_config(str(ROOT / DEMO), OVERRIDES + [f"train.run_dir={tmp_path}", "--context-parallel-size", "2"])
     assert cfg.parallel.context_parallel_size == 2 and cfg.model.dtype == "bf16"
+
+
+@pytest.mark.slow   # three short subprocesses (~15 s): a config error and a start-up error
+def test_a_failed_gpu_lane_run_explains_itself(tmp_path):
+    """On the GPU machine only the test output comes back, not pytest's tmp dir: a failed run's
+    message has the error itself (the traceback with --debug), not just an exit code."""
+    from tests.gpu.runs import launch, launch_many
+
+    (tmp_path / "many").mkdir()
+    out = launch_many(tmp_path / "many", {"bad_config": ONE_STEP + ["loss.recipe=nope"],
+                                          "no_checkpoint": ONE_STEP + ["model.hf_dir=/nonexistent/hf"]})
+    assert "returned 2" in out["bad_config"] and "unknown loss recipe 'nope'" in out["bad_config"]
+    assert "returned 1" in out["no_checkpoint"] and "Traceback" in out["no_checkpoint"]
+    assert "/nonexistent/hf/config.json does not exist" in out["no_checkpoint"]
+    with pytest.raises(AssertionError, match=r"(?s)exit 1.*Traceback.*/nonexistent/hf/config.json does not exist"):
+        launch(tmp_path / "one", "no_checkpoint", ONE_STEP + ["model.hf_dir=/nonexistent/hf"])
