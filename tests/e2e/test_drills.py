@@ -95,25 +95,14 @@ def test_1_fresh_run_in_used_run_dir_keeps_its_checkpoints(tmp_path):
 
 
 # ---- 2: resuming never unpickles what is in the checkpoint
-def test_2_crafted_pickles_in_a_checkpoint_do_not_run(finished_run, tmp_path):
-    from megatron_rl.trainer.manifest import build_manifest
+class Payload:
+    """Creates `marker` if it is ever unpickled."""
 
-    r = copy_of(finished_run, tmp_path)
-    marker = tmp_path / "pwned"
+    def __init__(self, marker):
+        self.marker = str(marker)
 
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    latest = r / "checkpoints" / "iter_0000002"
-    (latest / "extra" / "rank_00000.pt").write_bytes(pickle.dumps({"step": 2, "x": Payload()}))
-    (latest / "common.pt").write_bytes(pickle.dumps(Payload()))
-    os.remove(latest / "manifest.json")
-    build_manifest(str(latest), {"run_id": json.loads((r / "checkpoints" / "iter_0000001" / "manifest.json")
-                                                      .read_text())["run_id"], "step": 2, "written_at": time.time()})
-    proc = run(r, "train.steps=3", "train.resume=true")
-    assert not marker.exists(), "code from the checkpoint ran"
-    assert proc.returncode == 1 and "iter_0000002" in proc.stderr, proc.stderr[-2000:]
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 def _republish(r, latest):
@@ -123,6 +112,18 @@ def _republish(r, latest):
     run_id = json.loads((r / "checkpoints" / "iter_0000001" / "manifest.json").read_text())["run_id"]
     os.remove(latest / "manifest.json")
     build_manifest(str(latest), {"run_id": run_id, "step": 2, "written_at": time.time()})
+
+
+def test_2_crafted_pickles_in_a_checkpoint_do_not_run(finished_run, tmp_path):
+    r = copy_of(finished_run, tmp_path)
+    marker = tmp_path / "pwned"
+    latest = r / "checkpoints" / "iter_0000002"
+    (latest / "extra" / "rank_00000.pt").write_bytes(pickle.dumps({"step": 2, "x": Payload(marker)}))
+    (latest / "common.pt").write_bytes(pickle.dumps(Payload(marker)))
+    _republish(r, latest)
+    proc = run(r, "train.steps=3", "train.resume=true")
+    assert not marker.exists(), "code from the checkpoint ran"
+    assert proc.returncode == 1 and "iter_0000002" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("where", ["metadata", "byte_item"])
@@ -135,22 +136,17 @@ def test_2_crafted_pickles_in_megatrons_files_do_not_run(finished_run, tmp_path,
 
     r = copy_of(finished_run, tmp_path)
     marker = tmp_path / "pwned"
-
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
     latest = r / "checkpoints" / "iter_0000002"
     with open(latest / ".metadata", "rb") as f:
         md = pickle.load(f)  # the run's own file
     if where == "metadata":
-        md.planner_data = Payload()
+        md.planner_data = Payload(marker)
     else:  # point one byte item at a torch.save'd payload appended to its shard file
         key = next(k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
         info = md.storage_data[MetadataIndex(key)]
         shard = latest / info.relative_path
         buf = io.BytesIO()
-        torch.save(Payload(), buf)
+        torch.save(Payload(marker), buf)
         md.storage_data[MetadataIndex(key)] = dataclasses.replace(info, offset=shard.stat().st_size,
                                                                   length=len(buf.getvalue()))
         with open(shard, "ab") as f:
