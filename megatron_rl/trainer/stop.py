@@ -20,8 +20,9 @@ than once for one stop. SLURM signals every process of a step, at preemption and
 limit; torchrun forwards the signal it got to its workers, and SIGTERMs them again when it
 shuts down: when a second Ctrl-C reaches it, and when one rank has exited with an error code (a
 stopped rank exits with 128 + signal) while the others still save. Stopping at once on any of
-these would lose the save. Every launcher follows its SIGTERM with SIGKILL after a grace period (torchrun:
-30 s; SLURM: KillWait), which bounds how long the step may take to finish and save.
+these would lose the save. Every launcher follows its SIGTERM with SIGKILL after a grace
+period (torchrun: 30 s; SLURM: KillWait), which bounds how long the step may take to finish and
+save.
 """
 from __future__ import annotations
 
