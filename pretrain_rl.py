@@ -66,7 +66,8 @@ def print_summary(summary: dict) -> None:
     if summary["kl_k3_mean"] is not None:
         rows.append(("engine-vs-trainer KL k3 (mean / last)",
                      f"{summary['kl_k3_mean']:.2e} / {summary['kl_k3_last']:.2e}"))
-    rows.append(("TensorBoard logs", f"tensorboard --logdir {summary['tensorboard']}"))
+    if summary["tensorboard"] is not None:
+        rows.append(("TensorBoard logs", f"tensorboard --logdir {summary['tensorboard']}"))
     if summary.get("wall_seconds") is not None:
         minutes, seconds = divmod(round(summary["wall_seconds"]), 60)
         rows.append(("wall time (start-up to end)", f"{minutes} min {seconds:02d} s"))

@@ -34,8 +34,9 @@ class MetricsSink:
             self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
 
     @property
-    def tensorboard_dir(self) -> str:
-        return os.path.join(self.run_dir, "tensorboard")
+    def tensorboard_dir(self) -> str | None:
+        """Where the events go; None when this run writes none (log.tensorboard=false)."""
+        return self._tb.get_logdir() if self._tb is not None else None
 
     def log(self, step: int, metrics: dict[str, float], echo: str | None = None, phase: str = "rl") -> None:
         """Record `metrics` at `step` of `phase`; print the stdout keys (prefixed by `echo`) when given."""

@@ -358,6 +358,7 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-" + name + "-", dir=parent)
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp gives 0700, which would hide the published folder from the group
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
         files: list[str] = []
@@ -417,3 +418,10 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -9,7 +9,8 @@ Layout under `root/`:
 
 Saving writes into `iter_XXXXXXX.tmp`, all ranks barrier, the manifest is computed (collective)
 and written, rank 0 renames the directory into place and only then rewrites `latest` (temp file
-+ fsync + os.replace). A crash at any point leaves `latest` naming a checkpoint that loads.
++ fsync + os.replace). A crash at any point leaves `latest` naming a checkpoint that loads; the
+`.tmp` folder it may leave is deleted when the run resumes (`sweep_partial_saves`).
 
 Loading verifies the manifest first. Nothing here unpickles code: host state is JSON, rank 0's
 extra tensors (a schedule's queued rollouts) load with weights_only, and megatron's own reads are
@@ -190,6 +191,21 @@ def retired_checkpoints(root: str, run_id: str, keep: int) -> list[str]:
     protected |= {p for _, _, p in sorted(mine, key=lambda m: m[1])[-keep:]}
     protected.add(latest_checkpoint(root))
     return [p for *_, p in mine if p not in protected]
+
+
+def sweep_partial_saves(root: str) -> list[str]:
+    """Rank 0 of a resuming run that holds the run directory's lock: delete the `iter_XXXXXXX.tmp`
+    folders that saves cut short by a crash left behind (each up to a full checkpoint's size;
+    nothing else would ever remove one whose step is not saved again). Never published, so never
+    named by `latest`; a complete one only repeats a step the resumed run trains again. The
+    `.replaced` and `.corrupt` folders stay: those may be the only copy of a step. Returns the
+    deleted paths."""
+    if not os.path.isdir(root):
+        return []
+    found = sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".tmp") and _ITER.match(n[:-4]))
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
 
 
 def archive_checkpoints(root: str) -> str | None:

@@ -36,6 +36,7 @@ from megatron_rl.trainer.checkpoint import (
     read_rank0_tensors,
     resume_checkpoint,
     save_checkpoint,
+    sweep_partial_saves,
 )
 from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
 from megatron_rl.trainer.replay import NoReplay, make_replay
@@ -73,8 +74,9 @@ class RunContext:
     run_dir_lock: object | None = None  # rank 0: the open, flock'ed run_dir/.lock (run_dir.lock_run_dir)
 
 
-def make_engine(cfg: RunConfig, arch, run_dir: str):
-    """The rollout engine, on global rank 0 only."""
+def make_engine(cfg: RunConfig, arch, run_dir: str, stop: StopSignals):
+    """The rollout engine, on global rank 0 only. A vLLM server that dies once `stop` has a
+    signal is not restarted (the run is about to save and exit)."""
     if dist.get_rank() != 0:
         return None
     if cfg.rollout.backend == "embedded":
@@ -89,7 +91,7 @@ def make_engine(cfg: RunConfig, arch, run_dir: str):
         raise RuntimeError("rollout.vllm.quantization=fp8 (precision.recipe=fp8_rollout) needs a vLLM server on a "
                            "GPU; this machine has no CUDA. Use precision.recipe=bf16 here")
 
-    return make_vllm_engine(cfg, arch, run_dir)
+    return make_vllm_engine(cfg, arch, run_dir, stopping=lambda: stop.signum is not None)
 
 
 def max_sequence_length(cfg: RunConfig, arch) -> int:
@@ -200,6 +202,9 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, che
         if moved:
             print(f"fresh run (train.resume={cfg.train.resume}): moved the earlier run's checkpoints and logs in "
                   f"{cfg.train.run_dir} to {moved}", flush=True)
+    if rank0 and resuming:
+        for path in sweep_partial_saves(_ckpt_root(cfg)):
+            print(f"removed {path}: a save that a crash cut short (the run resumes from `latest`)", flush=True)
     dist.barrier()
     if mode != "none":
         from megatron_rl.moe import RouterReplayController
@@ -212,10 +217,11 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, che
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
                        jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
-    engine = make_engine(cfg, arch, cfg.train.run_dir)
+    stop = stop or StopSignals()
+    engine = make_engine(cfg, arch, cfg.train.run_dir, stop)
     return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss,
                       replay=make_replay(mode, policy.model), schedule=make_schedule(cfg),
-                      stop=stop or StopSignals(), resuming=resuming,
+                      stop=stop, resuming=resuming,
                       run_id=broadcast(uuid.uuid4().hex[:12] if rank0 else None))
 
 
@@ -371,6 +377,8 @@ def train(ctx: RunContext) -> dict:
             if e.metrics is not None:  # the step was applied: its row and curve point go with it
                 _record(ctx, completed, e.metrics, bar)
             path = _save(ctx, ckpt_root, completed) if completed != saved else latest_checkpoint(ckpt_root)
+            if ctx.stop.agreed(model_device()):  # the engine went down with the run (SLURM signals it too)
+                raise _stopped(ctx, completed, path) from e
             raise RolloutFailed(f"{e}. Saved a checkpoint of the {completed} completed steps to {path}; fix the "
                                 f"engine and rerun with train.resume=true", completed) from e
         _record(ctx, step + 1, metrics, bar)
@@ -392,12 +400,16 @@ def train(ctx: RunContext) -> dict:
             saved = step + 1
         if not done and ctx.stop.agreed(model_device()):
             path = _save(ctx, ckpt_root, step + 1) if saved != step + 1 else latest_checkpoint(ckpt_root)
-            raise Stopped(ctx.stop.signum, f"stopped by {signal.Signals(ctx.stop.signum).name} after step "
-                                           f"{step + 1} of {cfg.train.steps}; checkpoint {path}; rerun with "
-                                           f"train.resume=true to continue")
+            raise _stopped(ctx, step + 1, path)
     if bar is not None:
         bar.close()
     return summarize(ctx, last)
+
+
+def _stopped(ctx: RunContext, completed_steps: int, path: str | None) -> Stopped:
+    return Stopped(ctx.stop.signum, f"stopped by {signal.Signals(ctx.stop.signum).name} after step {completed_steps} "
+                                    f"of {ctx.cfg.train.steps}; checkpoint {path}; rerun with train.resume=true to "
+                                    f"continue")
 
 
 def _record(ctx: RunContext, completed_steps: int, metrics: dict, bar) -> None:

@@ -248,3 +248,18 @@ def test_save_hf_checkpoint_replaces_a_folder_only_when_asked(tmp_path):
     assert torch.equal(hf_tensors(str(out))["w"], torch.ones(2))
     assert _contents(old) == {"keep.txt": b"keep.txt in model.old"}
     assert sorted(os.listdir(tmp_path)) == ["late", "model", "model.old"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_folder_has_the_umask_permissions(tmp_path, umask):
+    """The published folder is made by renaming a private temp folder: it must end up with the
+    permissions a plain mkdir would give (the group may read a model exported for it), not 0700."""
+    from megatron_rl.model.hf_io import save_hf_checkpoint
+    from megatron_rl.model.presets import preset_arch
+
+    old = os.umask(umask)
+    try:
+        save_hf_checkpoint(str(tmp_path / "out"), preset_arch("qwen3", "tiny"), iter([("w", torch.ones(2))]))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask

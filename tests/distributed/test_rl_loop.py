@@ -130,13 +130,16 @@ def test_keep_sampling_mask_requires_truncation():
         load_config(None, ["loss.keep_sampling_mask=true"])
 
 
-def _failing_engine(rank, world, run_dir, hf, where):
+def _failing_engine(rank, world, run_dir, hf, where, stopping):
+    import signal
+
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import latest_checkpoint
     from megatron_rl.trainer.loop import close, setup, train
     from megatron_rl.trainer.rl_step import RolloutFailed
+    from megatron_rl.trainer.stop import Stopped
 
     apply_platform_workarounds()
     cfg = load_config(None, BASE + [f"train.run_dir={run_dir}", "train.steps=3", f"model.hf_dir={hf}",
@@ -151,12 +154,15 @@ def _failing_engine(rank, world, run_dir, hf, where):
         def failing(*args, **kwargs):
             calls.append(1)
             if len(calls) == fail_at:
+                if stopping:
+                    ctx.stop.signum = signal.SIGTERM
                 raise ConnectionError("server went away")
             return real(*args, **kwargs)
 
         setattr(ctx.engine, method, failing)
     try:
-        with pytest.raises(RolloutFailed, match="resume"):
+        expected = (Stopped, "stopped by SIGTERM after step 1 .*resume") if stopping else (RolloutFailed, "resume")
+        with pytest.raises(expected[0], match=expected[1]):
             train(ctx)
     finally:
         close(ctx)
@@ -166,11 +172,15 @@ def _failing_engine(rank, world, run_dir, hf, where):
 
 
 @pytest.mark.variant  # the loop's fault handling; test_resume_reproduces_uninterrupted_run saves and loads
-@pytest.mark.parametrize("where,completed", [("generate", 1), ("sync", 2)])
-def test_engine_failure_stops_every_rank_with_a_resumable_checkpoint(tmp_path, hf_dir, where, completed):
+@pytest.mark.parametrize("where,completed,stopping", [("generate", 1, False), ("sync", 2, False),
+                                                      ("generate", 1, True)])
+def test_engine_failure_stops_every_rank_with_a_resumable_checkpoint(tmp_path, hf_dir, where, completed, stopping):
     """A failure before step 2's update keeps step 1; one in the weight sync after step 2's update
-    keeps step 2, in the checkpoint and in the metrics log (its row is written before the save)."""
+    keeps step 2, in the checkpoint and in the metrics log (its row is written before the save).
+    stopping: the engine fails after rank 0 got SIGTERM (SLURM signals the vLLM server too): every
+    rank ends as a stopped run, not as a failed one."""
     # two ranks: the rank without the engine must not hang waiting for samples
-    out = run_ranks(_failing_engine, world_size=2, timeout=300, run_dir=str(tmp_path), hf=hf_dir, where=where)
+    out = run_ranks(_failing_engine, world_size=2, timeout=300, run_dir=str(tmp_path), hf=hf_dir, where=where,
+                    stopping=stopping)
     expected = (f"iter_{completed:07d}", list(range(1, completed + 1)))
     assert out == [expected, expected]

@@ -69,7 +69,8 @@ def wait_gone(pids: list[int]):
 def finished_run(tmp_path_factory):
     """A completed 2-step run with a checkpoint after each step (copied by the tests that damage it)."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    ok(run(run_dir, "train.steps=2", "train.save_every=1"))
+    proc = ok(run(run_dir, "train.steps=2", "train.save_every=1"))
+    assert "wall time" in proc.stdout and "TensorBoard" not in proc.stdout  # log.tensorboard=false: none to show
     return run_dir
 
 
@@ -208,8 +209,9 @@ def test_5_unwritable_checkpoints_fail_at_start_up(tmp_path):
     assert not (r / "metrics.jsonl").exists() or metric_steps(r) == []
 
 
-# ---- 6 + 7 (+ 14): SIGKILL while a checkpoint is being written: no process left, no row logged twice;
-#      meanwhile a second launch into the same run_dir is refused, and the SIGKILL frees the directory
+# ---- 6 + 7 (+ 14): SIGKILL while a checkpoint is being written: no process left, no row logged twice,
+#      the partial save removed on resume; meanwhile a second launch into the same run_dir is refused,
+#      and the SIGKILL frees the directory
 def test_6_7_sigkill_mid_save_leaves_no_process_and_no_duplicate_rows(tmp_path):
     r = tmp_path / "R"
     proc = subprocess.Popen(cmd(r, "train.steps=200", "train.save_every=1"), cwd=ROOT, env=ENV,
@@ -237,9 +239,12 @@ def test_6_7_sigkill_mid_save_leaves_no_process_and_no_duplicate_rows(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    resumed = ok(run(r, f"train.steps={caught + 1}", "train.resume=true", "train.save_every=1"))
+    partial = r / "checkpoints" / f"iter_{caught:07d}.tmp"
+    assert partial.is_dir()
+    resumed = ok(run(r, f"train.steps={caught + 1}", "train.resume=true", "train.save_every=0"))
     assert f"at step {caught - 1}" in resumed.stdout
     assert metric_steps(r) == list(range(1, caught + 2))
+    assert f"removed {partial}" in resumed.stdout and not partial.exists()  # not left to fill the disk
 
 
 def test_6_sigterm_finishes_the_step_saves_and_reaps(tmp_path):

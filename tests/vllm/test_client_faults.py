@@ -190,6 +190,24 @@ def test_restarts_are_bounded(tmp_path, weights):
 
 
 
+def test_no_restart_once_the_run_is_stopping(tmp_path, weights):
+    """After SIGTERM (which SLURM sends the server too) a dead server is reported, not restarted:
+    a restart would outlast the grace period the trainer needs to save."""
+    stopping = []
+    engine, fake = make_engine(tmp_path, weights, behaviour=lambda body, answer: "drop" if stopping else answer,
+                               max_restarts=3)
+    engine.stopping = lambda: bool(stopping)
+    assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
+    stopping.append("SIGTERM")
+    with pytest.raises(VllmServerDiedError, match="not restarted: the run is stopping"):
+        engine.generate(PROMPTS, 1, SAMPLING)
+    fake.stop()
+    with pytest.raises(VllmServerDiedError, match="not restarted: the run is stopping"):
+        engine.update_weights(weights, version=4)
+    assert fake.restarts == 0 and engine.stats()["vllm/restarts"] == 0
+    engine.close()
+
+
 def test_a_server_dead_at_the_weight_sync_is_restarted_on_the_new_weights(tmp_path, weights):
     engine, fake = make_engine(tmp_path, weights, max_restarts=1)
     fake.stop()  # dead between two syncs: the reload request finds no server

@@ -51,10 +51,10 @@ def resolve_config(cfg, arch) -> VllmConfig:
                    enable_return_routed_experts=vcfg.enable_return_routed_experts or r3)
 
 
-def make_vllm_engine(cfg, arch, run_dir: str) -> VllmEngine:
+def make_vllm_engine(cfg, arch, run_dir: str, stopping=lambda: False) -> VllmEngine:
     """The trainer's vLLM engine for RunConfig `cfg` (see resolve_config); the server starts on
-    the first update_weights()."""
-    return VllmEngine(arch, resolve_config(cfg, arch), run_dir)
+    the first update_weights(). stopping: the trainer's stop flag (no restarts once it is set)."""
+    return VllmEngine(arch, resolve_config(cfg, arch), run_dir, stopping=stopping)
 
 
 __all__ = [

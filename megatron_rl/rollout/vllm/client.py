@@ -26,13 +26,14 @@ and the call returns only when every key has a validated sample.
   within one call: VllmServerDiedError (the trainer checkpoints and stops).
 - server dead during update_weights(): restarted on the new weights, which loads them, when
   `max_restarts` >= 1 (it bounds each update_weights() call too); else VllmServerDiedError.
+- never a restart once `stopping()` is true (the run got SIGTERM or Ctrl-C): VllmServerDiedError.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
@@ -86,8 +87,12 @@ class VllmEngine:
 
     def __init__(self, arch: ModelArch, cfg: VllmConfig | None = None, run_dir: str = "runs/vllm", *,
                  reference: Reference | None = None, server: ServerHandle | None = None,
-                 device: str | None = None):
+                 device: str | None = None, stopping: Callable[[], bool] = lambda: False):
         self.arch = arch
+        # The trainer's stop flag. A server that dies once the run is stopping is not restarted:
+        # SLURM signals every process of a job step, this server too, and a restart (a model
+        # load) would outlast the grace period before SIGKILL that the trainer needs to save.
+        self.stopping = stopping
         self.cfg = cfg = cfg or VllmConfig()
         self.root = os.path.join(run_dir, "vllm")
         self.logprobs_mode = "raw_logprobs" if cfg.logprobs_mode == "auto" else cfg.logprobs_mode
@@ -159,6 +164,9 @@ class VllmEngine:
         if not self.server.can_restart:
             raise VllmServerDiedError(f"vLLM server at {self.server.url} failed ({reason}) and cannot be "
                                       f"restarted by us")
+        if self.stopping():
+            raise VllmServerDiedError(f"vLLM server at {self.server.url} failed ({reason}); not restarted: the "
+                                      f"run is stopping")
         log.warning("restarting the vLLM server (%s) on %s", reason, model_dir)
         t0 = time.perf_counter()
         self.server.stop(graceful=False)
