@@ -2,8 +2,8 @@
 
 What it does: builds the policy on megatron-core (TP/PP/EP from the flags), a rollout engine
 (embedded transformers engine by default, or a vLLM server), optionally warm-starts with SFT
-on the task, then runs the synchronous RL loop (rollout -> reward -> advantages -> old
-log-probs -> N optimizer steps -> weight sync), logging to stdout, metrics.jsonl and
+on the task, then runs the RL loop (rollout -> reward -> advantages -> old log-probs -> N
+optimizer steps -> weight sync, on the sync, staged or async schedule), logging to stdout, metrics.jsonl and
 TensorBoard under train.run_dir, checkpointing atomically and resuming automatically.
 
 One CPU (the laptop/CI default; what `make demo` runs):
@@ -14,7 +14,7 @@ One GPU node (NCCL; vLLM rollouts):
     torchrun --nproc_per_node=8 pretrain_rl.py --config my_run.yaml --rollout-backend vllm
 32k-64k token responses (GPUs with Transformer Engine): split every row over CP ranks
     torchrun --nproc_per_node=8 pretrain_rl.py --config my_run.yaml --context-parallel-size 2
-A SLURM allocation: see examples/ for srun/torchrun launch scripts.
+A SLURM allocation: see examples/slurm_rl.sbatch.
 
 Overrides: any `section.field=value` (e.g. train.steps=20 loss.recipe=minirl) or a Megatron flag
 (--tensor-model-parallel-size, --expert-model-parallel-size, --pipeline-model-parallel-size,
@@ -41,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--summary-json", default=None, help="write the final summary here (rank 0)")
     p.add_argument("--debug", action="store_true",
-                   help="print the full traceback of an error (otherwise one line, traceback in run_dir/error.log)")
+                   help="print the full traceback of an error (otherwise one line, traceback in run_dir/error-rank<r>.log)")
     args, overrides = p.parse_known_args(argv)
     return args, overrides
 

@@ -1,7 +1,7 @@
 """Rollout schedules on the CPU demo at an equal number of optimizer updates: sync vs staged (K=4,
 µ-GRPO) vs async (max_staleness=1).
 
-    python benchmarks/schedules.py                         # embedded engine, the demo's 300 steps
+    python benchmarks/schedules.py                         # embedded engine, 300 RL steps (--steps)
     python benchmarks/schedules.py --steps 40 --backend vllm --config examples/vllm_cpu.yaml
 
 One SFT warm start is made first and every schedule starts RL from its checkpoint, with the same

@@ -10,7 +10,9 @@ handles, leaves it running forever.
 server process asks the kernel to SIGKILL it when its parent dies (Linux PR_SET_PDEATHSIG; it
 exits at once if the parent is already gone), and hands it to megatron-core in place of its
 own. It touches the private module global `filesystem_async._results_queue`, whose one reader
-is `_get_write_results_queue()`; `tests/unit/platform/test_reaping.py` fails when that changes.
+is `_get_write_results_queue()`. Should that global change, every save fails on it (the
+checkpoint tests), and drill 6+7 in `tests/e2e/test_drills.py` checks that a SIGKILLed
+trainer leaves no writer process.
 """
 from __future__ import annotations
 

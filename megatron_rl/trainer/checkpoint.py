@@ -5,7 +5,8 @@ Layout under `root/`:
     iter_0000012/extra/rank_00003.json  per-rank host state (step, data position, RNG, ...) as JSON
     iter_0000012/manifest.json       run id, step, write time, size + sha256 of every file
     latest                           text file naming the newest complete iteration dir
-    previous/<time>/                 checkpoints of an earlier run, moved aside by a fresh run
+    previous/<time>/                 another run's checkpoint found at a step this run saves, moved
+                                     aside (never deleted)
 
 Saving writes into `iter_XXXXXXX.tmp`, all ranks barrier, the manifest is computed (collective)
 and written, rank 0 renames the directory into place and only then rewrites `latest` (temp file
@@ -206,19 +207,6 @@ def sweep_partial_saves(root: str) -> list[str]:
     for path in found:
         shutil.rmtree(path, ignore_errors=True)
     return found
-
-
-def archive_checkpoints(root: str) -> str | None:
-    """Rank 0: move every checkpoint and `latest` under root/previous/<time>/ (a fresh run in a
-    used run_dir keeps the earlier run's checkpoints, out of the way). Returns the new folder."""
-    found = complete_checkpoints(root) + [p for p in (os.path.join(root, "latest"),) if os.path.exists(p)]
-    if not found:
-        return None
-    dest = os.path.join(root, "previous", time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(dest, exist_ok=True)
-    for path in found:
-        os.replace(path, os.path.join(dest, os.path.basename(path)))
-    return dest
 
 
 def read_extra(path: str, rank: int = 0) -> dict:
