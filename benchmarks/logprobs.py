@@ -4,9 +4,10 @@ The straightforward path materialises `[T, V]` fp32 logits (log_softmax, gather,
 backward: several `[T, V]` temporaries); ours (`megatron_rl.logprobs.token_logprobs_and_entropy`)
 holds two `[chunk, V/TP]` buffers. Qwen vocabulary V = 151,936, hidden 256, fp32, CPU.
 
-    python benchmarks/logprobs.py            # full table: T in {1k,2k,4k} side by side,
+    python benchmarks/logprobs.py            # full table: ours recompute vs loss-fused at T in {2k,8k},
+                                             # T in {1k,2k,4k} side by side with full logits,
                                              # then ours alone at T in {8k,32k,64k}, TP=1 and CP=2
-    python benchmarks/logprobs.py --quick    # T = 2k side by side only
+    python benchmarks/logprobs.py --quick    # T = 2k only
     python benchmarks/logprobs.py --device cuda   # the GPU table: bf16, H=4096, peers (logprobs_cuda.py)
 
 Method: every configuration runs in a fresh process (`--child`). It allocates its inputs
@@ -71,6 +72,7 @@ def _child(args) -> dict:
                                 rank=args.cp_rank, world_size=args.cp_size)
         cp_group = dist.group.WORLD
     from megatron_rl.logprobs import reference_logprobs_and_entropy, token_logprobs_and_entropy
+    from megatron_rl.logprobs.loss_fused import fused_token_loss
 
     g = torch.Generator().manual_seed(args.cp_rank)
     n = args.tokens // args.cp_size
@@ -79,11 +81,16 @@ def _child(args) -> dict:
     y = torch.randint(0, V, (n,), generator=g)
 
     def step(hh, yy):
-        if args.path == "naive":
-            out = reference_logprobs_and_entropy(hh, w, yy)
+        if args.path == "loss_fused":
+            loss, _ = fused_token_loss(hh, w, yy, lambda rows, lp, ent, kept: lp.sum() + 0.1 * ent.sum(),
+                                       chunk_size=args.chunk)
+            loss.backward()
         else:
-            out = token_logprobs_and_entropy(hh, w, yy, chunk_size=args.chunk)
-        (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
+            if args.path == "naive":
+                out = reference_logprobs_and_entropy(hh, w, yy)
+            else:
+                out = token_logprobs_and_entropy(hh, w, yy, chunk_size=args.chunk)
+            (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
         if cp_group is not None:
             torch.distributed.all_reduce(w.grad, group=cp_group)
 
@@ -141,14 +148,36 @@ def _k(t: int) -> str:
     return f"{t // 1024}k"
 
 
-def _eff(r: dict, tokens: int, cpu: bool = False) -> float:
-    flops = 8 * tokens * V * HID / 1e9
+def _eff(r: dict, tokens: int, cpu: bool = False, gemms: int = 4) -> float:
+    flops = 2 * gemms * tokens * V * HID / 1e9
     return flops / r["cpu"] / r["gemm_cpu"] if cpu else flops / r["sec"] / r["gemm"]
+
+
+def _loss_fused_table(tokens: list[int], chunk: int) -> None:
+    """Ours as the trainer runs it today (recompute: 4 GEMMs) against the loss-fused variant
+    (`loss_fused.fused_token_loss`: gradients in the forward, 3 GEMMs), same loss, same chunk;
+    runs alternate so both see the same machine."""
+    print("(o) ours: recompute (4 GEMMs: the trainer's path) vs loss-fused (3 GEMMs), TP=1, 2 threads;"
+          " GEMM eff = the FLOPs each executes over the fp32 GEMM rate")
+    print(f"{'T':>4} | {'recompute: peak':>15} {'wall/cpu s':>11} {'eff':>4} | {'loss-fused: peak':>16} "
+          f"{'wall/cpu s':>11} {'eff':>4} | {'speedup wall/cpu':>16} | {'load':>4}")
+    for t in tokens:
+        rec, fus = _run("fused", t, chunk), _run("loss_fused", t, chunk)
+        if rec is None or fus is None:
+            print(f"{_k(t):>4} | failed")
+            continue
+        cells = [f"{r['peak'] / GiB:>{w}.2f} GiB {r['sec']:>5.1f}/{r['cpu']:<5.1f} {_eff(r, t, gemms=g):>4.0%}"
+                 for r, g, w in ((rec, 4, 11), (fus, 3, 12))]
+        speedup = f"{rec['sec'] / fus['sec']:.2f}x/{rec['cpu'] / fus['cpu']:.2f}x"
+        print(f"{_k(t):>4} | {cells[0]} | {cells[1]} | {speedup:>16} | {max(rec['load'], fus['load']):>4.1f}",
+              flush=True)
+    print()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="only T = 2k, side by side")
+    ap.add_argument("--quick", action="store_true", help="only T = 2k")
+    ap.add_argument("--tables", default="o,i,ii", help="which CPU tables, comma-separated (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu (this table) | cuda (benchmarks/logprobs_cuda.py's table)")
     ap.add_argument("--gpu-tokens", type=int, nargs="*", default=[4096, 16384, 65536],
                     help="--device cuda: values of T")
@@ -195,12 +224,17 @@ def main() -> None:
           " backward recomputation) per wall/CPU second over the fp32 GEMM throughput (2048³) measured per"
           " wall/CPU second in the same process(es) right before and after the run; load = 1-min load avg.\n")
 
+    tables = set(args.tables.split(","))
+    if "o" in tables:
+        _loss_fused_table([2048] if args.quick else [2048, 8192], chunk)
+    if "i" not in tables and "ii" not in tables:
+        return
     side = [2048] if args.quick else [1024, 2048, 4096]
     print("(i) side by side, TP=1, 2 threads")
     print(f"{'T':>4} | {'naive peak':>10} {'wall/cpu s':>11} | {'ours peak':>9} {'wall/cpu s':>11} | "
           f"{'mem ratio':>9} {'speedup wall/cpu':>16} | {'GEMM eff wall/cpu':>17} | {'load':>9}")
     ref_4k = None
-    for t in side:
+    for t in side if "i" in tables else []:
         ours = _run("fused", t, chunk)
         naive = _run("naive", t, chunk)
         if ours is None:
@@ -219,7 +253,7 @@ def main() -> None:
         eff = f"{_eff(ours, t):.0%}/{_eff(ours, t, cpu=True):.0%}"
         print(f"{_k(t):>4} | {n_peak:>10} {n_time:>11} | {ours['peak'] / GiB:>5.2f} GiB {o_time:>11} | "
               f"{mem:>9} {spd:>16} | {eff:>17} | {load:>9}", flush=True)
-    if args.quick:
+    if args.quick or "ii" not in tables:
         return
 
     print("\n(ii) ours alone (the full-logits path does not fit: its [T, V] fp32 logits alone are the"

@@ -15,6 +15,8 @@ bf16 hidden `[T, H]` and weight `[V, H]` (V = 151,936, H = 4,096), forward + bac
                      tiling buys (the weight-gradient GEMM's inner dimension: 384 vs 4096 tokens)
     ours eager       the same with the eager in-place chunk math (`kernels=None`, untiled), to show
                      what compiling buys
+    ours loss-fused  `loss_fused.fused_token_loss`: the loss (token-local here) and its gradients in
+                     the forward's chunk loop, three GEMMs instead of four; not yet the trainer's path
     verl             `verl.utils.kernel.linear_cross_entropy` (log-probs and entropy), if installed
                      (without Ray: see `peer_module`)
     liger            Liger's fused linear cross entropy (log-probs only, no entropy), if installed
@@ -27,7 +29,8 @@ Per path and T: time = median of 3 CUDA-event timings after a warm-up; peak = th
 allocated during one run beyond what was allocated before it (the inputs) and beyond the returned
 gradients of h and W; floor = 3 × the time of one `[T, H] × [H, V]` bf16 GEMM measured in the
 same run (forward, d_hidden, d_weight), and `% of floor` = floor / time. Ours recomputes the
-logits in the backward, a fourth GEMM: its own bound is 4/3 of the floor (75% of floor).
+logits in the backward, a fourth GEMM: its own bound is 4/3 of the floor (75% of floor); the
+loss-fused path does not (its bound is the floor).
 Accuracy at T = 2k: the largest |log-prob − float64| and |entropy − float64| from the same bf16
 inputs. A peer is only imported from an installed package, never vendored.
 
@@ -58,39 +61,46 @@ def _ours(h, w, y):
     from megatron_rl.logprobs import token_logprobs_and_entropy
 
     out = token_logprobs_and_entropy(h, w, y)
-    return out.logprobs, out.entropy
+    return out.logprobs, out.entropy, None
 
 
 def _ours_untiled(h, w, y):
     from megatron_rl.logprobs import auto_chunk_size, token_logprobs_and_entropy
 
     out = token_logprobs_and_entropy(h, w, y, grad_tile=(auto_chunk_size(w.shape[0]), w.shape[0]))
-    return out.logprobs, out.entropy
+    return out.logprobs, out.entropy, None
 
 
 def _ours_eager(h, w, y):
     from megatron_rl.logprobs import token_logprobs_and_entropy
 
     out = token_logprobs_and_entropy(h, w, y, kernels=None)
-    return out.logprobs, out.entropy
+    return out.logprobs, out.entropy, None
+
+
+def _ours_loss_fused(h, w, y):
+    from megatron_rl.logprobs.loss_fused import fused_token_loss
+
+    loss, out = fused_token_loss(h, w, y, lambda rows, lp, ent, kept: lp.sum() + 0.1 * ent.sum())
+    return out.logprobs, out.entropy, loss
 
 
 def _straightforward(h, w, y):
     from megatron_rl.logprobs import reference_logprobs_and_entropy
 
     out = reference_logprobs_and_entropy(h, w, y)
-    return out.logprobs, out.entropy
+    return out.logprobs, out.entropy, None
 
 
 def _verl(h, w, y):
     lce = peer_module(PEER_MODULES["verl"])
     logprobs, entropy = lce.linear_cross_entropy(h, w, y, 1.0, "none")
-    return logprobs, entropy
+    return logprobs, entropy, None
 
 
 def _liger(h, w, y):
     liger = peer_module(PEER_MODULES["liger"])
-    return -liger.LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, y), None
+    return -liger.LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, y), None, None
 
 
 PEER_MODULES = {"verl": "verl.utils.kernel.linear_cross_entropy", "liger": "liger_kernel.transformers"}
@@ -126,9 +136,10 @@ def peer_module(name: str) -> types.ModuleType:
     return importlib.import_module(name)
 
 
-MAIN_GRAD_PATHS = {"ours", "ours untiled", "ours eager"}
+MAIN_GRAD_PATHS = {"ours", "ours untiled", "ours eager", "ours loss-fused"}
 PATHS: dict[str, Callable] = {"straightforward": _straightforward, "ours": _ours, "ours untiled": _ours_untiled,
-                              "ours eager": _ours_eager, "verl": _verl, "liger": _liger}
+                              "ours eager": _ours_eager, "ours loss-fused": _ours_loss_fused, "verl": _verl,
+                              "liger": _liger}
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -180,8 +191,9 @@ def measure(path: str, tokens: int, vocab: int, hidden: int, device, reps: int =
 
     def once():
         h.grad = w.grad = None
-        logprobs, entropy = fn(h, w, y)
-        loss = logprobs.float().sum() + (0.1 * entropy.float().sum() if entropy is not None else 0.0)
+        logprobs, entropy, loss = fn(h, w, y)
+        if loss is None:   # the loss-fused path computes it (and its gradients) itself
+            loss = logprobs.float().sum() + (0.1 * entropy.float().sum() if entropy is not None else 0.0)
         loss.backward()
 
     timer = _Timer(dev)
@@ -216,7 +228,7 @@ def accuracy(path: str, tokens: int, vocab: int, hidden: int, device) -> dict:
     h, w, y = inputs(tokens, vocab, hidden, device)
     try:
         with torch.no_grad():
-            lp, ent = PATHS[path](h, w, y)
+            lp, ent, _ = PATHS[path](h, w, y)
             ref = reference_logprobs_and_entropy(h.double(), w.double(), y)
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}"}

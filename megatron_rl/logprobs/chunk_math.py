@@ -133,7 +133,7 @@ def chunk_forward(
     ebuf: torch.Tensor,
     kernels: CompiledChunkMath | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Forward statistics of one chunk.
+    """Forward statistics of one chunk: its logits projected into `zbuf`, then `logit_statistics`.
 
     Args:
         h: `[n, H]` hidden states; weight: `[V_r, H]` this rank's vocab shard.
@@ -145,22 +145,33 @@ def chunk_forward(
         dict of `[n]` fp32 tensors: `logprob`, `logZ`, and `entropy` (if asked), `kept_logprob` and
         `logZ_K` (if `kept_ids`). Values are identical on every TP rank.
     """
-    n, vocab_local = h.shape[0], weight.shape[0]
-    z, e = zbuf[:n], ebuf[:n]
+    n = h.shape[0]
+    z = zbuf[:n]
     project(h, weight, inv_temp, out=z)
+    return logit_statistics(z, labels, kept_ids, vocab_start=vocab_start, compute_entropy=compute_entropy,
+                            tp_group=tp_group, ebuf=ebuf[:n], kernels=kernels)
 
-    yidx, y_here = local_index(labels, vocab_start, vocab_local)
-    kidx, k_here = (None, None) if kept_ids is None else local_index(kept_ids, vocab_start, vocab_local)
-    maxes, z_y, z_k = (max_stage if kernels is None else kernels.max_stage)(z, yidx, y_here, kidx, k_here)
-    maxes = all_reduce(maxes, dist.ReduceOp.MAX, tp_group)
-    m = maxes[:, 0]
-    m_k = None
-    if kept_ids is not None:
-        m_k = maxes[:, 1]
-        m_k = torch.where(torch.isfinite(m_k), m_k, torch.zeros_like(m_k))
+
+def logit_statistics(
+    z: torch.Tensor,
+    labels: torch.Tensor,
+    kept_ids: torch.Tensor | None,
+    *,
+    vocab_start: int,
+    compute_entropy: bool,
+    tp_group: dist.ProcessGroup | None,
+    ebuf: torch.Tensor | None,
+    kernels: CompiledChunkMath | None,
+) -> dict[str, torch.Tensor]:
+    """`chunk_forward`'s statistics of one chunk's fp32 logits `z [n, V_r]` (this rank's shard),
+    with the TP all-reduces: by the compiled `kernels`, which leave `z` as it is, or (None) by the
+    eager in-place ops in `z` and the scratch `ebuf [n, V_r]`, which overwrite `z`."""
+    m, m_k, z_y, z_k = global_maxima(z, labels, kept_ids, vocab_start, tp_group,
+                                     max_stage if kernels is None else kernels.max_stage)
     if kernels is not None:
         sums = kernels.sum_stage(z, m, z_y, z_k, m_k, compute_entropy)
     else:
+        e = ebuf
         z.sub_(m[:, None])                      # z − M
         torch.exp(z, out=e)                     # e^{z − M}
         sums = [e.sum(dim=1), z_y]
@@ -169,8 +180,30 @@ def chunk_forward(
         if kept_ids is not None:
             sums.append(torch.exp(z_k - m_k[:, None]).sum(dim=1))
         sums = torch.stack(sums, dim=1)
-    sums = all_reduce(sums, dist.ReduceOp.SUM, tp_group)
+    return finish_statistics(all_reduce(sums, dist.ReduceOp.SUM, tp_group), m, m_k, labels, kept_ids,
+                             compute_entropy)
 
+
+def global_maxima(z: torch.Tensor, labels: torch.Tensor, kept_ids: torch.Tensor | None, vocab_start: int,
+                  tp_group: dist.ProcessGroup | None, max_stage_fn=max_stage):
+    """`(M [n], M_K [n] or None, z_y [n], z_k [n, K] or None)`: the full vocabulary's and the kept
+    set's row maxima (TP MAX all-reduce; M_K is 0 for an empty kept set, to stay finite) and this
+    shard's label and kept-id logits (`compiled_math.max_stage`, or `max_stage_fn`)."""
+    yidx, y_here = local_index(labels, vocab_start, z.shape[1])
+    kidx, k_here = (None, None) if kept_ids is None else local_index(kept_ids, vocab_start, z.shape[1])
+    maxes, z_y, z_k = max_stage_fn(z, yidx, y_here, kidx, k_here)
+    maxes = all_reduce(maxes, dist.ReduceOp.MAX, tp_group)
+    m = maxes[:, 0]
+    m_k = None
+    if kept_ids is not None:
+        m_k = maxes[:, 1]
+        m_k = torch.where(torch.isfinite(m_k), m_k, torch.zeros_like(m_k))
+    return m, m_k, z_y, z_k
+
+
+def finish_statistics(sums: torch.Tensor, m: torch.Tensor, m_k: torch.Tensor | None, labels: torch.Tensor,
+                      kept_ids: torch.Tensor | None, compute_entropy: bool) -> dict[str, torch.Tensor]:
+    """`logit_statistics`' outputs from the TP-summed `sums [n, 2..4]` = (S, z_y, [T], [S_K])."""
     s, z_y = sums[:, 0], sums[:, 1]
     log_s = torch.log(s)
     valid = labels >= 0
@@ -218,22 +251,30 @@ def chunk_logit_grad(
     """
     n, vocab_local = h.shape[0], weight.shape[0]
     z, p = scratch(zbuf, n, vocab_local), scratch(ebuf, n, vocab_local)
-    log_z, ent, log_zk = stats[:, 0], stats[:, 1], stats[:, 2]
     project(h, weight, inv_temp, out=z)
     yidx, y_here = local_index(labels, vocab_start, vocab_local)
     kidx, k_here = (None, None) if kept_ids is None else local_index(kept_ids, vocab_start, vocab_local)
     if kernels is not None:
         return kernels.logit_grad(z, stats, g_logprob, g_entropy, g_kept, yidx, y_here, kidx, k_here,
                                   out_dtype or z.dtype)
-    z.sub_(log_z[:, None])                  # log p
+    z.sub_(stats[:, 0, None])               # log p = z − logZ
     torch.exp(z, out=p)                     # p
-    if kept_ids is not None and g_kept is not None:
-        q = torch.exp(z.gather(1, kidx) + (log_z - log_zk)[:, None]).masked_fill_(~k_here, 0.0)
+    return logit_grad_in_place(z, p, stats, g_logprob, g_entropy, g_kept, yidx, y_here, kidx, k_here)
+
+
+def logit_grad_in_place(logp: torch.Tensor, p: torch.Tensor, stats: torch.Tensor, g_logprob, g_entropy, g_kept,
+                        yidx: torch.Tensor, y_here: torch.Tensor, kidx: torch.Tensor | None,
+                        k_here: torch.Tensor | None) -> torch.Tensor:
+    """`chunk_logit_grad`'s G from one chunk's `logp = z − logZ` and `p = e^{logp}` (`[n, V_r]`
+    fp32 buffers, both overwritten): returned in `p`'s buffer. `stats`, `g_*` as there."""
+    log_z, ent, log_zk = stats[:, 0], stats[:, 1], stats[:, 2]
+    if kidx is not None and g_kept is not None:
+        q = torch.exp(logp.gather(1, kidx) + (log_z - log_zk)[:, None]).masked_fill_(~k_here, 0.0)
         kept_term = -(g_kept[:, None] * q)
     if g_entropy is not None:
         a = g_entropy * ent if g_logprob is None else g_logprob + g_entropy * ent
-        torch.addcmul(-a[:, None], z, -g_entropy[:, None], out=z)   # −(g_lp + g_ent (logp + H))
-        p.mul_(z)
+        torch.addcmul(-a[:, None], logp, -g_entropy[:, None], out=logp)   # −(g_lp + g_ent (logp + H))
+        p.mul_(logp)
     elif g_logprob is not None:
         p.mul_(-g_logprob[:, None])
     else:
@@ -242,6 +283,6 @@ def chunk_logit_grad(
     if g_y:
         coef = g_y[0] if len(g_y) == 1 else g_y[0] + g_y[1]
         p.scatter_add_(1, yidx[:, None], torch.where(y_here, coef, torch.zeros_like(coef))[:, None])
-    if kept_ids is not None and g_kept is not None:
+    if kidx is not None and g_kept is not None:
         p.scatter_add_(1, kidx, kept_term)
     return p

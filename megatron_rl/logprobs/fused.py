@@ -175,12 +175,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                 if dh_acc is not None:   # ∂L/∂h = Σ_b G_b W_b / temperature
                     add_hidden_grad(dh_acc[:sl.stop - s], g, w_b, fresh=j == 0, alpha=inv_temp, mixed=low_g)
                 elif need_h:   # one block: G W / temperature straight into ∂L/∂h
-                    if g.dtype == weight.dtype == hidden.dtype:   # fp32, or bf16 G on the compiled path
-                        torch.mm(g, weight, out=d_hidden[sl])
-                    else:
-                        d_hidden[sl] = torch.mm(g.to(weight.dtype), weight)
-                    if inv_temp != 1.0:
-                        d_hidden[sl].mul_(inv_temp)
+                    put_hidden_grad(d_hidden[sl], g, weight, alpha=inv_temp)
                 if need_w:   # ∂L/∂W_b += G_bᵀ h / temperature  (the first chunk initialises a fresh buffer)
                     add_weight_grad(d_weight[v0:v1], g, hidden[sl], fresh=s == 0 and not into_main,
                                     alpha=inv_temp, mixed=low_g)
@@ -217,6 +212,18 @@ def add_weight_grad(out: torch.Tensor, g: torch.Tensor, h: torch.Tensor, *, fres
         out.addmm_(g.t(), h)
 
 
+def put_hidden_grad(out: torch.Tensor, g: torch.Tensor, w: torch.Tensor, *, alpha: float) -> None:
+    """`out = alpha · G W`, the whole vocabulary (shard) in one GEMM: `g [n, V_r]`, `w [V_r, H]`,
+    `out [n, H]` in the hidden states' dtype. Where `g`, `w` and `out` share a dtype (fp32, or bf16
+    G on the compiled path) the GEMM writes `out`; else `g` is rounded to `w`'s dtype first."""
+    if g.dtype == w.dtype == out.dtype:
+        torch.mm(g, w, out=out)
+    else:
+        out.copy_(torch.mm(g.to(w.dtype), w))
+    if alpha != 1.0:
+        out.mul_(alpha)
+
+
 def add_hidden_grad(out: torch.Tensor, g: torch.Tensor, w: torch.Tensor, *, fresh: bool, alpha: float,
                     mixed: bool) -> None:
     """`out = alpha · G W_b` (fresh) or `out += alpha · G W_b`: one vocab block's part of `∂L/∂h`,
@@ -251,6 +258,27 @@ def _accumulates_into_main_grad(weight: torch.Tensor, acc: torch.dtype) -> bool:
     main_grad = getattr(weight, "main_grad", None)
     return (isinstance(main_grad, torch.Tensor) and main_grad.dtype == acc and main_grad.shape == weight.shape
             and main_grad.device == weight.device)
+
+
+def flat_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, kept_ids: torch.Tensor | None,
+                kernels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, CompiledChunkMath | None]:
+    """Checked, flattened inputs: `(h [N, H], labels [N] int64, kept_ids [N, K] int64 or None,
+    the chunk math)`, with "auto" kernels resolved for `hidden`'s device."""
+    lead = labels.shape
+    if hidden.shape[:-1] != lead:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(lead)} disagree")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V/TP, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if isinstance(kernels, str) and kernels != "auto":
+        raise ValueError(f"kernels must be 'auto', None or a CompiledChunkMath, got {kernels!r}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1).long()
+    k = None
+    if kept_ids is not None:
+        if kept_ids.shape[:-1] != lead:
+            raise ValueError(f"kept_ids {tuple(kept_ids.shape)} must be labels' shape + [K]")
+        k = kept_ids.reshape(y.shape[0], -1).long()
+    return h, y, k, kernels_for(hidden.device) if isinstance(kernels, str) else kernels
 
 
 def token_logprobs_and_entropy(
@@ -295,22 +323,9 @@ def token_logprobs_and_entropy(
         None when not asked). Identical on all TP ranks. Differentiable w.r.t. `hidden` and
         `weight`; any combination of the three outputs may enter the loss.
     """
+    h, y, k, kernels = flat_inputs(hidden, weight, labels, kept_ids, kernels)
     lead = labels.shape
-    if hidden.shape[:-1] != lead:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(lead)} disagree")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V/TP, {hidden.shape[-1]}], got {tuple(weight.shape)}")
-    if isinstance(kernels, str) and kernels != "auto":
-        raise ValueError(f"kernels must be 'auto', None or a CompiledChunkMath, got {kernels!r}")
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1).long()
-    k = None
-    if kept_ids is not None:
-        if kept_ids.shape[:-1] != lead:
-            raise ValueError(f"kept_ids {tuple(kept_ids.shape)} must be labels' shape + [K]")
-        k = kept_ids.reshape(y.shape[0], -1).long()
     chunk = int(chunk_size or auto_chunk_size(weight.shape[0]))
-    kernels = kernels_for(hidden.device) if isinstance(kernels, str) else kernels
     if grad_tile is None:   # the eager path: one chunk by the whole shard (on a CPU tiles changed little)
         grad_tile = (chunk, weight.shape[0]) if kernels is None else auto_grad_tile(weight.shape[0])
     elif len(grad_tile) != 2 or min(grad_tile) < 1:

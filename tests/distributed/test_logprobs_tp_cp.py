@@ -1,4 +1,5 @@
-"""Fused log-probs under TP=2 (vocab-parallel) and CP=2 (zig-zag) vs the single-rank computation.
+"""Fused log-probs under TP=2 (vocab-parallel) and CP=2 (zig-zag) vs the single-rank computation
+(TP also for `fused_token_loss`, the gradients-in-the-forward variant).
 
 Every rank builds the same full problem from a seed, takes its TP vocab shard or CP token shard,
 and returns outputs and gradients; the parent compares them with the straightforward
@@ -67,13 +68,14 @@ def _tp_case(rank, world_size, tied):
     )
 
     from megatron_rl.logprobs import token_logprobs_and_entropy
+    from megatron_rl.logprobs.loss_fused import fused_token_loss
 
     tp = dist.new_group(list(range(world_size)))
     p = _problem()
     rows = V // world_size
     start = rank * rows
     results = {}
-    for mode in ("reduce_grad_input", "megatron_copy"):
+    for mode in ("reduce_grad_input", "megatron_copy", "loss_fused"):
         w = p["w"][start:start + rows].clone().requires_grad_()
         mix = p["mix"].clone().requires_grad_()
         if tied:   # vocab-parallel embedding lookup (megatron: masked local lookup + TP all-reduce)
@@ -84,8 +86,16 @@ def _tp_case(rank, world_size, tied):
             leaf = mix
         else:
             h = leaf = p["h"].clone().requires_grad_()
-        if mode == "megatron_copy":
+        if mode != "reduce_grad_input":
             h = copy_to_tensor_model_parallel_region(h, group=tp)
+        if mode == "loss_fused":   # the same weighted sum as a token-local loss, its gradients in the forward
+            g = p["grads"]
+            loss, out = fused_token_loss(
+                h, w, p["labels"], lambda r, lp, ent, kp: (lp * g[0][r] + ent * g[1][r] + kp * g[2][r]).sum(),
+                tp_group=tp, kept_ids=p["kept"], chunk_size=7, kernels=None)
+            loss.backward()
+            results[mode] = (list(out), leaf.grad, w.grad)
+            continue
         # megatron_copy also tiles the backward: blocks of 13 rows inside each rank's vocab shard
         out = token_logprobs_and_entropy(h, w, p["labels"], tp_group=tp, kept_ids=p["kept"],
                                          chunk_size=7, grad_tile=(5, 13) if mode == "megatron_copy" else None,

@@ -153,3 +153,42 @@ def test_compiled_equals_eager_with_kept_sets_temperature_and_a_one_token_last_c
             torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
     torch.testing.assert_close(dh.float(), dh_e.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(dw.float(), dw_e.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kernels", ["auto", None], ids=["compiled", "eager"])
+def test_loss_fused_matches_float64_with_main_grad(kernels):
+    """`fused_token_loss` (gradients in the forward, three GEMMs) on bf16 inputs: the outputs
+    within 2e-5 of float64, the bf16 G's products added in fp32 into main_grad scaled by
+    grad_scale, ∂L/∂h within bf16 rounding; a one-token last chunk, an ignored label, kept sets,
+    temperature 0.7."""
+    from megatron_rl.logprobs.loss_fused import fused_token_loss
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, hidden, vocab, k = 1025, 256, 32_000, 8
+    h = torch.randn(n, hidden, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 3 * hidden**-0.5).bfloat16()
+    y = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    y[5] = -100
+    kept = (y.clamp(min=0)[:, None] + torch.arange(k, device="cuda") * 3989) % vocab
+    kept[:, k // 2:] = -1
+    adv = torch.randn(n, device="cuda", generator=g, dtype=torch.float64)
+
+    def per_token(lp, ent, kp, a):   # nonlinear in the log-prob, as a PPO ratio is
+        return a.to(lp.dtype) * lp.exp() + 0.1 * ent + 0.3 * kp
+
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ww.main_grad = torch.zeros(vocab, hidden, device="cuda")
+    loss, out = fused_token_loss(hh, ww, y, lambda rows, lp, ent, kp: per_token(lp, ent, kp, adv[rows]).sum(),
+                                 kept_ids=kept, temperature=0.7, chunk_size=128, grad_scale=0.5, kernels=kernels)
+    loss.backward(torch.tensor(0.5, device="cuda"))
+    assert ww.grad is None and hh.grad.dtype == torch.bfloat16
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = reference_logprobs_and_entropy(h64, w64, y, kept_ids=kept, temperature=0.7)
+    ref_loss = per_token(ref.logprobs, ref.entropy, ref.kept_logprobs, adv).sum()
+    ref_loss.backward()
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0)
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), atol=1e-3, rtol=1e-5)
+    err = (ww.main_grad.double() - 0.5 * w64.grad).abs().max().item()
+    assert err <= 1e-2 * 0.5 * w64.grad.abs().max().item(), err
+    torch.testing.assert_close(hh.grad.double(), 0.5 * h64.grad, atol=1e-2, rtol=1e-2)

@@ -14,21 +14,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from megatron_rl.logprobs import reference_logprobs_and_entropy, token_logprobs_and_entropy
 from megatron_rl.logprobs.compiled_math import CompiledChunkMath, inductor_emits_gpu_kernels, kernels_for
 
-N, H, V, K = 29, 16, 97, 6
+from tests.unit.logprobs.cases import N, random_case
 
 
 def _case(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, H, generator=g)
-    w = torch.randn(V, H, generator=g) * 0.5
-    y = torch.randint(0, V, (N,), generator=g)
-    y[3] = -100
-    kept = torch.full((N, K), -1)
-    for t in range(N):
-        size = int(torch.randint(1, K + 1, (1,), generator=g))
-        kept[t, :size] = torch.randperm(V, generator=g)[:size]
-        kept[t, 0] = y[t] if y[t] >= 0 else kept[t, 0]
-    kept[1] = -1
+    h, w, y, kept, g = random_case(seed)
     grads = [torch.randn(N, generator=g) for _ in range(3)]
     return h, w, y, kept, grads
 

@@ -15,14 +15,15 @@ import logprobs_cuda as bench
 def test_table_runs_on_cpu_at_a_small_size():
     text = bench.table([256], vocab=512, hidden=64, device="cpu", accuracy_tokens=128)
     assert "| 256 |" in text and "of floor" in text
-    assert "| ours |" in text and "| straightforward |" in text
-    assert "does not fit" not in text
+    assert "| ours |" in text and "| straightforward |" in text and "| ours loss-fused |" in text
+    assert "does not fit" not in text and "Error" not in text
 
 
 def test_accuracy_column_separates_fp32_logits_from_bf16_rounded_ones():
     ours = bench.accuracy("ours", 128, 2048, 64, "cpu")
+    fused = bench.accuracy("ours loss-fused", 128, 2048, 64, "cpu")
     straightforward = bench.accuracy("straightforward", 128, 2048, 64, "cpu")
-    assert ours["logprob"] < 2e-5 and ours["entropy"] < 2e-5
+    assert max(ours.values()) < 2e-5 and max(fused.values()) < 2e-5 and len(fused) == 2
     assert straightforward["logprob"] > 10 * ours["logprob"]
 
 
