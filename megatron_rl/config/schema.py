@@ -63,6 +63,37 @@ class ModelSection:
                 hint = " (set the family with model.arch)" if key == "arch" else (
                     f" (did you mean {near[0]}?)" if near else "")
                 raise ValueError(f"model.overrides.{key}: not a ModelArch field{hint}; choose from {', '.join(known)}")
+        self.overrides = {key: _arch_override(key, value) for key, value in self.overrides.items()}
+
+
+_ARCH_FIELDS = {f.name: f for f in fields(ModelArch)}
+
+
+def _arch_override(key: str, value):
+    """model.overrides.<key> checked against its ModelArch field's type, so a bad value fails at
+    start-up and not in the model build (a string in int(), a zero head count in a division).
+    YAML reads 1e6 and 1e-5 as text: a float field takes a number written so. Sizes must be >= 1,
+    except those whose default is 0, where 0 means none (no experts, no multi-latent attention);
+    float settings must be > 0, except those whose default is 0 (0 = off: rope_llama3_factor)."""
+    where, spec = f"model.overrides.{key}", _ARCH_FIELDS[key]
+    kind = str(spec.type)
+    if kind == "bool":
+        checks.boolean(where, value)
+    elif kind == "int":
+        checks.integer(where, value, lo=1 if spec.default else 0)
+    elif kind == "float":
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass  # checks.number names it
+        checks.number(where, value, lo=0, lo_open=spec.default != 0)
+    elif kind.startswith("tuple[int"):  # layer indices
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}={value!r}: must be a list of layer indices, e.g. [0]")
+        for i, v in enumerate(value):
+            checks.integer(f"{where}[{i}]", v, lo=0)
+    return value
 
 
 @dataclass
@@ -72,7 +103,8 @@ class RolloutSection:
     backend: "embedded" (in-process transformers engine; the CPU default) | "vllm".
     dtype: engine precision "fp32" | "bf16" | "fp16"; bf16 makes the training-inference
         mismatch real on CPU.
-    prompts_per_step: B prompts per RL step. group_size: G responses per prompt.
+    prompts_per_step: B prompts per RL step. group_size: G >= 2 responses per prompt (the
+        advantages compare a response with its group).
     temperature (> 0), top_p (in (0, 1]), top_k (-1 = off, else >= 1), max_tokens (>= 1):
         sampling (vLLM names; see SamplingParams).
     max_batch_size: sequences the embedded engine decodes at once.
@@ -105,7 +137,8 @@ class RolloutSection:
         checks.choice("rollout.backend", self.backend, ("embedded", "vllm"))
         checks.choice("rollout.dtype", self.dtype, DTYPES)
         checks.integer("rollout.prompts_per_step", self.prompts_per_step, lo=1)
-        checks.integer("rollout.group_size", self.group_size, lo=1)
+        checks.integer("rollout.group_size", self.group_size, lo=2,
+                       hint="every advantage estimator is a group baseline: one response per prompt gets A = 0")
         checks.number("rollout.temperature", self.temperature, lo=0, lo_open=True,
                       hint="RL samples at a positive temperature; evaluation is greedy on its own")
         checks.number("rollout.top_p", self.top_p, lo=0, hi=1, lo_open=True, hint="1 = no nucleus truncation")
@@ -130,7 +163,9 @@ class DataSection:
     jsonl: a JSONL prompt file ({"prompt", "label", optional "task"} per line) instead of tasks.
     reward: reward function name for every prompt ("exact_match", "math"); null = each task's
         own reward (JSONL rows: exact_match).
-    heldout_size: held-out problems for evaluation. seed: data seed.
+    heldout_size: held-out problems of each task, never drawn for training; evaluations use the
+        first train.eval_size of them (JSONL prompts have none). Default 1000: the size every run
+        used before this setting reached the tasks. seed: data seed.
     overlong_prompts: what to do with a JSONL prompt too long for the model and engine (prompt
         tokens + rollout.max_tokens > the maximum sequence length): "error" (the default: refuse
         at start-up, naming the first such line and the count) | "skip" (drop those rows and
@@ -140,7 +175,7 @@ class DataSection:
     tasks: list = field(default_factory=lambda: ["addition"])
     jsonl: str | None = None
     reward: str | None = None
-    heldout_size: int = 500
+    heldout_size: int = 1000
     seed: int = 0
     overlong_prompts: str = "error"
 
@@ -156,6 +191,14 @@ class DataSection:
         if self.reward is not None:
             checks.choice("data.reward", self.reward, sorted(REWARDS))
         checks.integer("data.heldout_size", self.heldout_size, lo=0)
+        if self.jsonl is None:
+            from megatron_rl.data.tasks import make_task
+
+            for t in self.tasks:
+                try:  # the task refuses a split that is most of its problems
+                    make_task(t, heldout_size=self.heldout_size)
+                except ValueError as e:
+                    raise ValueError(f"data.heldout_size={self.heldout_size}: {e}") from None
         checks.integer("data.seed", self.seed)
         checks.choice("data.overlong_prompts", self.overlong_prompts, ("error", "skip"))
 
@@ -202,7 +245,8 @@ class OptimSection:
     """Optimizer and fp16 loss scaling (Megatron-LM flag names in brackets). The training
     precision is model.dtype (bf16/fp16 keep fp32 master weights).
 
-    lr [--lr], min_lr, weight_decay, adam_beta1/2, adam_eps, clip_grad [--clip-grad] (0 = off).
+    lr [--lr] (constant: no learning-rate schedule is built), min_lr (must stay 0 for that reason),
+    weight_decay, adam_beta1/2, adam_eps, clip_grad [--clip-grad] (0 = off).
     initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale: fp16 dynamic loss scaler;
         loss_scale set to a number makes it constant.
     use_distributed_optimizer [--use-distributed-optimizer]: shard optimizer state over DP.
@@ -225,6 +269,9 @@ class OptimSection:
     def __post_init__(self):
         checks.number("optim.lr", self.lr, lo=0, lo_open=True)
         checks.number("optim.min_lr", self.min_lr, lo=0, hi=self.lr)
+        if self.min_lr:  # megatron reads min_lr only in an OptimizerParamScheduler, which no run builds
+            raise ValueError(f"optim.min_lr={self.min_lr!r}: there is no learning-rate schedule (the lr stays "
+                             f"at optim.lr for the whole run), so a minimum would be ignored; remove it or set it to 0")
         checks.number("optim.weight_decay", self.weight_decay, lo=0)
         checks.number("optim.adam_beta1", self.adam_beta1, lo=0, hi=1, hi_open=True)
         checks.number("optim.adam_beta2", self.adam_beta2, lo=0, hi=1, hi_open=True)
@@ -311,9 +358,13 @@ class SFTSection:
     steps: max SFT steps (0 = skip). batch_size, lr. eval_every: held-out greedy accuracy
     cadence (0 = only at the end); target_accuracy: stop as soon as held-out accuracy reaches it
     (RL needs a non-zero success rate but room to improve; null = run all steps).
-    eval_size: held-out problems in each of those checks (the first ones of the held-out set;
-    null = train.eval_size). A small set checked often stops close to the target when accuracy
-    rises abruptly, as it does on the toy tasks.
+    eval_size: held-out problems in each of those checks (the first ones of the run's held-out set;
+    null = train.eval_size). At most train.eval_size are scored: the run's held-out set is the
+    first train.eval_size problems, so a larger value is cut to it (the demo's 200 with a short
+    run's train.eval_size=32 scores 32). A small set checked often stops close to the target when
+    accuracy rises abruptly, as it does on the toy tasks.
+    With steps > 0, a target_accuracy needs a non-empty held-out set: train.eval_size > 0,
+    data.heldout_size > 0 and task prompts (JSONL prompts have no held-out set).
     """
 
     steps: int = 0
@@ -438,6 +489,21 @@ class RunConfig:
         if self.loss.keep_sampling_mask and self.rollout.top_p >= 1.0 and self.rollout.top_k == -1:
             raise ValueError("loss.keep_sampling_mask needs truncated sampling: set rollout.top_p < 1 or "
                              "rollout.top_k > 0 (without truncation the kept set is the whole vocabulary)")
+        if self.sft.steps > 0:
+            self._check_sft_evaluation()
+
+    def _check_sft_evaluation(self) -> None:
+        """SFT's checks score the first sft.eval_size of the run's held-out set, which is the first
+        train.eval_size held-out problems of the tasks (trainer/loop.py: _heldout; JSONL prompts have
+        none): refuse a target accuracy that an empty set can never reach."""
+        sft, train = self.sft, self.train
+        empty_because = ("data.jsonl is set (JSONL prompts have no held-out set)" if self.data.jsonl else
+                         "train.eval_size=0" if train.eval_size == 0 else
+                         "data.heldout_size=0" if self.data.heldout_size == 0 else None)
+        if empty_because and sft.target_accuracy is not None:
+            raise ValueError(f"sft.target_accuracy={sft.target_accuracy} can never stop SFT: its checks score the "
+                             f"held-out set, which is empty because {empty_because}; set sft.target_accuracy=null "
+                             f"to run all sft.steps={sft.steps}")
 
     def check_layout(self, world_size: int) -> None:
         """The batch layout over `world_size` ranks: rows split evenly into mini-batches, DP ranks

@@ -100,10 +100,13 @@ class _Aggregation:
 AGGREGATIONS = Registry("aggregation")
 
 
-def register_aggregation(name: str, needs: tuple[str, ...]):
-    """Register `fn(per_token, mask, counts: GlobalCounts, seq, **params) -> scalar` needing `needs`."""
+def register_aggregation(name: str, needs: tuple[str, ...], **info):
+    """Register `fn(per_token, mask, counts: GlobalCounts, seq, *, **params) -> scalar` needing `needs`.
+
+    Its parameters (loss.aggregation_params) are keyword-only, so resolve_loss checks their names and
+    kinds against `fn`; `info` declares their value ranges (`limits`) as a surrogate's do."""
     def deco(fn):
-        AGGREGATIONS.register(name)(_Aggregation(fn, needs))
+        AGGREGATIONS.register(name, **info)(_Aggregation(fn, needs))
         return fn
 
     return deco
@@ -113,9 +116,15 @@ register_aggregation("token_mean", ("num_tokens",))(
     lambda per_token, mask, counts, seq: token_mean(per_token, mask, counts.num_tokens))
 register_aggregation("seq_mean_token_mean", ("num_seqs",))(
     lambda per_token, mask, counts, seq: seq_mean_token_mean(per_token, mask, counts.num_seqs, seq))
+
+
+def _token_sum_norm(per_token: Tensor, mask: Tensor, counts: GlobalCounts, seq: SeqOps, *, l_norm: float) -> Tensor:
+    return token_sum_norm(per_token, mask, counts.num_seqs, l_norm)
+
+
+# l_norm divides the loss: 0 gives inf / nan gradients, a negative value flips the loss's sign
 for _name in ("token_sum_norm", "seq_mean_token_sum"):
-    register_aggregation(_name, ("num_seqs",))(
-        lambda per_token, mask, counts, seq, l_norm: token_sum_norm(per_token, mask, counts.num_seqs, l_norm))
+    register_aggregation(_name, ("num_seqs",), limits={"l_norm": {"lo": 0, "lo_open": True}})(_token_sum_norm)
 
 
 def get_aggregation(name: str) -> Callable[..., Tensor]:

@@ -8,6 +8,11 @@ all comparisons are made in log space (no overflow for |Δ| up to fp32's range).
 Token-level (this file): tis_token, mis_token, icepop, kpop.
 Sequence-level (`corrections_seq.py`, same registry): tis_seq, mis_seq, mis_geo, veto, opsm, nav.
 Every correction logs the fraction of tokens (and sequences) it changed as `/num`, `/den` sums.
+
+A correction declares its parameters' valid values where it registers, checked by
+`losses.setup.resolve_loss` at start-up (a threshold of 0 would fail mid-step in log(0), an empty
+band would silently drop every token): `limits` (parameter -> bounds of config.checks.number),
+`choices` (parameter -> allowed values), `band` (lo, hi): parameters that must satisfy lo <= hi.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from megatron_rl.losses.types import (
 CORRECTIONS = Registry("rollout correction")
 register_correction = CORRECTIONS.register
 get_correction = CORRECTIONS.get
+POSITIVE = {"lo": 0, "lo_open": True}  # a threshold compared in log space: log(0) is undefined
 
 
 def log_w(batch: PolicyBatch) -> Tensor:
@@ -44,7 +50,7 @@ def keep_only(batch: PolicyBatch, keep: Tensor, metrics: Metrics, name: str = "m
     return Correction(torch.ones_like(keep, dtype=torch.float32), keep | ~m, metrics)
 
 
-@register_correction("tis_token")
+@register_correction("tis_token", limits={"C": POSITIVE})
 def tis_token(batch: PolicyBatch, *, C: float = 2.0, tis_use_rho: bool = False) -> Correction:
     """Truncated IS (Yao et al.): c_t = min(w_t, C); with tis_use_rho, c_t = min(ρ_t, C).  keep = 1.
 
@@ -60,7 +66,7 @@ def tis_token(batch: PolicyBatch, *, C: float = 2.0, tis_use_rho: bool = False) 
     return Correction(weight, torch.ones_like(m), metrics)
 
 
-@register_correction("mis_token")
+@register_correction("mis_token", limits={"C": {"lo": 1, "hint": "C < 1 makes [1/C, C] empty: every token dropped"}})
 def mis_token(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     """Masked IS (Liu et al.): c_t = w_t, keep_t = 1(1/C ≤ w_t ≤ C).  Dropped tokens get c_t = 0.
 
@@ -76,7 +82,7 @@ def mis_token(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     return Correction(weight, keep | ~m, metrics)
 
 
-@register_correction("icepop")
+@register_correction("icepop", limits={"alpha": POSITIVE, "beta": POSITIVE}, band=("alpha", "beta"))
 def icepop(batch: PolicyBatch, *, alpha: float = 0.5, beta: float = 5.0,
            ratio_weight: bool = False) -> Correction:
     """IcePop (Ring): keep_t = 1(α ≤ w_t ≤ β), c_t = 1.
@@ -98,7 +104,7 @@ def binary_kl(p: Tensor, q: Tensor) -> Tensor:
     return p * (torch.log(p) - torch.log(q)) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
 
 
-@register_correction("kpop")
+@register_correction("kpop", limits={"phi": {"lo": 0, "hint": "KL_B >= 0: phi < 0 drops every token"}})
 def kpop(batch: PolicyBatch, *, phi: float = 0.01, use_current_policy: bool = False) -> Correction:
     """KPop (adaptive region): with p = π_old,t (or π_θ,t if use_current_policy) and q = μ_t, both clamped
     to [1e-12, 1 − 1e-7]: keep_t = 1(KL_B(p‖q) ≤ φ and KL_B(q‖p) ≤ φ), c_t = 1.

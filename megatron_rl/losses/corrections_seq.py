@@ -18,7 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-from megatron_rl.losses.corrections import keep_only, log_w, register_correction
+from megatron_rl.losses.corrections import POSITIVE, keep_only, log_w, register_correction
 from megatron_rl.losses.seqops import owner_count
 from megatron_rl.losses.types import Correction, Metrics, PolicyBatch, add_fraction, masked, masked_log_ratio
 
@@ -43,7 +43,7 @@ def _drop_seqs(batch: PolicyBatch, drop: Tensor, valid: Tensor, metrics: Metrics
     return keep_only(batch, ~drop[:, None].expand_as(batch.mask), metrics, f"{name}_tokens")
 
 
-@register_correction("tis_seq")
+@register_correction("tis_seq", limits={"C": POSITIVE})
 def tis_seq(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     """c_i = min(Π_t w_t, C) = exp(min(Σ_t m log w_t, log C)), broadcast to tokens; keep = 1."""
     m = batch.mask
@@ -56,7 +56,7 @@ def tis_seq(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     return Correction(weight, torch.ones_like(m), metrics)
 
 
-@register_correction("mis_seq")
+@register_correction("mis_seq", limits={"C": POSITIVE})
 def mis_seq(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     """keep_i = 1(Π_t w_t ≤ C), c_i = Π_t w_t for kept responses (0 for dropped ones)."""
     m = batch.mask
@@ -67,7 +67,7 @@ def mis_seq(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     return Correction(torch.where(m, c[:, None], 1.0), out.keep, out.metrics)
 
 
-@register_correction("mis_geo")
+@register_correction("mis_geo", limits={"lo": POSITIVE, "hi": POSITIVE}, band=("lo", "hi"))
 def mis_geo(batch: PolicyBatch, *, lo: float = 0.999, hi: float = 1.001) -> Correction:
     """g_i = exp((1/|y_i|) Σ_t m log w_t); keep_i = 1(lo ≤ g_i ≤ hi); c = 1.
 
@@ -80,7 +80,7 @@ def mis_geo(batch: PolicyBatch, *, lo: float = 0.999, hi: float = 1.001) -> Corr
     return _drop_seqs(batch, ~keep, n > 0, {}, "masked")
 
 
-@register_correction("veto")
+@register_correction("veto", limits={"tau": POSITIVE})
 def veto(batch: PolicyBatch, *, tau: float = 1e-4) -> Correction:
     """Drop response i entirely if any valid token has w_t < τ (checked as log w_t < log τ)."""
     m = batch.mask
@@ -110,7 +110,7 @@ def opsm(batch: PolicyBatch, *, delta: float = 1e-3) -> Correction:
     return _drop_seqs(batch, (n_neg > 0) & (kl > delta), n > 0, metrics, "dropped")
 
 
-@register_correction("nav")
+@register_correction("nav", limits={"kappa": POSITIVE}, choices={"nav_scope": NAV_SCOPES})
 def nav(batch: PolicyBatch, *, kappa: float = 2.0, nav_scope: str = "from_trigger") -> Correction:
     """µ-GRPO negative-advantage veto. For responses with A_i < 0, triggers T_i = {t : r_t > κ}
     (r_t = π_θ/π_old), t* = first trigger by GLOBAL position (`batch.positions`, CP-safe via seq.min).

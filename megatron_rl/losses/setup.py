@@ -5,7 +5,9 @@ registry, and what a surrogate declared when it registered (allowed aggregations
 statistics it takes as parameters) is checked the same way for every surrogate, so incompatible
 choices fail here, at start-up (RunConfig validation), with the reason. Parameters are checked
 against the function's own keyword parameters: an unknown name, or a value of the wrong kind
-(YAML reads `1.0e9` as a string; `1.0e+9` is the number), fails here and not mid-step.
+(YAML reads `1.0e9` as a string; `1.0e+9` is the number), fails here and not mid-step. Their values
+are checked against the ranges the entry declared where it registered (`check_values`): a threshold
+of 0 would fail mid-step in log(0), an empty keep band would silently drop every token.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rl.config import checks
 from megatron_rl.losses.advantages import ADVANTAGES
 from megatron_rl.losses.aggregation import AGGREGATIONS, required_counts
 from megatron_rl.losses.corrections import CORRECTIONS
@@ -72,6 +75,31 @@ def check_params(where: str, fn: Callable, params: Mapping[str, Any]) -> None:
             raise ValueError(f"{where}.{key}={value!r}: must be {p.annotation} (default {p.default!r}){hint}")
 
 
+def check_values(where: str, fn: Callable, declared: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+    """`params` over `fn`'s defaults must satisfy what the entry declared when it registered:
+    `limits` (parameter -> bounds of checks.number; null passes, where check_params allowed it),
+    `choices` (parameter -> allowed values), `band` ((lo, hi): lo <= hi, or nothing is kept).
+    Raises ValueError naming `where`.<parameter> and the allowed range."""
+    values = {n: p.default for n, p in inspect.signature(fn).parameters.items()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    values.update(params)
+    for name, bounds in declared.get("limits", {}).items():
+        if values[name] is not None:
+            checks.number(f"{where}.{name}", values[name], **bounds)
+    for name, allowed in declared.get("choices", {}).items():
+        checks.choice(f"{where}.{name}", values[name], allowed)
+    if "band" in declared:
+        lo, hi = declared["band"]
+        if values[lo] > values[hi]:
+            raise ValueError(f"{where}: {lo}={values[lo]!r} > {hi}={values[hi]!r} keeps nothing (the band "
+                             f"[{lo}, {hi}] is empty); set {lo} <= {hi}")
+
+
+def _check(where: str, fn: Callable, declared: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+    check_params(where, fn, params)
+    check_values(where, fn, declared, params)
+
+
 def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
     """Merge the recipe with explicit settings and validate. max_response_len: default L_norm."""
     recipe = RECIPES.get(section.recipe) if section.recipe else None
@@ -87,24 +115,24 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
         if name in params:
             raise ValueError(f"loss.surrogate_params.{name}: {surrogate}'s {name} is computed by the trainer every "
                              f"step ({stat}); remove it from the config")
-    check_params("loss.surrogate_params", SURROGATES.get(surrogate), params)
+    _check("loss.surrogate_params", SURROGATES.get(surrogate), declared, params)
     if section.corrections is not None:
         corrections = []
         for i, c in enumerate(section.corrections):
             if not isinstance(c, dict) or "name" not in c:
                 raise ValueError(f"loss.corrections[{i}] must be a mapping with a 'name' (e.g. "
                                  f"{{name: tis_token, C: 2}}), got {c!r}")
-            CORRECTIONS.get(c["name"])
             corrections.append((c["name"], {k: v for k, v in c.items() if k != "name"}))
-            check_params(f"loss.corrections[{i}]", CORRECTIONS.get(c["name"]), corrections[-1][1])
+            _check(f"loss.corrections[{i}]", CORRECTIONS.get(c["name"]), CORRECTIONS.info(c["name"]),
+                   corrections[-1][1])
     else:
         corrections = [(n, dict(p)) for n, p in recipe.corrections] if recipe else []
     aggregation = section.aggregation or (recipe.aggregation if recipe else "token_mean")
-    AGGREGATIONS.get(aggregation)
     agg_params = dict(recipe.agg_params) if recipe and recipe.aggregation == aggregation else {}
     agg_params.update(section.aggregation_params or {})
     if aggregation in ("token_sum_norm", "seq_mean_token_sum"):
         agg_params.setdefault("l_norm", float(max_response_len))
+    _check("loss.aggregation_params", AGGREGATIONS.get(aggregation).fn, AGGREGATIONS.info(aggregation), agg_params)
     advantages = section.advantages or (recipe.advantage if recipe else "grpo")
     ADVANTAGES.get(advantages)
     allowed = declared.get("aggregations")

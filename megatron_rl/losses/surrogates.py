@@ -23,6 +23,14 @@ register_surrogate = SURROGATES.register
 get_surrogate = SURROGATES.get
 
 
+# Value ranges a surrogate declares where it registers (`limits`: parameter -> bounds of
+# config.checks.number), checked by losses.setup.resolve_loss at start-up. The clip range is
+# [1 − ε_low, 1 + ε_high] around a ratio ≥ 0: ε_low = 1 is no lower bound, ε_high = inf no upper one.
+CLIP_LIMITS = {"eps_low": {"lo": 0, "hi": 1, "hint": "1 = no lower clip"},
+               "eps_high": {"lo": 0, "hint": "inf = no upper clip"}}
+DUAL_CLIP_LIMITS = {"dual_clip": {"lo": 1, "lo_open": True, "hint": "the -cA cap of A < 0 tokens; null = off"}}
+
+
 def _zero(x: Tensor) -> Tensor:
     return torch.zeros((), device=x.device)
 
@@ -51,7 +59,7 @@ def _clipped_surrogate(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high:
     return loss, clip_active, dual_active
 
 
-@register_surrogate("ppo_clip")
+@register_surrogate("ppo_clip", limits={**CLIP_LIMITS, **DUAL_CLIP_LIMITS})
 def ppo_clip(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
              dual_clip: float | None = None) -> SurrogateOut:
     """ℓ_t = −min(r_t A, clip(r_t, 1−ε_low, 1+ε_high) A); dual clip c > 1: ℓ_t = min(ℓ_t, −c A) where A < 0.
@@ -59,8 +67,6 @@ def ppo_clip(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
     DAPO clip-higher: eps_high = 0.28, eps_low = 0.2. Shapes: [B, T] -> per_token [B, T].
     Metrics: clipped (clip branch active), dual_clipped (A < 0 and the −cA cap active).
     """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     m = batch.mask
     adv = masked(batch.advantages, m)
     logr = masked_log_ratio(batch.logprobs, batch.old_logprobs, m)
@@ -72,7 +78,7 @@ def ppo_clip(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
     return SurrogateOut(torch.where(m, loss, _zero(loss)), metrics)
 
 
-@register_surrogate("mu_grpo")
+@register_surrogate("mu_grpo", limits={**CLIP_LIMITS, **DUAL_CLIP_LIMITS})
 def mu_grpo(batch: PolicyBatch, *, eps_low: float = 1.0, eps_high: float = 4.0,
             dual_clip: float | None = None) -> SurrogateOut:
     """µ-GRPO relaxed clipping: `ppo_clip` with [1−ε_low, 1+ε_high] = [0, 5].
@@ -91,7 +97,7 @@ def reinforce(batch: PolicyBatch) -> SurrogateOut:
     return SurrogateOut(loss, {})
 
 
-@register_surrogate("cispo")
+@register_surrogate("cispo", limits=CLIP_LIMITS)
 def cispo(batch: PolicyBatch, *, eps_low: float = 1.0, eps_high: float = 0.28) -> SurrogateOut:
     """ℓ_t = −sg[clip(r_t, 1−ε_low, 1+ε_high)] A log π_θ,t  (MiniMax-M1; every token keeps a gradient).
 
@@ -135,7 +141,8 @@ def _gspo_metrics(batch: PolicyBatch, s: Tensor, n: Tensor, adv_seq: Tensor, eps
     return metrics
 
 
-@register_surrogate("gspo", aggregations=("seq_mean_token_mean", "token_sum_norm", "seq_mean_token_sum"),
+@register_surrogate("gspo", limits=CLIP_LIMITS,
+                    aggregations=("seq_mean_token_mean", "token_sum_norm", "seq_mean_token_sum"),
                     why="a sequence-level objective: one ratio per response")
 def gspo(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -> SurrogateOut:
     """GSPO (sequence level). s_i = exp((1/|y_i|) Σ_t m (log π_θ − log π_old)) (has gradient),
@@ -156,7 +163,7 @@ def gspo(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -
     return SurrogateOut(per_token, metrics, per_seq=per_seq)
 
 
-@register_surrogate("gspo_token")
+@register_surrogate("gspo_token", limits=CLIP_LIMITS)
 def gspo_token(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -> SurrogateOut:
     """GSPO-token: s_i,t = sg[s_i] · π_θ,t / sg[π_θ,t] (value s_i, gradient s_i ∇log π_θ,t),
     ℓ_t = −min(s_i,t A_t, clip(s_i,t, 1−ε_low, 1+ε_high) A_t).  [B, T] -> [B, T].
@@ -171,7 +178,8 @@ def gspo_token(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4
     return SurrogateOut(per_token, _gspo_metrics(batch, torch.exp(L), n, adv_seq, eps_low, eps_high))
 
 
-@register_surrogate("minirl")
+@register_surrogate("minirl", limits={**CLIP_LIMITS, "c_tis": {"lo": 0, "lo_open": True,
+                                                                  "hint": "null = no IS weight"}})
 def minirl(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.27,
            c_tis: float | None = 5.0) -> SurrogateOut:
     """MiniRL (Qwen, eq. 7): ℓ_t = −M_t · sg[min(ρ_t, C_tis)] · A · log π_θ,t, with the decoupled clip mask

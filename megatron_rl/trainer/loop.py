@@ -122,7 +122,8 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
                   f"longer than the model takes ({max_len} tokens with rollout.max_tokens={cfg.rollout.max_tokens})",
                   flush=True)
         return prompts
-    stream = PromptStream([make_task(t) for t in cfg.data.tasks], seed=cfg.data.seed)
+    stream = PromptStream([make_task(t, heldout_size=cfg.data.heldout_size) for t in cfg.data.tasks],
+                          seed=cfg.data.seed)
     longest = stream.max_prompt_len() + max(cfg.rollout.max_tokens, stream.max_label_len() + 1 if cfg.sft.steps else 0)
     if longest > max_len:
         raise ValueError(f"data.tasks={cfg.data.tasks}: prompts of up to {stream.max_prompt_len()} tokens + "
@@ -197,6 +198,10 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, che
         raise ValueError(f"train.init_checkpoint={init} lies in {_ckpt_root(cfg)}, which a fresh run moves to "
                          f"{cfg.train.run_dir}/previous/ before it starts; copy the checkpoint elsewhere, or "
                          f"continue that run with train.resume=true")
+    if not resuming and init:
+        problem = init_checkpoint_problem(init)
+        if problem:
+            raise ValueError(problem)
     if rank0 and not resuming:
         moved = run_files.archive_previous_run(cfg.train.run_dir)
         if moved:
@@ -223,6 +228,20 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, che
                       replay=make_replay(mode, policy.model), schedule=make_schedule(cfg),
                       stop=stop, resuming=resuming,
                       run_id=broadcast(uuid.uuid4().hex[:12] if rank0 else None))
+
+
+def init_checkpoint_problem(path: str) -> str | None:
+    """Why train.init_checkpoint=`path` cannot be loaded as one checkpoint, or None. Checked before
+    the model is built, since the load comes after the build and would only report a missing
+    manifest.json. A folder of checkpoints (a run's sft/ or checkpoints/) names its newest one."""
+    if not os.path.isdir(path):
+        return (f"train.init_checkpoint={path}: no such directory; point it at one checkpoint, e.g. "
+                f"<run_dir>/sft/iter_0000100")
+    newest = latest_checkpoint(path)
+    if newest is not None:
+        return (f"train.init_checkpoint={path} holds checkpoints rather than being one: use "
+                f"train.init_checkpoint={newest} (the newest)")
+    return None
 
 
 def _ckpt_root(cfg: RunConfig) -> str:
@@ -379,8 +398,7 @@ def train(ctx: RunContext) -> dict:
             path = _save(ctx, ckpt_root, completed) if completed != saved else latest_checkpoint(ckpt_root)
             if ctx.stop.agreed(model_device()):  # the engine went down with the run (SLURM signals it too)
                 raise _stopped(ctx, completed, path) from e
-            raise RolloutFailed(f"{e}. Saved a checkpoint of the {completed} completed steps to {path}; fix the "
-                                f"engine and rerun with train.resume=true", completed) from e
+            raise RolloutFailed(engine_failure_message(e, completed, path), completed) from e
         _record(ctx, step + 1, metrics, bar)
         if metrics["optim/skipped_steps"] and ctx.sink.enabled:
             print(f"step {step + 1}: {metrics['optim/skipped_steps']:.0f} of {cfg.train.num_minibatches} updates "
@@ -406,10 +424,22 @@ def train(ctx: RunContext) -> dict:
     return summarize(ctx, last)
 
 
+def engine_failure_message(error: BaseException, completed_steps: int, path: str | None) -> str:
+    """The rollout engine failed: what was kept and how to go on. `path` is None when no step
+    completed and no checkpoint existed (a failure in the first step of a fresh run): there is
+    nothing to resume then, so the message says so instead of naming a checkpoint."""
+    if path is None:
+        return f"{error}. No RL step completed, so nothing was saved; fix the engine and rerun"
+    return (f"{error}. Saved a checkpoint of the {completed_steps} completed steps to {path}; fix the engine and "
+            f"rerun with train.resume=true")
+
+
 def _stopped(ctx: RunContext, completed_steps: int, path: str | None) -> Stopped:
+    """`path` is None when nothing was saved (see engine_failure_message)."""
+    then = (f"checkpoint {path}; rerun with train.resume=true to continue" if path is not None
+            else "nothing was saved: rerun to start over")
     return Stopped(ctx.stop.signum, f"stopped by {signal.Signals(ctx.stop.signum).name} after step {completed_steps} "
-                                    f"of {ctx.cfg.train.steps}; checkpoint {path}; rerun with train.resume=true to "
-                                    f"continue")
+                                    f"of {ctx.cfg.train.steps}; {then}")
 
 
 def _record(ctx: RunContext, completed_steps: int, metrics: dict, bar) -> None:

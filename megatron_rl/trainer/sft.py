@@ -43,7 +43,8 @@ def run_sft(ctx, eval_examples, progress=None) -> dict:
     """Train until sft.steps or held-out greedy accuracy >= sft.target_accuracy. Returns a summary.
 
     Uses ctx.policy.optimizer at lr = sft.lr; the caller rebuilds the optimizer for RL. The stopping
-    checks score the first sft.eval_size of `eval_examples` (all of them when it is null).
+    checks score the first sft.eval_size of `eval_examples` (all of them when it is null, or when it
+    exceeds their number: the run's held-out set of train.eval_size problems caps it).
     """
     cfg, groups, policy = ctx.cfg, ctx.groups, ctx.policy
     sft = cfg.sft
