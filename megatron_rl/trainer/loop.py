@@ -66,7 +66,6 @@ class RunContext:
     replay: object = field(default_factory=NoReplay)  # the router replay strategy (none / R2 / R3)
     schedule: object = field(default_factory=SyncSchedule)  # when rollouts are generated / weights synced
     stop: StopSignals = field(default_factory=StopSignals)
-    scheduler: object | None = None
     policy_version: int = 0
     run_id: str = ""  # names this run's checkpoints (retention never touches another run's)
     resuming: bool = False

@@ -145,8 +145,6 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
         for o in outs:
             values = accumulate(values, o)
         ok, grad_norm, _ = policy.optimizer.step()
-        if ctx.scheduler is not None:
-            ctx.scheduler.step(increment=1)
         skipped += int(not ok)
         grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         if ok and not math.isfinite(grad_norms[-1]):
