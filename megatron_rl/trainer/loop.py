@@ -183,6 +183,11 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, che
     rank0 = dist.get_rank() == 0
     tokenizer = CharTokenizer()
     arch = arch_from_config(cfg.model, vocab_size=tokenizer.vocab_size)
+    if arch.vocab_size != tokenizer.vocab_size:  # sampled ids past the tokenizer's would fail mid-run
+        source = f"model.hf_dir={cfg.model.hf_dir}" if cfg.model.hf_dir else "model.overrides"
+        raise ValueError(f"{source}: vocab_size={arch.vocab_size}, but the trainer's prompts and rewards use the "
+                         f"{tokenizer.vocab_size}-symbol character tokenizer (megatron_rl/data/tokenizer.py), the "
+                         f"only one it has; use a model with vocab_size={tokenizer.vocab_size}")
     prompts = make_prompts(cfg, tokenizer, max_sequence_length(cfg, arch))
     if cfg.data.reward is not None:
         rewards = RewardRunner(cfg.data.reward)

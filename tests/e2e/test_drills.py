@@ -264,6 +264,15 @@ def test_6_sigterm_finishes_the_step_saves_and_reaps(tmp_path):
     assert f"at step {saved}" in resumed.stdout
 
 
+# ---- 8: a model vocabulary the tokenizer lacks is refused at start-up
+def test_8_a_vocabulary_the_tokenizer_lacks_is_refused_at_start_up(tmp_path):
+    """A model whose vocabulary is not the tokenizer's would sample ids no prompt or reward knows
+    (it failed in the first evaluation, after SFT): refused before anything is built."""
+    proc = run(tmp_path / "R", "train.steps=1", "model.overrides={vocab_size: 128}")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "model.overrides: vocab_size=128, but the trainer's prompts and rewards use the 64-symbol" in proc.stderr
+
+
 # ---- 8: prompts longer than the model takes are refused (or skipped) at start-up, never OOM
 @pytest.mark.parametrize("length", [301, 50_000])
 def test_8_overlong_jsonl_prompt_is_refused_at_start_up(tmp_path, length):

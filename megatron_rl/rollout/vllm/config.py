@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from megatron_rl.config import checks
+
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("auto", "raw_logprobs", "processed_logprobs")
@@ -132,6 +134,17 @@ class VllmConfig:
         for name in ("max_retries", "max_restarts", "probe_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"rollout.vllm.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "startup_timeout_s", "health_timeout_s", "health_interval_s"):
+            checks.number(f"rollout.vllm.{name}", getattr(self, name), lo=0, lo_open=True,
+                          hint="seconds; 0 is not 'no timeout', it fails every request or check")
+        checks.number("rollout.vllm.retry_backoff_s", self.retry_backoff_s, lo=0)
+        for name in ("max_model_len", "max_num_seqs", "max_logprobs"):
+            if getattr(self, name) is not None:
+                checks.integer(f"rollout.vllm.{name}", getattr(self, name), lo=1, hint="or null for the default")
+        if self.gpu_memory_utilization is not None:
+            checks.number("rollout.vllm.gpu_memory_utilization", self.gpu_memory_utilization, lo=0, hi=1,
+                          lo_open=True, hint="a fraction of the GPU's memory, e.g. 0.5")
+        checks.integer("rollout.vllm.kv_cache_space_gb", self.kv_cache_space_gb, lo=1)
         self.extra_args = [str(a) for a in self.extra_args]
         if any(a == "--api-key" or a.startswith("--api-key=") for a in self.extra_args):
             raise ValueError("rollout.vllm.extra_args: no --api-key (it would be visible to `ps`, and a server we "

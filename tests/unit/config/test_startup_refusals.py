@@ -15,6 +15,12 @@ from megatron_rl.config import ConfigError, load_config
     (["sft.steps=5", "data.heldout_size=0"], r"empty because data.heldout_size=0"),
     (["sft.steps=5", "data.jsonl=prompts.jsonl"], r"empty because data.jsonl is set"),
     (["optim.min_lr=1e-5"], r"optim.min_lr=1e-05: there is no learning-rate schedule"),
+    (["rollout.backend=vllm", "rollout.vllm={request_timeout_s: 0}"],
+     r"rollout.vllm.request_timeout_s=0: must be a number > 0 \(seconds; 0 is not 'no timeout'"),
+    (["rollout.backend=vllm", "rollout.vllm={health_timeout_s: 0}"], r"rollout.vllm.health_timeout_s=0: must be"),
+    (["rollout.backend=vllm", "rollout.vllm={gpu_memory_utilization: 90}"],
+     r"rollout.vllm.gpu_memory_utilization=90: must be a number > 0 and <= 1"),
+    (["rollout.backend=vllm", "rollout.vllm={max_num_seqs: 0}"], r"rollout.vllm.max_num_seqs=0: must be an integer >= 1"),
 ])
 def test_refused_at_startup(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -27,6 +33,7 @@ def test_refused_at_startup(overrides, msg):
     ["sft.steps=0", "train.eval_size=0"],          # SFT off: its settings do not matter
     ["sft.steps=5", "sft.eval_size=600"],   # cut to train.eval_size (documented: SFTSection.eval_size)
     ["optim.min_lr=0"],
+    ["rollout.backend=vllm", "rollout.vllm={gpu_memory_utilization: 0.5, max_num_seqs: 8, max_logprobs: null}"],
 ])
 def test_neighbouring_settings_pass(overrides):
     load_config(None, overrides)
