@@ -300,7 +300,8 @@ class TrainSection:
         one `latest` names, are never deleted; nor is a checkpoint of another run.
     run_dir: logs, TensorBoard events, checkpoints (run_dir/checkpoints).
     resume: continue from run_dir/checkpoints/latest when it exists. A fresh run (resume=false)
-        in a run_dir that holds checkpoints moves them to run_dir/checkpoints/previous/<time>/.
+        in a run_dir that holds checkpoints moves them, with metrics.jsonl and tensorboard/, to
+        run_dir/previous/<time>/.
         A resume refuses a config that changes what the remaining steps compute (model, data,
         loss, sampling, optimizer, seeds, schedule: megatron_rl/trainer/resume_check.py).
     allow_config_change: resume even so, with the new values (default false).
