@@ -82,6 +82,9 @@ def make_engine(cfg: RunConfig, arch, run_dir: str, stop: StopSignals):
         from megatron_rl.rollout.embedded import EmbeddedEngine
 
         device = cfg.rollout.device or model_device()  # beside the trainer's model by default
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"rollout.device={device}: this machine has no CUDA; use rollout.device=cpu or null "
+                             f"(the trainer's device)")
         return EmbeddedEngine(arch, dtype=cfg.rollout.dtype, max_batch_size=cfg.rollout.max_batch_size, device=device,
                               fp32_lm_head=cfg.precision.fp32_lm_head)
     from megatron_rl.rollout.vllm import make_vllm_engine
@@ -188,6 +191,12 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, che
         raise ValueError(f"{source}: vocab_size={arch.vocab_size}, but the trainer's prompts and rewards use the "
                          f"{tokenizer.vocab_size}-symbol character tokenizer (megatron_rl/data/tokenizer.py), the "
                          f"only one it has; use a model with vocab_size={tokenizer.vocab_size}")
+    if groups.config.ep > 1 and not arch.is_moe:
+        raise ValueError(f"--expert-model-parallel-size {groups.config.ep} (parallel.expert_model_parallel_size) splits "
+                         f"experts, and model {arch.arch} has none; use a MoE model or expert parallel size 1")
+    if cfg.model.hf_dir and cfg.model.overrides and rank0:
+        print(f"model.overrides {sorted(cfg.model.overrides)} ignored: model.hf_dir's config.json sets the "
+              f"architecture", file=sys.stderr, flush=True)
     prompts = make_prompts(cfg, tokenizer, max_sequence_length(cfg, arch))
     if cfg.data.reward is not None:
         rewards = RewardRunner(cfg.data.reward)

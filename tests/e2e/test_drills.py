@@ -273,6 +273,20 @@ def test_8_a_vocabulary_the_tokenizer_lacks_is_refused_at_start_up(tmp_path):
     assert "model.overrides: vocab_size=128, but the trainer's prompts and rewards use the 64-symbol" in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refused only where there is no CUDA")
+def test_8_an_engine_device_this_machine_lacks_is_refused_at_start_up(tmp_path):
+    proc = run(tmp_path / "R", "train.steps=1", "rollout.device=cuda")
+    assert proc.returncode == 1 and "rollout.device=cuda: this machine has no CUDA" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_8_expert_parallelism_of_a_dense_model_is_refused_at_start_up(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(launcher + cmd(tmp_path / "R", "train.steps=1", "model.arch=qwen3",
+                                         "--expert-model-parallel-size", "2")[1:],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode != 0 and "splits experts, and model qwen3 has none" in proc.stderr, proc.stderr[-2000:]
+
+
 # ---- 8: prompts longer than the model takes are refused (or skipped) at start-up, never OOM
 @pytest.mark.parametrize("length", [301, 50_000])
 def test_8_overlong_jsonl_prompt_is_refused_at_start_up(tmp_path, length):
