@@ -12,7 +12,7 @@ chunk by chunk (`chunk_size` tokens at a time). The backward recomputes the logi
 logZ_K), in tiles of `grad_tile` = (tokens, vocab rows): those three numbers are all a tile needs
 of the rest of the vocabulary. So peak memory is two fp32 buffers of a chunk's or a tile's logits
 plus the gradients of `hidden` and `weight`, whatever N is; under megatron DDP the weight gradient
-is accumulated straight into the parameter's fp32 `main_grad` (`_accumulates_into_main_grad`),
+is accumulated straight into the parameter's fp32 `main_grad` (`accumulates_into_main_grad`),
 with no buffer. The price is one extra output-projection GEMM (4 instead of 3). Tiles of many
 tokens by a block of the vocabulary keep the weight-gradient GEMM compute-bound at that memory
 (`auto_grad_tile`). See `chunk_math` for the formulas and the TP all-reduces, `compiled_math` for
@@ -82,7 +82,8 @@ def auto_grad_tile(vocab_local: int, buffer_bytes: int = CHUNK_BUFFER_BYTES,
     return tokens, min(rows, max(1, vocab_local))
 
 
-def _tp_rank(group: dist.ProcessGroup | None) -> int:
+def tp_rank(group: dist.ProcessGroup | None) -> int:
+    """This rank's index in the vocab-parallel group (its shard starts at `tp_rank · V/TP`)."""
     return 0 if group is None else dist.get_rank(group)
 
 
@@ -94,7 +95,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                 temperature, reduce_grad_input, kernels):
         ctx.set_materialize_grads(False)
         n_tok, vocab_local = hidden.shape[0], weight.shape[0]
-        vocab_start = _tp_rank(tp_group) * vocab_local
+        vocab_start = tp_rank(tp_group) * vocab_local
         inv_temp = 1.0 / temperature
         chunk = max(1, min(chunk_size, n_tok))
         acc = torch.promote_types(weight.dtype, torch.float32)   # logits/stats: fp32 (fp64 if given)
@@ -156,7 +157,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         # several vocab blocks: each block's G W_b is a partial sum of ∂L/∂h, added up in fp32
         dh_acc = (torch.empty(rows, hidden.shape[1], dtype=acc, device=hidden.device)
                   if need_h and len(blocks) > 1 else None)
-        into_main = need_w and _accumulates_into_main_grad(weight, acc)
+        into_main = need_w and accumulates_into_main_grad(weight, acc)
         if into_main:
             d_weight = weight.main_grad
         else:
@@ -179,6 +180,7 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
                 if need_w:   # ∂L/∂W_b += G_bᵀ h / temperature  (the first chunk initialises a fresh buffer)
                     add_weight_grad(d_weight[v0:v1], g, hidden[sl], fresh=s == 0 and not into_main,
                                     alpha=inv_temp, mixed=low_g)
+                del g   # the compiled path's G is a new tensor: never two alive at once
             if dh_acc is not None:
                 d_hidden[sl] = dh_acc[:sl.stop - s]
         if need_w and n_tok == 0 and not into_main:
@@ -244,7 +246,7 @@ def add_hidden_grad(out: torch.Tensor, g: torch.Tensor, w: torch.Tensor, *, fres
         out.add_(torch.mm(g.to(w.dtype), w), alpha=alpha)
 
 
-def _accumulates_into_main_grad(weight: torch.Tensor, acc: torch.dtype) -> bool:
+def accumulates_into_main_grad(weight: torch.Tensor, acc: torch.dtype) -> bool:
     """Whether the weight gradient goes straight into megatron DDP's `main_grad` buffer.
 
     megatron-core's DistributedDataParallel gives every parameter a `main_grad` (fp32 with

@@ -28,15 +28,19 @@ loss registry says which losses qualify.
 
 The weight gradient is added in the forward, so it must be scaled by the gradient the loss will
 get in its backward before that is known: `grad_scale` (megatron's schedule multiplies the loss
-by its loss scale and divides by the number of micro-batches). The backward checks that the loss
-got exactly that and raises otherwise. A weight without `main_grad` gets an fp32 `[V/TP, H]`
-accumulator instead, scaled in the backward by whatever gradient arrives. Only call this where the
-loss will be backpropagated (a training pass): `main_grad` holds the gradient from the forward on.
+by its loss scale and divides by the number of micro-batches). Every gradient is formed with that
+scale in it from G on, as the recompute backward's are (fp16 needs the scale before rounding). The
+backward checks that the loss got that gradient (to a relative 1e-6) and raises otherwise. A weight
+without `main_grad` gets an fp32 `[V/TP, H]` accumulator instead, rescaled in the backward to
+whatever gradient arrives. Nothing is added under `torch.no_grad()`; otherwise call this only where
+the loss will be backpropagated, once (a training pass): `main_grad` holds the gradient from the
+forward on, and a second backward raises.
 
-Memory beyond the inputs: one chunk's fp32 logits and G (`auto_loss_chunk_size`), `∂L/∂h [N, H]`
-(the returned gradient, held from the forward on instead of the `hidden` the recompute design
-saves), and without `main_grad` the accumulator. Tensor and context parallelism as in `fused`:
-`∂L/∂h` is this shard's partial sum, reduced by megatron's TP mapping on `hidden`'s way in (or
+Memory beyond the inputs: one chunk's fp32 logits and G (`auto_loss_chunk_size`; a kept-set
+gradient's scatter needs an fp32 G on the compiled path), `∂L/∂h [N, H]` (the returned gradient,
+held from the forward on instead of the `hidden` the recompute design saves), and without
+`main_grad` the accumulator. Tensor and context parallelism as in `fused`: `∂L/∂h` is this
+shard's partial sum, reduced by megatron's TP mapping on `hidden`'s way in (or
 `reduce_grad_input=True`, here in the forward).
 """
 from __future__ import annotations
@@ -60,12 +64,12 @@ from megatron_rl.logprobs.chunk_math import (
 )
 from megatron_rl.logprobs.compiled_math import CompiledChunkMath
 from megatron_rl.logprobs.fused import (
-    _accumulates_into_main_grad,
-    _tp_rank,
+    accumulates_into_main_grad,
     add_weight_grad,
     auto_chunk_size,
     flat_inputs,
     put_hidden_grad,
+    tp_rank,
 )
 from megatron_rl.logprobs.types import LogprobOutput
 
@@ -87,10 +91,12 @@ class FusedTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, kept_ids, token_loss, tp_group, chunk_size, compute_entropy,
-                temperature, reduce_grad_input, grad_scale, kernels):
+                temperature, reduce_grad_input, grad_scale, kernels, grad_enabled):
         n_tok, vocab_local = hidden.shape[0], weight.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        vocab_start = _tp_rank(tp_group) * vocab_local
+        # needs_input_grad ignores grad mode: under no_grad no backward follows, so nothing may
+        # be added to main_grad (`grad_enabled` is the caller's mode; the forward runs without grad)
+        need_h, need_w = (grad_enabled and ctx.needs_input_grad[i] for i in (0, 1))
+        vocab_start = tp_rank(tp_group) * vocab_local
         inv_temp = 1.0 / temperature
         acc = torch.promote_types(weight.dtype, torch.float32)
         like = {"dtype": acc, "device": hidden.device}
@@ -105,11 +111,10 @@ class FusedTokenLoss(torch.autograd.Function):
         low_g = (kernels is not None and weight.dtype == hidden.dtype == torch.bfloat16
                  and mixed_addmm(weight.device.type, weight.dtype, acc))
         d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        into_main = need_w and _accumulates_into_main_grad(weight, acc)
+        into_main = need_w and accumulates_into_main_grad(weight, acc)
         d_weight = None
         if need_w:
             d_weight = weight.main_grad if into_main else torch.zeros(weight.shape, **like)
-        w_alpha = inv_temp * (grad_scale if into_main else 1.0)
         for s in range(0, n_tok, chunk):
             sl = slice(s, min(s + chunk, n_tok))
             y, k = labels[sl], None if kept_ids is None else kept_ids[sl]
@@ -128,6 +133,9 @@ class FusedTokenLoss(torch.autograd.Function):
             total += value
             if all(g is None for g in grads) or not (need_h or need_w):
                 continue
+            # G carries the loss scale from the start, as the recompute backward's does: fp16's
+            # small entries would underflow if G, G W and the hidden gradient were formed unscaled
+            grads = [None if g is None else g * grad_scale for g in grads]
             # (logZ, H, logZ_K) as the recompute backward saves them; an absent one is never read
             stats = torch.stack([out["logZ"], out.get("entropy", out["logZ"]), out.get("logZ_K", out["logZ"])], 1)
             yidx, y_here = local_index(y, vocab_start, vocab_local)
@@ -141,7 +149,8 @@ class FusedTokenLoss(torch.autograd.Function):
             if need_h:
                 put_hidden_grad(d_hidden[sl], g, weight, alpha=inv_temp)                        # GEMM 2
             if need_w:
-                add_weight_grad(d_weight, g, hidden[sl], fresh=False, alpha=w_alpha, mixed=low_g)  # GEMM 3
+                add_weight_grad(d_weight, g, hidden[sl], fresh=False, alpha=inv_temp, mixed=low_g)  # GEMM 3
+            del g   # the compiled path's G is a new tensor: never two alive at once
         if need_h and reduce_grad_input:
             all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group)
         ctx.mark_non_differentiable(logprob, entropy, kept)
@@ -152,19 +161,26 @@ class FusedTokenLoss(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_loss, *_):
+        """The gradients formed in the forward (already times grad_scale), times
+        g_loss / grad_scale: 1 under megatron, where it is checked (main_grad already holds them)."""
+        if ctx.grads is None:
+            raise RuntimeError("backward through fused_token_loss a second time: its gradients were formed once, in "
+                               "the forward, and have been handed out")
         d_hidden, d_weight = ctx.grads
-        ctx.grads = (None, None)
+        ctx.grads = None
         if g_loss is None:
-            return (None,) * 12
-        if ctx.into_main and not math.isclose(float(g_loss), ctx.grad_scale, rel_tol=1e-6):
+            return (None,) * 13
+        factor = float(g_loss) / ctx.grad_scale   # a Python float: multiplied in fp32 even into bf16
+        if ctx.into_main and not math.isclose(factor, 1.0, rel_tol=1e-6):
             raise RuntimeError(f"fused_token_loss added the weight gradient into main_grad in the forward, scaled by "
                                f"grad_scale={ctx.grad_scale:g}, but the loss got {float(g_loss):g} in the backward; "
                                f"pass the gradient the loss will receive as grad_scale")
-        if d_hidden is not None:
-            d_hidden.mul_(g_loss)
+        if factor != 1.0 and not ctx.into_main:
+            d_hidden = None if d_hidden is None else d_hidden.mul_(factor)
+            d_weight = None if d_weight is None else d_weight.mul_(factor)
         if d_weight is not None:
-            d_weight = d_weight.mul_(g_loss).to(ctx.weight_dtype)
-        return d_hidden, d_weight, *(None,) * 10
+            d_weight = d_weight.to(ctx.weight_dtype)
+        return d_hidden, d_weight, *(None,) * 11
 
 
 def _eager_statistics(z, e, labels, kept_ids, vocab_start, compute_entropy, tp_group):
@@ -256,12 +272,13 @@ def fused_token_loss(
         raise ValueError(f"grad_scale must be > 0, got {grad_scale!r}")
     h, y, k, kernels = flat_inputs(hidden, weight, labels, kept_ids, kernels)
     lead = labels.shape
-    if chunk_size is None:
-        g_bytes = 2 if weight.dtype == torch.bfloat16 else 4
-        chunk_size = auto_loss_chunk_size(weight.shape[0], g_bytes) if kernels is not None \
-            else auto_chunk_size(weight.shape[0])
+    if chunk_size is None and kernels is None:
+        chunk_size = auto_chunk_size(weight.shape[0])
+    elif chunk_size is None:   # G's bytes: bf16 as in the forward's `low_g`; a kept-set gradient's scatter adds fp32
+        g_bytes = 2 if weight.dtype == hidden.dtype == torch.bfloat16 else 4
+        chunk_size = auto_loss_chunk_size(weight.shape[0], g_bytes + (4 if kept_ids is not None else 0))
     loss, logprob, entropy, kept = FusedTokenLoss.apply(
         h, weight, y, k, token_loss, tp_group, int(chunk_size), bool(compute_entropy), float(temperature),
-        bool(reduce_grad_input), float(grad_scale), kernels)
+        bool(reduce_grad_input), float(grad_scale), kernels, torch.is_grad_enabled())
     return loss, LogprobOutput(logprob.reshape(lead), entropy.reshape(lead) if compute_entropy else None,
                                kept.reshape(lead) if kept_ids is not None else None)

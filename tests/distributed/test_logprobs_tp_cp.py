@@ -75,7 +75,7 @@ def _tp_case(rank, world_size, tied):
     rows = V // world_size
     start = rank * rows
     results = {}
-    for mode in ("reduce_grad_input", "megatron_copy", "loss_fused"):
+    for mode in ("reduce_grad_input", "megatron_copy", "loss_fused", "loss_fused_reduce"):
         w = p["w"][start:start + rows].clone().requires_grad_()
         mix = p["mix"].clone().requires_grad_()
         if tied:   # vocab-parallel embedding lookup (megatron: masked local lookup + TP all-reduce)
@@ -86,13 +86,14 @@ def _tp_case(rank, world_size, tied):
             leaf = mix
         else:
             h = leaf = p["h"].clone().requires_grad_()
-        if mode != "reduce_grad_input":
+        if mode in ("megatron_copy", "loss_fused"):
             h = copy_to_tensor_model_parallel_region(h, group=tp)
-        if mode == "loss_fused":   # the same weighted sum as a token-local loss, its gradients in the forward
+        if mode.startswith("loss_fused"):   # the same weighted sum as a token-local loss, its gradients in the forward
             g = p["grads"]
             loss, out = fused_token_loss(
-                h, w, p["labels"], lambda r, lp, ent, kp: (lp * g[0][r] + ent * g[1][r] + kp * g[2][r]).sum(),
-                tp_group=tp, kept_ids=p["kept"], chunk_size=7, kernels=None)
+                h, w, p["labels"], lambda r, lp, ent, kp, g=g: (lp * g[0][r] + ent * g[1][r] + kp * g[2][r]).sum(),
+                tp_group=tp, kept_ids=p["kept"], chunk_size=7, reduce_grad_input=mode == "loss_fused_reduce",
+                kernels=None)
             loss.backward()
             results[mode] = (list(out), leaf.grad, w.grad)
             continue

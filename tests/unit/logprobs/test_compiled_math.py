@@ -13,7 +13,6 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from megatron_rl.logprobs import reference_logprobs_and_entropy, token_logprobs_and_entropy
 from megatron_rl.logprobs.compiled_math import CompiledChunkMath, inductor_emits_gpu_kernels, kernels_for
-
 from tests.unit.logprobs.cases import N, random_case
 
 

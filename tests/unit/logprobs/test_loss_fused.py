@@ -9,7 +9,6 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from megatron_rl.logprobs import reference_logprobs_and_entropy, token_logprobs_and_entropy
 from megatron_rl.logprobs.compiled_math import CompiledChunkMath
 from megatron_rl.logprobs.loss_fused import auto_loss_chunk_size, fused_token_loss
-
 from tests.unit.logprobs.cases import H, N, V, random_case
 
 TEMP = 0.7
@@ -153,3 +152,55 @@ def test_bf16_inputs_give_fp32_accurate_outputs_at_a_large_vocabulary():
     ref = reference_logprobs_and_entropy(h.double(), w.double(), y, kept_ids=kept, temperature=0.7)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0)
+
+
+def test_without_main_grad_the_backward_scales_to_the_gradient_it_gets():
+    """No main_grad (an accumulator of its own): any incoming gradient, with or without a
+    grad_scale announced, gives that multiple of the gradients."""
+    h, w, y, kept, coef = _case(seed=6)
+    *_, r_dh, r_dw = _autograd(reference_logprobs_and_entropy, h.double(), w.double(), y, kept, coef)
+    for grad_scale, incoming in ((1.0, 3.0), (0.25, 0.25), (0.25, 3.0)):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, _ = fused_token_loss(hh, ww, y, lambda rows, lp, ent, kp: _per_token(coef[:, rows], lp, ent, kp),
+                                   kept_ids=kept, temperature=TEMP, chunk_size=8, grad_scale=grad_scale, kernels=None)
+        loss.backward(torch.tensor(incoming))
+        torch.testing.assert_close(hh.grad.double(), incoming * r_dh, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ww.grad.double(), incoming * r_dw, atol=1e-5, rtol=1e-5)
+
+
+def test_no_grad_adds_nothing_to_main_grad_and_a_second_backward_raises():
+    h, w, y, _, coef = _case(seed=7)
+    ww = w.clone().requires_grad_()
+    ww.main_grad = torch.zeros(V, H)
+    hh = h.clone().requires_grad_()
+
+    def token_loss(rows, lp, ent, kp):
+        return _per_token(coef[:, rows], lp, ent, kp)
+
+    with torch.no_grad():
+        loss, out = fused_token_loss(hh, ww, y, token_loss, kernels=None)
+    assert not loss.requires_grad and not ww.main_grad.any() and out.logprobs.abs().sum() > 0
+    loss, _ = fused_token_loss(hh, w.clone().requires_grad_(), y, token_loss, kernels=None)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second time"):
+        loss.backward()
+
+
+def test_fp16_gradients_carry_the_loss_scale_before_rounding():
+    """fp16 with loss scaling: a loss with a tiny per-token weight (a large normaliser) times a
+    large loss scale. Formed unscaled, G's entries and G W would underflow in fp16 before the
+    scale; formed with it (as the recompute backward does), ∂L/∂h stays within fp16 rounding."""
+    g = torch.Generator().manual_seed(8)
+    n, hidden, vocab, scale = 64, 32, 1024, 65536.0
+    h = torch.randn(n, hidden, generator=g).half()
+    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).half()
+    y = torch.randint(0, vocab, (n,), generator=g)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, _ = fused_token_loss(hh, ww, y, lambda rows, lp, ent, kp: 1e-7 * lp.sum(), grad_scale=scale,
+                               kernels=None)
+    loss.backward(torch.tensor(scale))
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    (1e-7 * reference_logprobs_and_entropy(h64, w64, y).logprobs.sum()).backward()
+    expect = scale * h64.grad
+    err = (hh.grad.double() - expect).abs().max() / expect.abs().max()
+    assert err < 1e-2 and (hh.grad != 0).float().mean() > 0.99, float(err)
