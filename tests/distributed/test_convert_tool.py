@@ -213,9 +213,11 @@ def test_trainer_checkpoint_exports_the_trained_weights(tmp_path):
     src = random_hf_dir(preset_arch("qwen3_moe", "tiny"), root=str(tmp_path))
     run_dir = tmp_path / "run"
     train = subprocess.run([sys.executable, "pretrain_rl.py", *BASE, f"model.hf_dir={src}", "optim.lr=1e-30",
-                            "train.steps=1", f"train.run_dir={run_dir}"], cwd=ROOT, env=ENV, capture_output=True,
-                           text=True, timeout=600, check=False)
+                            "train.steps=1", f"train.run_dir={run_dir}", "model.overrides={num_layers: 1}"],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600, check=False)
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
+    [line] = [x for x in train.stderr.splitlines() if x.startswith("model.overrides [")]
+    assert "'num_layers'" in line and line.endswith("ignored: model.hf_dir's config.json sets the architecture")
     _run("--reverse", "--mcore-dir", str(run_dir / "checkpoints" / "iter_0000001"), "--hf-dir", str(tmp_path / "out"))
     assert _same(src, str(tmp_path / "out"))
 
