@@ -25,9 +25,10 @@ get_surrogate = SURROGATES.get
 
 # Value ranges a surrogate declares where it registers (`limits`: parameter -> bounds of
 # config.checks.number), checked by losses.setup.resolve_loss at start-up. The clip range is
-# [1 − ε_low, 1 + ε_high] around a ratio ≥ 0: ε_low = 1 is no lower bound, ε_high = inf no upper one.
-CLIP_LIMITS = {"eps_low": {"lo": 0, "hi": 1, "hint": "1 = no lower clip"},
-               "eps_high": {"lo": 0, "hint": "inf = no upper clip"}}
+# [1 − ε_low, 1 + ε_high] around a ratio ≥ 0: ε_low >= 1 is no lower bound (the "no clip" arms
+# write 1e9 for both), a large ε_high no upper one; a negative ε would make the range empty.
+CLIP_LIMITS = {"eps_low": {"lo": 0, "hint": ">= 1 = no lower clip"},
+               "eps_high": {"lo": 0, "hint": "a large value = no upper clip"}}
 DUAL_CLIP_LIMITS = {"dual_clip": {"lo": 1, "lo_open": True, "hint": "the -cA cap of A < 0 tokens; null = off"}}
 
 

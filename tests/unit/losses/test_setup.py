@@ -28,15 +28,21 @@ def test_correction_values_out_of_range_fail_at_startup(corrections, msg):
 
 @pytest.mark.parametrize("section,msg", [
     (LossSection(recipe="minirl", surrogate_params={"c_tis": 0}), r"surrogate_params.c_tis=0: must be a number > 0"),
-    (LossSection(surrogate_params={"eps_low": -0.2}), r"surrogate_params.eps_low=-0.2: must be a number >= 0 and <= 1"),
+    (LossSection(surrogate_params={"eps_low": -0.2}), r"surrogate_params.eps_low=-0.2: must be a number >= 0 \(>= 1"),
     (LossSection(surrogate_params={"eps_high": -1}), r"surrogate_params.eps_high=-1: must be a number >= 0"),
     (LossSection(surrogate_params={"dual_clip": 1.0}), r"surrogate_params.dual_clip=1.0: must be a number > 1"),
     (LossSection(recipe="mu_grpo", surrogate_params={"dual_clip": 0.5}), r"dual_clip=0.5: must be a number > 1"),
-    (LossSection(recipe="gspo", surrogate_params={"eps_low": 2}), r"eps_low=2: must be a number >= 0 and <= 1"),
+    (LossSection(recipe="gspo", surrogate_params={"eps_high": -1e-4}), r"eps_high=-0.0001: must be a number >= 0"),
 ])
 def test_surrogate_values_out_of_range_fail_at_startup(section, msg):
     with pytest.raises(ValueError, match=msg):
         resolve_loss(section, 8)
+
+
+def test_no_clip_written_as_huge_epsilons_passes():
+    """examples/repro/p3o.py's unclipped arm: ε_low = ε_high = 1e9 (ε_low >= 1 is no lower bound)."""
+    r = resolve_loss(LossSection(recipe="grpo", surrogate_params={"eps_low": 1.0e9, "eps_high": 1.0e9}), 8)
+    assert r.surrogate_params == {"eps_low": 1.0e9, "eps_high": 1.0e9}
 
 
 @pytest.mark.parametrize("section,msg", [
