@@ -123,3 +123,19 @@ def test_config_validation_and_resolution():
     v = resolve_config(cfg, tiny_arch())
     assert (v.dtype, v.logprobs_mode, v.max_num_seqs, v.max_model_len) == ("float32", "processed_logprobs", 32, 128)
     assert v.tolerance(v.dtype) == 1e-3 and VllmConfig().tolerance("bfloat16") == 0.1
+
+
+def test_keep_sampling_mask_top_k_needs_room_in_max_logprobs():
+    """The kept top-k set is read from the server's top log-probs: a set that cannot fit is refused
+    when the engine is configured, naming the field, not at the first batch."""
+    cfg = RunConfig()
+    cfg.loss.keep_sampling_mask, cfg.rollout.top_k = True, 64
+    vocab = tiny_arch().vocab_size
+    with pytest.raises(ValueError, match=r"rollout.top_k=64 .*rollout.vllm.max_logprobs to at least 65"):
+        resolve_config(cfg, tiny_arch(vocab_size=1000))
+    cfg.rollout.vllm = {"max_logprobs": 65}
+    assert resolve_config(cfg, tiny_arch(vocab_size=1000)).logprobs_mode == "processed_logprobs"
+    cfg.rollout.vllm, cfg.rollout.top_k = {}, vocab   # top-k of the whole vocabulary keeps everything
+    resolve_config(cfg, tiny_arch())
+    cfg.loss.keep_sampling_mask, cfg.rollout.top_k = False, 500   # no kept set is read
+    resolve_config(cfg, tiny_arch(vocab_size=1000))

@@ -42,13 +42,25 @@ def resolve_config(cfg, arch) -> VllmConfig:
     r = cfg.rollout
     vcfg = VllmConfig.from_dict(getattr(r, "vllm", None) or {})
     mode = vcfg.logprobs_mode
+    keep = bool(getattr(getattr(cfg, "loss", None), "keep_sampling_mask", False))
     if mode == "auto":
-        keep = bool(getattr(getattr(cfg, "loss", None), "keep_sampling_mask", False))
         mode = server_logprobs_mode(r.temperature, r.top_p, r.top_k, "processed" if keep else "raw", arch.vocab_size)
+    _check_kept_sets_fit(keep, r.top_k, vcfg.max_logprobs, arch.vocab_size)
     r3 = getattr(getattr(cfg, "moe", None), "router_replay", "none") == "r3"
     return replace(vcfg, dtype=vcfg.resolved_dtype(r.dtype), logprobs_mode=mode,
                    max_num_seqs=vcfg.max_num_seqs or r.max_batch_size,
                    enable_return_routed_experts=vcfg.enable_return_routed_experts or r3)
+
+
+def _check_kept_sets_fit(keep: bool, top_k: int, max_logprobs: int | None, vocab_size: int) -> None:
+    """With loss.keep_sampling_mask the kept set is read from the server's top log-probs, so a top-k
+    set must be smaller than --max-logprobs (the client's default: min(vocab, 64)); otherwise the
+    first batch would stop the run. A top-p set's size is known only per token (checked then)."""
+    limit = max_logprobs or min(vocab_size, 64)
+    if keep and top_k != -1 and limit <= top_k < vocab_size:
+        raise ValueError(f"rollout.top_k={top_k} with loss.keep_sampling_mask: the kept set of {top_k} tokens is read "
+                         f"from vLLM's top log-probs, of which the server returns {limit} (rollout.vllm.max_logprobs); "
+                         f"set rollout.vllm.max_logprobs to at least {top_k + 1}")
 
 
 def make_vllm_engine(cfg, arch, run_dir: str, stopping=lambda: False) -> VllmEngine:

@@ -51,7 +51,8 @@ class VllmConfig:
           a request whose SamplingParams need the other one is refused, never answered wrongly.
       max_logprobs: vLLM --max-logprobs: top log-probs per position a request may ask for; the
           kept top-p/top-k set (SamplingParams.return_kept_ids) is read from them, so it must be
-          >= the largest kept set (None = min(vocab_size, 64)).
+          > the largest kept set (None = min(vocab_size, 64)); a rollout.top_k set that cannot fit is
+          refused at start-up, a top-p set that does not is refused at the batch.
       enable_return_routed_experts: return the routed experts of every token (router replay
           R3). GPU servers only: refused at start-up on CPU, where vLLM's capture fails.
       kv_cache_space_gb: VLLM_CPU_KVCACHE_SPACE (CPU servers).
