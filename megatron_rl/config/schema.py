@@ -221,6 +221,13 @@ class LossSection:
         the step, decoupled PPO's proximal policy; stale data is then corrected by a w = π_old/μ
         correction such as tis_token) | "rollout" (μ, the behaviour policy that generated the
         batch, as µ-GRPO and P3O's asynchronous runs define r; w-based corrections then see w = 1).
+    head_gradients: how the update pass gets the output layer's gradients from the loss (the same
+        gradients either way, summed in another order): "recompute" (log-probs in the forward,
+        logits recomputed in the backward: four [T, H] x [H, V] GEMMs; any loss) | "forward"
+        (formed inside the log-prob kernel's forward, three GEMMs; only a loss that is a constant-
+        weighted sum of per-token terms, megatron_rl/losses/token_local.py: not gspo, gspo_token,
+        opsm, nav, or tis_token/kpop reading π_θ) | "auto" (default: "forward" where the loss
+        allows it, else "recompute").
     The combination is resolved and validated by megatron_rl.losses.setup.resolve_loss, from
     `RunConfig.__post_init__`.
     """
@@ -235,9 +242,11 @@ class LossSection:
     filter_zero_variance_groups: bool = False
     keep_sampling_mask: bool = False
     ratio_reference: str = "old"
+    head_gradients: str = "auto"
 
     def __post_init__(self):
         checks.choice("loss.ratio_reference", self.ratio_reference, ("old", "rollout"))
+        checks.choice("loss.head_gradients", self.head_gradients, ("auto", "forward", "recompute"))
 
 
 @dataclass

@@ -104,7 +104,9 @@ def register_aggregation(name: str, needs: tuple[str, ...], **info):
     """Register `fn(per_token, mask, counts: GlobalCounts, seq, *, **params) -> scalar` needing `needs`.
 
     Its parameters (loss.aggregation_params) are keyword-only, so resolve_loss checks their names and
-    kinds against `fn`; `info` declares their value ranges (`limits`) as a surrogate's do."""
+    kinds against `fn`; `info` declares their value ranges (`limits`) as a surrogate's do, and
+    `linear=True` where the loss is a fixed weighted sum Σ_t a_t ℓ_t of the per-token terms (the
+    weights a_t depend on the mask and counts only; losses/token_local.py reads them off)."""
     def deco(fn):
         AGGREGATIONS.register(name, **info)(_Aggregation(fn, needs))
         return fn
@@ -112,9 +114,9 @@ def register_aggregation(name: str, needs: tuple[str, ...], **info):
     return deco
 
 
-register_aggregation("token_mean", ("num_tokens",))(
+register_aggregation("token_mean", ("num_tokens",), linear=True)(
     lambda per_token, mask, counts, seq: token_mean(per_token, mask, counts.num_tokens))
-register_aggregation("seq_mean_token_mean", ("num_seqs",))(
+register_aggregation("seq_mean_token_mean", ("num_seqs",), linear=True)(
     lambda per_token, mask, counts, seq: seq_mean_token_mean(per_token, mask, counts.num_seqs, seq))
 
 
@@ -124,7 +126,8 @@ def _token_sum_norm(per_token: Tensor, mask: Tensor, counts: GlobalCounts, seq: 
 
 # l_norm divides the loss: 0 gives inf / nan gradients, a negative value flips the loss's sign
 for _name in ("token_sum_norm", "seq_mean_token_sum"):
-    register_aggregation(_name, ("num_seqs",), limits={"l_norm": {"lo": 0, "lo_open": True}})(_token_sum_norm)
+    register_aggregation(_name, ("num_seqs",), limits={"l_norm": {"lo": 0, "lo_open": True}},
+                         linear=True)(_token_sum_norm)
 
 
 def get_aggregation(name: str) -> Callable[..., Tensor]:

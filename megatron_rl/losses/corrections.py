@@ -13,6 +13,10 @@ A correction declares its parameters' valid values where it registers, checked b
 `losses.setup.resolve_loss` at start-up (a threshold of 0 would fail mid-step in log(0), an empty
 band would silently drop every token): `limits` (parameter -> bounds of config.checks.number),
 `choices` (parameter -> allowed values), `band` (lo, hi): parameters that must satisfy lo <= hi.
+It also declares `reads_policy`: whether c_t and keep_t read π_θ (batch.logprobs, detached):
+True, False, or the name of the bool parameter that switches it on (tis_token's tis_use_rho). A
+correction that does not read π_θ is a constant of the update pass, known before its forward
+(losses/token_local.py); one that does not declare it is taken to read π_θ.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def keep_only(batch: PolicyBatch, keep: Tensor, metrics: Metrics, name: str = "m
     return Correction(torch.ones_like(keep, dtype=torch.float32), keep | ~m, metrics)
 
 
-@register_correction("tis_token", limits={"C": POSITIVE})
+@register_correction("tis_token", limits={"C": POSITIVE}, reads_policy="tis_use_rho")
 def tis_token(batch: PolicyBatch, *, C: float = 2.0, tis_use_rho: bool = False) -> Correction:
     """Truncated IS (Yao et al.): c_t = min(w_t, C); with tis_use_rho, c_t = min(ρ_t, C).  keep = 1.
 
@@ -66,7 +70,8 @@ def tis_token(batch: PolicyBatch, *, C: float = 2.0, tis_use_rho: bool = False) 
     return Correction(weight, torch.ones_like(m), metrics)
 
 
-@register_correction("mis_token", limits={"C": {"lo": 1, "hint": "C < 1 makes [1/C, C] empty: every token dropped"}})
+@register_correction("mis_token", limits={"C": {"lo": 1, "hint": "C < 1 makes [1/C, C] empty: every token dropped"}},
+                     reads_policy=False)
 def mis_token(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     """Masked IS (Liu et al.): c_t = w_t, keep_t = 1(1/C ≤ w_t ≤ C).  Dropped tokens get c_t = 0.
 
@@ -82,7 +87,8 @@ def mis_token(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     return Correction(weight, keep | ~m, metrics)
 
 
-@register_correction("icepop", limits={"alpha": POSITIVE, "beta": POSITIVE}, band=("alpha", "beta"))
+@register_correction("icepop", limits={"alpha": POSITIVE, "beta": POSITIVE}, band=("alpha", "beta"),
+                     reads_policy=False)
 def icepop(batch: PolicyBatch, *, alpha: float = 0.5, beta: float = 5.0,
            ratio_weight: bool = False) -> Correction:
     """IcePop (Ring): keep_t = 1(α ≤ w_t ≤ β), c_t = 1.
@@ -104,7 +110,8 @@ def binary_kl(p: Tensor, q: Tensor) -> Tensor:
     return p * (torch.log(p) - torch.log(q)) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
 
 
-@register_correction("kpop", limits={"phi": {"lo": 0, "hint": "KL_B >= 0: phi < 0 drops every token"}})
+@register_correction("kpop", limits={"phi": {"lo": 0, "hint": "KL_B >= 0: phi < 0 drops every token"}},
+                     reads_policy="use_current_policy")
 def kpop(batch: PolicyBatch, *, phi: float = 0.01, use_current_policy: bool = False) -> Correction:
     """KPop (adaptive region): with p = π_old,t (or π_θ,t if use_current_policy) and q = μ_t, both clamped
     to [1e-12, 1 − 1e-7]: keep_t = 1(KL_B(p‖q) ≤ φ and KL_B(q‖p) ≤ φ), c_t = 1.

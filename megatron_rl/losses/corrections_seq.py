@@ -43,7 +43,7 @@ def _drop_seqs(batch: PolicyBatch, drop: Tensor, valid: Tensor, metrics: Metrics
     return keep_only(batch, ~drop[:, None].expand_as(batch.mask), metrics, f"{name}_tokens")
 
 
-@register_correction("tis_seq", limits={"C": POSITIVE})
+@register_correction("tis_seq", limits={"C": POSITIVE}, reads_policy=False)
 def tis_seq(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     """c_i = min(Π_t w_t, C) = exp(min(Σ_t m log w_t, log C)), broadcast to tokens; keep = 1."""
     m = batch.mask
@@ -56,7 +56,7 @@ def tis_seq(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     return Correction(weight, torch.ones_like(m), metrics)
 
 
-@register_correction("mis_seq", limits={"C": POSITIVE})
+@register_correction("mis_seq", limits={"C": POSITIVE}, reads_policy=False)
 def mis_seq(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     """keep_i = 1(Π_t w_t ≤ C), c_i = Π_t w_t for kept responses (0 for dropped ones)."""
     m = batch.mask
@@ -67,7 +67,8 @@ def mis_seq(batch: PolicyBatch, *, C: float = 2.0) -> Correction:
     return Correction(torch.where(m, c[:, None], 1.0), out.keep, out.metrics)
 
 
-@register_correction("mis_geo", limits={"lo": POSITIVE, "hi": POSITIVE}, band=("lo", "hi"))
+@register_correction("mis_geo", limits={"lo": POSITIVE, "hi": POSITIVE}, band=("lo", "hi"),
+                     reads_policy=False)
 def mis_geo(batch: PolicyBatch, *, lo: float = 0.999, hi: float = 1.001) -> Correction:
     """g_i = exp((1/|y_i|) Σ_t m log w_t); keep_i = 1(lo ≤ g_i ≤ hi); c = 1.
 
@@ -80,7 +81,7 @@ def mis_geo(batch: PolicyBatch, *, lo: float = 0.999, hi: float = 1.001) -> Corr
     return _drop_seqs(batch, ~keep, n > 0, {}, "masked")
 
 
-@register_correction("veto", limits={"tau": POSITIVE})
+@register_correction("veto", limits={"tau": POSITIVE}, reads_policy=False)
 def veto(batch: PolicyBatch, *, tau: float = 1e-4) -> Correction:
     """Drop response i entirely if any valid token has w_t < τ (checked as log w_t < log τ)."""
     m = batch.mask
@@ -92,7 +93,7 @@ def veto(batch: PolicyBatch, *, tau: float = 1e-4) -> Correction:
     return _drop_seqs(batch, mins[0] < math.log(tau), mins[1] == 0, metrics, "vetoed")
 
 
-@register_correction("opsm")
+@register_correction("opsm", reads_policy=True)
 def opsm(batch: PolicyBatch, *, delta: float = 1e-3) -> Correction:
     """DeepSeek-V3.2 off-policy sequence masking: drop response i when A_i < 0 and
     (1/|y_i|) Σ_t m (log μ_t − log π_θ,t) > δ.  c = 1.
@@ -110,7 +111,7 @@ def opsm(batch: PolicyBatch, *, delta: float = 1e-3) -> Correction:
     return _drop_seqs(batch, (n_neg > 0) & (kl > delta), n > 0, metrics, "dropped")
 
 
-@register_correction("nav", limits={"kappa": POSITIVE}, choices={"nav_scope": NAV_SCOPES})
+@register_correction("nav", limits={"kappa": POSITIVE}, choices={"nav_scope": NAV_SCOPES}, reads_policy=True)
 def nav(batch: PolicyBatch, *, kappa: float = 2.0, nav_scope: str = "from_trigger") -> Correction:
     """µ-GRPO negative-advantage veto. For responses with A_i < 0, triggers T_i = {t : r_t > κ}
     (r_t = π_θ/π_old), t* = first trigger by GLOBAL position (`batch.positions`, CP-safe via seq.min).

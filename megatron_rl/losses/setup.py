@@ -23,6 +23,7 @@ from megatron_rl.losses.corrections import CORRECTIONS
 from megatron_rl.losses.policy_loss import RECIPES
 from megatron_rl.losses.step_stats import STEP_STATISTICS
 from megatron_rl.losses.surrogates import SURROGATES
+from megatron_rl.losses.token_local import token_local_blocker
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ResolvedLoss:
     filter_zero_variance_groups: bool = False
     counts: tuple[str, ...] = field(default=())
     step_statistics: dict = field(default_factory=dict)  # surrogate parameter -> STEP_STATISTICS name
+    gradients_in_forward: bool = False  # loss.head_gradients resolved: losses/token_local.py
 
     def loss_kwargs(self) -> dict[str, Any]:
         return dict(surrogate=self.surrogate, surrogate_params=dict(self.surrogate_params),
@@ -139,5 +141,10 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
     if allowed is not None and aggregation not in allowed:
         raise ValueError(f"loss: {surrogate} allows loss.aggregation in {list(allowed)} ({declared.get('why', '')}); "
                          f"use loss.aggregation={allowed[0]}")
+    blocker = token_local_blocker(surrogate, params, corrections, aggregation, agg_params)
+    if section.head_gradients == "forward" and blocker is not None:
+        raise ValueError(f"loss.head_gradients=forward needs a token-local loss, but {blocker}; use "
+                         f"loss.head_gradients=auto (or recompute)")
     return ResolvedLoss(surrogate, params, corrections, aggregation, agg_params, advantages,
-                        section.filter_zero_variance_groups, required_counts(aggregation), step_statistics)
+                        section.filter_zero_variance_groups, required_counts(aggregation), step_statistics,
+                        gradients_in_forward=section.head_gradients != "recompute" and blocker is None)

@@ -5,6 +5,9 @@ m_t = 0). Notation (docs/algorithms.md#notation): r_t = π_θ/π_old, w_t = π_o
 A = advantage broadcast to tokens. Ratios are exp of fp32 log-differences with Δ = 0 at padding.
 
 Registered names: ppo_clip, mu_grpo, reinforce, cispo, gspo, gspo_token, minirl, p3o.
+`token_local=True` where a surrogate registers: ℓ_t and its gradient read token t's own values
+only (not gspo / gspo_token, whose sequence ratio couples a response's tokens); such a loss may
+have its gradients formed inside the log-prob kernel's forward (losses/token_local.py).
 Metric keys are un-prefixed here (`clipped/num`); `compute_policy_loss` prefixes the surrogate name.
 """
 from __future__ import annotations
@@ -60,7 +63,7 @@ def _clipped_surrogate(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high:
     return loss, clip_active, dual_active
 
 
-@register_surrogate("ppo_clip", limits={**CLIP_LIMITS, **DUAL_CLIP_LIMITS})
+@register_surrogate("ppo_clip", limits={**CLIP_LIMITS, **DUAL_CLIP_LIMITS}, token_local=True)
 def ppo_clip(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
              dual_clip: float | None = None) -> SurrogateOut:
     """ℓ_t = −min(r_t A, clip(r_t, 1−ε_low, 1+ε_high) A); dual clip c > 1: ℓ_t = min(ℓ_t, −c A) where A < 0.
@@ -79,7 +82,7 @@ def ppo_clip(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
     return SurrogateOut(torch.where(m, loss, _zero(loss)), metrics)
 
 
-@register_surrogate("mu_grpo", limits={**CLIP_LIMITS, **DUAL_CLIP_LIMITS})
+@register_surrogate("mu_grpo", limits={**CLIP_LIMITS, **DUAL_CLIP_LIMITS}, token_local=True)
 def mu_grpo(batch: PolicyBatch, *, eps_low: float = 1.0, eps_high: float = 4.0,
             dual_clip: float | None = None) -> SurrogateOut:
     """µ-GRPO relaxed clipping: `ppo_clip` with [1−ε_low, 1+ε_high] = [0, 5].
@@ -89,7 +92,7 @@ def mu_grpo(batch: PolicyBatch, *, eps_low: float = 1.0, eps_high: float = 4.0,
     return ppo_clip(batch, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
 
 
-@register_surrogate("reinforce")
+@register_surrogate("reinforce", token_local=True)
 def reinforce(batch: PolicyBatch) -> SurrogateOut:
     """ℓ_t = −sg[ρ_t] A log π_θ,t  (ρ_t = π_θ/μ; ∂ℓ_t/∂log π_θ,t = −ρ_t A)."""
     m = batch.mask
@@ -98,7 +101,7 @@ def reinforce(batch: PolicyBatch) -> SurrogateOut:
     return SurrogateOut(loss, {})
 
 
-@register_surrogate("cispo", limits=CLIP_LIMITS)
+@register_surrogate("cispo", limits=CLIP_LIMITS, token_local=True)
 def cispo(batch: PolicyBatch, *, eps_low: float = 1.0, eps_high: float = 0.28) -> SurrogateOut:
     """ℓ_t = −sg[clip(r_t, 1−ε_low, 1+ε_high)] A log π_θ,t  (MiniMax-M1; every token keeps a gradient).
 
@@ -180,7 +183,8 @@ def gspo_token(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4
 
 
 @register_surrogate("minirl", limits={**CLIP_LIMITS, "c_tis": {"lo": 0, "lo_open": True,
-                                                                  "hint": "null = no IS weight"}})
+                                                                  "hint": "null = no IS weight"}},
+                    token_local=True)
 def minirl(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.27,
            c_tis: float | None = 5.0) -> SurrogateOut:
     """MiniRL (Qwen, eq. 7): ℓ_t = −M_t · sg[min(ρ_t, C_tis)] · A · log π_θ,t, with the decoupled clip mask
@@ -230,7 +234,7 @@ def ess_from_stats(sum_r: Tensor, sum_mask: Tensor, sum_r2: Tensor) -> Tensor:
 
 
 @register_surrogate("p3o", step_statistics={"ess": "ratio_ess"}, aggregations=("token_mean",),
-                    why="its ESS and KL term are token averages")
+                    why="its ESS and KL term are token averages", token_local=True)
 def p3o(batch: PolicyBatch, *, ess: Tensor | float) -> SurrogateOut:
     """P3O (trust the batch): ℓ_t = −sg[clamp(r_t, 0, ESS)] A log π_θ,t + (1 − ESS) · k3_t,
     k3_t = exp(log π_old − log π_θ) − (log π_old − log π_θ) − 1 (has gradient).

@@ -5,6 +5,9 @@
 
 Log-probs come from the final hidden states and the vocab-parallel output weight through the
 chunked fused kernel (megatron_rl.logprobs): full-vocabulary logits are never materialised.
+A token-local loss (`TokenLocalLoss`, losses/token_local.py) instead goes through
+`fused_token_loss`, which forms the output layer's gradients inside its forward (three GEMMs, not
+four); the schedule's backward then only hands them on.
 Values that the losses need per row live on the last pipeline stage (where the loss is).
 Under context parallelism every per-token tensor, in and out, is in the rank's CP-local layout
 (`batch.cp_shard`); losses finish per-sequence values with CPSeqOps.
@@ -19,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.logprobs import token_logprobs_and_entropy
+from megatron_rl.logprobs.loss_fused import fused_token_loss
 from megatron_rl.logprobs.megatron_hidden import gpt_hidden_states, output_weight
+from megatron_rl.losses.token_local import TokenTerms
 from megatron_rl.metrics.reduce import reduce_metrics
 from megatron_rl.model.builder import causal_mask
 from megatron_rl.parallel import ParallelGroups
@@ -44,12 +49,35 @@ class PassSettings:
 LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
 
 
-def make_forward_step(groups: ParallelGroups, settings: PassSettings, loss_fn: LossFn, need_entropy: bool,
-                      hidden_states: Callable = gpt_hidden_states, head_weight: Callable = output_weight):
+@dataclass(frozen=True)
+class TokenLocalLoss:
+    """A loss whose gradient `fused_token_loss` may form in the forward (losses/token_local.py).
+
+    terms(micro_batch) -> the micro-batch's TokenTerms, `[b, L]` like its tensors.
+    values: the same loss as a LossFn, called on the detached log-probs for the metrics (its loss
+        value is replaced by the kernel's, the one trained on).
+    """
+
+    terms: Callable[[dict], TokenTerms]
+    values: LossFn
+
+
+def megatron_loss_scale(model) -> float:
+    """The gradient megatron's schedule gives a loss in its backward: `grad_scale_func(1)` (fp16:
+    the dynamic loss scale; 1 otherwise), as the schedule's backward_step applies it."""
+    func = getattr(model.config, "grad_scale_func", None)
+    return 1.0 if func is None else float(func(torch.ones(1, device=next(model.parameters()).device)))
+
+
+def make_forward_step(groups: ParallelGroups, settings: PassSettings, loss_fn: LossFn | TokenLocalLoss,
+                      need_entropy: bool, hidden_states: Callable = gpt_hidden_states,
+                      head_weight: Callable = output_weight, grad_scale: float = 1.0):
     """A Megatron-LM style forward_step(data_iterator, model) -> (output, loss_func).
 
     loss_fn(micro_batch, logprobs [b, L], entropy [b, L] | None) -> (loss, metrics), all in the
-    micro-batch's (CP-local) token layout.
+    micro-batch's (CP-local) token layout; or a TokenLocalLoss, whose gradients the log-prob kernel
+    forms in the forward: grad_scale is then the gradient the loss will get in its backward
+    (`megatron_loss_scale`), checked there.
 
     Under context parallelism the micro-batch already holds this rank's zig-zag shard of inputs,
     labels and positions (`batch.cp_shard`); the model gets no attention mask, because megatron's
@@ -73,17 +101,26 @@ def make_forward_step(groups: ParallelGroups, settings: PassSettings, loss_fn: L
             weight = head_weight(model)
             if settings.fp32_head:
                 h, weight = h.float(), weight.float()
-            out = token_logprobs_and_entropy(
-                h, weight, labels.t(), tp_group=groups.tp_group, chunk_size=settings.chunk_size,
-                compute_entropy=need_entropy, temperature=settings.temperature,
-                kept_ids=kept.transpose(0, 1) if kept is not None else None)
-            entropy = out.entropy.t() if need_entropy else None
-            # keep_sampling_mask: π renormalised over the rollout's kept set (one action space)
-            logprobs = out.kept_logprobs.t() if kept is not None else out.logprobs.t()
-            loss, metrics = loss_fn(mb, logprobs, entropy)
+            kw = {"tp_group": groups.tp_group, "chunk_size": settings.chunk_size, "compute_entropy": need_entropy,
+                  "temperature": settings.temperature, "kept_ids": kept.transpose(0, 1) if kept is not None else None}
+            if isinstance(loss_fn, TokenLocalLoss):
+                # the kernel's tokens are [L, b] flattened: lay the constants out the same way
+                terms = loss_fn.terms(mb).map(lambda x: x.t().reshape(-1))
+                loss, out = fused_token_loss(h, weight, labels.t(), lambda rows, lp, _ent, lp_kept: terms.chunk_loss(
+                    rows, lp_kept if lp_kept is not None else lp), grad_scale=grad_scale, **kw)
+                _, metrics = loss_fn.values(mb, *_outputs(out))   # the metrics; the loss is the kernel's
+                metrics["loss/value/sum"] = loss.detach().double()
+            else:
+                loss, metrics = loss_fn(mb, *_outputs(token_logprobs_and_entropy(h, weight, labels.t(), **kw)))
             # megatron's schedule adds this "token count" up across micro-batches on the loss's device;
             # our losses are already globally normalised, so it is a placeholder 1
             return loss, torch.ones((), dtype=torch.long, device=loss.device), metrics
+
+        def _outputs(out):
+            """(log-probs [b, L], entropy [b, L] | None) of the kernel's [L, b] outputs; with
+            keep_sampling_mask, π renormalised over the rollout's kept set (one action space)."""
+            logprobs = out.kept_logprobs if kept is not None else out.logprobs
+            return logprobs.t(), out.entropy.t() if need_entropy else None
 
         return hidden, loss_func
 
@@ -129,14 +166,14 @@ def logprob_pass(model, groups: ParallelGroups, batch: TrainBatch, settings: Pas
 
 
 def train_pass(model, optimizer, groups: ParallelGroups, batch: TrainBatch, slices: list[slice],
-               settings: PassSettings, loss_fn: Callable, need_entropy: bool = False,
+               settings: PassSettings, loss_fn: LossFn | TokenLocalLoss, need_entropy: bool = False,
                wrap_step: Callable | None = None) -> list[dict]:
     """Forward + backward of `loss_fn` over the micro-batches `slices` of one mini-batch.
 
     Returns the per-micro-batch metrics dicts (last stage; [] elsewhere). Gradients are
     finalised (DP/TP reductions); the caller steps the optimizer.
     """
-    step = make_forward_step(groups, settings, loss_fn, need_entropy)
+    step = make_forward_step(groups, settings, loss_fn, need_entropy, grad_scale=megatron_loss_scale(model))
     step = wrap_step(step) if wrap_step is not None else step
     return forward_backward(model, step, iter(micro_batches(batch, slices)), len(slices),
                             seq_length=batch.input_len, micro_batch_size=settings.micro_batch_size,

@@ -31,6 +31,7 @@ from megatron_rl.losses import (
     local_counts,
     zero_variance_groups,
 )
+from megatron_rl.losses.token_local import TokenTerms
 from megatron_rl.metrics.mismatch import mismatch_sums, ratio_quantiles
 from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
 from megatron_rl.trainer.batch import (
@@ -43,7 +44,7 @@ from megatron_rl.trainer.batch import (
     padded_length,
     row_multiple,
 )
-from megatron_rl.trainer.passes import PassSettings, logprob_pass, reduce_dp, train_pass
+from megatron_rl.trainer.passes import PassSettings, TokenLocalLoss, logprob_pass, reduce_dp, train_pass
 from megatron_rl.trainer.schedule import Rollout, staleness
 
 
@@ -139,6 +140,8 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
         counts = global_counts(local, slices, ctx.groups, batch.seq)
         loss_kw["surrogate_params"].update(step_parameters(ctx, batch, slices, reference))
         loss_fn = policy_loss_fn(loss_kw, counts, reference, batch.seq, batch.staleness, ctx.schedule.max_staleness)
+        if ctx.loss.gradients_in_forward:
+            loss_fn = TokenLocalLoss(policy_token_terms(loss_kw, counts, reference, batch.seq), loss_fn)
         with ctx.replay.update(slices, mbs):
             outs = train_pass(policy.model, policy.optimizer, ctx.groups, local, slices, batch.settings, loss_fn,
                               wrap_step=ctx.replay.wrap)
@@ -266,6 +269,20 @@ def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: 
         return loss, values
 
     return loss_fn
+
+
+def policy_token_terms(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: SeqOps = LOCAL):
+    """terms(micro_batch) -> TokenTerms of the policy loss `policy_loss_fn` computes (same arguments),
+    for the log-prob kernel that forms its gradients in the forward."""
+
+    def terms(mb):
+        mu = mb["rollout_logprobs"]
+        # π_θ is not known before the pass and the terms never read it: NaN would make a read loud
+        batch = PolicyBatch(logprobs=torch.full_like(mu, math.nan), old_logprobs=old[mb["rows"]], rollout_logprobs=mu,
+                            advantages=mb["advantages"], loss_mask=mb["loss_mask"], positions=mb["positions"], seq=seq)
+        return TokenTerms.from_batch(batch, normaliser=counts, **loss_kw)
+
+    return terms
 
 
 def _is_update_ratio(key: str) -> bool:

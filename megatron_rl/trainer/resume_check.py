@@ -6,19 +6,20 @@ must match the checkpoint's. Without this check a reused `train.run_dir` (`train
 default) would quietly continue an old run under a new config.
 
 `MAY_CHANGE` lists what a resume may change, by dotted name or section prefix: where and how
-often to log, save and evaluate; the parallel layout (checkpoints reshard); the micro-batch size
-and activation recompute (memory settings: the same gradient, summed in other groupings or
-recomputed); SFT (it ran before the
-checkpoint); the engine's placement and server address; and `train.steps` (to extend or shorten
-the run), except under `train.schedule=staged`, where it sets the stages' length. Anything not
-listed must match; `train.allow_config_change=true` continues anyway.
+often to log, save and evaluate; the parallel layout (checkpoints reshard); the micro-batch size,
+activation recompute and loss.head_gradients (memory and speed settings: the same gradient,
+summed in other groupings or recomputed); SFT (it ran before the checkpoint); the engine's
+placement and server address; and `train.steps` (to extend or shorten the run), except under
+`train.schedule=staged`, where it sets the stages' length. Anything not listed must match;
+`train.allow_config_change=true` continues anyway.
 """
 from __future__ import annotations
 
 MAY_CHANGE = (
     "train.steps", "train.eval_every", "train.eval_size", "train.save_every", "train.keep_checkpoints",
     "train.run_dir", "train.resume", "train.init_checkpoint", "train.allow_config_change",
-    "train.micro_batch_size", "model.recompute", "data.heldout_size", "rollout.max_batch_size", "rollout.device", "rollout.vllm",
+    "train.micro_batch_size", "model.recompute", "loss.head_gradients", "data.heldout_size",
+    "rollout.max_batch_size", "rollout.device", "rollout.vllm",
     "parallel", "log", "sft",
 )
 

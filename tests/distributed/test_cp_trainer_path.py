@@ -105,7 +105,7 @@ def _check_shard(full, local, rank, cp):
     assert local.input_len == full.input_len and local.cp_size == cp
 
 
-def _one_recipe(recipe: str, groups, rank: int, cp: int) -> dict:
+def _one_recipe(recipe: str, groups, rank: int, cp: int, forward_grads: bool = False) -> dict:
     from megatron_rl.config.schema import LossSection
     from megatron_rl.losses import STEP_STATISTICS
     from megatron_rl.losses.setup import resolve_loss
@@ -114,12 +114,19 @@ def _one_recipe(recipe: str, groups, rank: int, cp: int) -> dict:
     from megatron_rl.trainer.batch import build_batch, cp_shard, minibatch_slices, padded_length, row_multiple
     from megatron_rl.trainer.passes import (
         PassSettings,
+        TokenLocalLoss,
         collect_logprobs,
         make_forward_step,
         micro_batches,
         reduce_dp,
     )
-    from megatron_rl.trainer.phases import global_counts, group_advantages, policy_loss_fn, seq_ops
+    from megatron_rl.trainer.phases import (
+        global_counts,
+        group_advantages,
+        policy_loss_fn,
+        policy_token_terms,
+        seq_ops,
+    )
 
     keep = recipe == KEEP
     samples, rewards = _samples(with_kept=keep)
@@ -168,7 +175,11 @@ def _one_recipe(recipe: str, groups, rank: int, cp: int) -> dict:
             rows = slice(slices[0].start, slices[-1].stop)
             loss_kw["surrogate_params"][param] = stat.value(reduce_dp(stat.sums(lp, old[rows], local.loss_mask[rows]),
                                                                       groups))
-        for o in run(policy_loss_fn(loss_kw, counts, old, seq), slices):
+        loss_fn = policy_loss_fn(loss_kw, counts, old, seq)
+        if forward_grads:  # the trainer's choice under loss.head_gradients=auto (phases.update)
+            assert loss.gradients_in_forward, recipe
+            loss_fn = TokenLocalLoss(policy_token_terms(loss_kw, counts, old, seq), loss_fn)
+        for o in run(loss_fn, slices):
             step_metrics = accumulate(step_metrics, o)
     ratio_keys = [k for k in step_metrics if k.startswith("mismatch/")]
     sums.update({k: step_metrics.pop(k) for k in ratio_keys})
@@ -182,26 +193,22 @@ def _one_recipe(recipe: str, groups, rank: int, cp: int) -> dict:
     return {"metrics": metrics, "mismatch": mismatch, "grads": grads}
 
 
-def _worker(rank, world, recipes):
+def _worker(rank, world, recipes, forward_grads=False):
     from megatron_rl.parallel import ParallelConfig, init_parallel
     from megatron_rl.platform import apply_platform_workarounds
 
     apply_platform_workarounds()
     groups = init_parallel(ParallelConfig(context_parallel_size=world))
     assert groups.config.cp == world and groups.dp_size == 1
-    return {r: _one_recipe(r, groups, rank, world) for r in recipes}
+    return {r: _one_recipe(r, groups, rank, world, forward_grads) for r in recipes}
 
 
 def _close(a: float, b: float, name: str, tol: float = 2e-5):
     assert abs(a - b) <= tol * (1 + abs(b)), (name, a, b)
 
 
-def test_cp2_trainer_path_matches_single_rank():
-    from megatron_rl.losses import RECIPES
-
-    recipes = sorted(RECIPES.names()) + [KEEP]
-    [ref] = run_ranks(_worker, world_size=1, timeout=300, recipes=recipes)
-    r0, r1 = run_ranks(_worker, world_size=2, timeout=300, recipes=recipes)
+def _assert_same(ref: dict, r0: dict, r1: dict, recipes: list[str]):
+    """Rank 0's metrics and both ranks' reduced gradients equal the reference, recipe by recipe."""
     for recipe in recipes:
         want, got = ref[recipe], r0[recipe]
         assert got["metrics"].keys() == want["metrics"].keys(), recipe
@@ -213,16 +220,45 @@ def test_cp2_trainer_path_matches_single_rank():
         for k, g in want["grads"].items():
             torch.testing.assert_close(got["grads"][k], g, rtol=2e-5, atol=1e-6, msg=f"{recipe}: grad {k}")
             torch.testing.assert_close(r1[recipe]["grads"][k], g, rtol=2e-5, atol=1e-6)
+
+
+def test_cp2_trainer_path_matches_single_rank():
+    from megatron_rl.losses import RECIPES
+
+    recipes = sorted(RECIPES.names()) + [KEEP]
+    [ref] = run_ranks(_worker, world_size=1, timeout=300, recipes=recipes)
+    r0, r1 = run_ranks(_worker, world_size=2, timeout=300, recipes=recipes)
+    _assert_same(ref, r0, r1, recipes)
     # not vacuous: (nearly) every recipe trains, and the recipes do differ
     moving = [r for r in recipes if ref[r]["grads"]["E"].abs().max() > 1e-6]
     assert len(moving) >= len(recipes) - 1, sorted(set(recipes) - set(moving))
     assert len({round(ref[r]["metrics"]["loss/value"], 6) for r in recipes}) >= len(recipes) // 2
 
 
+def test_gradients_formed_in_the_forward_match_the_recompute_path():
+    """loss.head_gradients=auto: every token-local recipe through `fused_token_loss` (the gradient
+    formed chunk by chunk in the forward from TokenTerms) gives the recompute path's metrics and
+    gradients, on one rank and on two CP ranks."""
+    from megatron_rl.config.schema import LossSection
+    from megatron_rl.losses import RECIPES
+    from megatron_rl.losses.setup import resolve_loss
 
-def _ddp_worker(rank, world):
+    recipes = [r for r in sorted(RECIPES.names())
+               if resolve_loss(LossSection(recipe=r), max_response_len=9).gradients_in_forward] + [KEEP]
+    assert len(recipes) >= 10
+    [ref] = run_ranks(_worker, world_size=1, timeout=300, recipes=recipes)
+    [one] = run_ranks(_worker, world_size=1, timeout=300, recipes=recipes, forward_grads=True)
+    _assert_same(ref, one, one, recipes)
+    r0, r1 = run_ranks(_worker, world_size=2, timeout=300, recipes=recipes, forward_grads=True)
+    _assert_same(ref, r0, r1, recipes)
+
+
+
+def _ddp_worker(rank, world, recipe, forward_grads):
     """One optimizer step through megatron's schedule, DDP (grad reduction over DP×CP),
-    finalize_model_grads and optimizer, with the toy encoder as a MegatronModule."""
+    finalize_model_grads and optimizer, with the toy encoder as a MegatronModule. forward_grads:
+    the loss through `fused_token_loss`, whose weight gradient goes into DDP's main_grad in the
+    forward, scaled by the gradient megatron's backward gives the loss."""
     import torch.nn.functional as F
     from megatron.core.enums import ModelType
     from megatron.core.transformer import TransformerConfig
@@ -233,8 +269,20 @@ def _ddp_worker(rank, world):
     from megatron_rl.parallel import ParallelConfig, init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.batch import build_batch, cp_shard, minibatch_slices, padded_length, row_multiple
-    from megatron_rl.trainer.passes import PassSettings, make_forward_step, micro_batches
-    from megatron_rl.trainer.phases import global_counts, group_advantages, policy_loss_fn, seq_ops
+    from megatron_rl.trainer.passes import (
+        PassSettings,
+        TokenLocalLoss,
+        make_forward_step,
+        megatron_loss_scale,
+        micro_batches,
+    )
+    from megatron_rl.trainer.phases import (
+        global_counts,
+        group_advantages,
+        policy_loss_fn,
+        policy_token_terms,
+        seq_ops,
+    )
     from megatron_rl.trainer.stack import OptimSettings, build_optimizer, forward_backward, wrap_model
 
     apply_platform_workarounds()
@@ -259,7 +307,8 @@ def _ddp_worker(rank, world):
     optimizer = build_optimizer(model, OptimSettings(OptimSection(lr=1e-2, clip_grad=0.0)))
 
     samples, rewards = _samples(with_kept=False)
-    loss = resolve_loss(LossSection(recipe="gspo"), max_response_len=9)
+    loss = resolve_loss(LossSection(recipe=recipe), max_response_len=9)
+    assert loss.gradients_in_forward or not forward_grads
     adv, _, _ = group_advantages(torch.tensor(rewards), G, loss.advantages, False)
     full = build_batch(samples, rewards, 0, padded_length(samples, row_multiple(1, world))).with_advantages(adv)
     local = cp_shard(full, groups.cp_group)
@@ -268,8 +317,11 @@ def _ddp_worker(rank, world):
     settings = PassSettings(micro_batch_size=3)
     [slices] = minibatch_slices(local.size, 1, 3)
     counts = global_counts(local, slices, groups, seq)
-    step = make_forward_step(groups, settings, policy_loss_fn(loss.loss_kwargs(), counts, old, seq), False,
-                             lambda m, *a: toy.hidden_states(toy, *a), lambda m: toy.W)
+    loss_fn = policy_loss_fn(loss.loss_kwargs(), counts, old, seq)
+    if forward_grads:
+        loss_fn = TokenLocalLoss(policy_token_terms(loss.loss_kwargs(), counts, old, seq), loss_fn)
+    step = make_forward_step(groups, settings, loss_fn, False, lambda m, *a: toy.hidden_states(toy, *a),
+                             lambda m: toy.W, grad_scale=megatron_loss_scale(model))
     outs = forward_backward(model, step, iter(micro_batches(local, slices)), len(slices),
                             seq_length=local.input_len, micro_batch_size=3, optimizer=optimizer)
     grads = {n: p.main_grad.detach().clone() for n, p in (("E", inner.E), ("P", inner.P), ("W", inner.W))}
@@ -281,10 +333,15 @@ def _ddp_worker(rank, world):
             "after": {n: p.detach().clone() for n, p in (("E", inner.E), ("P", inner.P), ("W", inner.W))}}
 
 
-def test_cp2_megatron_ddp_step_matches_single_rank():
-    """megatron's DDP sums (calculate_per_token_loss) the CP shards' gradients: same step as CP=1."""
-    [ref] = run_ranks(_ddp_worker, world_size=1, timeout=180)
-    for got in run_ranks(_ddp_worker, world_size=2, timeout=180):
+@pytest.mark.parametrize("recipe,forward_grads", [("gspo", False), ("grpo", True)])
+def test_cp2_megatron_ddp_step_matches_single_rank(recipe, forward_grads):
+    """megatron's DDP sums (calculate_per_token_loss) the CP shards' gradients: same step as CP=1;
+    with gradients formed in the forward, the same step as the recompute path."""
+    [ref] = run_ranks(_ddp_worker, world_size=1, timeout=180, recipe=recipe, forward_grads=False)
+    runs = run_ranks(_ddp_worker, world_size=2, timeout=180, recipe=recipe, forward_grads=forward_grads)
+    if forward_grads:
+        runs += run_ranks(_ddp_worker, world_size=1, timeout=180, recipe=recipe, forward_grads=True)
+    for got in runs:
         _close(got["loss"], ref["loss"], "loss")
         _close(got["grad_norm"], ref["grad_norm"], "grad_norm")
         assert ref["grad_norm"] > 0
