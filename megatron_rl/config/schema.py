@@ -166,6 +166,9 @@ class DataSection:
     heldout_size: held-out problems of each task, never drawn for training; evaluations use the
         first train.eval_size of them (JSONL prompts have none). Default 1000: the size every run
         used before this setting reached the tasks. seed: data seed.
+    tokenizer: "char" (default: the 64-symbol toy tokenizer of the built-in tasks,
+        megatron_rl/data/tokenizer.py) | "hf" (model.hf_dir's own tokenizer.json, for RL on a
+        real checkpoint) | a folder holding a tokenizer.json (megatron_rl/data/hf_tokenizer.py).
     overlong_prompts: what to do with a JSONL prompt too long for the model and engine (prompt
         tokens + rollout.max_tokens > the maximum sequence length): "error" (the default: refuse
         at start-up, naming the first such line and the count) | "skip" (drop those rows and
@@ -177,6 +180,7 @@ class DataSection:
     reward: str | None = None
     heldout_size: int = 1000
     seed: int = 0
+    tokenizer: str = "char"
     overlong_prompts: str = "error"
 
     def __post_init__(self):
@@ -201,6 +205,8 @@ class DataSection:
                     raise ValueError(f"data.heldout_size={self.heldout_size}: {e}") from None
         checks.integer("data.seed", self.seed)
         checks.choice("data.overlong_prompts", self.overlong_prompts, ("error", "skip"))
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ValueError(f"data.tokenizer={self.tokenizer!r}: char, hf, or a folder holding a tokenizer.json")
 
 
 @dataclass
@@ -499,6 +505,9 @@ class RunConfig:
         if self.loss.keep_sampling_mask and self.rollout.top_p >= 1.0 and self.rollout.top_k == -1:
             raise ValueError("loss.keep_sampling_mask needs truncated sampling: set rollout.top_p < 1 or "
                              "rollout.top_k > 0 (without truncation the kept set is the whole vocabulary)")
+        if self.data.tokenizer == "hf" and not self.model.hf_dir:
+            raise ValueError("data.tokenizer=hf reads model.hf_dir's tokenizer, and model.hf_dir is not set; set it, "
+                             "or name a tokenizer folder (data.tokenizer=/path/to/folder)")
         if self.sft.steps > 0:
             self._check_sft_evaluation()
 

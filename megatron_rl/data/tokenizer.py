@@ -31,6 +31,18 @@ VOCAB_SIZE = 64
 REPLACEMENT = "\ufffd"
 
 
+def response_ids(ids: list[int], eos_id: int, pad_id: int, bos_id: int | None) -> list[int]:
+    """The ids a reward reads: up to the first eos, without leading pad/bos or trailing pad."""
+    if eos_id in ids:
+        ids = ids[: ids.index(eos_id)]
+    start, end = 0, len(ids)
+    while start < end and ids[start] in (pad_id, bos_id):
+        start += 1
+    while end > start and ids[end - 1] == pad_id:
+        end -= 1
+    return ids[start:end]
+
+
 class CharTokenizer:
     """The fixed toy vocabulary above. Stateless; every instance is the same tokenizer."""
 
@@ -79,17 +91,10 @@ class CharTokenizer:
         for i in ids:
             if not 0 <= i < VOCAB_SIZE:
                 raise ValueError(f"token id {i} is outside the toy vocabulary [0, {VOCAB_SIZE})")
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
-        start, end = 0, len(ids)
-        while start < end and ids[start] in (self.pad_id, self.bos_id):
-            start += 1
-        while end > start and ids[end - 1] == self.pad_id:
-            end -= 1
         n_special = len(SPECIALS)
         return "".join(
             self._id_to_token[i] if n_special <= i < n_special + len(CHARS) else REPLACEMENT
-            for i in ids[start:end]
+            for i in response_ids(ids, self.eos_id, self.pad_id, self.bos_id)
         )
 
     def to_hf(self):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import RunConfig, config_to_dict
 from megatron_rl.data import CharTokenizer, JsonlPrompts, PromptStream, make_task
+from megatron_rl.data.hf_tokenizer import make_tokenizer
 from megatron_rl.losses.setup import ResolvedLoss, resolve_loss
 from megatron_rl.metrics.report import bucket_figure, bucket_rows
 from megatron_rl.metrics.sink import MetricsSink
@@ -180,17 +181,28 @@ def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = Non
     return ctx
 
 
+def check_vocab(cfg: RunConfig, vocab_size: int, tokenizer) -> None:
+    """The model's vocabulary must hold every id of the tokenizer; the character tokenizer's must
+    match it exactly (its decode refuses ids past its 64, which the model would sample). An HF
+    tokenizer's model may be larger (a padded vocabulary): ids past the tokenizer decode as U+FFFD."""
+    source = f"model.hf_dir={cfg.model.hf_dir}" if cfg.model.hf_dir else "model.overrides"
+    if isinstance(tokenizer, CharTokenizer) and vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"{source}: vocab_size={vocab_size}, but data.tokenizer=char is the {tokenizer.vocab_size}-"
+                         f"symbol character tokenizer of the toy tasks (megatron_rl/data/tokenizer.py); use a model "
+                         f"with vocab_size={tokenizer.vocab_size}, or the model's own tokenizer (data.tokenizer=hf)")
+    if vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"{source}: vocab_size={vocab_size} is smaller than data.tokenizer={cfg.data.tokenizer}'s "
+                         f"{tokenizer.vocab_size} tokens: the model cannot read every prompt; use the model's own "
+                         f"tokenizer")
+
+
 def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, check_checkpoint_space: bool) -> RunContext:
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
     rank0 = dist.get_rank() == 0
-    tokenizer = CharTokenizer()
+    tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.model.hf_dir)
     arch = arch_from_config(cfg.model, vocab_size=tokenizer.vocab_size)
-    if arch.vocab_size != tokenizer.vocab_size:  # sampled ids past the tokenizer's would fail mid-run
-        source = f"model.hf_dir={cfg.model.hf_dir}" if cfg.model.hf_dir else "model.overrides"
-        raise ValueError(f"{source}: vocab_size={arch.vocab_size}, but the trainer's prompts and rewards use the "
-                         f"{tokenizer.vocab_size}-symbol character tokenizer (megatron_rl/data/tokenizer.py), the "
-                         f"only one it has; use a model with vocab_size={tokenizer.vocab_size}")
+    check_vocab(cfg, arch.vocab_size, tokenizer)
     if groups.config.ep > 1 and not arch.is_moe:
         raise ValueError(f"--expert-model-parallel-size {groups.config.ep} (parallel.expert_model_parallel_size) splits "
                          f"experts, and model {arch.arch} has none; use a MoE model or expert parallel size 1")

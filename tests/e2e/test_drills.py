@@ -270,7 +270,7 @@ def test_8_a_vocabulary_the_tokenizer_lacks_is_refused_at_start_up(tmp_path):
     (it failed in the first evaluation, after SFT): refused before anything is built."""
     proc = run(tmp_path / "R", "train.steps=1", "model.overrides={vocab_size: 128}")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "model.overrides: vocab_size=128, but the trainer's prompts and rewards use the 64-symbol" in proc.stderr
+    assert "model.overrides: vocab_size=128, but data.tokenizer=char is the 64-symbol" in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refused only where there is no CUDA")
