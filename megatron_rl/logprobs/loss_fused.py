@@ -1,7 +1,7 @@
 """A token-local loss of log-probs and entropy, with its gradients, in one pass: three GEMMs, not four.
 
     loss, out = fused_token_loss(hidden, weight, labels, token_loss, grad_scale=scale)
-    loss.backward(scale)            # megatron: its loss scale / number of micro-batches
+    loss.backward(scale)            # megatron: grad_scale_func(1), its loss scale (trainer/passes.py)
 
 `fused.token_logprobs_and_entropy` returns log-probs and lets any loss use them; its backward has
 to recompute the logits (it cannot keep `[N, V/TP]` of them), so a forward and backward costs four
@@ -23,12 +23,13 @@ still in the buffer. Per chunk:
 and the backward only scales `∂L/∂h` by the incoming gradient. This is the design of Liger's fused
 linear cross entropy, generalised to any token-local function of log-prob, entropy and kept-set
 log-prob. A loss that couples tokens (a sequence-level ratio, GSPO's mean log-ratio) is not
-token-local: it must use `token_logprobs_and_entropy`. Nothing here can check that; the caller's
-loss registry says which losses qualify.
+token-local: it must use `token_logprobs_and_entropy`. Nothing here can check that; the loss
+registry says which losses qualify (losses/token_local.py).
 
 The weight gradient is added in the forward, so it must be scaled by the gradient the loss will
 get in its backward before that is known: `grad_scale` (megatron's schedule multiplies the loss
-by its loss scale and divides by the number of micro-batches). Every gradient is formed with that
+by its loss scale, and with `calculate_per_token_loss`, as the trainer runs it, divides by nothing
+else: `trainer/passes.megatron_loss_scale`). Every gradient is formed with that
 scale in it from G on, as the recompute backward's are (fp16 needs the scale before rounding). The
 backward checks that the loss got that gradient (to a relative 1e-6) and raises otherwise. A weight
 without `main_grad` gets an fp32 `[V/TP, H]` accumulator instead, rescaled in the backward to

@@ -277,7 +277,8 @@ def policy_token_terms(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, s
 
     def terms(mb):
         mu = mb["rollout_logprobs"]
-        # π_θ is not known before the pass and the terms never read it: NaN would make a read loud
+        # π_θ is not known before the pass; the terms do not read it (token_local_blocker, whose
+        # declarations tests/unit/losses/test_token_local.py checks): NaN, not a plausible value
         batch = PolicyBatch(logprobs=torch.full_like(mu, math.nan), old_logprobs=old[mb["rows"]], rollout_logprobs=mu,
                             advantages=mb["advantages"], loss_mask=mb["loss_mask"], positions=mb["positions"], seq=seq)
         return TokenTerms.from_batch(batch, normaliser=counts, **loss_kw)
