@@ -41,6 +41,9 @@ BASE = [
     "train.eval_every=0", "train.eval_size=0", "train.resume=false",
     "sft.steps=0",
     "log.tensorboard=false", "log.jsonl=true", "log.progress=false", "log.figure_every=0",
+    # the numbers were recorded on the recompute path; tests/e2e/test_golden.py checks the default
+    # (gradients formed in the log-prob kernel's forward) against their first step
+    "loss.head_gradients=recompute",
 ]
 
 # Recorded per step when the run reports them (the moe/* keys only exist under router replay).
@@ -158,14 +161,14 @@ def numerics() -> dict[str, str]:
     return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "probe": digest.hexdigest()[:16]}
 
 
-def sanity(values: dict) -> list[str]:
-    """What makes the numbers worth comparing: STEPS steps per case, every required key, finite
+def sanity(values: dict, steps: int = STEPS) -> list[str]:
+    """What makes the numbers worth comparing: `steps` steps per case, every required key, finite
     values, a real update (grad norm > 0) and a real bf16-vs-fp32 mismatch (kl_k3 > 0)."""
     problems = []
-    for case, steps in values.items():
-        if len(steps) != STEPS:
-            problems.append(f"{case}: {len(steps)} steps, expected {STEPS}")
-        for i, row in enumerate(steps, start=1):
+    for case, rows in values.items():
+        if len(rows) != steps:
+            problems.append(f"{case}: {len(rows)} steps, expected {steps}")
+        for i, row in enumerate(rows, start=1):
             missing = [k for k in REQUIRED_KEYS if k not in row]
             if missing:
                 problems.append(f"{case} step {i}: missing {missing}")
