@@ -25,7 +25,8 @@ update minus its optimizer steps (both zero and finalise the grads the same way)
 
 Targets: train pass >= 0.85x the plain LM step; non-model time (make_batch + sync + step_metrics)
 <= 15% of the step. --strict exits 1 when missed; exits 2 without a CUDA GPU. Nothing is saved: the
-temporary run_dir is not checked for room for a checkpoint (setup(check_checkpoint_space=False)).
+temporary run_dir is not checked for room for a checkpoint, and the model's real vocabulary is not
+checked against the toy tasks' tokenizer: no sampled id is decoded (setup(synthetic=True)).
 
 A PRESET THAT FAILS (out of GPU memory, or any other error) is that preset's outcome: its error, the
 GPU memory at the failure (peak, allocated, reserved, capacity) and the estimate below go into the
@@ -377,8 +378,9 @@ def bench_preset(name: str, args, groups, info: dict | None = None) -> dict:
     ctx = None
     try:
         # policy, optimizer, loss, replay, and the embedded engine on this GPU; nothing is saved, so
-        # the run_dir's room for a checkpoint (~24 GiB at 1.7B parameters) is not checked
-        ctx = setup(cfg, groups, check_checkpoint_space=False)
+        # the run_dir's room for a checkpoint (~24 GiB at 1.7B parameters) is not checked, and no
+        # sampled id is decoded, so the preset's vocabulary may differ from the tokenizer's
+        ctx = setup(cfg, groups, synthetic=True)
         hf = getattr(ctx.engine, "model", None)  # the embedded engine's transformers model
         engine_gib = sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**30 if hf is not None else 0.0
         engine_where = f"{engine_gib:.2f} GiB of weights on {ctx.engine.device}" if hf is not None else str(ctx.engine)

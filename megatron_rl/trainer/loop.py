@@ -157,11 +157,14 @@ def _jsonable(obj):
 
 
 def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None,
-          check_checkpoint_space: bool = True) -> RunContext:
+          synthetic: bool = False) -> RunContext:
     """Build everything the run needs, after checking what would otherwise fail later. The run
     directory is locked first (rank 0 holds the lock until `close`); a directory another live run
     holds raises RunDirInUse on every rank before anything in it is touched.
-    check_checkpoint_space=False: for a caller that never saves (a benchmark driving the phases)."""
+    synthetic=True: for a caller that drives the phases itself on synthetic rollouts (a benchmark).
+    It never saves, so the room for a checkpoint is not checked, and it decodes no sampled id, so
+    the model's vocabulary need not be the tokenizer's (a real preset's 151,936 rows beside the
+    toy tasks' 64-symbol tokenizer)."""
     lock, problem = None, None
     if dist.get_rank() == 0:
         try:
@@ -172,7 +175,7 @@ def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = Non
     if problem:
         raise run_files.RunDirInUse(problem)
     try:
-        ctx = _build(cfg, groups, stop, check_checkpoint_space)
+        ctx = _build(cfg, groups, stop, synthetic)
     except BaseException:
         if lock is not None:
             lock.close()
@@ -196,13 +199,14 @@ def check_vocab(cfg: RunConfig, vocab_size: int, tokenizer) -> None:
                          f"tokenizer")
 
 
-def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, check_checkpoint_space: bool) -> RunContext:
+def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, synthetic: bool) -> RunContext:
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
     rank0 = dist.get_rank() == 0
     tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.model.hf_dir)
     arch = arch_from_config(cfg.model, vocab_size=tokenizer.vocab_size)
-    check_vocab(cfg, arch.vocab_size, tokenizer)
+    if not synthetic:
+        check_vocab(cfg, arch.vocab_size, tokenizer)
     if groups.config.ep > 1 and not arch.is_moe:
         raise ValueError(f"--expert-model-parallel-size {groups.config.ep} (parallel.expert_model_parallel_size) splits "
                          f"experts, and model {arch.arch} has none; use a MoE model or expert parallel size 1")
@@ -242,7 +246,7 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, che
         RouterReplayController.forget_global_instances()  # megatron keeps them process-wide
     policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed, routing_replay=mode != "none",
                           precision=cfg.precision)
-    if check_checkpoint_space:
+    if not synthetic:
         _check_checkpoint_dirs(cfg, policy, groups)
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,

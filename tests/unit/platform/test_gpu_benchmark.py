@@ -245,8 +245,10 @@ from megatron_rl.platform import apply_platform_workarounds
 apply_platform_workarounds()
 init_distributed("gloo")
 groups = init_parallel(ParallelConfig(), seed=1)
+# a vocabulary other than the toy tokenizer's, as every real preset has (151,936 rows)
 args = mod.parse_args(["--rows", "4", "--prompt-len", "5", "--response-len", "7", "--micro-batch-size", "2",
-                       "--num-minibatches", "2", "--warmup", "1", "--repeats", "1", "--tmp-dir", sys.argv[2]])
+                       "--num-minibatches", "2", "--warmup", "1", "--repeats", "1", "--tmp-dir", sys.argv[2],
+                       "--override", "model.overrides={vocab_size: 96}"])
 try:
     r = mod.bench_preset("tiny", args, groups)
 finally:
@@ -258,11 +260,12 @@ print(json.dumps({k: r[k] for k in ("phases_s", "plain_lm_s", "update_s", "summa
 
 @pytest.mark.slow  # a subprocess that builds the tiny trainer and engine and runs two steps (~15 s)
 def test_the_whole_timed_step_runs_on_the_tiny_preset(tmp_path):
-    """(With the default model.recompute=core_attn, and no checkpoint-space check.)"""
+    """(With the default model.recompute=core_attn, no checkpoint-space check, and a model vocabulary
+    of 96 rows beside the 64-symbol tokenizer, as a real preset's 151,936 are.)"""
     """bench_preset end to end on the CPU (one gloo process): every phase of the trainer's step, the
     engine sync and the plain megatron LM step run and are reported, with a finite loss. It
     checks the benchmark's code path only; its times here are not a measurement."""
-    out = _one_gloo_process(_BENCH_FLOW, tmp_path)
+    out = _one_gloo_process(_BENCH_FLOW, tmp_path)   # fails if setup refuses the 96-row vocabulary
     assert set(out["phases_s"]) == {"make_batch", "old_logprobs", "train_pass", "optimizer", "sync", "step_metrics"}
     assert all(t >= 0 for t in out["phases_s"].values()) and out["plain_lm_s"] > 0 and out["update_s"] > 0
     assert out["finite_loss"] and out["engine_sync"] and out["tokens_per_step"] == 4 * 11
