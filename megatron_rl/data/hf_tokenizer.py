@@ -1,21 +1,27 @@
 """A Hugging Face model's own tokenizer (its `tokenizer.json`), for RL on a real checkpoint.
 
     tok = HfTokenizer("/models/Qwen3-0.6B")        # data.tokenizer=hf with model.hf_dir
-    tok.encode("What is 12+7?")                     # ids, no special tokens added
+    tok.encode_prompt("<|im_start|>user\nWhat is 12+7?<|im_end|>\n<|im_start|>assistant\n")
     tok.decode(response_ids)                        # what the reward sees
 
 It reads `tokenizer.json` with the `tokenizers` library, which runs no code from the folder (no
 `trust_remote_code`, no Python tokenizer class), and the special tokens from
-`tokenizer_config.json` (`eos_token`, `pad_token`, `bos_token`), with `generation_config.json`'s
-first `eos_token_id` where the config names no eos. Prompts are encoded as plain text: a chat
-template is the data's business (write it into the JSONL prompts).
+`tokenizer_config.json` (`eos_token`, `pad_token`, `bos_token`) and `generation_config.json`
+(`eos_token_id`, one id or a list: every one of them ends a response, as in `generate`).
 
-`decode` follows the character tokenizer's rules, which are the ones that matter for a reward:
-leading pad/bos are skipped, decoding stops at the first eos, trailing pads are dropped, and any
-other special token, or an id past the tokenizer's vocabulary (a model's padded vocabulary is
-larger: Qwen3's 151,936 rows for 151,669 tokens), becomes U+FFFD instead of vanishing, so a
-policy cannot turn a wrong answer into a right one by sampling a special token between digits.
-A negative id raises ValueError.
+Encoding. A prompt is encoded as `transformers` encodes a text by default: the tokenizer's own
+post-processor adds what the model was trained with (Llama 3's `<|begin_of_text|>`; nothing for
+Qwen). Special-token spellings in the text become those tokens, so a chat template written into the
+JSONL prompts reaches the model as control tokens. A continuation (an SFT label) gets no added
+tokens. Text the vocabulary cannot represent (an `<unk>` in the ids) raises ValueError, so JSONL
+loading names the line at start-up.
+
+Decoding follows the character tokenizer's rules, which are the ones that matter for a reward:
+leading pad/bos are skipped, decoding stops at the first end token, trailing pads are dropped,
+and any other special token, or an id the tokenizer does not have (a model's padded vocabulary is
+larger: Qwen3's 151,936 rows for 151,669 tokens), becomes U+FFFD instead of vanishing, so a policy
+cannot turn a wrong answer into a right one by sampling a control token between digits. A
+negative id raises ValueError.
 """
 from __future__ import annotations
 
@@ -44,8 +50,11 @@ def _read_json(path: str) -> dict:
 class HfTokenizer:
     """The tokenizer of an HF model folder (see the module docstring).
 
-    vocab_size: the tokenizer's ids, added tokens included (the model's embedding may be larger).
-    eos_id (required), pad_id (the pad token, else eos), bos_id (or None).
+    vocab_size: the highest id + 1, added tokens included (the model's embedding may be larger).
+    eos_id: tokenizer_config's eos_token, else generation_config's first eos_token_id (required);
+    stop_ids: eos_id and every generation_config eos_token_id; pad_id (the pad token, else eos);
+    bos_id (tokenizer_config's, else the post-processor's first token, else None);
+    prompt_overhead: the tokens the post-processor adds to a prompt.
     """
 
     def __init__(self, folder: str | os.PathLike, *, where: str = "data.tokenizer"):
@@ -55,10 +64,11 @@ class HfTokenizer:
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
             raise ValueError(f"{where}: {folder} has no tokenizer.json (the fast-tokenizer file every HF model "
-                             f"folder ships); copy the model's tokenizer files there, or use data.tokenizer=char")
+                             f"folder ships); copy the model's tokenizer files there")
         self.folder = folder
         self._tok = Tokenizer.from_file(path)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(ids) + 1   # ids may have holes: the count would be too small
         config = _read_json(os.path.join(folder, "tokenizer_config.json"))
 
         def token_id(name: str) -> int | None:
@@ -71,33 +81,49 @@ class HfTokenizer:
                                  f"tokenizer.json does not have")
             return i
 
+        gen = _read_json(os.path.join(folder, "generation_config.json")).get("eos_token_id")
+        gen = [i for i in (gen if isinstance(gen, list) else [gen]) if isinstance(i, int) and 0 <= i < self.vocab_size]
         eos = token_id("eos_token")
+        eos = gen[0] if eos is None and gen else eos
         if eos is None:
-            gen = _read_json(os.path.join(folder, "generation_config.json")).get("eos_token_id")
-            eos = gen[0] if isinstance(gen, list) and gen else gen
-        if not isinstance(eos, int) or not 0 <= eos < self.vocab_size:
             raise ValueError(f"{where}: {folder} names no end-of-sequence token (tokenizer_config.json eos_token, "
                              f"or generation_config.json eos_token_id): the rollouts could never stop")
         self.eos_id = eos
+        self.stop_ids = tuple(dict.fromkeys([eos, *gen]))
         pad = token_id("pad_token")
         self.pad_id = eos if pad is None else pad
         self.bos_id = token_id("bos_token")
-        self._special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
-        self._special_ids = {self._tok.token_to_id(t) for t in self._special}
+        self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        unk = getattr(self._tok.model, "unk_token", None)
+        self._unk_id = self._tok.token_to_id(unk) if unk else None
+        prefix = self._tok.encode("", add_special_tokens=True).ids
+        self.prompt_overhead = len(prefix)
+        if self.bos_id is None and prefix:   # the post-processor's first token (Llama 3's begin-of-text)
+            self.bos_id = prefix[0]
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """text -> ids as the model was trained to read it, no special tokens added (but `add_bos`,
-        `add_eos`). Raises ValueError where the text contains a special token's spelling, which
-        would otherwise become a control token the data did not mean."""
-        for s in self._special:
-            if s in text:
-                raise ValueError(f"the text contains the special token {s!r}; remove it from the data")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos:
-            if self.bos_id is None:
-                raise ValueError(f"{self.folder} has no bos token")
-            ids = [self.bos_id, *ids]
+    def _ids(self, text: str, added: bool) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=added).ids
+        if self._unk_id is not None and self._unk_id in ids:
+            pos = ids.index(self._unk_id)
+            raise ValueError(f"the tokenizer of {self.folder} cannot represent part of {text!r} (an unknown "
+                             f"token at position {pos})")
+        return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids, with what the tokenizer's post-processor adds (a BOS where the model was
+        trained with one). Special-token spellings in the text become those tokens."""
+        return self._ids(text, added=True)
+
+    def encode(self, text: str, add_eos: bool = False) -> list[int]:
+        """A continuation's ids (no tokens added but `add_eos`)."""
+        ids = self._ids(text, added=False)
         return [*ids, self.eos_id] if add_eos else ids
+
+    def token_bound(self, num_chars: int) -> int:
+        """At most this many prompt tokens for an ASCII text of `num_chars` characters (the built-in
+        tasks' prompts, checked at start-up): a byte is at most one token, plus a word-boundary piece
+        a SentencePiece-style pre-tokenizer may prepend, plus the post-processor's tokens."""
+        return num_chars + 1 + self.prompt_overhead
 
     def decode(self, ids: Iterable[int]) -> str:
         """ids -> text under the rules of the module docstring. Accepts a list or a 1-D tensor."""
@@ -105,8 +131,8 @@ class HfTokenizer:
         if any(i < 0 for i in ids):
             raise ValueError(f"negative token id {min(ids)}")
         out, run = [], []
-        for i in response_ids(ids, self.eos_id, self.pad_id, self.bos_id):
-            if i >= self.vocab_size or i in self._special_ids:
+        for i in response_ids(ids, self.stop_ids, self.pad_id, self.bos_id):
+            if i >= self.vocab_size or i in self._special_ids or self._tok.id_to_token(i) is None:
                 out += [self._tok.decode(run, skip_special_tokens=False), REPLACEMENT]
                 run = []
             else:
@@ -124,5 +150,15 @@ def make_tokenizer(choice: str, hf_dir: str | None):
         if not hf_dir:
             raise ValueError("data.tokenizer=hf reads model.hf_dir's tokenizer, and model.hf_dir is not set; set it, "
                              "or name a tokenizer folder (data.tokenizer=/path/to/folder)")
-        return HfTokenizer(hf_dir, where="data.tokenizer=hf")
+        return HfTokenizer(hf_dir, where=f"data.tokenizer=hf (model.hf_dir={hf_dir})")
     return HfTokenizer(choice, where=f"data.tokenizer={choice}")
+
+
+def padded_vocab(tokenizer_vocab: int, preset_vocab: int, tp: int) -> int:
+    """The vocabulary of a preset model read through an HF tokenizer: the preset's own when it holds
+    every id (a real shape: Qwen3's 151,936), else the tokenizer's padded to a multiple of 128·TP
+    (megatron's make-vocab-size-divisible-by, so that every TP shard is equal)."""
+    if preset_vocab >= tokenizer_vocab and preset_vocab % tp == 0:
+        return preset_vocab
+    step = 128 * tp
+    return -(-tokenizer_vocab // step) * step

@@ -31,10 +31,11 @@ VOCAB_SIZE = 64
 REPLACEMENT = "\ufffd"
 
 
-def response_ids(ids: list[int], eos_id: int, pad_id: int, bos_id: int | None) -> list[int]:
-    """The ids a reward reads: up to the first eos, without leading pad/bos or trailing pad."""
-    if eos_id in ids:
-        ids = ids[: ids.index(eos_id)]
+def response_ids(ids: list[int], stop_ids: tuple[int, ...], pad_id: int, bos_id: int | None) -> list[int]:
+    """The ids a reward reads: up to the first end token, without leading pad/bos or trailing pad."""
+    ends = [k for k, i in enumerate(ids) if i in stop_ids]
+    if ends:
+        ids = ids[: ends[0]]
     start, end = 0, len(ids)
     while start < end and ids[start] in (pad_id, bos_id):
         start += 1
@@ -51,6 +52,8 @@ class CharTokenizer:
     bos_id = 2
     unk_id = 3
     vocab_size = VOCAB_SIZE
+    stop_ids = (eos_id,)
+    prompt_overhead = 0
 
     def __init__(self):
         tokens = list(SPECIALS) + list(CHARS)
@@ -83,6 +86,14 @@ class CharTokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids: `encode(text)` (nothing is added to a prompt)."""
+        return self.encode(text)
+
+    def token_bound(self, num_chars: int) -> int:
+        """Tokens of a text of `num_chars` characters: one per character."""
+        return num_chars
+
     def decode(self, ids: Iterable[int]) -> str:
         """ids -> text. Leading <pad>/<bos> are skipped, decoding stops at the first <eos>, trailing
         <pad> are dropped; any other special or unused id becomes U+FFFD. Ids outside [0, 64) raise
@@ -94,7 +105,7 @@ class CharTokenizer:
         n_special = len(SPECIALS)
         return "".join(
             self._id_to_token[i] if n_special <= i < n_special + len(CHARS) else REPLACEMENT
-            for i in response_ids(ids, self.eos_id, self.pad_id, self.bos_id)
+            for i in response_ids(ids, self.stop_ids, self.pad_id, self.bos_id)
         )
 
     def to_hf(self):

@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from megatron_rl.config import RunConfig, config_to_dict
 from megatron_rl.data import CharTokenizer, JsonlPrompts, PromptStream, make_task
-from megatron_rl.data.hf_tokenizer import make_tokenizer
+from megatron_rl.data.hf_tokenizer import make_tokenizer, padded_vocab
 from megatron_rl.losses.setup import ResolvedLoss, resolve_loss
 from megatron_rl.metrics.report import bucket_figure, bucket_rows
 from megatron_rl.metrics.sink import MetricsSink
+from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.rewards import RewardRunner
 from megatron_rl.trainer import run_dir as run_files
@@ -111,7 +112,7 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
     budget = max_len - cfg.rollout.max_tokens
     if cfg.data.jsonl:
         def fits(e):
-            n = len(tokenizer.encode(e.prompt))
+            n = len(tokenizer.encode_prompt(e.prompt))
             if n > budget:
                 return f"{n} prompt tokens + rollout.max_tokens={cfg.rollout.max_tokens} > {max_len}"
             if cfg.sft.steps and n + len(tokenizer.encode(e.label)) + 1 > max_len:
@@ -127,9 +128,11 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
         return prompts
     stream = PromptStream([make_task(t, heldout_size=cfg.data.heldout_size) for t in cfg.data.tasks],
                           seed=cfg.data.seed)
-    longest = stream.max_prompt_len() + max(cfg.rollout.max_tokens, stream.max_label_len() + 1 if cfg.sft.steps else 0)
-    if longest > max_len:
-        raise ValueError(f"data.tasks={cfg.data.tasks}: prompts of up to {stream.max_prompt_len()} tokens + "
+    # task prompts are drawn as the run goes: bound their tokens by their characters
+    prompt_tokens = tokenizer.token_bound(stream.max_prompt_len())
+    label_tokens = tokenizer.token_bound(stream.max_label_len()) + 1 if cfg.sft.steps else 0
+    if prompt_tokens + max(cfg.rollout.max_tokens, label_tokens) > max_len:
+        raise ValueError(f"data.tasks={cfg.data.tasks}: prompts of up to {prompt_tokens} tokens + "
                          f"rollout.max_tokens={cfg.rollout.max_tokens} exceed the model's maximum length {max_len}; "
                          f"lower rollout.max_tokens or raise model.overrides.max_position_embeddings")
     return stream
@@ -184,15 +187,24 @@ def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = Non
     return ctx
 
 
+def preset_vocab(model_section, tokenizer, tp: int) -> int:
+    """The vocabulary a preset model gets (model.hf_dir brings its own; model.overrides.vocab_size
+    wins): the character tokenizer's 64, or for an HF tokenizer `hf_tokenizer.padded_vocab`."""
+    if isinstance(tokenizer, CharTokenizer):
+        return tokenizer.vocab_size
+    return padded_vocab(tokenizer.vocab_size, preset_arch(model_section.arch, model_section.size).vocab_size, tp)
+
+
 def check_vocab(cfg: RunConfig, vocab_size: int, tokenizer) -> None:
     """The model's vocabulary must hold every id of the tokenizer; the character tokenizer's must
     match it exactly (its decode refuses ids past its 64, which the model would sample). An HF
     tokenizer's model may be larger (a padded vocabulary): ids past the tokenizer decode as U+FFFD."""
     source = f"model.hf_dir={cfg.model.hf_dir}" if cfg.model.hf_dir else "model.overrides"
     if isinstance(tokenizer, CharTokenizer) and vocab_size != tokenizer.vocab_size:
+        own = "data.tokenizer=hf" if cfg.model.hf_dir else "data.tokenizer=/path/to/its/tokenizer/folder"
         raise ValueError(f"{source}: vocab_size={vocab_size}, but data.tokenizer=char is the {tokenizer.vocab_size}-"
                          f"symbol character tokenizer of the toy tasks (megatron_rl/data/tokenizer.py); use a model "
-                         f"with vocab_size={tokenizer.vocab_size}, or the model's own tokenizer (data.tokenizer=hf)")
+                         f"with vocab_size={tokenizer.vocab_size}, or the model's own tokenizer ({own})")
     if vocab_size < tokenizer.vocab_size:
         raise ValueError(f"{source}: vocab_size={vocab_size} is smaller than data.tokenizer={cfg.data.tokenizer}'s "
                          f"{tokenizer.vocab_size} tokens: the model cannot read every prompt; use the model's own "
@@ -204,7 +216,7 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
     random.seed(cfg.train.seed)
     rank0 = dist.get_rank() == 0
     tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.model.hf_dir)
-    arch = arch_from_config(cfg.model, vocab_size=tokenizer.vocab_size)
+    arch = arch_from_config(cfg.model, vocab_size=preset_vocab(cfg.model, tokenizer, groups.config.tp))
     if not synthetic:
         check_vocab(cfg, arch.vocab_size, tokenizer)
     if groups.config.ep > 1 and not arch.is_moe:

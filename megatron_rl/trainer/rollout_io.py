@@ -67,7 +67,7 @@ def sync_weights(policy, engine, version: int) -> None:
 def sample(engine, tokenizer, examples, n: int, sampling: SamplingParams) -> list[Sample]:
     """Rank 0: n samples per example, flat [B*n]; groups are contiguous (sample j of prompt i at
     index i*n + j)."""
-    prompts = [tokenizer.encode(e.prompt) for e in examples]
+    prompts = [tokenizer.encode_prompt(e.prompt) for e in examples]
     return [s for g in engine.generate(prompts, n=n, sampling=sampling) for s in g]
 
 
@@ -92,7 +92,7 @@ def evaluate(engine, tokenizer, examples, reward_runner, max_tokens: int, temper
 
     def accuracy():
         sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
-                                  stop_token_ids=(tokenizer.eos_id,))
+                                  stop_token_ids=tokenizer.stop_ids)
         _, rewards = generate_and_score(engine, tokenizer, examples, 1, sampling, reward_runner)
         return sum(rewards) / max(len(rewards), 1)
 

@@ -59,7 +59,7 @@ class Rollout:
 def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
     r, keep = cfg.rollout, cfg.loss.keep_sampling_mask
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                          stop_token_ids=(tokenizer.eos_id,), seed=cfg.train.seed * 1_000_003 + step,
+                          stop_token_ids=tokenizer.stop_ids, seed=cfg.train.seed * 1_000_003 + step,
                           return_kept_ids=keep, logprobs_mode="processed" if keep else "raw")
 
 

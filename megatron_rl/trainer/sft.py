@@ -33,7 +33,7 @@ def sft_samples(tokenizer, examples) -> list[Sample]:
     out = []
     for e in examples:
         response = tokenizer.encode(e.label) + [tokenizer.eos_id]
-        out.append(Sample(prompt_ids=torch.tensor(tokenizer.encode(e.prompt)),
+        out.append(Sample(prompt_ids=torch.tensor(tokenizer.encode_prompt(e.prompt)),
                           response_ids=torch.tensor(response), rollout_logprobs=torch.zeros(len(response)),
                           finish_reason="stop", policy_version=0))
     return out

@@ -3,24 +3,31 @@ import json
 
 import pytest
 
-from megatron_rl.data.hf_tokenizer import REPLACEMENT, HfTokenizer, make_tokenizer
+from megatron_rl.data.hf_tokenizer import REPLACEMENT, HfTokenizer, make_tokenizer, padded_vocab
 from megatron_rl.data.tokenizer import CharTokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def write_tokenizer(folder, config: dict | None = None, generation: dict | None = None):
+TEXTS = [f"{a}+{b}={a + b}" for a in range(50) for b in range(20)] + ["sort: 3 1 2 -> 1 2 3"]
+
+
+def write_tokenizer(folder, config: dict | None = None, generation: dict | None = None, bos: bool = False):
     """A small byte-level BPE (as Qwen's and Llama 3's are) trained here on task-like text, saved as
-    an HF model folder's tokenizer files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    an HF model folder's tokenizer files; bos: a post-processor that starts every prompt with
+    <|begin_of_text|> (as Llama 3's does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[*SPECIALS, "<|begin_of_text|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([f"{a}+{b}={a + b}" for a in range(50) for b in range(20)] + ["sort: 3 1 2 -> 1 2 3"],
-                            trainer)
+    tok.train_from_iterator(TEXTS, trainer)
+    if bos:
+        first = tok.token_to_id("<|begin_of_text|>")
+        tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", first)])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"} if config is None else config
@@ -33,7 +40,7 @@ def write_tokenizer(folder, config: dict | None = None, generation: dict | None 
 def test_round_trip_and_special_ids(tmp_path):
     tok = HfTokenizer(write_tokenizer(tmp_path / "m"))
     assert tok.eos_id == tok._tok.token_to_id("<|im_end|>") and tok.pad_id == tok._tok.token_to_id("<|endoftext|>")
-    assert tok.bos_id is None and tok.vocab_size == 300
+    assert tok.bos_id is None and tok.vocab_size == 300 and tok.stop_ids == (tok.eos_id,)
     for text in ("12+7=", "What is 49+19?", "sort: 3 1 2 -> 1 2 3", "ünïcödé ok"):
         ids = tok.encode(text)
         assert tok.decode(ids) == text and all(0 <= i < tok.vocab_size for i in ids)
@@ -54,10 +61,67 @@ def test_decode_is_strict_where_rewards_need_it(tmp_path):
         tok.decode([*one, -1])
 
 
-def test_text_holding_a_special_token_is_refused(tmp_path):
+def test_prompts_carry_chat_templates_and_the_models_bos(tmp_path):
+    """Special-token spellings in a prompt become control tokens (a chat template in the data); the
+    tokenizer's post-processor adds its BOS to a prompt, never to a continuation."""
     tok = HfTokenizer(write_tokenizer(tmp_path / "m"))
-    with pytest.raises(ValueError, match=r"special token '<\|im_end\|>'"):
-        tok.encode("2+2=<|im_end|>4")
+    start, end = (tok._tok.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
+    ids = tok.encode_prompt("<|im_start|>user 1+2=<|im_end|><|im_start|>assistant ")
+    assert ids.count(start) == 2 and ids.count(end) == 1 and ids[0] == start and tok.prompt_overhead == 0
+    llama = HfTokenizer(write_tokenizer(tmp_path / "bos", bos=True))
+    bos = llama._tok.token_to_id("<|begin_of_text|>")
+    assert llama.encode_prompt("1+2=") == [bos, *llama.encode("1+2=")] and llama.prompt_overhead == 1
+    assert llama.decode(llama.encode_prompt("1+2=")) == "1+2="   # a leading BOS is skipped
+
+
+def test_every_end_token_stops_the_response(tmp_path):
+    """generation_config's eos_token_id list (Qwen: <|im_end|> and <|endoftext|>): each one ends
+    what the reward reads, and each is a stop id of the engines."""
+    tok = HfTokenizer(write_tokenizer(tmp_path / "m", generation={"eos_token_id": [7, 0, 2]}))
+    end, text = tok._tok.token_to_id("<|im_end|>"), tok._tok.token_to_id("<|endoftext|>")
+    assert tok.eos_id == end == 2 and tok.stop_ids == (2, 7, 0) and text == 0
+    assert tok.decode(tok.encode("19") + [0] + tok.encode("junk")) == "19"
+
+
+def test_unrepresentable_text_is_refused(tmp_path):
+    """Text that would need <unk> is refused, as the char tokenizer refuses a character it lacks
+    (JSONL loading names the line at start-up)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    word = Tokenizer(models.WordLevel({c: i for i, c in enumerate(["<unk>", "<eos>", *"0123456789+="])},
+                                      unk_token="<unk>"))
+    word.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    (tmp_path / "w").mkdir()
+    word.save(str(tmp_path / "w" / "tokenizer.json"))
+    (tmp_path / "w" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    chars = HfTokenizer(tmp_path / "w")
+    assert chars.encode("1+2=") == [3, 12, 4, 13]
+    with pytest.raises(ValueError, match="cannot represent part of '1\\+x'"):
+        chars.encode("1+x")
+
+
+def test_token_bound_holds_for_a_sentencepiece_style_tokenizer(tmp_path):
+    """The start-up length check bounds a task prompt's tokens by its characters: true for a
+    SentencePiece-style tokenizer that prepends a word-boundary piece (Mistral, Llama 2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    # few merges: the prepended "▁" stays a token of its own, one more than the characters
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=25, special_tokens=["<unk>", "</s>"]))
+    (tmp_path / "sp").mkdir()
+    tok.save(str(tmp_path / "sp" / "tokenizer.json"))
+    (tmp_path / "sp" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    sp = HfTokenizer(tmp_path / "sp")
+    for text in ["012+045=", "1 2 3", "sort: 3 1 2 ->", "9", *TEXTS[::37]]:
+        assert len(sp.encode_prompt(text)) <= sp.token_bound(len(text)), text
+    assert any(len(sp.encode_prompt(t)) > len(t) for t in ["012+045=", "1 2 3"])   # the bound is needed
+
+
+def test_preset_vocabulary_under_an_hf_tokenizer():
+    assert padded_vocab(151_669, 151_936, 1) == 151_936   # the preset's real shape holds the tokenizer
+    assert padded_vocab(300, 64, 2) == 512 and padded_vocab(300, 320, 1) == 320 and padded_vocab(300, 321, 2) == 512
 
 
 def test_eos_from_generation_config_and_refusals(tmp_path):
