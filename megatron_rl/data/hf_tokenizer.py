@@ -12,8 +12,9 @@ It reads `tokenizer.json` with the `tokenizers` library, which runs no code from
 Encoding. A prompt is encoded as `transformers` encodes a text by default: the tokenizer's own
 post-processor adds what the model was trained with (Llama 3's `<|begin_of_text|>`; nothing for
 Qwen). Special-token spellings in the text become those tokens, so a chat template written into the
-JSONL prompts reaches the model as control tokens. A continuation (an SFT label) gets no added
-tokens. Text the vocabulary cannot represent (an `<unk>` in the ids) raises ValueError, so JSONL
+JSONL prompts reaches the model as control tokens; a prompt that already starts with the BOS
+(Llama 3's template writes it) gets no second one. A continuation (an SFT label) gets no added
+tokens, and may not spell a special token. Text the vocabulary cannot represent (an `<unk>` in the ids) raises ValueError, so JSONL
 loading names the line at start-up.
 
 Decoding follows the character tokenizer's rules, which are the ones that matter for a reward:
@@ -45,6 +46,16 @@ def _read_json(path: str) -> dict:
     with open(path) as f:
         data = json.load(f)
     return data if isinstance(data, dict) else {}
+
+
+def _added_prefix(tok) -> list[int]:
+    """The ids the post-processor puts before a text's own (BOS-like), not those it appends."""
+    full = tok.encode("0", add_special_tokens=True).ids
+    plain = tok.encode("0", add_special_tokens=False).ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return full[:i]
+    return []
 
 
 class HfTokenizer:
@@ -93,29 +104,39 @@ class HfTokenizer:
         pad = token_id("pad_token")
         self.pad_id = eos if pad is None else pad
         self.bos_id = token_id("bos_token")
-        self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-        unk = getattr(self._tok.model, "unk_token", None)
-        self._unk_id = self._tok.token_to_id(unk) if unk else None
-        prefix = self._tok.encode("", add_special_tokens=True).ids
-        self.prompt_overhead = len(prefix)
-        if self.bos_id is None and prefix:   # the post-processor's first token (Llama 3's begin-of-text)
-            self.bos_id = prefix[0]
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids = {i for i, t in added.items() if t.special}
+        self._special_text = [t.content for t in added.values() if t.special]
+        model = json.loads(self._tok.to_str())["model"]   # BPE/WordLevel/WordPiece name it, Unigram numbers it
+        unk = model.get("unk_id") if model.get("type") == "Unigram" else model.get("unk_token")
+        self._unk_id = self._tok.token_to_id(unk) if isinstance(unk, str) else unk
+        self._prefix = _added_prefix(self._tok)
+        self.prompt_overhead = len(self._tok.encode("", add_special_tokens=True).ids)
+        if self.bos_id is None and self._prefix and self._prefix[0] in self._special_ids:
+            self.bos_id = self._prefix[0]   # the post-processor's leading token (Llama 3's begin-of-text)
 
     def _ids(self, text: str, added: bool) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=added).ids
-        if self._unk_id is not None and self._unk_id in ids:
-            pos = ids.index(self._unk_id)
-            raise ValueError(f"the tokenizer of {self.folder} cannot represent part of {text!r} (an unknown "
-                             f"token at position {pos})")
-        return ids
+        enc = self._tok.encode(text, add_special_tokens=added)
+        if self._unk_id is not None and self._unk_id in enc.ids:
+            a, b = enc.offsets[enc.ids.index(self._unk_id)]
+            raise ValueError(f"the tokenizer of {self.folder} cannot represent {text[a:b]!r} (character {a})")
+        return enc.ids
 
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt's ids, with what the tokenizer's post-processor adds (a BOS where the model was
-        trained with one). Special-token spellings in the text become those tokens."""
+        trained with one), unless the text already starts with it (a chat template that writes
+        the BOS itself, as Llama 3's does). Special-token spellings become those tokens."""
+        plain = self._ids(text, added=False)
+        if self._prefix and plain[:len(self._prefix)] == self._prefix:
+            return plain
         return self._ids(text, added=True)
 
     def encode(self, text: str, add_eos: bool = False) -> list[int]:
-        """A continuation's ids (no tokens added but `add_eos`)."""
+        """A continuation's ids (no tokens added but `add_eos`). A special token's spelling is
+        refused: in an answer it would be a control token the reward's decode turns to U+FFFD."""
+        for s in self._special_text:
+            if s in text:
+                raise ValueError(f"the text contains the special token {s!r}, which only a prompt may hold")
         ids = self._ids(text, added=False)
         return [*ids, self.eos_id] if add_eos else ids
 
@@ -154,11 +175,11 @@ def make_tokenizer(choice: str, hf_dir: str | None):
     return HfTokenizer(choice, where=f"data.tokenizer={choice}")
 
 
-def padded_vocab(tokenizer_vocab: int, preset_vocab: int, tp: int) -> int:
+def padded_vocab(tokenizer_vocab: int, preset_vocab: int) -> int:
     """The vocabulary of a preset model read through an HF tokenizer: the preset's own when it holds
-    every id (a real shape: Qwen3's 151,936), else the tokenizer's padded to a multiple of 128·TP
-    (megatron's make-vocab-size-divisible-by, so that every TP shard is equal)."""
-    if preset_vocab >= tokenizer_vocab and preset_vocab % tp == 0:
+    every id (a real shape: Qwen3's 151,936), else the tokenizer's padded to a multiple of 128
+    (megatron's make-vocab-size-divisible-by: any power-of-two TP up to 128 divides it). It does
+    not depend on the parallel layout, which a resume may change."""
+    if preset_vocab >= tokenizer_vocab:
         return preset_vocab
-    step = 128 * tp
-    return -(-tokenizer_vocab // step) * step
+    return -(-tokenizer_vocab // 128) * 128

@@ -37,8 +37,9 @@ class DataError(ValueError):
     """A data file is malformed; the message names the file, the 1-based line and the fix."""
 
 
-class _Encoder(Protocol):
-    def encode(self, text: str) -> list[int]: ...  # raises ValueError on text it cannot encode
+class _Encoder(Protocol):  # both raise ValueError on text they cannot encode
+    def encode_prompt(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]: ...
 
 
 def _type_name(value: object) -> str:
@@ -71,9 +72,9 @@ def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | N
     if not task:
         raise DataError(f'{where}: field "task" is empty; remove it to use the default task or name one')
     if tokenizer is not None:
-        for field in REQUIRED:
+        for field, encode in (("prompt", tokenizer.encode_prompt), ("label", tokenizer.encode)):
             try:
-                tokenizer.encode(row[field])
+                encode(row[field])
             except ValueError as e:
                 raise DataError(
                     f'{where}: field "{field}" cannot be tokenized: {e}; '

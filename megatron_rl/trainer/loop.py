@@ -187,12 +187,15 @@ def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = Non
     return ctx
 
 
-def preset_vocab(model_section, tokenizer, tp: int) -> int:
-    """The vocabulary a preset model gets (model.hf_dir brings its own; model.overrides.vocab_size
-    wins): the character tokenizer's 64, or for an HF tokenizer `hf_tokenizer.padded_vocab`."""
+def preset_vocab(model_section, tokenizer) -> int | None:
+    """The vocabulary a preset model gets (model.overrides.vocab_size wins): the character
+    tokenizer's 64, or for an HF tokenizer `hf_tokenizer.padded_vocab`; None with model.hf_dir,
+    whose config.json brings its own."""
+    if model_section.hf_dir:
+        return None
     if isinstance(tokenizer, CharTokenizer):
         return tokenizer.vocab_size
-    return padded_vocab(tokenizer.vocab_size, preset_arch(model_section.arch, model_section.size).vocab_size, tp)
+    return padded_vocab(tokenizer.vocab_size, preset_arch(model_section.arch, model_section.size).vocab_size)
 
 
 def check_vocab(cfg: RunConfig, vocab_size: int, tokenizer) -> None:
@@ -216,7 +219,7 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
     random.seed(cfg.train.seed)
     rank0 = dist.get_rank() == 0
     tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.model.hf_dir)
-    arch = arch_from_config(cfg.model, vocab_size=preset_vocab(cfg.model, tokenizer, groups.config.tp))
+    arch = arch_from_config(cfg.model, vocab_size=preset_vocab(cfg.model, tokenizer))
     if not synthetic:
         check_vocab(cfg, arch.vocab_size, tokenizer)
     if groups.config.ep > 1 and not arch.is_moe:

@@ -72,6 +72,9 @@ def test_prompts_carry_chat_templates_and_the_models_bos(tmp_path):
     bos = llama._tok.token_to_id("<|begin_of_text|>")
     assert llama.encode_prompt("1+2=") == [bos, *llama.encode("1+2=")] and llama.prompt_overhead == 1
     assert llama.decode(llama.encode_prompt("1+2=")) == "1+2="   # a leading BOS is skipped
+    assert llama.encode_prompt("<|begin_of_text|>1+2=") == llama.encode_prompt("1+2=")   # no second BOS
+    with pytest.raises(ValueError, match="only a prompt may hold"):
+        tok.encode("4<|im_end|>")   # a label (continuation) may not spell a control token
 
 
 def test_every_end_token_stops_the_response(tmp_path):
@@ -96,8 +99,18 @@ def test_unrepresentable_text_is_refused(tmp_path):
     (tmp_path / "w" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
     chars = HfTokenizer(tmp_path / "w")
     assert chars.encode("1+2=") == [3, 12, 4, 13]
-    with pytest.raises(ValueError, match="cannot represent part of '1\\+x'"):
+    with pytest.raises(ValueError, match="cannot represent 'x' \\(character 2\\)"):
         chars.encode("1+x")
+    from tokenizers import models as m
+
+    uni = Tokenizer(m.Unigram([("<unk>", 0.0), ("<eos>", 0.0), ("a", -1.0), ("b", -1.0)], unk_id=0))
+    (tmp_path / "u").mkdir()
+    uni.save(str(tmp_path / "u" / "tokenizer.json"))
+    (tmp_path / "u" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    unigram = HfTokenizer(tmp_path / "u")
+    assert unigram.encode("ab") == [2, 3]
+    with pytest.raises(ValueError, match="cannot represent 'z'"):
+        unigram.encode("abz")
 
 
 def test_token_bound_holds_for_a_sentencepiece_style_tokenizer(tmp_path):
@@ -119,9 +132,38 @@ def test_token_bound_holds_for_a_sentencepiece_style_tokenizer(tmp_path):
     assert any(len(sp.encode_prompt(t)) > len(t) for t in ["012+045=", "1 2 3"])   # the bound is needed
 
 
-def test_preset_vocabulary_under_an_hf_tokenizer():
-    assert padded_vocab(151_669, 151_936, 1) == 151_936   # the preset's real shape holds the tokenizer
-    assert padded_vocab(300, 64, 2) == 512 and padded_vocab(300, 320, 1) == 320 and padded_vocab(300, 321, 2) == 512
+def test_preset_vocabulary_under_an_hf_tokenizer(tmp_path):
+    """The preset's own vocabulary when it holds the tokenizer, else a multiple of 128; never
+    dependent on TP (a resume may change it); model.hf_dir's config brings its own."""
+    from megatron_rl.config.schema import ModelSection
+    from megatron_rl.trainer.loop import preset_vocab
+
+    assert padded_vocab(151_669, 151_936) == 151_936   # the preset's real shape holds the tokenizer
+    assert padded_vocab(300, 64) == 384 and padded_vocab(300, 320) == 320
+    tok = HfTokenizer(write_tokenizer(tmp_path / "m"))
+    assert preset_vocab(ModelSection(arch="qwen3", size="tiny"), tok) == 384
+    assert preset_vocab(ModelSection(arch="qwen3", size="qwen3-0.6b"), tok) == 151_936
+    assert preset_vocab(ModelSection(hf_dir=str(tmp_path), size="qwen3-0.6b"), tok) is None
+    assert preset_vocab(ModelSection(arch="qwen3", size="tiny"), CharTokenizer()) == 64
+
+
+def test_bos_is_only_a_leading_special_token(tmp_path):
+    """A post-processor that appends (an EOS after the text) adds no BOS; an ordinary token it
+    puts first is not taken for one (decode would drop a real first response token)."""
+    from tokenizers import Tokenizer, processors
+
+    folder = write_tokenizer(tmp_path / "m")
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    end = raw.token_to_id("<|im_end|>")
+    raw.post_processor = processors.TemplateProcessing(single="$A <|im_end|>", special_tokens=[("<|im_end|>", end)])
+    raw.save(str(folder / "tokenizer.json"))
+    tok = HfTokenizer(folder)
+    assert tok.bos_id is None and tok.encode_prompt("1") == [*tok.encode("1"), end] and tok.prompt_overhead == 1
+    h = raw.token_to_id("1")
+    raw.post_processor = processors.TemplateProcessing(single="1 $A", special_tokens=[("1", h)])
+    raw.save(str(folder / "tokenizer.json"))
+    tok = HfTokenizer(folder)
+    assert tok.bos_id is None and tok.decode(tok.encode("12")) == "12"
 
 
 def test_eos_from_generation_config_and_refusals(tmp_path):
