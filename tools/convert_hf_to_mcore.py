@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
+    from megatron_rl.data.hf_tokenizer import folder_fingerprint
     from megatron_rl.model import BuildOptions, build_gpt_model
     from megatron_rl.model.hf_io import (
         SafetensorsReader,
@@ -199,7 +200,9 @@ def main(argv=None) -> int:
                     bar.update(out.nbytes)
                 return out
 
-            out = save_checkpoint(args.mcore_dir, 0, model, extra={"step": 0, "arch": arch.to_dict()},
+            # the tokenizer the weights read: a run that starts from them with another one is refused
+            extra = {"step": 0, "arch": arch.to_dict(), "tokenizer": folder_fingerprint(args.hf_dir)}
+            out = save_checkpoint(args.mcore_dir, 0, model, extra=extra,
                                   sharded_strategy=make_materializing_save(materialize_counted))
             if bar is not None:
                 bar.close()

@@ -11,11 +11,14 @@ It reads `tokenizer.json` with the `tokenizers` library, which runs no code from
 
 Encoding. A prompt is encoded as `transformers` encodes a text by default: the tokenizer's own
 post-processor adds what the model was trained with (Llama 3's `<|begin_of_text|>`; nothing for
-Qwen). Special-token spellings in the text become those tokens, so a chat template written into the
-JSONL prompts reaches the model as control tokens; a prompt that already starts with the BOS
-(Llama 3's template writes it) gets no second one. A continuation (an SFT label) gets no added
-tokens, and may not spell a special token. Text the vocabulary cannot represent (an `<unk>` in the ids) raises ValueError, so JSONL
-loading names the line at start-up.
+Qwen). `tokenizer_config.json`'s `add_bos_token`/`add_eos_token` change nothing, as in transformers
+5, which builds a tokenizer.json-backed tokenizer as the file says (its model-specific classes that
+rebuild the pipeline from the vocabulary, such as GemmaTokenizer, are not followed). Special-token
+spellings in the text become those tokens, so a chat template written into the JSONL prompts
+reaches the model as control tokens; a prompt that already starts with the BOS (Llama 3's template
+writes it) gets no second one. A continuation (an SFT label) gets no added tokens, and may not
+spell a special token. Text the vocabulary cannot represent (an `<unk>` in the ids) raises
+ValueError, so JSONL loading names the line at start-up.
 
 Decoding follows the character tokenizer's rules, which are the ones that matter for a reward:
 leading pad/bos are skipped, decoding stops at the first end token, trailing pads are dropped,
@@ -30,7 +33,7 @@ import json
 import os
 from collections.abc import Iterable
 
-from megatron_rl.data.tokenizer import REPLACEMENT, CharTokenizer, response_ids
+from megatron_rl.data.tokenizer import REPLACEMENT, CharTokenizer, fingerprint, response_ids
 
 
 def _token_text(value) -> str | None:
@@ -65,7 +68,8 @@ class HfTokenizer:
     eos_id: tokenizer_config's eos_token, else generation_config's first eos_token_id (required);
     stop_ids: eos_id and every generation_config eos_token_id; pad_id (the pad token, else eos);
     bos_id (tokenizer_config's, else the post-processor's first token, else None);
-    prompt_overhead: the tokens the post-processor adds to a prompt.
+    prompt_overhead: the tokens the post-processor adds to a prompt;
+    fingerprint: "hf:" + a hash of tokenizer.json and the special ids (a checkpoint records it).
     """
 
     def __init__(self, folder: str | os.PathLike, *, where: str = "data.tokenizer"):
@@ -114,6 +118,9 @@ class HfTokenizer:
         self.prompt_overhead = len(self._tok.encode("", add_special_tokens=True).ids)
         if self.bos_id is None and self._prefix and self._prefix[0] in self._special_ids:
             self.bos_id = self._prefix[0]   # the post-processor's leading token (Llama 3's begin-of-text)
+        with open(path, "rb") as f:   # the ids of every text, and the tokens that end, pad and begin one
+            self.fingerprint = fingerprint("hf", f.read(), json.dumps(
+                [self.eos_id, self.pad_id, self.bos_id, list(self.stop_ids)]).encode())
 
     def _ids(self, text: str, added: bool) -> list[int]:
         enc = self._tok.encode(text, add_special_tokens=added)
@@ -160,6 +167,15 @@ class HfTokenizer:
                 run.append(i)
         out.append(self._tok.decode(run, skip_special_tokens=False))
         return "".join(out)
+
+
+def folder_fingerprint(folder: str | os.PathLike) -> str | None:
+    """The fingerprint of the tokenizer a model folder ships, or None when it has no usable one
+    (what tools/convert_hf_to_mcore.py records beside the converted weights)."""
+    try:
+        return HfTokenizer(folder).fingerprint
+    except ValueError:
+        return None
 
 
 def make_tokenizer(choice: str, hf_dir: str | None):

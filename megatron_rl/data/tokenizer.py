@@ -20,6 +20,7 @@ answer into a right one by sampling <pad> between digits).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -29,6 +30,15 @@ SPECIALS = (PAD, EOS, BOS, UNK)
 CHARS = "0123456789" + " +-*/=,.:>?_" + "abcdefghijklmnopqrstuvwxyz"
 VOCAB_SIZE = 64
 REPLACEMENT = "\ufffd"
+
+
+def fingerprint(kind: str, *parts: bytes) -> str:
+    """`kind:` + the first 16 hex digits of the sha256 of `parts`: what a checkpoint records of its
+    tokenizer, so that a resume under other token ids is refused (trainer/loop.py)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little") + part)
+    return f"{kind}:{h.hexdigest()[:16]}"
 
 
 def response_ids(ids: list[int], stop_ids: tuple[int, ...], pad_id: int, bos_id: int | None) -> list[int]:
@@ -61,6 +71,7 @@ class CharTokenizer:
         assert len(tokens) == VOCAB_SIZE, len(tokens)
         self._id_to_token = tokens
         self._char_to_id = {c: i for i, c in enumerate(tokens) if i >= len(SPECIALS) and len(c) == 1}
+        self.fingerprint = fingerprint("char", json.dumps(tokens).encode())
 
     @property
     def vocab(self) -> dict[str, int]:

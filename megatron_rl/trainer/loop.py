@@ -376,7 +376,8 @@ def _start(ctx: RunContext, heldout) -> int:
             sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
             return start
     if cfg.train.init_checkpoint:
-        load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model)
+        _check_tokenizer(ctx, cfg.train.init_checkpoint, load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model),
+                         "train.init_checkpoint")
         # bf16/fp16: the optimizer keeps fp32 master copies of the weights it was built with; a
         # fresh one starts from the loaded weights (else its first step would restore the old ones)
         ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)
@@ -388,7 +389,8 @@ def _start(ctx: RunContext, heldout) -> int:
         # reusable warm start: `train.init_checkpoint=<run_dir>/sft/iter_...` skips SFT next time
         ctx.state["sft"]["checkpoint"] = save_checkpoint(
             os.path.join(cfg.train.run_dir, "sft"), ctx.state["sft"]["steps"], ctx.policy.model,
-            extra={"step": 0, "sft": True, "arch": ctx.policy.arch.to_dict()}, run_id=ctx.run_id)
+            extra={"step": 0, "sft": True, "arch": ctx.policy.arch.to_dict(), "tokenizer": ctx.tokenizer.fingerprint},
+            run_id=ctx.run_id)
         ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)  # fresh Adam for RL
     sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
     if heldout:
@@ -400,18 +402,33 @@ def _start(ctx: RunContext, heldout) -> int:
 
 
 def _check_resumable(ctx: RunContext, path: str, extra: dict) -> None:
-    """Refuse (ValueError, every rank alike) to continue checkpoint `path` under a config or prompt
-    source that changes what the remaining steps compute, unless train.allow_config_change."""
+    """Refuse (ValueError, every rank alike) to continue checkpoint `path` under a config, tokenizer
+    or prompt source that changes what the remaining steps compute, unless train.allow_config_change."""
     if ctx.cfg.train.allow_config_change:
         return
     changes = config_changes(extra.get("config", {}), config_to_dict(ctx.cfg))
     if changes:
         raise ValueError(describe_changes(changes, path))
+    _check_tokenizer(ctx, path, extra, "train.resume")
     if "data" in extra:  # rows, seed, content: step k must map to the same prompts as before
         try:
             ctx.prompts.load_state_dict(extra["data"])
         except ValueError as e:
             raise ValueError(f"train.resume: {path}: {e} (or pass train.allow_config_change=true)") from None
+
+
+def _check_tokenizer(ctx: RunContext, path: str, extra: dict, field: str) -> None:
+    """Refuse (ValueError) checkpoint `path` when it was trained with other token ids than
+    data.tokenizer gives now: the same setting can name changed files (an edited tokenizer.json, other
+    end tokens), and the weights would then read other text. A checkpoint that records no tokenizer
+    (older, or converted from Hugging Face) is not checked; train.allow_config_change skips it."""
+    saved = extra.get("tokenizer")
+    if ctx.cfg.train.allow_config_change or saved is None or saved == ctx.tokenizer.fingerprint:
+        return
+    raise ValueError(f"{field}: {path} was trained with another tokenizer ({saved}; data.tokenizer="
+                     f"{ctx.cfg.data.tokenizer} is {ctx.tokenizer.fingerprint} now: other token ids or end tokens); "
+                     f"restore the tokenizer files it was trained with, start a fresh run, or pass "
+                     f"train.allow_config_change=true")
 
 
 def train(ctx: RunContext) -> dict:
@@ -498,7 +515,7 @@ def _save(ctx: RunContext, root: str, completed_steps: int) -> str:
     return save_checkpoint(root, completed_steps, ctx.policy.model, ctx.policy.optimizer,
                            extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
                                   "rng": _rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg),
-                                  "data": ctx.prompts.state_dict(),
+                                  "data": ctx.prompts.state_dict(), "tokenizer": ctx.tokenizer.fingerprint,
                                   "arch": ctx.policy.arch.to_dict()},  # tools/convert_hf_to_mcore.py --reverse
                            keep=ctx.cfg.train.keep_checkpoints, run_id=ctx.run_id,
                            rank0_tensors={"schedule": ctx.schedule.state_dict()} if dist.get_rank() == 0 else None)

@@ -195,6 +195,20 @@ def test_reverse_arch_from_gives_the_architecture_and_the_tokenizer(converted, t
     assert AutoTokenizer.from_pretrained(out)("1 + 1 =")["input_ids"] == [1, 2, 1, 3]
 
 
+def test_conversion_records_the_models_tokenizer(converted, tmp_path):
+    """The converted weights remember the tokenizer they read (a warm start under another one is
+    refused, tests/e2e/test_drills.py); a folder without a usable tokenizer records none."""
+    from megatron_rl.data.hf_tokenizer import folder_fingerprint
+    from megatron_rl.trainer.checkpoint import read_extra
+
+    src, ckpt = converted
+    assert read_extra(ckpt, 0)["tokenizer"] is None
+    model = _with_tokenizer(src, tmp_path / "hf")
+    _run("--hf-dir", model, "--mcore-dir", str(tmp_path / "mcore"))
+    recorded = read_extra(str(tmp_path / "mcore" / "iter_0000000"), 0)["tokenizer"]
+    assert recorded == folder_fingerprint(model) and recorded.startswith("hf:")
+
+
 def test_reverse_without_an_architecture_names_arch_from(converted, tmp_path):
     _, ckpt = converted
     ckpt = _without_arch(ckpt, tmp_path / "ckpt")

@@ -172,6 +172,26 @@ def test_13_resume_refuses_a_changed_config_unless_allowed(finished_run, tmp_pat
     assert metric_steps(r) == [1, 2, 3]
 
 
+def test_13_resume_and_warm_start_refuse_another_tokenizer(tmp_path):
+    """The same data.tokenizer setting can name edited files: a checkpoint records its tokenizer's
+    fingerprint, and a resume or a warm start from it under other token ids is refused."""
+    from tests.unit.data.test_hf_tokenizer import write_tokenizer
+
+    folder = write_tokenizer(tmp_path / "tok")
+    r = tmp_path / "run"
+    ok(run(r, "train.steps=1", f"data.tokenizer={folder}"))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))   # one more end token
+    refused = run(r, "train.steps=2", "train.resume=true", f"data.tokenizer={folder}")
+    assert refused.returncode != 0 and "train.resume:" in refused.stderr, refused.stderr[-2000:]
+    assert "was trained with another tokenizer" in refused.stderr and metric_steps(r) == [1]
+    warm = run(tmp_path / "warm", "train.steps=1", f"data.tokenizer={folder}",
+               f"train.init_checkpoint={r / 'checkpoints' / 'iter_0000001'}")
+    assert warm.returncode != 0 and "train.init_checkpoint:" in warm.stderr, warm.stderr[-2000:]
+    assert "was trained with another tokenizer" in warm.stderr
+    ok(run(r, "train.steps=2", "train.resume=true", f"data.tokenizer={folder}", "train.allow_config_change=true"))
+    assert metric_steps(r) == [1, 2]
+
+
 # ---- 4: flipped bits are found; the run falls back to the last good checkpoint, deleting nothing
 def test_4_corrupt_bytes_fall_back_to_the_previous_good_checkpoint(finished_run, tmp_path):
     r = copy_of(finished_run, tmp_path)

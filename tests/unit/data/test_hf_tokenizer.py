@@ -193,3 +193,50 @@ def test_config_refuses_hf_without_a_model_folder():
     with pytest.raises(ValueError, match="data.tokenizer=hf .*model.hf_dir is not set"):
         load_config(None, ["data.tokenizer=hf"])
     assert RunConfig().data.tokenizer == "char"
+
+
+def test_fingerprint_names_the_token_ids(tmp_path):
+    """What a checkpoint records of its tokenizer: the same for the same files wherever they lie,
+    different when the vocabulary, the merges or an end token differ."""
+    base = HfTokenizer(write_tokenizer(tmp_path / "a")).fingerprint
+    assert base.startswith("hf:") and HfTokenizer(write_tokenizer(tmp_path / "b")).fingerprint == base
+    assert HfTokenizer(write_tokenizer(tmp_path / "bos", bos=True)).fingerprint != base   # another post-processor
+    other_eos = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+    assert HfTokenizer(write_tokenizer(tmp_path / "eos", config=other_eos)).fingerprint != base
+    more_stops = HfTokenizer(write_tokenizer(tmp_path / "gen", generation={"eos_token_id": [2, 0]}))
+    assert more_stops.fingerprint != base
+    edited = write_tokenizer(tmp_path / "edit")
+    raw = json.loads((edited / "tokenizer.json").read_text())
+    raw["model"]["merges"] = raw["model"]["merges"][:-1]   # one merge fewer: other ids for some texts
+    (edited / "tokenizer.json").write_text(json.dumps(raw))
+    assert HfTokenizer(edited).fingerprint != base
+    assert CharTokenizer().fingerprint == CharTokenizer().fingerprint and CharTokenizer().fingerprint.startswith("char:")
+    from megatron_rl.data.hf_tokenizer import folder_fingerprint
+
+    assert folder_fingerprint(tmp_path / "a") == base and folder_fingerprint(tmp_path / "nothing") is None
+
+
+@pytest.mark.parametrize("case", ["plain", "flags", "llama_flags", "bos_post_processor", "flag_off_post_processor"])
+def test_prompts_encode_as_transformers_encodes_them(tmp_path, case):
+    """encode_prompt against transformers' AutoTokenizer on the same folder (the independent
+    reference): the post-processor written in tokenizer.json decides the added tokens, and
+    tokenizer_config's add_bos_token/add_eos_token do not change it (transformers 5 builds a
+    tokenizer.json-backed tokenizer as the file says). Not compared: the classes that transformers 5
+    rebuilds from the vocabulary with their own pre-tokenizer (Qwen2Tokenizer, GemmaTokenizer): on this
+    test's made-up tokenizer.json they split text differently from the file."""
+    from transformers import AutoTokenizer
+
+    specials = {"eos_token": "<|im_end|>", "bos_token": "<|begin_of_text|>"}
+    config, bos = {
+        "plain": ({"eos_token": "<|im_end|>"}, False),
+        "flags": ({**specials, "add_bos_token": True, "add_eos_token": True,
+                   "tokenizer_class": "PreTrainedTokenizerFast"}, False),
+        "llama_flags": ({**specials, "add_bos_token": True, "tokenizer_class": "LlamaTokenizerFast"}, False),
+        "bos_post_processor": ({**specials, "tokenizer_class": "PreTrainedTokenizerFast"}, True),
+        "flag_off_post_processor": ({**specials, "add_bos_token": False,
+                                     "tokenizer_class": "PreTrainedTokenizerFast"}, True),
+    }[case]
+    folder = write_tokenizer(tmp_path / case, config=config, bos=bos)
+    ours, ref = HfTokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    for text in ["1+2=", "What is 49+19?", "<|im_start|>user 3+4=<|im_end|><|im_start|>assistant ", "sort: 3 1 2 ->"]:
+        assert ours.encode_prompt(text) == ref(text)["input_ids"], text
