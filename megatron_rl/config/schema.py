@@ -233,7 +233,8 @@ class LossSection:
         (formed inside the log-prob kernel's forward, three GEMMs; only a loss that is a constant-
         weighted sum of per-token terms, megatron_rl/losses/token_local.py: not gspo, gspo_token,
         opsm, nav, or tis_token/kpop reading π_θ) | "auto" (default: "forward" where the loss
-        allows it, else "recompute").
+        allows it, else "recompute"). The SFT warm start's NLL is token-local: it takes "forward"
+        unless this is "recompute".
     The combination is resolved and validated by megatron_rl.losses.setup.resolve_loss, from
     `RunConfig.__post_init__`.
     """
@@ -261,7 +262,7 @@ class OptimSection:
     precision is model.dtype (bf16/fp16 keep fp32 master weights).
 
     lr [--lr] (constant: no learning-rate schedule is built), min_lr (must stay 0 for that reason),
-    weight_decay, adam_beta1/2, adam_eps, clip_grad [--clip-grad] (0 = off).
+    weight_decay [--weight-decay], adam_beta1, adam_beta2, adam_eps, clip_grad [--clip-grad] (0 = off).
     initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale: fp16 dynamic loss scaler;
         loss_scale set to a number makes it constant.
     use_distributed_optimizer [--use-distributed-optimizer]: shard optimizer state over DP.

@@ -126,3 +126,20 @@ class TokenTerms:
                           loss_mask=take(self.loss_mask), positions=take(self.positions))
         per_token = get_surrogate(self.surrogate)(sub, **self.params).per_token
         return torch.where(take(self.active), take(self.coef) * per_token, 0.0).sum()
+
+
+@dataclass(frozen=True, eq=False)
+class NllTerms:
+    """The supervised warm start's loss in the same form (trainer/sft.py):
+    `token_mean(−lp, m, N) = Σ_t coef_t · (−lp_t)` with fp32 `coef_t = m_t / N`, N the global
+    count of label tokens; any shape, `map` and `chunk_loss` as `TokenTerms`'."""
+
+    coef: Tensor
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> NllTerms:
+        return NllTerms(fn(self.coef))
+
+    def chunk_loss(self, rows, logprobs: Tensor) -> Tensor:
+        """Σ_{t ∈ rows} coef_t · (−lp_t), fp32 0-dim (a masked token's log-prob is never read)."""
+        coef = self.coef[rows]
+        return torch.where(coef != 0, -coef * logprobs, 0.0).sum()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_rl.logprobs import token_logprobs_and_entropy
 from megatron_rl.logprobs.loss_fused import fused_token_loss
 from megatron_rl.logprobs.megatron_hidden import gpt_hidden_states, output_weight
-from megatron_rl.losses.token_local import TokenTerms
+from megatron_rl.losses.token_local import NllTerms, TokenTerms
 from megatron_rl.metrics.reduce import reduce_metrics
 from megatron_rl.model.builder import causal_mask
 from megatron_rl.parallel import ParallelGroups
@@ -53,12 +53,12 @@ LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor,
 class TokenLocalLoss:
     """A loss whose gradient `fused_token_loss` may form in the forward (losses/token_local.py).
 
-    terms(micro_batch) -> the micro-batch's TokenTerms, `[b, L]` like its tensors.
+    terms(micro_batch) -> the micro-batch's TokenTerms (or SFT's NllTerms), `[b, L]` like its tensors.
     values: the same loss as a LossFn, called on the detached log-probs for the metrics (its loss
         value is replaced by the kernel's, the one trained on).
     """
 
-    terms: Callable[[dict], TokenTerms]
+    terms: Callable[[dict], TokenTerms | NllTerms]
     values: LossFn
 
 

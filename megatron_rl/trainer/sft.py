@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.losses import GlobalCounts, local_counts, token_mean
+from megatron_rl.losses.token_local import NllTerms
 from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer.batch import (
     build_batch,
@@ -23,7 +24,7 @@ from megatron_rl.trainer.batch import (
     row_multiple,
     shard_rows,
 )
-from megatron_rl.trainer.passes import PassSettings, reduce_dp, train_pass
+from megatron_rl.trainer.passes import LossFn, PassSettings, TokenLocalLoss, reduce_dp, train_pass
 from megatron_rl.trainer.rollout_io import evaluate, sync_weights
 from megatron_rl.trainer.stop import Stopped
 
@@ -37,6 +38,19 @@ def sft_samples(tokenizer, examples) -> list[Sample]:
                           response_ids=torch.tensor(response), rollout_logprobs=torch.zeros(len(response)),
                           finish_reason="stop", policy_version=0))
     return out
+
+
+def sft_loss(n_tok: torch.Tensor, in_forward: bool) -> LossFn | TokenLocalLoss:
+    """The warm start's loss `token_mean(−log π, m, N)`, N = `n_tok` the global count of label
+    tokens. in_forward (loss.head_gradients auto or forward: this loss is token-local): a
+    TokenLocalLoss, whose output-layer gradients the log-prob kernel forms in its forward."""
+    def values(mb, logprobs, _entropy):
+        loss = token_mean(-logprobs, mb["loss_mask"], n_tok)
+        return loss, {"nll/sum": loss.detach().double()}
+
+    if not in_forward:
+        return values
+    return TokenLocalLoss(lambda mb: NllTerms(mb["loss_mask"].float() / n_tok.float()), values)
 
 
 def run_sft(ctx, eval_examples, progress=None) -> dict:
@@ -68,10 +82,7 @@ def run_sft(ctx, eval_examples, progress=None) -> dict:
             counts = counts + local_counts(local.loss_mask[sl])
         n_tok = reduce_dp({"n/sum": counts.num_tokens}, groups)["n/sum"]
 
-        def loss_fn(mb, logprobs, _entropy, n_tok=n_tok):
-            loss = token_mean(-logprobs, mb["loss_mask"], n_tok)
-            return loss, {"nll/sum": loss.detach().double()}
-
+        loss_fn = sft_loss(n_tok, in_forward=cfg.loss.head_gradients != "recompute")
         outs = train_pass(policy.model, policy.optimizer, groups, local, slices, settings, loss_fn)
         policy.optimizer.step()
         nll = reduce_dp({"nll/sum": sum(o["nll/sum"] for o in outs) if outs else torch.zeros(())}, groups)["nll/sum"]

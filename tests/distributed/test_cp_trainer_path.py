@@ -254,6 +254,59 @@ def test_gradients_formed_in_the_forward_match_the_recompute_path():
 
 
 
+def _sft_worker(rank, world, forward_grads):
+    """trainer/sft.py's loss over the same samples (label tokens = the responses), two micro-batches:
+    (nll, the DP×CP-reduced gradients of E, P, W)."""
+    from megatron_rl.losses import GlobalCounts, local_counts
+    from megatron_rl.parallel import ParallelConfig, init_parallel
+    from megatron_rl.platform import apply_platform_workarounds
+    from megatron_rl.trainer.batch import build_batch, cp_shard, padded_length, row_multiple
+    from megatron_rl.trainer.passes import PassSettings, TokenLocalLoss, make_forward_step, micro_batches, reduce_dp
+    from megatron_rl.trainer.sft import sft_loss
+
+    apply_platform_workarounds()
+    groups = init_parallel(ParallelConfig(context_parallel_size=world))
+    samples, _ = _samples(with_kept=False)
+    full = build_batch(samples, [0.0] * len(samples), 0, padded_length(samples, row_multiple(1, world)))
+    local = cp_shard(full, groups.cp_group)
+    slices = [slice(0, 5), slice(5, local.size)]
+    counts = GlobalCounts()
+    for sl in slices:
+        counts = counts + local_counts(local.loss_mask[sl])
+    n_tok = reduce_dp({"n/sum": counts.num_tokens}, groups)["n/sum"]
+    loss_fn = sft_loss(n_tok, in_forward=forward_grads)
+    assert isinstance(loss_fn, TokenLocalLoss) == forward_grads
+    model = ToyCausalModel(groups.cp_group, world)
+    step = make_forward_step(groups, PassSettings(micro_batch_size=5, temperature=1.0), loss_fn, False,
+                             model.hidden_states, model.head_weight)
+    nll = 0.0
+    for mb in micro_batches(local, slices):
+        out, loss_func = step(iter([mb]), model)
+        loss, _, metrics = loss_func(out)
+        loss.backward()
+        nll += float(metrics["nll/sum"])
+    nll = float(reduce_dp({"nll/sum": torch.tensor(nll, dtype=torch.float64)}, groups)["nll/sum"])
+    grads = {}
+    for name, p in zip("EPW", model.params(), strict=True):
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g, group=groups.dp_cp_group)
+        grads[name] = g
+    return nll, grads
+
+
+def test_sft_gradients_formed_in_the_forward_match_the_recompute_path():
+    """The warm start's NLL under loss.head_gradients=auto (NllTerms through fused_token_loss) gives
+    the recompute path's value and gradients, on one rank and on two CP ranks."""
+    [(nll, grads)] = run_ranks(_sft_worker, world_size=1, timeout=300, forward_grads=False)
+    assert 1.0 < nll < 10.0 and all(g.abs().max() > 1e-4 for g in grads.values())
+    runs = [*run_ranks(_sft_worker, world_size=1, timeout=300, forward_grads=True),
+            *run_ranks(_sft_worker, world_size=2, timeout=300, forward_grads=True)]
+    for got_nll, got in runs:
+        _close(got_nll, nll, "nll")
+        for k, g in grads.items():
+            torch.testing.assert_close(got[k], g, rtol=2e-5, atol=1e-6, msg=f"grad {k}")
+
+
 def _ddp_worker(rank, world, recipe, forward_grads):
     """One optimizer step through megatron's schedule, DDP (grad reduction over DP×CP),
     finalize_model_grads and optimizer, with the toy encoder as a MegatronModule. forward_grads:
