@@ -19,6 +19,7 @@ A SLURM allocation: see examples/slurm_rl.sbatch.
 Overrides: any `section.field=value` (e.g. train.steps=20 loss.recipe=minirl) or a Megatron flag
 (--tensor-model-parallel-size, --expert-model-parallel-size, --pipeline-model-parallel-size,
 --lr, --micro-batch-size, --train-iters, --seed, --rollout-backend, --recipe, ...).
+Every field, its default and what it does: docs/config.md.
 """
 from __future__ import annotations
 

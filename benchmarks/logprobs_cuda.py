@@ -16,7 +16,8 @@ bf16 hidden `[T, H]` and weight `[V, H]` (V = 151,936, H = 4,096), forward + bac
     ours eager       the same with the eager in-place chunk math (`kernels=None`, untiled), to show
                      what compiling buys
     ours loss-fused  `loss_fused.fused_token_loss`: the loss (token-local here) and its gradients in
-                     the forward's chunk loop, three GEMMs instead of four; not yet the trainer's path
+                     the forward's chunk loop, three GEMMs instead of four; the trainer's update pass
+                     for a token-local loss (loss.head_gradients=auto)
     verl             `verl.utils.kernel.linear_cross_entropy` (log-probs and entropy), if installed
                      (without Ray: see `peer_module`)
     liger            Liger's fused linear cross entropy (log-probs only, no entropy), if installed
