@@ -24,6 +24,9 @@ names the HF model folder whose config.json it is. The tokenizer and generation 
 --arch-from (tokenizer.json, tokenizer_config.json, special_tokens_map.json, vocab.json,
 merges.txt, tokenizer.model, generation_config.json, chat_template.jinja) are copied into the
 export, so that it loads with `transformers` as a whole model.
+
+It runs on the host (gloo, CPU tensors) also on a GPU machine: it never runs the model, and the GPUs
+are hidden from it (CUDA_VISIBLE_DEVICES="").
 """
 from __future__ import annotations
 
@@ -148,6 +151,12 @@ def counted(items, bar, size=lambda item: 1):
 
 
 def main(argv=None) -> int:
+    # A host tool: it streams tensors between files through host memory and never runs the model.
+    # Beside a GPU, megatron would allocate every layer of the meta-device build on the GPU (CUDA
+    # turns use_cpu_initialization off) and moving the rest would fail on meta tensors; with the
+    # GPUs hidden before anything initialises CUDA, the process takes the host configuration (gloo,
+    # host tensors) that tests/distributed/test_convert_tool.py runs.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     warnings.filterwarnings("ignore", category=UserWarning)
     args = parse_args(argv)
     arch = None

@@ -164,6 +164,7 @@ def build_plan(caps: Capabilities, kernels: Kernels = Kernels(), spec: str = "au
       moe_grouped_gemm        TE in use and TE has grouped linears (TEGroupedMLP); never the legacy
                               GroupedMLP, which needs the separate `grouped_gemm` package.
       bias_activation_fusion  CUDA: megatron's jit_fuser (torch.compile) SwiGLU; needs no TE.
+                              (transformer_config turns it off for MoE experts run one at a time.)
       bias_dropout_fusion     CUDA: megatron's jit_fuser residual add; needs no TE.
       masked_softmax_fusion   only megatron's local DotProductAttention reads it (TE attention fuses
                               its own softmax): CUDA, local spec and the compiled softmax extensions,
@@ -219,6 +220,11 @@ def transformer_config(arch: ModelArch, groups: ParallelGroups, opts: BuildOptio
     plan = plan if plan is not None else plan_for(opts, "te" if use_te else "local")
     fused = plan.config_kwargs()
     moe_only = {k: fused.pop(k) for k in ("moe_grouped_gemm", "moe_router_fusion", "moe_permute_fusion")}
+    if arch.is_moe and not plan.moe_grouped_gemm:
+        # Experts one at a time (SequentialMLP) call the compiled SwiGLU with each expert's token
+        # count, 0 and 1 included, which Dynamo specialises: it recompiles until its recompile limit
+        # (8) and then runs eagerly anyway, after seconds of compiling per process.
+        fused["bias_activation_fusion"] = False
     moe = {}
     if arch.is_moe:
         moe = dict(

@@ -105,3 +105,21 @@ def test_cpu_transformer_config_is_unchanged(arch):
     assert cfg.use_cpu_initialization is True
     for name in FUSIONS:
         assert getattr(cfg, name) is False, name
+
+
+GROUPED = Kernels(te_grouped_gemm=True)   # TransformerConfig checks the other TE fusions against TE
+
+
+@pytest.mark.parametrize("arch,kernels,fused", [("qwen3", Kernels(), True), ("qwen3_moe", Kernels(), False),
+                                                ("qwen3_moe", GROUPED, True)],
+                         ids=["dense", "moe_sequential_experts", "moe_grouped_experts"])
+def test_swiglu_fusion_off_for_experts_run_one_at_a_time(arch, kernels, fused):
+    """Beside a GPU the SwiGLU is megatron's compiled fusion, except for MoE experts run one at a
+    time (SequentialMLP), whose per-expert token counts (0 and 1 included) recompile it up to
+    Dynamo's limit. Grouped experts (TE) and dense MLPs keep it."""
+    caps = GPU_TE if kernels is GROUPED else GPU_BARE
+    plan = build_plan(caps, kernels)
+    cfg = transformer_config(preset_arch(arch), SimpleNamespace(config=ParallelConfig()), BuildOptions(),
+                             use_te=plan.use_te, plan=plan)
+    assert plan.bias_activation_fusion and cfg.bias_activation_fusion is fused
+    assert cfg.bias_dropout_fusion
