@@ -18,6 +18,10 @@ bf16 hidden `[T, H]` and weight `[V, H]` (V = 151,936, H = 4,096), forward + bac
     ours loss-fused  `loss_fused.fused_token_loss`: the loss (token-local here) and its gradients in
                      the forward's chunk loop, three GEMMs instead of four; the trainer's update pass
                      for a token-local loss (loss.head_gradients=auto)
+    ours loss-fused 1.5k  the same in chunks of 1,536 tokens instead of `auto_loss_chunk_size`'s 832
+                     (V = 151,936): each chunk's weight-gradient GEMM reads and writes the whole fp32
+                     `main_grad` (5 GB) for 832 or 1,536 tokens of arithmetic, so this shows whether
+                     that traffic bounds it, at about 1.4 GiB of buffers instead of 0.8
     verl             `verl.utils.kernel.linear_cross_entropy` (log-probs and entropy), if installed
                      (without Ray: see `peer_module`)
     liger            Liger's fused linear cross entropy (log-probs only, no entropy), if installed
@@ -86,6 +90,14 @@ def _ours_loss_fused(h, w, y):
     return out.logprobs, out.entropy, loss
 
 
+def _ours_loss_fused_wide(h, w, y):
+    from megatron_rl.logprobs.loss_fused import fused_token_loss
+
+    loss, out = fused_token_loss(h, w, y, lambda rows, lp, ent, kept: lp.sum() + 0.1 * ent.sum(),
+                                 chunk_size=WIDE_CHUNK)
+    return out.logprobs, out.entropy, loss
+
+
 def _straightforward(h, w, y):
     from megatron_rl.logprobs import reference_logprobs_and_entropy
 
@@ -137,10 +149,11 @@ def peer_module(name: str) -> types.ModuleType:
     return importlib.import_module(name)
 
 
-MAIN_GRAD_PATHS = {"ours", "ours untiled", "ours eager", "ours loss-fused"}
+WIDE_CHUNK = 1536
+MAIN_GRAD_PATHS = {"ours", "ours untiled", "ours eager", "ours loss-fused", "ours loss-fused 1.5k"}
 PATHS: dict[str, Callable] = {"straightforward": _straightforward, "ours": _ours, "ours untiled": _ours_untiled,
-                              "ours eager": _ours_eager, "ours loss-fused": _ours_loss_fused, "verl": _verl,
-                              "liger": _liger}
+                              "ours eager": _ours_eager, "ours loss-fused": _ours_loss_fused,
+                              "ours loss-fused 1.5k": _ours_loss_fused_wide, "verl": _verl, "liger": _liger}
 
 
 # ----------------------------------------------------------------------------- measurement
