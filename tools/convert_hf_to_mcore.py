@@ -151,12 +151,8 @@ def counted(items, bar, size=lambda item: 1):
 
 
 def main(argv=None) -> int:
-    # A host tool: it streams tensors between files through host memory and never runs the model.
-    # Beside a GPU, megatron would allocate every layer of the meta-device build on the GPU (CUDA
-    # turns use_cpu_initialization off) and moving the rest would fail on meta tensors; with the
-    # GPUs hidden before anything initialises CUDA, the process takes the host configuration (gloo,
-    # host tensors) that tests/distributed/test_convert_tool.py runs.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    """The tool (see the module docstring). It must run where CUDA is not visible: the script entry
+    point hides the GPUs before anything can initialise CUDA; a caller importing main() must too."""
     warnings.filterwarnings("ignore", category=UserWarning)
     args = parse_args(argv)
     arch = None
@@ -170,6 +166,11 @@ def main(argv=None) -> int:
             return refuse(str(e))
     import torch
     import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        return refuse("this process sees a GPU, and the tool runs on the host (it never runs the model, and "
+                      "megatron would build it on the GPU); run it as a script, which hides the GPUs, or set "
+                      "CUDA_VISIBLE_DEVICES= before Python starts")
 
     from megatron_rl.data.hf_tokenizer import folder_fingerprint
     from megatron_rl.model import BuildOptions, build_gpt_model
@@ -210,7 +211,11 @@ def main(argv=None) -> int:
                 return out
 
             # the tokenizer the weights read: a run that starts from them with another one is refused
-            extra = {"step": 0, "arch": arch.to_dict(), "tokenizer": folder_fingerprint(args.hf_dir)}
+            tokenizer, why = folder_fingerprint(args.hf_dir)
+            if why is not None and rank == 0:
+                print(f"note: the checkpoint records no tokenizer ({args.hf_dir}: {why}); a warm start from it "
+                      f"will not be checked against data.tokenizer", file=sys.stderr)
+            extra = {"step": 0, "arch": arch.to_dict(), "tokenizer": tokenizer}
             out = save_checkpoint(args.mcore_dir, 0, model, extra=extra,
                                   sharded_strategy=make_materializing_save(materialize_counted))
             if bar is not None:
@@ -235,4 +240,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # A host tool: it streams tensors between files through host memory and never runs the model.
+    # Beside a GPU, megatron would allocate every layer of the meta-device build on the GPU (CUDA
+    # turns use_cpu_initialization off) and moving the rest would fail on meta tensors. With the
+    # GPUs hidden before anything initialises CUDA, the process takes the host configuration (gloo,
+    # host tensors) that tests/distributed/test_convert_tool.py runs.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     sys.exit(main())

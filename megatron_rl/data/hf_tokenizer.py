@@ -51,6 +51,18 @@ def _read_json(path: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _canonical(tok) -> str:
+    """The tokenizer as `tokenizers` understands it, in one spelling: what decides the ids of every
+    text, not how the file was formatted (pretty or compact JSON, merges as "a b" strings or as
+    pairs, as releases of the library write them), so re-saving a folder keeps its fingerprint."""
+    data = json.loads(tok.to_str())
+    data.pop("version", None)
+    merges = data.get("model", {}).get("merges")
+    if isinstance(merges, list):
+        data["model"]["merges"] = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _added_prefix(tok) -> list[int]:
     """The ids the post-processor puts before a text's own (BOS-like), not those it appends."""
     full = tok.encode("0", add_special_tokens=True).ids
@@ -69,7 +81,8 @@ class HfTokenizer:
     stop_ids: eos_id and every generation_config eos_token_id; pad_id (the pad token, else eos);
     bos_id (tokenizer_config's, else the post-processor's first token, else None);
     prompt_overhead: the tokens the post-processor adds to a prompt;
-    fingerprint: "hf:" + a hash of tokenizer.json and the special ids (a checkpoint records it).
+    fingerprint: "hf:" + a hash of tokenizer.json's content (`_canonical`) and the special ids (a
+        checkpoint records it).
     """
 
     def __init__(self, folder: str | os.PathLike, *, where: str = "data.tokenizer"):
@@ -118,9 +131,8 @@ class HfTokenizer:
         self.prompt_overhead = len(self._tok.encode("", add_special_tokens=True).ids)
         if self.bos_id is None and self._prefix and self._prefix[0] in self._special_ids:
             self.bos_id = self._prefix[0]   # the post-processor's leading token (Llama 3's begin-of-text)
-        with open(path, "rb") as f:   # the ids of every text, and the tokens that end, pad and begin one
-            self.fingerprint = fingerprint("hf", f.read(), json.dumps(
-                [self.eos_id, self.pad_id, self.bos_id, list(self.stop_ids)]).encode())
+        self.fingerprint = fingerprint("hf", _canonical(self._tok).encode(), json.dumps(
+            [self.eos_id, self.pad_id, self.bos_id, sorted(self.stop_ids)]).encode())
 
     def _ids(self, text: str, added: bool) -> list[int]:
         enc = self._tok.encode(text, add_special_tokens=added)
@@ -169,13 +181,15 @@ class HfTokenizer:
         return "".join(out)
 
 
-def folder_fingerprint(folder: str | os.PathLike) -> str | None:
-    """The fingerprint of the tokenizer a model folder ships, or None when it has no usable one
-    (what tools/convert_hf_to_mcore.py records beside the converted weights)."""
+def folder_fingerprint(folder: str | os.PathLike) -> tuple[str | None, str | None]:
+    """(the fingerprint of the tokenizer a model folder ships, None) or, when it has no usable one,
+    (None, why): what tools/convert_hf_to_mcore.py records beside the converted weights. Any
+    failure to read it counts as unusable: `tokenizers` raises a bare Exception on a file it cannot
+    parse (a git-lfs pointer, a newer format)."""
     try:
-        return HfTokenizer(folder).fingerprint
-    except ValueError:
-        return None
+        return HfTokenizer(folder).fingerprint, None
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        return None, f"{type(e).__name__}: {e}"
 
 
 def make_tokenizer(choice: str, hf_dir: str | None):

@@ -35,6 +35,7 @@ from megatron_rl.trainer.batch import model_device
 from megatron_rl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    read_extra,
     read_rank0_tensors,
     resume_checkpoint,
     save_checkpoint,
@@ -376,8 +377,10 @@ def _start(ctx: RunContext, heldout) -> int:
             sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
             return start
     if cfg.train.init_checkpoint:
-        _check_tokenizer(ctx, cfg.train.init_checkpoint, load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model),
+        # refused before the weights are read: the record is in the host state's JSON
+        _check_tokenizer(ctx, cfg.train.init_checkpoint, read_extra(cfg.train.init_checkpoint, dist.get_rank()),
                          "train.init_checkpoint")
+        load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model)
         # bf16/fp16: the optimizer keeps fp32 master copies of the weights it was built with; a
         # fresh one starts from the loaded weights (else its first step would restore the old ones)
         ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)
@@ -421,7 +424,8 @@ def _check_tokenizer(ctx: RunContext, path: str, extra: dict, field: str) -> Non
     """Refuse (ValueError) checkpoint `path` when it was trained with other token ids than
     data.tokenizer gives now: the same setting can name changed files (an edited tokenizer.json, other
     end tokens), and the weights would then read other text. A checkpoint that records no tokenizer
-    (older, or converted from Hugging Face) is not checked; train.allow_config_change skips it."""
+    (older, or converted from a folder without a usable tokenizer) is not checked;
+    train.allow_config_change skips it."""
     saved = extra.get("tokenizer")
     if ctx.cfg.train.allow_config_change or saved is None or saved == ctx.tokenizer.fingerprint:
         return

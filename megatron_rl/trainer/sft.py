@@ -50,7 +50,8 @@ def sft_loss(n_tok: torch.Tensor, in_forward: bool) -> LossFn | TokenLocalLoss:
 
     if not in_forward:
         return values
-    return TokenLocalLoss(lambda mb: NllTerms(mb["loss_mask"].float() / n_tok.float()), values)
+    # a zero count divides by 1 (loss 0), as token_mean does
+    return TokenLocalLoss(lambda mb: NllTerms(mb["loss_mask"].float() / n_tok.float().clamp_min(1)), values)
 
 
 def run_sft(ctx, eval_examples, progress=None) -> dict:

@@ -69,10 +69,27 @@ def test_te_spec_maps_and_matches_hf(dtype):
         assert max_diff < 1e-2, (grouped, max_diff)
 
 
+def _load_converted_on_the_gpu(rank, world, path, arch_dict):
+    """The trainer's GPU model (its default spec: TE's where usable) loaded from a checkpoint the
+    converter wrote on the host, exported to HF names."""
+    from megatron_rl.model import BuildOptions, ModelArch, build_gpt_model
+    from megatron_rl.model.hf_io import export_hf_weights
+    from megatron_rl.trainer.checkpoint import load_checkpoint
+    from tests.mcore_setup import setup_parallel
+
+    groups = setup_parallel()
+    arch = ModelArch(**arch_dict)
+    model = build_gpt_model(arch, groups, BuildOptions(seed=9))
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    load_checkpoint(path, model)
+    return {k: v.cpu() for k, v in export_hf_weights(model, arch, groups)}
+
+
 def test_converter_runs_on_a_gpu_machine(tmp_path):
     """tools/convert_hf_to_mcore.py beside a GPU: HF -> mcore (a meta-device build, which megatron
-    would otherwise allocate on the GPU and fail to move) and back, bit for bit. It runs on the host,
-    with the GPUs hidden from it."""
+    would otherwise allocate on the GPU and fail to move) and back, bit for bit; and the trainer's
+    GPU model loads the host-written checkpoint exactly. The tool runs on the host, with the GPUs
+    hidden from it."""
     import os
     import subprocess
     import sys
@@ -89,3 +106,6 @@ def test_converter_runs_on_a_gpu_machine(tmp_path):
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     a, b = hf_tensors(src), hf_tensors(str(tmp_path / "back"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    [loaded] = run_ranks(_load_converted_on_the_gpu, world_size=1, timeout=600,
+                         path=str(tmp_path / "mcore" / "iter_0000000"), arch_dict=preset_arch("qwen3_moe", "tiny").to_dict())
+    assert loaded.keys() == a.keys() and all(torch.equal(loaded[k], a[k].to(loaded[k].dtype)) for k in a)

@@ -195,25 +195,45 @@ def test_config_refuses_hf_without_a_model_folder():
     assert RunConfig().data.tokenizer == "char"
 
 
+def _rewrite(folder, edit=lambda raw: None, pairs: bool = False):
+    """tokenizer.json re-saved as compact JSON (another library release or editor would), after
+    `edit`; pairs: merges written as ["a", "b"] pairs, as newer `tokenizers` releases write them."""
+    raw = json.loads((folder / "tokenizer.json").read_text())
+    edit(raw)
+    if pairs:
+        raw["model"]["merges"] = [m.split(" ") if isinstance(m, str) else m for m in raw["model"]["merges"]]
+    (folder / "tokenizer.json").write_text(json.dumps(raw, separators=(",", ":")))
+    return folder
+
+
 def test_fingerprint_names_the_token_ids(tmp_path):
-    """What a checkpoint records of its tokenizer: the same for the same files wherever they lie,
-    different when the vocabulary, the merges or an end token differ."""
+    """What a checkpoint records of its tokenizer: the same for the same content wherever it lies and
+    however the file is formatted, different when the vocabulary, the merges, the post-processor or
+    the end tokens differ."""
+    from megatron_rl.data.hf_tokenizer import folder_fingerprint
+
     base = HfTokenizer(write_tokenizer(tmp_path / "a")).fingerprint
     assert base.startswith("hf:") and HfTokenizer(write_tokenizer(tmp_path / "b")).fingerprint == base
+    assert HfTokenizer(_rewrite(write_tokenizer(tmp_path / "compact"))).fingerprint == base
+    assert HfTokenizer(_rewrite(write_tokenizer(tmp_path / "pairs"), pairs=True)).fingerprint == base
+
+    def drop_merge(raw):   # one merge fewer: other ids for some texts
+        raw["model"]["merges"] = raw["model"]["merges"][:-1]
+
+    assert HfTokenizer(_rewrite(write_tokenizer(tmp_path / "edit"), drop_merge)).fingerprint != base
     assert HfTokenizer(write_tokenizer(tmp_path / "bos", bos=True)).fingerprint != base   # another post-processor
     other_eos = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
     assert HfTokenizer(write_tokenizer(tmp_path / "eos", config=other_eos)).fingerprint != base
-    more_stops = HfTokenizer(write_tokenizer(tmp_path / "gen", generation={"eos_token_id": [2, 0]}))
-    assert more_stops.fingerprint != base
-    edited = write_tokenizer(tmp_path / "edit")
-    raw = json.loads((edited / "tokenizer.json").read_text())
-    raw["model"]["merges"] = raw["model"]["merges"][:-1]   # one merge fewer: other ids for some texts
-    (edited / "tokenizer.json").write_text(json.dumps(raw))
-    assert HfTokenizer(edited).fingerprint != base
+    stops = HfTokenizer(write_tokenizer(tmp_path / "gen", generation={"eos_token_id": [0, 1]})).fingerprint
+    assert stops != base   # more end tokens; their order does not matter
+    assert HfTokenizer(write_tokenizer(tmp_path / "gen2", generation={"eos_token_id": [1, 0]})).fingerprint == stops
     assert CharTokenizer().fingerprint == CharTokenizer().fingerprint and CharTokenizer().fingerprint.startswith("char:")
-    from megatron_rl.data.hf_tokenizer import folder_fingerprint
-
-    assert folder_fingerprint(tmp_path / "a") == base and folder_fingerprint(tmp_path / "nothing") is None
+    assert folder_fingerprint(tmp_path / "a") == (base, None)
+    assert folder_fingerprint(tmp_path / "nothing")[0] is None
+    (tmp_path / "lfs").mkdir()
+    (tmp_path / "lfs" / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\n")
+    fp, why = folder_fingerprint(tmp_path / "lfs")   # tokenizers raises a bare Exception on it
+    assert fp is None and why
 
 
 @pytest.mark.parametrize("case", ["plain", "flags", "llama_flags", "bos_post_processor", "flag_off_post_processor"])
