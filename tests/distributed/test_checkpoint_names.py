@@ -55,7 +55,8 @@ def test_converted_checkpoint_starts_the_trainer_with_the_hf_weights(tmp_path):
     src = random_hf_dir(preset_arch("qwen3_moe", "tiny"), root=str(tmp_path))
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
     proc = subprocess.run([sys.executable, "tools/convert_hf_to_mcore.py", "--hf-dir", src, "--mcore-dir",
-                           str(tmp_path / "mcore")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "mcore")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [(_, loaded)] = run_ranks(_policy_after_load, world_size=1, timeout=300, hf_dir=src,
                               run_dir=str(tmp_path / "run"), ckpt=str(tmp_path / "mcore" / "iter_0000000"))

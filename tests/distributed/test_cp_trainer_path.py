@@ -261,7 +261,13 @@ def _sft_worker(rank, world, forward_grads):
     from megatron_rl.parallel import ParallelConfig, init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.batch import build_batch, cp_shard, padded_length, row_multiple
-    from megatron_rl.trainer.passes import PassSettings, TokenLocalLoss, make_forward_step, micro_batches, reduce_dp
+    from megatron_rl.trainer.passes import (
+        PassSettings,
+        TokenLocalLoss,
+        make_forward_step,
+        micro_batches,
+        reduce_dp,
+    )
     from megatron_rl.trainer.sft import sft_loss
 
     apply_platform_workarounds()

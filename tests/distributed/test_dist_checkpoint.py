@@ -57,7 +57,8 @@ def test_roundtrip(tmp_path, save_layout, load_layout, arch):
     root = str(tmp_path / "ckpt")
     saved = run_ranks(_save, world_size=save_layout[0], timeout=180, root=root, sizes=save_layout[1], seed=1,
                       arch=arch)[0]
-    assert open(os.path.join(root, "latest")).read() == "iter_0000003"
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read() == "iter_0000003"
     assert not any(p.endswith(".tmp") for p in os.listdir(root))
     from megatron_rl.trainer.manifest import verify_manifest
 

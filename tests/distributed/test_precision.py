@@ -1,6 +1,7 @@
 """fp16 training through megatron's dynamic loss scaler: an injected gradient overflow skips the
 update (weights unchanged) and halves the scale, and training goes on; and fp16 tracks fp32 on a
 short run from the same weights and samples (fp32 engine in both, so the samples are identical)."""
+import itertools
 import json
 import math
 import os
@@ -68,7 +69,7 @@ def test_fp16_overflow_skips_the_update_and_halves_the_scale(tmp_path, hf_dir):
                                             f"model.hf_dir={hf_dir}"], overflow_at_step=2)
     assert [s["optim/skipped_steps"] for s in steps] == [0, 1, 0]
     assert [s["optim/loss_scale"] for s in steps] == [65536.0, 32768.0, 32768.0]
-    changed = [any(not torch.equal(a[k], b[k]) for k in a) for a, b in zip(snaps, snaps[1:])]
+    changed = [any(not torch.equal(a[k], b[k]) for k in a) for a, b in itertools.pairwise(snaps)]
     assert changed == [True, False, True]  # step 2 left the weights as they were
     assert all(math.isfinite(s["loss/policy"]) for s in steps)
 

@@ -69,7 +69,7 @@ def single(tmp_path_factory, hf_dir):
 
 
 def test_single_rank_updates_the_policy(single):
-    summary, weights, steps = single
+    _, _, steps = single
     assert len(steps) == 2
     assert steps[0]["loss/policy"] != 0.0 and steps[0]["optim/grad_norm"] > 0
     assert 0 <= steps[0]["mismatch/kl_k3"] < 1e-6  # fp32 engine vs fp32 trainer: same weights
@@ -83,10 +83,10 @@ def test_single_rank_updates_the_policy(single):
     ["--expert-model-parallel-size", "2"],
 ], ids=["tp2", "ep2"])
 def test_two_ranks_match_single_rank(single, hf_dir, layout, tmp_path):
-    ref_summary, ref_weights, ref_steps = single
+    _, ref_weights, ref_steps = single
     outs = run_ranks(_run, world_size=2, timeout=400, overrides=["train.steps=2", f"model.hf_dir={hf_dir}"] + layout,
                      run_dir=str(tmp_path))
-    summary, weights, steps = outs[0]
+    _, weights, steps = outs[0]
     # step 1 uses the same samples (same engine weights and seeds): same loss, grad norm, update
     for k in ("loss/policy", "optim/grad_norm", "rollout/reward_mean"):
         assert steps[0][k] == pytest.approx(ref_steps[0][k], rel=1e-4, abs=1e-6), k

@@ -62,10 +62,10 @@ def _to_map(idx, num_experts):
 
 def _child(rank, world, sizes, recompute=None, engine_routes=None):
     """recompute: None | "full" (whole layers) | "selective" (recompute_modules=["moe"])."""
+    from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
     from megatron_rl.model import BuildOptions, build_gpt_model, causal_mask
     from megatron_rl.model.hf_io import SafetensorsReader, load_hf_weights
     from megatron_rl.model.presets import preset_arch
-    from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
     from megatron_rl.moe import (
         RolloutRouting,
         RouterReplayController,

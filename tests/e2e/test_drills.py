@@ -39,7 +39,7 @@ def cmd(run_dir, *overrides):
 
 def run(run_dir, *overrides) -> subprocess.CompletedProcess:
     return subprocess.run(cmd(run_dir, *overrides), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S)
+                          timeout=HANG_GUARD_S, check=False)
 
 
 def ok(proc):
@@ -240,7 +240,7 @@ def test_6_7_sigkill_mid_save_leaves_no_process_and_no_duplicate_rows(tmp_path):
         caught = None
         for k in range(2, 40):  # freeze it inside the save of step k (tmp dir present, not yet published)
             tmp, final = r / "checkpoints" / f"iter_{k:07d}.tmp", r / "checkpoints" / f"iter_{k:07d}"
-            wait_for(lambda: tmp.exists() or final.exists(), f"the save of step {k}")
+            wait_for(lambda tmp=tmp, final=final: tmp.exists() or final.exists(), f"the save of step {k}")
             os.kill(proc.pid, signal.SIGSTOP)
             if not final.exists():
                 caught = k
@@ -274,7 +274,7 @@ def test_6_sigterm_finishes_the_step_saves_and_reaps(tmp_path):
     wait_for(lambda: (r / "metrics.jsonl").exists() and metric_steps(r), "the first step")
     children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=HANG_GUARD_S)
+    _, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "stopped by SIGTERM after step" in err and "rerun with train.resume=true" in err
     wait_gone(children)
@@ -303,7 +303,7 @@ def test_8_expert_parallelism_of_a_dense_model_is_refused_at_start_up(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.run(launcher + cmd(tmp_path / "R", "train.steps=1", "model.arch=qwen3",
                                          "--expert-model-parallel-size", "2")[1:],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_GUARD_S)
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
     assert proc.returncode != 0 and "splits experts, and model qwen3 has none" in proc.stderr, proc.stderr[-2000:]
 
 

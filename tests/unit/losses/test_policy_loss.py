@@ -9,8 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_rl.config.schema import LossSection
-from megatron_rl.losses.setup import resolve_loss
-from megatron_rl.metrics.reduce import finish as finish_metrics
 from megatron_rl.losses import (
     GlobalCounts,
     PolicyBatch,
@@ -23,6 +21,8 @@ from megatron_rl.losses import (
     local_counts,
     p3o_ess_stats,
 )
+from megatron_rl.losses.setup import resolve_loss
+from megatron_rl.metrics.reduce import finish as finish_metrics
 
 from . import reference as ref
 from .batches import as_lists, assert_close, make_arrays, seeds, to_batch

@@ -16,7 +16,7 @@ def _step(step, counts, absd, k3):
 def test_merge_is_count_weighted():
     a = _step(1, [1, 0, 0, 0, 0, 0, 3], [0.5] * 7, [0.2] * 7)
     b = _step(2, [3, 0, 0, 0, 0, 0, 1], [0.1] * 7, [0.0] * 7)
-    rows = dict((r[0], r[1:]) for r in merge_bucket_rows([a, b]))
+    rows = {r[0]: r[1:] for r in merge_bucket_rows([a, b])}
     first, last = bucket_labels()[0], bucket_labels()[-1]
     assert rows[first] == (4, (0.5 + 3 * 0.1) / 4, 0.2 / 4)
     assert rows[last] == (4, (3 * 0.5 + 0.1) / 4, 3 * 0.2 / 4)

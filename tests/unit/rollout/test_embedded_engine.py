@@ -152,9 +152,9 @@ def test_fp32_lm_head_matches_the_trainers_fp32_head_kernel(moe_checkpoint):
         body = engine.model.model
         real = body.forward
 
-        def capture(*args, _real=real, **kwargs):
+        def capture(*args, _real=real, _keep=fp32_head, **kwargs):
             out = _real(*args, **kwargs)
-            if fp32_head:
+            if _keep:
                 hidden.append(out.last_hidden_state[:, -1])
             return out
 

@@ -2,6 +2,7 @@
 start-up writability and space checks (single process; the collectives degrade to local)."""
 import json
 import os
+import pathlib
 import shutil
 import time
 from collections import namedtuple
@@ -32,17 +33,18 @@ def _point_latest(root, path):
 def test_manifest_detects_a_flipped_bit_a_missing_and_an_extra_file(tmp_path):
     path = _fake_checkpoint(str(tmp_path), 1, "a", 1.0)
     assert verify_manifest(path) == []
-    data = bytearray(open(os.path.join(path, "__0_0.distcp"), "rb").read())
+    shard = pathlib.Path(path, "__0_0.distcp")
+    data = bytearray(shard.read_bytes())
     data[10] ^= 0x01
-    open(os.path.join(path, "__0_0.distcp"), "wb").write(bytes(data))
+    shard.write_bytes(bytes(data))
     [problem] = verify_manifest(path)
     assert "__0_0.distcp does not match its sha256" in problem
     os.remove(os.path.join(path, "extra", "rank_00000.json"))
-    open(os.path.join(path, "stray.bin"), "wb").write(b"x")
+    pathlib.Path(path, "stray.bin").write_bytes(b"x")
     problems = verify_manifest(path)
     assert any("rank_00000.json is missing" in p for p in problems)
     assert any("stray.bin is not in the manifest" in p for p in problems)
-    open(os.path.join(path, "manifest.json"), "w").write("{trunc")
+    pathlib.Path(path, "manifest.json").write_text("{trunc")
     assert "is damaged" in verify_manifest(path)[0]
 
 
