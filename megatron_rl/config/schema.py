@@ -409,8 +409,8 @@ class PrecisionSection:
     recipe: a named preset that fills in model.dtype, rollout.dtype and the fields below (the
         config's own values win): fp32, bf16, fp16, bf16_fp32head, fp16_fp32head, fp8_rollout
         (vLLM on a GPU), te_fp8 (Transformer Engine on CUDA). null (default): as given.
-    fp32_lm_head: the output projection and its softmax in fp32 in the trainer's log-prob kernel
-        and the embedded engine's LM head.
+    fp32_lm_head: the output projection and its softmax in fp32 in the embedded engine's LM head
+        (the trainer's log-prob kernel computes them in fp32 in every recipe).
     fp8: Transformer Engine FP8 training format, "e4m3" | "hybrid" (null: off); fp8_recipe:
         megatron-core's scaling recipe, "tensorwise" | "delayed" | "blockwise" | "mxfp8".
     """

@@ -11,10 +11,10 @@ as they are given. What each setting does:
     model.dtype              the trainer's parameters and compute (bf16/fp16 keep fp32 master
                              weights; fp16 uses megatron's dynamic loss scaling, optim.*loss_scale*)
     rollout.dtype            the rollout engine's weights and compute
-    precision.fp32_lm_head   the output projection and its softmax in fp32 on both sides: the
-                             trainer's log-prob kernel and the embedded engine's LM head (the
-                             hidden state is upcast; weights are kept / cast to fp32). vLLM has no
-                             such option and is refused.
+    precision.fp32_lm_head   the output projection and its softmax in fp32 in the embedded
+                             engine's LM head (the hidden state and the head weight upcast), as the
+                             trainer's log-prob kernel computes them in every recipe (fp32 logits
+                             from the model's own values). vLLM has no such option and is refused.
     rollout.vllm.quantization  "fp8": FP8 weights in the vLLM server (GPU only)
     precision.fp8, precision.fp8_recipe   FP8 training through Transformer Engine (megatron-core's
                              TransformerConfig.fp8 / fp8_recipe; GPU with TE only)

@@ -36,14 +36,14 @@ from megatron_rl.trainer.stack import forward_backward
 class PassSettings:
     """temperature: the rollout's sampling temperature (log π of the same distribution).
     chunk_size: tokens per chunk of the fused log-prob kernel (None = auto).
-    fp32_head: the output projection and softmax in fp32 (precision.fp32_lm_head): the hidden
-        states and the head weight are upcast before the kernel, which then computes in fp32;
-        their gradients flow back in the model's dtype."""
+
+    No precision setting: the kernel computes the logits, softmax and entropy in fp32 from the
+    model's hidden states and head weight whatever their dtype (exact products, fp32 sums), which
+    is what precision.fp32_lm_head asks of an LM head; that setting changes the engine only."""
 
     micro_batch_size: int
     temperature: float = 1.0
     chunk_size: int | None = None
-    fp32_head: bool = False
 
 
 LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
@@ -99,8 +99,6 @@ def make_forward_step(groups: ParallelGroups, settings: PassSettings, loss_fn: L
 
         def loss_func(h):
             weight = head_weight(model)
-            if settings.fp32_head:
-                h, weight = h.float(), weight.float()
             kw = {"tp_group": groups.tp_group, "chunk_size": settings.chunk_size, "compute_entropy": need_entropy,
                   "temperature": settings.temperature, "kept_ids": kept.transpose(0, 1) if kept is not None else None}
             if isinstance(loss_fn, TokenLocalLoss):

@@ -105,8 +105,7 @@ def make_batch(ctx, rollout: Rollout) -> StepBatch:
         full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
     rows = local_rows(full.size, cfg.train.num_minibatches, groups.dp_size, dist.get_rank(groups.dp_group))
     local = cp_shard(full.select(rows), groups.cp_group).to(model_device())
-    settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
-                            fp32_head=cfg.precision.fp32_lm_head)
+    settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
     return StepBatch(local, rows, adv, zero_var, settings, seq_ops(groups),
                      staleness(local.versions, ctx.policy_version).to(local.loss_mask.device))
 

@@ -68,7 +68,7 @@ def run_sft(ctx, eval_examples, progress=None) -> dict:
         group["lr"] = sft.lr
     dp, dp_rank = groups.dp_size, dist.get_rank(groups.dp_group)
     mbs = min(cfg.train.micro_batch_size, sft.batch_size // dp)
-    settings = PassSettings(micro_batch_size=mbs, fp32_head=cfg.precision.fp32_lm_head)
+    settings = PassSettings(micro_batch_size=mbs)
     history, acc, t0 = [], 0.0, time.perf_counter()
     step = 0
     for step in range(1, sft.steps + 1):

@@ -141,8 +141,9 @@ def test_dense_engine_and_close(dense_checkpoint):
 
 def test_fp32_lm_head_matches_the_trainers_fp32_head_kernel(moe_checkpoint):
     """precision.fp32_lm_head: a bf16 engine's log-probs come from an fp32 projection and softmax of
-    its last hidden state; the trainer's kernel given the same hidden state and head weight (upcast)
-    gives the same numbers to fp32 rounding. A bf16 head is 100x further off."""
+    its last hidden state; the trainer's kernel given the same bf16 hidden state and head weight, as
+    the trainer passes them, gives the same numbers to fp32 rounding (and bitwise what it gives on
+    inputs upcast first: its logits are fp32 either way). A bf16 head is 100x further off."""
     from megatron_rl.logprobs import token_logprobs_and_entropy
 
     hidden = []
@@ -163,7 +164,11 @@ def test_fp32_lm_head_matches_the_trainers_fp32_head_kernel(moe_checkpoint):
         weight = engine.model.get_output_embeddings().weight
     [[sample]] = outs[True]
     h = torch.cat(hidden[: len(sample.response_ids)])  # one decoding step per response token
-    kernel = token_logprobs_and_entropy(h.float(), weight.float(), sample.response_ids, compute_entropy=False)
+    assert h.dtype == torch.bfloat16
+    weight = weight.bfloat16()   # the model's head weight (the engine's fp32 copy is its exact upcast)
+    kernel = token_logprobs_and_entropy(h, weight, sample.response_ids, compute_entropy=False)
+    upcast = token_logprobs_and_entropy(h.float(), weight.float(), sample.response_ids, compute_entropy=False)
+    assert torch.equal(kernel.logprobs, upcast.logprobs)
     torch.testing.assert_close(sample.rollout_logprobs, kernel.logprobs, rtol=0, atol=2e-6)
     [[bf16_head]] = outs[False]
     n = min(len(bf16_head.response_ids), len(sample.response_ids))
