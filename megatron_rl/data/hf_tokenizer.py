@@ -51,15 +51,15 @@ def _read_json(path: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _canonical(tok) -> str:
-    """The tokenizer as `tokenizers` understands it, in one spelling: what decides the ids of every
-    text, not how the file was formatted (pretty or compact JSON, merges as "a b" strings or as
-    pairs, as releases of the library write them), so re-saving a folder keeps its fingerprint."""
-    data = json.loads(tok.to_str())
-    data.pop("version", None)
-    merges = data.get("model", {}).get("merges")
-    if isinstance(merges, list):
-        data["model"]["merges"] = [m if isinstance(m, str) else " ".join(m) for m in merges]
+def _canonical(spec: dict) -> str:
+    """The tokenizer as `tokenizers` understands it (`spec`: its `to_str()` parsed, not modified), in
+    one spelling: what decides the ids of every text, not how the file was formatted (pretty or
+    compact JSON, merges as "a b" strings or as pairs, as releases of the library write them), so
+    re-saving a folder keeps its fingerprint."""
+    data = {k: v for k, v in spec.items() if k != "version"}
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("merges"), list):
+        data["model"] = {**model, "merges": [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]}
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -124,14 +124,15 @@ class HfTokenizer:
         added = self._tok.get_added_tokens_decoder()
         self._special_ids = {i for i, t in added.items() if t.special}
         self._special_text = [t.content for t in added.values() if t.special]
-        model = json.loads(self._tok.to_str())["model"]   # BPE/WordLevel/WordPiece name it, Unigram numbers it
+        spec = json.loads(self._tok.to_str())   # what the library parsed: one source for unk and fingerprint
+        model = spec["model"]   # BPE/WordLevel/WordPiece name the unk token, Unigram numbers it
         unk = model.get("unk_id") if model.get("type") == "Unigram" else model.get("unk_token")
         self._unk_id = self._tok.token_to_id(unk) if isinstance(unk, str) else unk
         self._prefix = _added_prefix(self._tok)
         self.prompt_overhead = len(self._tok.encode("", add_special_tokens=True).ids)
         if self.bos_id is None and self._prefix and self._prefix[0] in self._special_ids:
             self.bos_id = self._prefix[0]   # the post-processor's leading token (Llama 3's begin-of-text)
-        self.fingerprint = fingerprint("hf", _canonical(self._tok).encode(), json.dumps(
+        self.fingerprint = fingerprint("hf", _canonical(spec).encode(), json.dumps(
             [self.eos_id, self.pad_id, self.bos_id, sorted(self.stop_ids)]).encode())
 
     def _ids(self, text: str, added: bool) -> list[int]:
