@@ -218,7 +218,8 @@ class LossSection:
     surrogate / surrogate_params: e.g. "ppo_clip", {eps_low: 0.2, eps_high: 0.28}.
     corrections: list of {name: ..., <params>} applied in order (e.g. [{name: tis_token, C: 2}]).
     aggregation / aggregation_params: "token_mean" | "seq_mean_token_mean" | "token_sum_norm".
-    advantages: "grpo" | "mean_centered" | "rloo".
+    advantages / advantage_params: "grpo" | "mean_centered" | "rloo"; e.g. {eps: 1e-6}, grpo's
+        A = (R − mean) / (std + eps).
     filter_zero_variance_groups: drop groups whose rewards are all equal (DAPO dynamic sampling).
     keep_sampling_mask: with top-p/top-k sampling, the engine reports the kept token set and its
         renormalised log-probs, and the trainer renormalises π over the same set (DeepSeek-V3.2).
@@ -246,6 +247,7 @@ class LossSection:
     aggregation: str | None = None
     aggregation_params: dict = field(default_factory=dict)
     advantages: str | None = None
+    advantage_params: dict = field(default_factory=dict)
     filter_zero_variance_groups: bool = False
     keep_sampling_mask: bool = False
     ratio_reference: str = "old"

@@ -1,6 +1,9 @@
 """Group advantages from scalar rewards: `rewards [n_groups, G] -> advantages [n_groups, G]`.
 
-Each response's advantage is later broadcast to its tokens. Computed in fp32.
+Each response's advantage is later broadcast to its tokens. Computed in float64 and returned in
+fp32. A group whose rewards are all equal gets exactly A = 0 from every estimator (written, not
+left to rounding: in fp32, eight rewards of 0.7 have a mean 1 ulp off and a std of 0, which made
+grpo's A = ulp/eps = 0.06 for every response, a gradient from a group that carries no signal).
 
     grpo           A_i = (R_i − mean(R)) / (std(R) + eps)     population std (divide by G)
     mean_centered  A_i = R_i − mean(R)                          (MiniRL, Dr.GRPO)
@@ -24,23 +27,30 @@ get_advantage = ADVANTAGES.get
 def _check(rewards: Tensor) -> Tensor:
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [n_groups, G], got shape {tuple(rewards.shape)}")
-    return rewards.float()
+    return rewards.double()
 
 
-@register_advantage("grpo")
+def _finish(r: Tensor, adv: Tensor) -> Tensor:
+    """`adv` with the rows of all-equal groups set to exactly 0, in fp32."""
+    equal = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+    return torch.where(equal, 0.0, adv).float()
+
+
+@register_advantage("grpo", limits={"eps": {"lo": 0}})
 def grpo(rewards: Tensor, *, eps: float = 1e-6) -> Tensor:
-    """A_i = (R_i − mean_j R_j) / (std_j R_j + eps), population std.  rewards [n, G] -> [n, G]."""
+    """A_i = (R_i − mean_j R_j) / (std_j R_j + eps), population std.  rewards [n, G] -> [n, G].
+    eps (loss.advantage_params.eps) keeps a group with a tiny spread from being blown up."""
     r = _check(rewards)
     centered = r - r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, keepdim=True, unbiased=False)
-    return centered / (std + eps)
+    return _finish(r, centered / (std + eps))
 
 
 @register_advantage("mean_centered")
 def mean_centered(rewards: Tensor) -> Tensor:
     """A_i = R_i − mean_j R_j.  rewards [n, G] -> [n, G]."""
     r = _check(rewards)
-    return r - r.mean(dim=1, keepdim=True)
+    return _finish(r, r - r.mean(dim=1, keepdim=True))
 
 
 @register_advantage("rloo")
@@ -49,8 +59,8 @@ def rloo(rewards: Tensor) -> Tensor:
     r = _check(rewards)
     G = r.shape[1]
     if G < 2:
-        return torch.zeros_like(r)
-    return r - (r.sum(dim=1, keepdim=True) - r) / (G - 1)
+        return torch.zeros_like(r).float()
+    return _finish(r, r - (r.sum(dim=1, keepdim=True) - r) / (G - 1))
 
 
 def zero_variance_groups(rewards: Tensor, *, atol: float = 0.0) -> Tensor:

@@ -38,6 +38,7 @@ class ResolvedLoss:
     counts: tuple[str, ...] = field(default=())
     step_statistics: dict = field(default_factory=dict)  # surrogate parameter -> STEP_STATISTICS name
     gradients_in_forward: bool = False  # loss.head_gradients resolved: losses/token_local.py
+    advantage_params: dict = field(default_factory=dict)  # the estimator's keyword parameters
 
     def loss_kwargs(self) -> dict[str, Any]:
         return dict(surrogate=self.surrogate, surrogate_params=dict(self.surrogate_params),
@@ -136,7 +137,8 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
         agg_params.setdefault("l_norm", float(max_response_len))
     _check("loss.aggregation_params", AGGREGATIONS.get(aggregation).fn, AGGREGATIONS.info(aggregation), agg_params)
     advantages = section.advantages or (recipe.advantage if recipe else "grpo")
-    ADVANTAGES.get(advantages)
+    _check("loss.advantage_params", ADVANTAGES.get(advantages), ADVANTAGES.info(advantages),
+           section.advantage_params or {})
     allowed = declared.get("aggregations")
     if allowed is not None and aggregation not in allowed:
         raise ValueError(f"loss: {surrogate} allows loss.aggregation in {list(allowed)} ({declared.get('why', '')}); "
@@ -147,4 +149,5 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
                          f"loss.head_gradients=auto (or recompute)")
     return ResolvedLoss(surrogate, params, corrections, aggregation, agg_params, advantages,
                         section.filter_zero_variance_groups, required_counts(aggregation), step_statistics,
-                        gradients_in_forward=section.head_gradients != "recompute" and blocker is None)
+                        gradients_in_forward=section.head_gradients != "recompute" and blocker is None,
+                        advantage_params=dict(section.advantage_params or {}))

@@ -145,9 +145,9 @@ def _gspo_metrics(batch: PolicyBatch, s: Tensor, n: Tensor, adv_seq: Tensor, eps
     return metrics
 
 
-@register_surrogate("gspo", limits=CLIP_LIMITS,
-                    aggregations=("seq_mean_token_mean", "token_sum_norm", "seq_mean_token_sum"),
-                    why="a sequence-level objective: one ratio per response")
+@register_surrogate("gspo", limits=CLIP_LIMITS, aggregations=("seq_mean_token_mean",),
+                    why="a sequence-level objective aggregated per sequence: its per_token repeats ℓ_i on "
+                        "every token, so a token sum would weight each response by its length")
 def gspo(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -> SurrogateOut:
     """GSPO (sequence level). s_i = exp((1/|y_i|) Σ_t m (log π_θ − log π_old)) (has gradient),
     ℓ_i = −min(s_i A_i, clip(s_i, 1−ε_low, 1+ε_high) A_i).

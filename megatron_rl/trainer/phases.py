@@ -97,7 +97,7 @@ def make_batch(ctx, rollout: Rollout) -> StepBatch:
     """Group advantages, then this rank's rows of the padded training batch (DP rows, CP shard)."""
     cfg, groups = ctx.cfg, ctx.groups
     adv, keep_rows, zero_var = group_advantages(rollout.rewards, cfg.rollout.group_size, ctx.loss.advantages,
-                                                ctx.loss.filter_zero_variance_groups)
+                                                ctx.loss.filter_zero_variance_groups, ctx.loss.advantage_params)
     seq_len = padded_length(rollout.samples, row_multiple(groups.config.tp, groups.config.cp))
     full = build_batch(rollout.samples, rollout.rewards.tolist(), ctx.tokenizer.pad_id, seq_len,
                        with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
@@ -201,10 +201,12 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
 # ----------------------------------------------------------------------------- helpers
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, filter_zero_var: bool):
-    """Per-sample advantages [B*G] from rewards [B*G] (contiguous groups), and the kept-row mask."""
+def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, filter_zero_var: bool,
+                     params: dict | None = None):
+    """Per-sample advantages [B*G] from rewards [B*G] (contiguous groups), and the kept-row mask.
+    params: the estimator's keyword parameters (loss.advantage_params)."""
     r = rewards.view(-1, group_size)
-    adv = get_advantage(estimator)(r).reshape(-1)
+    adv = get_advantage(estimator)(r, **(params or {})).reshape(-1)
     zero_var = zero_variance_groups(r)
     keep = (~zero_var).repeat_interleave(group_size) if filter_zero_var else torch.ones_like(adv, dtype=torch.bool)
     return adv, keep, zero_var

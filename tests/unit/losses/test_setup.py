@@ -1,6 +1,7 @@
 """resolve_loss checks parameter values against the ranges each surrogate, correction and
 aggregation declares where it registers: at start-up, naming the field and the range."""
 import pytest
+import torch
 
 from megatron_rl.config import LossSection
 from megatron_rl.losses import AGGREGATIONS, CORRECTIONS, RECIPES, SURROGATES
@@ -71,3 +72,28 @@ def test_valid_values_and_every_default_pass():
     resolve_loss(LossSection(corrections=[{"name": "mis_token", "C": 1}, {"name": "icepop", "alpha": 2, "beta": 2},
                                           {"name": "kpop", "phi": 0}]), 8)
     assert "limits" in SURROGATES.info("ppo_clip") and "limits" in AGGREGATIONS.info("token_sum_norm")
+
+
+def test_advantage_params_reach_the_estimator_and_are_checked():
+    """loss.advantage_params sets grpo's eps (the spec leaves it open); names and ranges are checked
+    as the surrogate's are, at start-up."""
+    from megatron_rl.trainer.phases import group_advantages
+
+    r = resolve_loss(LossSection(recipe="grpo", advantage_params={"eps": 0.5}), 8)
+    assert r.advantage_params == {"eps": 0.5}
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])   # mean 0.5, std 0.5
+    adv, _, _ = group_advantages(rewards, 4, r.advantages, False, r.advantage_params)
+    assert adv.tolist() == [0.5, -0.5, -0.5, 0.5]   # 0.5 / (0.5 + 0.5)
+    assert resolve_loss(LossSection(recipe="grpo"), 8).advantage_params == {}
+    with pytest.raises(ValueError, match=r"loss.advantage_params.eps=-1: must be a number >= 0"):
+        resolve_loss(LossSection(recipe="grpo", advantage_params={"eps": -1}), 8)
+    with pytest.raises(ValueError, match=r"loss.advantage_params.eps: not a parameter here; choose from \(none\)"):
+        resolve_loss(LossSection(recipe="minirl", advantage_params={"eps": 0.1}), 8)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "token_sum_norm", "seq_mean_token_sum"])
+def test_gspo_is_aggregated_per_sequence_only(aggregation):
+    """A token aggregation of gspo's per_token (ℓ_i on each of the response's tokens) weights each
+    response by its length; the spec aggregates ℓ_i per sequence."""
+    with pytest.raises(ValueError, match=r"gspo allows loss.aggregation in \['seq_mean_token_mean'\].*length"):
+        resolve_loss(LossSection(recipe="gspo", aggregation=aggregation), 8)
