@@ -6,7 +6,7 @@ after `accumulate` over micro-batches, `reduce_metrics` over ranks and `finish` 
 
     mismatch/kl_k3 = mean(exp(Δ) − Δ − 1)   mismatch/kl_k1 = mean(−Δ)   mismatch/abs_logprob_diff = mean|Δ|
     mismatch/prob_abs_diff = mean|π_old − μ|   mismatch/tokens   mismatch/entropy (mean H of π_old)
-    mismatch/{w,r,rho}/{mean,min,max,ess,seq_ess}
+    mismatch/{w,r,rho}/{mean,min,max,ess,seq_ess}   mismatch/{w,r,rho}/{p01,p99} (`ratio_quantiles`)
     mismatch/bucket/<lo>-<hi>/{count,abs_diff,kl_k3}   by μ_t (edges 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9 ->
         7 buckets, lower edge inclusive)
     mismatch/turn/{first,later}/{tokens,kl_k3,kl_k1,abs_logprob_diff}   (first assistant turn vs later)
@@ -14,20 +14,22 @@ after `accumulate` over micro-batches, `reduce_metrics` over ranks and `finish` 
         schedules: the rows generated s trainer versions ago; staleness_<lo>-<hi> for the ranges
         2-3, 4-7, ... of `staleness_buckets`)
 
-Quantiles do not reduce exactly: `ratio_quantiles` gives rank-local ones, which the trainer
-logs as the most extreme over ranks (`mismatch/w/p01/min`, `mismatch/w/p99/max`). Sequence
+Quantiles do not reduce like sums: `ratio_quantiles` finds them over all ranks' tokens at once
+(exactly, metrics/quantiles.py) and gives every rank the same value, under keys that the MIN / MAX
+reduction then leaves as they are (`mismatch/{w,r,rho}/p01/min`, `.../p99/max`). Sequence
 quantities go through SeqOps (CP-safe; a sequence counts once, on its CP owner rank).
 """
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from megatron_rl.losses.seqops import LOCAL, SeqOps
+from megatron_rl.metrics.quantiles import global_quantiles
 from megatron_rl.metrics.reduce import ess, ratio
 
 BUCKET_EDGES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9)
@@ -46,21 +48,24 @@ def bucket_labels(edges: Sequence[float] = BUCKET_EDGES) -> list[str]:
     return [f"{lo:g}-{hi:g}" for lo, hi in itertools.pairwise(bounds)]
 
 
-def ratio_quantiles(log_ratio: Tensor, mask: Tensor, qs: Sequence[float] = (0.01, 0.99)) -> list[Tensor]:
-    """Rank-local quantiles (linear interpolation) of x = exp(log_ratio) over m = 1; float64 0-dim each.
+QUANTILES: tuple[tuple[str, float, str], ...] = (("p01", 0.01, "min"), ("p99", 0.99, "max"))
 
-    Boolean indexing makes this one host sync; it is a logging-time helper, not loss code.
-    """
-    vals = torch.exp(log_ratio.detach().double()[mask.bool()]).sort().values
-    n = vals.numel()
-    if n == 0:
-        return [torch.zeros((), dtype=_F64, device=vals.device) for _ in qs]
-    out = []
-    for q in qs:
-        pos = q * (n - 1)
-        lo, hi = math.floor(pos), math.ceil(pos)
-        out.append(vals[lo] + (vals[hi] - vals[lo]) * (pos - lo))
-    return out
+
+def valid_log_ratio(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
+    """float64 [n]: a − b at the tokens with m = 1 (boolean indexing: one host sync; logging code)."""
+    return (a.detach().double() - b.detach().double())[mask.bool()]
+
+
+def ratio_quantiles(log_ratios: Mapping[str, Tensor], group=None) -> dict[str, Tensor]:
+    """{name: this rank's valid log-ratios [n]} -> {"mismatch/<name>/p01/min": Q, "mismatch/<name>/p99/max": Q}:
+    the quantiles (linear interpolation) of x = exp(clamp(log ratio, ±300)) over the values of all
+    ranks of `group` together, float64 0-dim, the same on every rank; 0 where no rank has a value.
+    Every rank of `group` must call it with the same names."""
+    names = sorted(log_ratios)
+    found = global_quantiles([log_ratios[n] for n in names], [q for _, q, _ in QUANTILES], group,
+                             transform=lambda x: torch.exp(x.clamp(-_LOG_CLAMP, _LOG_CLAMP)))
+    return {f"mismatch/{name}/{label}/{op}": value for name, qs in zip(names, found, strict=True)
+            for (label, _, op), value in zip(QUANTILES, qs, strict=True)}
 
 
 def staleness_buckets(max_staleness: int) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ from megatron_rl.losses import (
     zero_variance_groups,
 )
 from megatron_rl.losses.token_local import TokenTerms
-from megatron_rl.metrics.mismatch import mismatch_sums, ratio_quantiles
+from megatron_rl.metrics.mismatch import mismatch_sums, ratio_quantiles, valid_log_ratio
 from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
 from megatron_rl.trainer.batch import (
     TrainBatch,
@@ -119,10 +119,8 @@ def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
         return OldPolicy(torch.zeros_like(local.rollout_logprobs), {})
     values = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy, seq=batch.seq,
                            staleness=batch.staleness, max_staleness=ctx.schedule.max_staleness)
-    lo, hi = ratio_quantiles(old - local.rollout_logprobs, local.loss_mask)  # quantiles do not reduce:
-    if not bool(local.loss_mask.any()):  # the most extreme rank's; a rank with no tokens has none
-        lo, hi = torch.full_like(lo, math.inf), torch.full_like(hi, -math.inf)
-    values["mismatch/w/p01/min"], values["mismatch/w/p99/max"] = lo, hi
+    w = valid_log_ratio(old, local.rollout_logprobs, local.loss_mask)
+    values.update(ratio_quantiles({"w": w}, ctx.groups.dp_cp_group))  # over all DP x CP ranks' tokens
     return OldPolicy(old, values)
 
 
@@ -135,10 +133,12 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     reference = local.rollout_logprobs if ctx.cfg.loss.ratio_reference == "rollout" else old.logprobs
     values: dict = {}
     grad_norms, skipped = [], 0
+    ratio_log: dict[str, list] = {"r": [], "rho": []}   # every update pass's valid log r and log ρ
     for slices in minibatch_slices(local.size, ctx.cfg.train.num_minibatches, mbs):
         counts = global_counts(local, slices, ctx.groups, batch.seq)
         loss_kw["surrogate_params"].update(step_parameters(ctx, batch, slices, reference))
-        loss_fn = policy_loss_fn(loss_kw, counts, reference, batch.seq, batch.staleness, ctx.schedule.max_staleness)
+        loss_fn = policy_loss_fn(loss_kw, counts, reference, batch.seq, batch.staleness, ctx.schedule.max_staleness,
+                                 ratio_log)
         if ctx.loss.gradients_in_forward:
             loss_fn = TokenLocalLoss(policy_token_terms(loss_kw, counts, reference, batch.seq), loss_fn)
         with ctx.replay.update(slices, mbs):
@@ -154,6 +154,9 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
                 f"the gradient norm is {grad_norms[-1]} under model.dtype={ctx.cfg.model.dtype} (no loss scaler to "
                 f"catch it), so this update is not kept: the run stops without saving it. Resume from the last "
                 f"checkpoint with a lower optim.lr, optim.clip_grad, or precision.recipe=fp16 (loss scaling)")
+    if ctx.groups.is_last_stage:  # the stage that computed log-probs; quantiles over all DP x CP ranks
+        values.update(ratio_quantiles({k: torch.cat(v) if v else torch.zeros(0, dtype=torch.float64)
+                                       for k, v in ratio_log.items()}, ctx.groups.dp_cp_group))
     scale = policy.optimizer.get_loss_scale() if ctx.cfg.model.dtype == "fp16" else None
     return Updates(values, grad_norms, skipped, None if scale is None else float(scale))
 
@@ -247,13 +250,16 @@ def step_parameters(ctx, batch: StepBatch, slices, old: torch.Tensor) -> dict:
 
 
 def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: SeqOps = LOCAL,
-                   staleness: torch.Tensor | None = None, max_staleness: int = 0):
+                   staleness: torch.Tensor | None = None, max_staleness: int = 0,
+                   ratio_log: dict[str, list] | None = None):
     """The update pass's loss_fn(micro_batch, logprobs, entropy) -> (loss, values).
 
     old: [N, L] log-probs the ratio r is taken against (π_old, or μ with loss.ratio_reference=rollout)
     for the rank's rows (indexed by the micro-batch's "rows"), in the same (CP-local) layout as the
     micro-batch; counts: the mini-batch's global normalisers;
-    staleness: [N] per row, for the ratio statistics split by staleness (max_staleness > 0).
+    staleness: [N] per row, for the ratio statistics split by staleness (max_staleness > 0);
+    ratio_log: {"r": [...], "rho": [...]} that each call appends its valid log r and log ρ to (float64
+    [n]), for the step's quantiles, which do not reduce like the values (metrics/quantiles.py).
     """
 
     def loss_fn(mb, logprobs, _entropy):
@@ -267,6 +273,9 @@ def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: 
                                logprobs=logprobs.detach(), seq=seq, staleness=stale,
                                max_staleness=max_staleness)  # r = π_θ/π_old, ρ = π_θ/μ
         values.update({k: v for k, v in ratios.items() if _is_update_ratio(k)})
+        if ratio_log is not None:
+            ratio_log["r"].append(valid_log_ratio(logprobs, batch.old_logprobs, batch.loss_mask))
+            ratio_log["rho"].append(valid_log_ratio(logprobs, batch.rollout_logprobs, batch.loss_mask))
         return loss, values
 
     return loss_fn

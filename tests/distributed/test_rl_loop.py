@@ -74,8 +74,10 @@ def test_single_rank_updates_the_policy(single):
     assert steps[0]["loss/policy"] != 0.0 and steps[0]["optim/grad_norm"] > 0
     assert 0 <= steps[0]["mismatch/kl_k3"] < 1e-6  # fp32 engine vs fp32 trainer: same weights
     for k in ("timing/generate", "timing/old_logprobs", "timing/train", "timing/weight_sync",
-              "rollout/reward_mean", "rollout/response_length", "mismatch/entropy"):
+              "rollout/reward_mean", "rollout/response_length", "mismatch/entropy", "mismatch/w/p01",
+              "mismatch/w/p99", "mismatch/r/p01", "mismatch/r/p99", "mismatch/rho/p01", "mismatch/rho/p99"):
         assert k in steps[0], k
+    assert steps[0]["mismatch/r/p01"] <= steps[0]["mismatch/r/p99"]
 
 
 @pytest.mark.parametrize("layout", [
@@ -88,7 +90,9 @@ def test_two_ranks_match_single_rank(single, hf_dir, layout, tmp_path):
                      run_dir=str(tmp_path))
     _, weights, steps = outs[0]
     # step 1 uses the same samples (same engine weights and seeds): same loss, grad norm, update
-    for k in ("loss/policy", "optim/grad_norm", "rollout/reward_mean"):
+    # the ratio quantiles are over all ranks' tokens (EP=2 here is DP=2), not the most extreme rank's
+    for k in ("loss/policy", "optim/grad_norm", "rollout/reward_mean", "mismatch/r/p01", "mismatch/r/p99",
+              "mismatch/rho/p01", "mismatch/rho/p99"):
         assert steps[0][k] == pytest.approx(ref_steps[0][k], rel=1e-4, abs=1e-6), k
     assert torch.equal(outs[0][1]["model.norm.weight"], outs[1][1]["model.norm.weight"])  # ranks agree
     assert weights.keys() == ref_weights.keys()

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from megatron_rl.losses.seqops import LOCAL, SeqOps
-from megatron_rl.metrics.mismatch import ratio_quantiles
+from megatron_rl.metrics.mismatch import ratio_quantiles, valid_log_ratio
 
 _F64 = torch.float64
 
@@ -74,7 +74,8 @@ def ratio_stats(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     m = mask.bool()
     lr = log_ratio.detach().double()
     x = torch.exp(torch.where(m, lr, 0.0))
-    p01, p99 = ratio_quantiles(log_ratio, m)
+    q = ratio_quantiles({"x": valid_log_ratio(log_ratio, torch.zeros_like(log_ratio), m)})
+    p01, p99 = q["mismatch/x/p01/min"], q["mismatch/x/p99/max"]
     empty = ~m.any()
     lo = torch.exp(torch.where(m, lr, math.inf).amin())
     hi = torch.exp(torch.where(m, lr, -math.inf).amax())
@@ -109,7 +110,8 @@ def mismatch_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tenso
     if logprobs is not None:
         ratios["r"] = _delta(logprobs, old_logprobs, m)
         ratios["rho"] = _delta(logprobs, rollout_logprobs, m)
-    for name, lr in ratios.items():
-        p01, p99 = ratio_quantiles(lr, m)
-        out[f"mismatch/{name}/p01"], out[f"mismatch/{name}/p99"] = float(p01), float(p99)
+    q = ratio_quantiles({name: lr[m] for name, lr in ratios.items()})
+    for name in ratios:
+        out[f"mismatch/{name}/p01"] = float(q[f"mismatch/{name}/p01/min"])
+        out[f"mismatch/{name}/p99"] = float(q[f"mismatch/{name}/p99/max"])
     return out
