@@ -115,12 +115,13 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         cfg.check_layout(int(os.environ.get("WORLD_SIZE", "1")))
+        if args.print_config:  # what the config says; the paths are this machine's business
+            print(json.dumps(config_to_dict(cfg), indent=2, default=str))
+            return 0
+        cfg.check_paths()
     except (ConfigError, ValueError, OSError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if args.print_config:
-        print(json.dumps(config_to_dict(cfg), indent=2, default=str))
-        return 0
     from megatron_rl.parallel import destroy_parallel, init_distributed, init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import run

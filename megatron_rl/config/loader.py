@@ -69,8 +69,12 @@ def _build(cls, data: dict, where: str):
             raise ConfigError(f"unknown config key {where + '.' if where else ''}{key}{hint}")
         default = hints[key].default_factory() if hints[key].default_factory is not dataclasses.MISSING else \
             hints[key].default
-        if dataclasses.is_dataclass(default) and isinstance(value, dict):
-            kwargs[key] = _build(type(default), value, f"{where}.{key}" if where else key)
+        path = f"{where}.{key}" if where else key
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}={value!r}: {path} is a section, not a value; set one of its fields "
+                                  f"({path}.<field>=..., e.g. {path}.{_field_names(type(default))[0]}=...)")
+            kwargs[key] = _build(type(default), value, path)
         else:
             kwargs[key] = _coerce(str(hints[key].type), value, f"{where}.{key}" if where else key)
     try:
@@ -130,7 +134,7 @@ def parse_overrides(args: list[str]) -> dict:
                 continue
             if i + 1 >= len(args):
                 raise ConfigError(f"{arg} needs a value")
-            _set(tree, MEGATRON_FLAGS[arg], yaml.safe_load(args[i + 1]))
+            _set(tree, MEGATRON_FLAGS[arg], _value(arg, args[i + 1]))
             i += 2
             continue
         key, sep, value = arg.lstrip("-").partition("=")
@@ -140,9 +144,26 @@ def parse_overrides(args: list[str]) -> dict:
             else:
                 raise ConfigError(f"cannot parse override {arg!r}; use section.field=value "
                                   f"(e.g. train.steps=10) or a Megatron flag ({', '.join(sorted(MEGATRON_FLAGS))})")
-        _set(tree, key.replace("-", "_"), yaml.safe_load(value))
+        _set(tree, key.replace("-", "_"), _value(key, value))
         i += 1
     return tree
+
+
+def _value(name: str, text: str) -> Any:
+    """An override's value read as YAML (so 3, 1.0e-6, true, null, [a, b] and {k: v} work)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}={text!r}: not a valid YAML value ({_yaml_problem(e)}); write it as YAML "
+                          f"and quote the whole override for the shell, e.g. 'loss.corrections=[{{name: tis_token, "
+                          f"C: 2}}]'") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What the YAML parser objects to, and where (line and column, 1-based)."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -186,7 +207,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             with open(path) as f:
                 data = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); check the line it names") from None
+            raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, rollout:, ...)")
     cli = parse_overrides(overrides or [])

@@ -9,10 +9,12 @@ Rules that need the world size (the batch layout over data-parallel ranks) are i
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field, fields
 
 from megatron_rl.config import checks
 from megatron_rl.model.arch import ARCHS, FAMILIES, ModelArch
+from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -64,6 +66,11 @@ class ModelSection:
                     f" (did you mean {near[0]}?)" if near else "")
                 raise ValueError(f"model.overrides.{key}: not a ModelArch field{hint}; choose from {', '.join(known)}")
         self.overrides = {key: _arch_override(key, value) for key, value in self.overrides.items()}
+        if self.hf_dir is None:  # the random-init shape, checked now rather than when the model is built
+            try:
+                preset_arch(self.arch, self.size, **self.overrides)
+            except KeyError as e:
+                raise ValueError(f"model.size={self.size!r}: {e.args[0]}") from None
 
 
 _ARCH_FIELDS = {f.name: f for f in fields(ModelArch)}
@@ -451,8 +458,8 @@ class MoESection:
 @dataclass
 class LogSection:
     """Where metrics go. tensorboard / jsonl: write under run_dir.
-    progress: tqdm bars; null (default) = bars only when stderr is a terminal (a log file gets
-        one line per step instead of carriage-return redraws).
+    progress: tqdm bars; null (default) = bars only when stdout and stderr are both terminals (a
+        log file, or `| tee`, gets one line per step instead of carriage-return redraws).
     figure_every: steps between TensorBoard figures of the mismatch-by-μ table (0 = never)."""
 
     tensorboard: bool = True
@@ -527,6 +534,23 @@ class RunConfig:
                              f"held-out set, which is empty because {empty_because}; set sft.target_accuracy=null "
                              f"to run all sft.steps={sft.steps}")
 
+    def check_paths(self) -> None:
+        """The files and folders the config names, as this machine sees them (the entry point calls
+        this at start-up; the config itself may be written elsewhere): raises naming the field."""
+        if self.data.jsonl is not None and not os.path.isfile(self.data.jsonl):
+            why = "is a directory" if os.path.isdir(self.data.jsonl) else "does not exist"
+            raise ValueError(f"data.jsonl={self.data.jsonl}: {why}; name a JSONL file of prompts (one "
+                             f'{{"prompt": ..., "label": ...}} per line)')
+        if self.model.hf_dir is not None and not os.path.isdir(self.model.hf_dir):
+            raise ValueError(f"model.hf_dir={self.model.hf_dir}: no such directory; name a Hugging Face model folder "
+                             f"(config.json, safetensors, tokenizer files)")
+        if self.train.init_checkpoint is not None and not os.path.isdir(self.train.init_checkpoint):
+            raise ValueError(f"train.init_checkpoint={self.train.init_checkpoint}: no such directory; name a "
+                             f"checkpoint folder (run_dir/checkpoints/iter_N, or the converter's output)")
+        if os.path.exists(self.train.run_dir) and not os.path.isdir(self.train.run_dir):
+            raise ValueError(f"train.run_dir={self.train.run_dir} is a file; choose a directory (it is created "
+                             f"if missing)")
+
     def check_layout(self, world_size: int) -> None:
         """The batch layout over `world_size` ranks: rows split evenly into mini-batches, DP ranks
         and micro-batches (megatron's schedules need equal micro-batches). Raises naming the sizes."""
@@ -535,6 +559,14 @@ class RunConfig:
         if world_size % model_ranks:
             raise ValueError(f"world size {world_size} is not a multiple of tensor x pipeline x context parallel "
                              f"sizes = {par.tp} x {par.pp} x {par.cp}; launch a multiple of {model_ranks} ranks")
+        expert_ranks = par.etp * par.ep * par.pp
+        if world_size % expert_ranks:
+            fix = ("set --expert-tensor-parallel-size 1 (expert-TP defaults to TP)"
+                   if par.etp > 1 and world_size % (par.ep * par.pp) == 0 else
+                   f"launch a multiple of {expert_ranks} ranks (torchrun --nproc_per_node) or lower "
+                   f"--expert-model-parallel-size")
+            raise ValueError(f"world size {world_size} is not a multiple of expert tensor x expert x pipeline "
+                             f"parallel sizes = {par.etp} x {par.ep} x {par.pp}; {fix}")
         dp = world_size // model_ranks
         n = self.rollout.prompts_per_step * self.rollout.group_size
         N, mbs = self.train.num_minibatches, self.train.micro_batch_size

@@ -165,8 +165,8 @@ def init_parallel(config: ParallelConfig, seed: int = 1234) -> ParallelGroups:
                          f"(TP={config.tp}, PP={config.pp}, CP={config.cp})")
     expert_parallel = config.etp * config.ep * config.pp
     if world % expert_parallel:
-        raise ValueError(f"world size {world} is not divisible by expert-TP*EP*PP = {expert_parallel}; "
-                         f"for TP=2 x EP=2 on 2 ranks set expert_tensor_parallel_size=1")
+        raise ValueError(f"world size {world} is not divisible by expert-TP*EP*PP = {expert_parallel} "
+                         f"(expert-TP={config.etp}, EP={config.ep}, PP={config.pp})")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -321,9 +321,10 @@ def _evaluate_both(ctx: RunContext, heldout) -> dict[str, float]:
 
 
 def show_progress(cfg: RunConfig) -> bool:
-    """tqdm bars on rank 0 when log.progress says so; by default only on a terminal, so a log
-    file gets plain step lines instead of thousands of carriage-return redraws."""
-    wanted = cfg.log.progress if cfg.log.progress is not None else sys.stderr.isatty()
+    """tqdm bars on rank 0 when log.progress says so; by default only when stdout and stderr are
+    both terminals: the bars go to stderr and replace the step lines on stdout, so `> log` or
+    `| tee log` with stderr still on a terminal would otherwise leave the log without them."""
+    wanted = cfg.log.progress if cfg.log.progress is not None else (sys.stderr.isatty() and sys.stdout.isatty())
     return wanted and dist.get_rank() == 0
 
 

@@ -67,6 +67,58 @@ def test_model_overrides_are_checked_by_field_type(override, msg):
 def test_model_overrides_written_as_yaml_text_become_numbers():
     """YAML reads 1e6 (no dot, no exponent sign) as a string; the float fields take it as the number."""
     overrides = "{rope_theta: 1e6, rms_norm_eps: 1e-5, num_experts: 0, rope_llama3_factor: 0, mlp_only_layers: [0]}"
-    cfg = load_config(None, [f"model.overrides={overrides}"])
+    cfg = load_config(None, ["model.arch=qwen3", f"model.overrides={overrides}"])   # dense: no experts
     assert cfg.model.overrides == {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_experts": 0,
                                    "rope_llama3_factor": 0, "mlp_only_layers": [0]}
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["loss.corrections=[{name: tis_token, C: 2}"],
+     (r"loss.corrections='\[\{name: tis_token, C: 2\}': not a valid YAML value \(expected ',' or '\]'.*line 1, "
+      r"column 25\); write it as YAML and quote the whole override")),
+    (["--lr", "[1"], r"--lr='\[1': not a valid YAML value"),
+    (["rollout=vllm"], r"rollout='vllm': rollout is a section, not a value; set one of its fields \(rollout.<field>="),
+    (["train=5"], r"train=5: train is a section, not a value"),
+    (["model.size=huge"], r"model.size='huge': unknown model size 'huge'; available: \[.*'tiny'"),
+    (["model.arch=llama", "model.size=qwen3-8b"], r"model.size=qwen3-8b is a qwen3 model, but model.arch=llama"),
+    (["model.overrides={num_attention_heads: 3}"], r"num_attention_heads \(3\) must be a multiple of"),
+    (["model.overrides={moe_topk: 8}"], r"moe_topk=8 must be in \[1, num_experts=4\]"),
+])
+def test_malformed_values_and_shapes_are_config_errors(overrides, msg):
+    """Each of these used to end in a traceback (a YAML parser error, an AttributeError deep in
+    the loop) or only when the model was built, with exit code 1 instead of 2."""
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, overrides)
+
+
+def test_invalid_yaml_file_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  arch: qwen3\n size: tiny\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML: expected <block end>.* at line 3, column 2"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("world,flags,msg", [
+    (1, ["--expert-model-parallel-size", "2"], r"world size 1 .* = 1 x 2 x 1; launch a multiple of 2 ranks"),
+    (2, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+     r"= 2 x 2 x 1; set --expert-tensor-parallel-size 1"),
+])
+def test_expert_layout_is_checked_before_the_process_groups(world, flags, msg):
+    with pytest.raises(ValueError, match=msg):
+        load_config(None, flags).check_layout(world)
+    load_config(None, flags + ["--expert-tensor-parallel-size", "1"]).check_layout(2)
+
+
+def test_paths_the_config_names_are_checked_at_startup(tmp_path):
+    a_file = tmp_path / "f.txt"
+    a_file.write_text("x")
+    cases = [(["data.jsonl=" + str(tmp_path / "nope.jsonl")], r"data.jsonl=.*nope.jsonl: does not exist"),
+             (["data.jsonl=" + str(tmp_path)], r"data.jsonl=.*: is a directory"),
+             (["model.hf_dir=" + str(tmp_path / "nope")], r"model.hf_dir=.*: no such directory"),
+             (["train.init_checkpoint=" + str(tmp_path / "nope")], r"train.init_checkpoint=.*: no such directory"),
+             (["train.run_dir=" + str(a_file)], r"train.run_dir=.*f.txt is a file; choose a directory")]
+    for overrides, msg in cases:
+        cfg = load_config(None, overrides + ["sft.target_accuracy=null"])
+        with pytest.raises(ValueError, match=msg):
+            cfg.check_paths()
+    load_config(None, [f"train.run_dir={tmp_path / 'new'}"]).check_paths()

@@ -38,3 +38,30 @@ def test_stop_before_any_save_does_not_name_a_checkpoint():
     ctx = SimpleNamespace(stop=SimpleNamespace(signum=signal.SIGTERM), cfg=SimpleNamespace(train=SimpleNamespace(steps=5)))
     assert str(_stopped(ctx, 0, None)).endswith("after step 0 of 5; nothing was saved: rerun to start over")
     assert "checkpoint /c; rerun with train.resume=true" in str(_stopped(ctx, 2, "/c"))
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_progress_bars_only_when_both_streams_are_terminals(monkeypatch):
+    """The bars (stderr) replace the step lines (stdout): with `> log` or `| tee log` and stderr
+    still on a terminal, bars would leave the log with no step lines."""
+    import sys
+
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer import loop
+
+    monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
+    cfg = load_config(None)
+    for out, err, want in ((True, True, True), (False, True, False), (True, False, False), (False, False, False)):
+        monkeypatch.setattr(sys, "stdout", _Stream(out))
+        monkeypatch.setattr(sys, "stderr", _Stream(err))
+        assert loop.show_progress(cfg) is want, (out, err)
+    assert loop.show_progress(load_config(None, ["log.progress=true"])) is True   # asked for: on a file too
+    monkeypatch.setattr(loop.dist, "get_rank", lambda: 1)
+    assert loop.show_progress(load_config(None, ["log.progress=true"])) is False  # rank 0 only
