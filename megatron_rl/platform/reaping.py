@@ -1,18 +1,29 @@
-"""The checkpoint writer's helper process dies with the trainer, even on SIGKILL.
+"""The checkpoint writer's helper processes die with the trainer, even on SIGKILL, and live
+through a SIGTERM sent to the whole job.
 
-megatron-core's filesystem writer (every `dist_checkpointing.save`) collects its results
-through a queue served by a `multiprocessing` Manager: a spawned Python process that imports
-torch (about 270 MB), created on the first save and kept for the life of the trainer. A
-trainer that exits normally shuts it down; one killed by SIGKILL, or by a SIGTERM nobody
-handles, leaves it running forever.
+megatron-core's filesystem writer (every `dist_checkpointing.save`) uses two kinds of process:
+
+- a queue for the write results, served by a `multiprocessing` Manager: a spawned Python process
+  that imports torch (about 270 MB), created on the first save and kept for the life of the
+  trainer. A trainer that exits normally shuts it down; one killed by SIGKILL, or by a SIGTERM
+  nobody handles, leaves it running forever. And SLURM (time limit, scancel, preemption),
+  systemd and `timeout` send SIGTERM to every process of the job: a Manager that died of it
+  broke the pipe of the save the trainer then makes to stop cleanly, losing every step since
+  the last periodic save.
+- writer workers forked for each save. A worker inherits the run directory's lock, and one
+  whose trainer was SIGKILLed mid-save waits forever on the dead trainer's queue, so the lock
+  was never released and every resume into the run directory was refused.
 
 `reaped_checkpoint_queue()` creates that queue before the first save, from a Manager whose
-server process asks the kernel to SIGKILL it when its parent dies (Linux PR_SET_PDEATHSIG; it
-exits at once if the parent is already gone), and hands it to megatron-core in place of its
-own. It touches the private module global `filesystem_async._results_queue`, whose one reader
-is `_get_write_results_queue()`. Should that global change, every save fails on it (the
-checkpoint tests), and drill 6+7 in `tests/e2e/test_drills.py` checks that a SIGKILLed
-trainer leaves no writer process.
+server process ignores SIGTERM and asks the kernel to SIGKILL it when its parent dies (Linux
+PR_SET_PDEATHSIG; it exits at once if the parent is already gone), and hands it to megatron-core
+in place of its own. It also registers a fork hook: every child this process forks from then on
+(the writer workers) gets the same death signal. Releasing the lock in forked children is
+`trainer/run_dir.py`'s part. This touches the private module global
+`filesystem_async._results_queue`, whose one reader is `_get_write_results_queue()`. Should that
+global change, every save fails on it (the checkpoint tests). Drills 6 and 7 in
+`tests/e2e/test_drills.py` check that a SIGKILLed trainer leaves no writer process and a free
+run directory, and that a SIGTERM to the process group still saves.
 """
 from __future__ import annotations
 
@@ -25,16 +36,32 @@ from multiprocessing.managers import SyncManager
 
 _MANAGER: SyncManager | None = None
 _PR_SET_PDEATHSIG = 1
+_forker = {"pid": 0}   # the pid of the process about to fork, read by the child
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs first in the Manager's server process."""
+def _kill_me_with_parent(parent_pid: int) -> None:
+    """SIGKILL from the kernel when the parent dies; exit now if it already has."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the normal exit path still shuts it down
         pass
     if os.getppid() != parent_pid:
         os._exit(0)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs first in the Manager's server process. SIGTERM is the job's stop signal: the trainer
+    handles it by saving, which needs this process alive (SIGINT the Manager already ignores)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _kill_me_with_parent(parent_pid)
+
+
+def _remember_forker() -> None:
+    _forker["pid"] = os.getpid()
+
+
+def _forked_child_dies_with_parent() -> None:
+    _kill_me_with_parent(_forker["pid"])
 
 
 def reaped_checkpoint_queue() -> None:
@@ -47,6 +74,8 @@ def reaped_checkpoint_queue() -> None:
         return
     if threading.current_thread() is not threading.main_thread():
         return
+    # megatron forks its writer workers from the thread that saves: the main one (see above)
+    os.register_at_fork(before=_remember_forker, after_in_child=_forked_child_dies_with_parent)
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()

@@ -48,6 +48,10 @@ def lock_run_dir(run_dir: str):
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
+    # A forked child (megatron's checkpoint writer) shares the open file and with it the lock,
+    # which lasts until every copy is closed: one that outlived a killed trainer held the run
+    # directory. Children close their copy at once (the lock stays the parent's).
+    os.register_at_fork(after_in_child=f.close)
     return f
 
 

@@ -284,6 +284,66 @@ def test_6_sigterm_finishes_the_step_saves_and_reaps(tmp_path):
     assert f"at step {saved}" in resumed.stdout
 
 
+def test_6_sigterm_to_the_whole_job_still_saves(tmp_path):
+    """SLURM (time limit, scancel, preemption), systemd and `timeout` signal every process of the
+    job. megatron's checkpoint-writer helper, made at the first save, died of it and the stop-save
+    then failed on a broken pipe: every step since the last periodic save was lost."""
+    r = tmp_path / "R"
+    proc = subprocess.Popen(cmd(r, "train.steps=200", "train.save_every=2"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: (r / "checkpoints" / "latest").exists(), "the first periodic save (the helper exists)")
+    helpers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM after step" in err and "Broken pipe" not in err
+    wait_gone(helpers)
+    saved = int((r / "checkpoints" / "latest").read_text().split("_")[1])
+    assert saved == metric_steps(r)[-1]
+
+
+def test_7_a_writer_of_a_killed_trainer_dies_and_frees_the_run_dir(tmp_path):
+    """megatron forks writer workers for each save. One whose trainer was SIGKILLed mid-save waited
+    forever on the dead trainer's queue, holding the run directory's lock (inherited at fork):
+    every resume was refused. Freeze a writer mid-save, kill the trainer: the writer must die with
+    it and the lock must be free the moment the trainer is gone."""
+    import fcntl
+
+    r = tmp_path / "R"
+    proc = subprocess.Popen(cmd(r, "train.steps=400", "train.save_every=1"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        trainer = psutil.Process(proc.pid)
+        me = trainer.cmdline()
+
+        def forked_writer():
+            for c in trainer.children():
+                try:
+                    if c.cmdline() == me:   # forked (same command line); the spawned helper differs
+                        c.suspend()
+                        return c
+                except psutil.NoSuchProcess:
+                    pass
+            return None
+
+        found = []
+        wait_for(lambda: found.append(forked_writer()) or found[-1] is not None, "a forked checkpoint writer")
+        writer = found[-1]
+        proc.kill()
+        proc.wait()
+        with open(r / ".lock", "a+") as f:   # free now: the frozen writer closed its copy at fork
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+        wait_gone([writer.pid])   # and it died with the trainer, frozen as it was
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in found:   # a failed check must not leave a frozen process behind
+            if w is not None and w.is_running():
+                w.kill()
+    ok(run(r, "train.steps=1", "train.resume=true", "train.allow_config_change=true"))
+
+
 # ---- 8: a model vocabulary the tokenizer lacks is refused at start-up
 def test_8_a_vocabulary_the_tokenizer_lacks_is_refused_at_start_up(tmp_path):
     """A model whose vocabulary is not the tokenizer's would sample ids no prompt or reward knows
