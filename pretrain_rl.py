@@ -81,13 +81,17 @@ def print_summary(summary: dict) -> None:
 
 def report_error(e: BaseException, rank: int, run_dir: str, debug: bool) -> None:
     """One line per failing rank on stderr; the traceback goes to run_dir/error-rank<r>.log (and to
-    stderr with --debug)."""
+    stderr with --debug), except when the run directory belongs to another live run: that run's
+    own error log must not be overwritten by a launch it refused."""
+    from megatron_rl.trainer.run_dir import RunDirInUse
+
     trace = "".join(traceback.format_exception(e))
-    log = os.path.join(run_dir, f"error-rank{rank}.log")
+    log = None if isinstance(e, RunDirInUse) else os.path.join(run_dir, f"error-rank{rank}.log")
     try:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(log, "w") as f:
-            f.write(trace)
+        if log is not None:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(log, "w") as f:
+                f.write(trace)
     except OSError:
         log = None
     if debug:

@@ -3,7 +3,9 @@
 Keys are namespaced (`rollout/reward_mean`, `mismatch/kl_k3`, `timing/generate`). Values are
 floats; anything else (tables) goes through `log_table` / `log_figure`. Each metrics.jsonl row is
 {"step", "time", "phase" ("sft" | "rl"), <metrics>}; `drop_rows_after(step)` removes the RL rows a
-resumed run is about to write again.
+resumed run is about to write again, and has TensorBoard hide the RL points of those steps that
+the interrupted run wrote (a purge step). The SFT warm start's events go to their own TensorBoard
+run, `tensorboard/sft`, so that purge, which hides every later step of its run, leaves them alone.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class MetricsSink:
         self.run_dir = run_dir
         self.stdout_keys = stdout_keys
         self._tb = None
+        self._tb_sft = None
         self._jsonl = None
         if not enabled:
             return
@@ -46,17 +49,33 @@ class MetricsSink:
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, "time": time.time(), "phase": phase, **clean}) + "\n")
-        if self._tb is not None:
+        tb = self._sft_writer() if phase == "sft" else self._tb
+        if tb is not None:
             for k, v in clean.items():
                 if math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+                    tb.add_scalar(k, v, step)
         if echo is not None:
             shown = " ".join(f"{k.split('/')[-1]}={clean[k]:.4g}" for k in self.stdout_keys if k in clean)
             print(f"{echo} {shown}", flush=True)
 
+    def _sft_writer(self):
+        if self._tb is not None and self._tb_sft is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb_sft = SummaryWriter(log_dir=os.path.join(self._tb.get_logdir(), "sft"))
+        return self._tb_sft
+
     def drop_rows_after(self, step: int) -> int:
-        """Rewrite metrics.jsonl without the RL rows of steps > `step` (a resume redoes them);
-        returns how many were dropped. The rewrite is atomic (temp file + rename)."""
+        """Rewrite metrics.jsonl without the RL rows of steps > `step` (a resume redoes them), and
+        reopen the RL events with purge step `step + 1`, so TensorBoard hides the interrupted run's
+        points of those steps instead of showing them beside the new ones. Returns how many rows were
+        dropped. The rewrite is atomic (temp file + rename)."""
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            log_dir = self._tb.get_logdir()
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
         if self._jsonl is None:
             return 0
         path = self._jsonl.name
@@ -82,6 +101,16 @@ class MetricsSink:
         self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the sink
         return dropped
 
+    def sync(self) -> None:
+        """metrics.jsonl and the events on disk (fsync): called before a checkpoint is published, so
+        the rows of the steps it holds survive a power loss (a resume never writes them again)."""
+        if self._jsonl is not None:
+            self._jsonl.flush()
+            os.fsync(self._jsonl.fileno())
+        for tb in (self._tb, self._tb_sft):
+            if tb is not None:
+                tb.flush()
+
     def log_figure(self, tag: str, figure, step: int) -> None:
         if self.enabled and self._tb is not None:
             self._tb.add_figure(tag, figure, step)
@@ -93,5 +122,6 @@ class MetricsSink:
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tb in (self._tb, self._tb_sft):
+            if tb is not None:
+                tb.close()

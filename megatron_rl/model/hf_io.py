@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_rl.fs import fsync_dir, fsync_tree
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.model.builder import unwrap_model
 from megatron_rl.model.mappings import Kind, Param, Scope, from_shards, mapping_for, to_local_shard
@@ -397,8 +398,10 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
         hf_config.save_pretrained(tmp)
         for src, dst in (extra_files or {}).items():
             shutil.copy(src, os.path.join(tmp, dst))
+        fsync_tree(tmp)  # on disk before it takes the name (and before --overwrite deletes the old one)
         try:
             os.replace(tmp, out_dir)  # onto nothing or an empty folder; a non-empty one fails, atomically
+            fsync_dir(parent)
             return
         except OSError:
             if not occupied():
@@ -410,6 +413,7 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
         os.replace(out_dir, old)
         try:
             os.replace(tmp, out_dir)
+            fsync_dir(parent)
         except BaseException:
             os.replace(old, out_dir)  # put it back: the caller keeps what it had
             os.rmdir(aside)

@@ -136,16 +136,20 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     Returns (rank, world_size). Idempotent.
     """
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        # a single process needs no agreed port: 0 lets the kernel pick a free one, so two runs on
-        # one machine never collide (torchrun sets MASTER_PORT for several processes)
-        os.environ.setdefault("MASTER_PORT", "0" if os.environ["WORLD_SIZE"] == "1" else "29500")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        if os.environ["WORLD_SIZE"] == "1":
+            # one process has no one to meet: an in-memory store, where a TCP store would listen on
+            # every interface, unauthenticated, for the whole run
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -17,9 +17,9 @@ megatron-core's filesystem writer (every `dist_checkpointing.save`) uses two kin
 `reaped_checkpoint_queue()` creates that queue before the first save, from a Manager whose
 server process ignores SIGTERM and asks the kernel to SIGKILL it when its parent dies (Linux
 PR_SET_PDEATHSIG; it exits at once if the parent is already gone), and hands it to megatron-core
-in place of its own. It also registers a fork hook: every child this process forks from then on
-(the writer workers) gets the same death signal. Releasing the lock in forked children is
-`trainer/run_dir.py`'s part. This touches the private module global
+in place of its own. `forked_children_die_with_this_process` gives every child the process forks
+from then on (the writer workers) the same death signal, and has it close the run directory's
+lock (`trainer/run_dir.py` registers it) right after. This touches the private module global
 `filesystem_async._results_queue`, whose one reader is `_get_write_results_queue()`. Should that
 global change, every save fails on it (the checkpoint tests). Drills 6 and 7 in
 `tests/e2e/test_drills.py` check that a SIGKILLed trainer leaves no writer process and a free
@@ -37,6 +37,7 @@ from multiprocessing.managers import SyncManager
 _MANAGER: SyncManager | None = None
 _PR_SET_PDEATHSIG = 1
 _forker = {"pid": 0}   # the pid of the process about to fork, read by the child
+_fork_hook = {"registered": False, "close": []}   # files a forked child closes at once
 
 
 def _kill_me_with_parent(parent_pid: int) -> None:
@@ -61,7 +62,20 @@ def _remember_forker() -> None:
 
 
 def _forked_child_dies_with_parent() -> None:
-    _kill_me_with_parent(_forker["pid"])
+    _kill_me_with_parent(_forker["pid"])   # first: a child that holds none of the files is also doomed
+    for f in _fork_hook["close"]:
+        f.close()
+
+
+def forked_children_die_with_this_process(*close) -> None:
+    """From now on, every child this process forks (os.fork, multiprocessing's fork: megatron's
+    checkpoint writer workers) is SIGKILLed by the kernel when its parent dies, and closes its
+    copies of the files `close` (such as the run directory's lock, which lasts until every copy
+    is closed) before anything else runs in it. Idempotent; each call adds its files."""
+    _fork_hook["close"].extend(close)
+    if not _fork_hook["registered"]:
+        os.register_at_fork(before=_remember_forker, after_in_child=_forked_child_dies_with_parent)
+        _fork_hook["registered"] = True
 
 
 def reaped_checkpoint_queue() -> None:
@@ -75,7 +89,7 @@ def reaped_checkpoint_queue() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     # megatron forks its writer workers from the thread that saves: the main one (see above)
-    os.register_at_fork(before=_remember_forker, after_in_child=_forked_child_dies_with_parent)
+    forked_children_die_with_this_process()
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()

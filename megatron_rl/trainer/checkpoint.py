@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_rl.fs import fsync_dir, fsync_tree
 from megatron_rl.model.builder import unwrap_model
 from megatron_rl.platform.reaping import reaped_checkpoint_queue
 from megatron_rl.trainer.manifest import MANIFEST, build_manifest, read_manifest, verify_manifest, write_json
@@ -139,6 +140,9 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
     build_manifest(tmp, {"run_id": run_id, "step": step, "written_at": time.time()})
     _barrier()
     if rank == 0:
+        # on disk before `latest` names it and retention deletes older ones: megatron's writer syncs
+        # its shards, not common.pt, metadata.json or the folders (megatron_rl/fs.py)
+        fsync_tree(tmp)
         replaced = _set_aside(root, final, run_id) if os.path.isdir(final) else None
         os.replace(tmp, final)
         marker_tmp = os.path.join(root, "latest.tmp")
@@ -147,7 +151,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
             f.flush()
             os.fsync(f.fileno())
         os.replace(marker_tmp, os.path.join(root, "latest"))
-        _fsync_dir(root)
+        fsync_dir(root)
         if replaced is not None:  # this run's earlier save of the same step: gone only now
             shutil.rmtree(replaced, ignore_errors=True)
         for old in retired_checkpoints(root, run_id, keep):
@@ -335,11 +339,3 @@ def read_manifest_or_none(path: str) -> dict | None:
 def _run_id_of(path: str) -> str | None:
     manifest = read_manifest_or_none(path)
     return manifest.get("run_id") if manifest else None
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -517,6 +517,7 @@ def _record(ctx: RunContext, completed_steps: int, metrics: dict, bar) -> None:
 
 
 def _save(ctx: RunContext, root: str, completed_steps: int) -> str:
+    ctx.sink.sync()
     return save_checkpoint(root, completed_steps, ctx.policy.model, ctx.policy.optimizer,
                            extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
                                   "rng": _rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg),

@@ -16,6 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_rl.platform.reaping import forked_children_die_with_this_process
+
 MOVED_BY_FRESH_RUN = ("checkpoints", "metrics.jsonl", "tensorboard")
 LOCK = ".lock"
 
@@ -50,8 +52,8 @@ def lock_run_dir(run_dir: str):
     f.flush()
     # A forked child (megatron's checkpoint writer) shares the open file and with it the lock,
     # which lasts until every copy is closed: one that outlived a killed trainer held the run
-    # directory. Children close their copy at once (the lock stays the parent's).
-    os.register_at_fork(after_in_child=f.close)
+    # directory. Children close their copy at once (the lock stays the parent's) and die with it.
+    forked_children_die_with_this_process(f)
     return f
 
 

@@ -279,3 +279,28 @@ def test_exported_folder_has_the_umask_permissions(tmp_path, umask):
     finally:
         os.umask(old)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_exported_folder_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatch, overwrite):
+    """Every file and folder of an export is synced before the rename that publishes it (and, with
+    overwrite, deletes the old one), and the parent after it: after a power loss a never-synced
+    file can come back empty."""
+    from megatron_rl.model.hf_io import save_hf_checkpoint
+    from megatron_rl.model.presets import preset_arch
+
+    out = tmp_path / "model"
+    if overwrite:
+        out.mkdir()
+        (out / "old.txt").write_text("old")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), real_replace(a, b))[1])
+    save_hf_checkpoint(str(out), preset_arch("qwen3", "tiny"), iter([("w", torch.ones(2))]), overwrite=overwrite)
+    published = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(out)][-1]  # the one that took
+    tmp = events[published][1]
+    synced = {e[1].replace(tmp, str(out)) for e in events[:published] if e[0] == "fsync"}
+    assert {str(out)} | {str(out / n) for n in os.listdir(out)} <= synced
+    assert ("fsync", str(tmp_path)) in events[published:]

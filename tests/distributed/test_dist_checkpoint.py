@@ -70,3 +70,34 @@ def test_roundtrip(tmp_path, save_layout, load_layout, arch):
     for k in saved:
         assert torch.equal(saved[k], loaded[k]), k
     assert all(saved[k].abs().sum() > 0 for k in saved if k.endswith("e_score_correction_bias"))
+
+
+def _save_watching_fsync(rank, world, root):
+    """Save on one rank, recording every fsync'd path and the moment iter_N.tmp is renamed."""
+    from megatron_rl.model import BuildOptions, build_gpt_model
+    from megatron_rl.model.presets import preset_arch
+    from megatron_rl.trainer import checkpoint
+    from tests.mcore_setup import setup_parallel
+
+    model = build_gpt_model(preset_arch("qwen3_moe"), setup_parallel(), BuildOptions(seed=1))
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    os.fsync = lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))[1]
+    os.replace = lambda a, b: (events.append(("replace", str(a))), real_replace(a, b))[1]
+    try:
+        final = checkpoint.save_checkpoint(root, 3, model, extra={"step": 3})
+    finally:
+        os.fsync, os.replace = real_fsync, real_replace
+    return final, events
+
+
+def test_every_file_and_folder_is_on_disk_before_the_checkpoint_is_published(tmp_path):
+    """megatron's writer syncs its shards but not common.pt, metadata.json or the folders; after a
+    power loss such a file can come back empty in the checkpoint `latest` names (and retention has
+    already deleted the older ones)."""
+    root = str(tmp_path / "ckpt")
+    final, events = run_ranks(_save_watching_fsync, world_size=1, timeout=180, root=root)[0]
+    published = events.index(("replace", final + ".tmp"))
+    synced = {path.replace(final + ".tmp", final) for kind, path in events[:published] if kind == "fsync"}
+    on_disk = {final} | {os.path.join(d, n) for d, dirs, files in os.walk(final) for n in dirs + files}
+    assert on_disk - synced == set()

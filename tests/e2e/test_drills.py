@@ -247,9 +247,12 @@ def test_6_7_sigkill_mid_save_leaves_no_process_and_no_duplicate_rows(tmp_path):
                 break
             os.kill(proc.pid, signal.SIGCONT)
         assert caught is not None, "never caught a save in flight"
-        # 14: a second launch into the directory the (frozen) run holds is refused, touching nothing
+        # 14: a second launch into the directory the (frozen) run holds is refused, touching nothing,
+        # not even the running run's error log
+        (r / "error-rank0.log").write_text("the running run's")
         intruder = run(r, "train.steps=2")
         assert intruder.returncode == 1 and "is in use by another run (pid" in intruder.stderr, intruder.stderr[-2000:]
+        assert (r / "error-rank0.log").read_text() == "the running run's" and "traceback:" not in intruder.stderr
         assert (r / "checkpoints" / f"iter_{caught - 1:07d}").is_dir() and not (r / "previous").exists()
         children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert children, "expected megatron's checkpoint writer helper"
@@ -310,36 +313,48 @@ def test_7_a_writer_of_a_killed_trainer_dies_and_frees_the_run_dir(tmp_path):
     import fcntl
 
     r = tmp_path / "R"
+    lock = str(r / ".lock")
     proc = subprocess.Popen(cmd(r, "train.steps=400", "train.save_every=1"), cwd=ROOT, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    frozen: list[psutil.Process] = []
     try:
+        # after the first save the writer's helper exists (spawned: a child with this command line
+        # only until it execs), so from then on a child with the trainer's command line is a fork
+        wait_for(lambda: (r / "checkpoints" / "latest").exists(), "the first save")
         trainer = psutil.Process(proc.pid)
-        me = trainer.cmdline()
 
-        def forked_writer():
+        def freeze_a_writer() -> bool:
             for c in trainer.children():
                 try:
-                    if c.cmdline() == me:   # forked (same command line); the spawned helper differs
-                        c.suspend()
-                        return c
+                    if c.cmdline() != trainer.cmdline():
+                        continue
+                    c.suspend()
+                    # a child is past its fork hook (death signal set, lock closed) once the lock is
+                    # gone from its files; one frozen inside the hook is let go, unless the hook never
+                    # closes it (then the check below fails, as it should)
+                    if lock in [f.path for f in c.open_files()] and len(frozen) < 20:
+                        frozen.append(c)
+                        c.resume()
+                        continue
+                    frozen.append(c)
+                    return True
                 except psutil.NoSuchProcess:
                     pass
-            return None
+            return False
 
-        found = []
-        wait_for(lambda: found.append(forked_writer()) or found[-1] is not None, "a forked checkpoint writer")
-        writer = found[-1]
+        wait_for(freeze_a_writer, "a forked checkpoint writer")
+        writer = frozen[-1]
         proc.kill()
         proc.wait()
-        with open(r / ".lock", "a+") as f:   # free now: the frozen writer closed its copy at fork
+        with open(lock, "a+") as f:   # free now: the frozen writer closed its copy at fork
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(f, fcntl.LOCK_UN)
         wait_gone([writer.pid])   # and it died with the trainer, frozen as it was
     finally:
         if proc.poll() is None:
             proc.kill()
-        for w in found:   # a failed check must not leave a frozen process behind
-            if w is not None and w.is_running():
+        for w in frozen:   # a failed check must not leave a frozen process behind
+            if w.is_running():
                 w.kill()
     ok(run(r, "train.steps=1", "train.resume=true", "train.allow_config_change=true"))
 
