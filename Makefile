@@ -26,7 +26,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) pretrain_rl.py --config examples/demo_cpu.yaml
 
-# the papers' claims at toy scale (examples/repro/README.md), one after another, about 40 minutes on 2 cores
+# the papers' claims at toy scale (examples/repro/README.md), one after another, about 25 minutes on 2 cores
 repro: $(STAMP)
 	for s in minirl mu_grpo p3o tim; do $(PY) examples/repro/$$s.py || exit 1; done
 

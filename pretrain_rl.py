@@ -10,8 +10,9 @@ One CPU (the laptop/CI default; what `make demo` runs):
     python pretrain_rl.py --config examples/demo_cpu.yaml
 Two CPU processes (gloo), tensor or expert parallel:
     torchrun --nproc_per_node=2 pretrain_rl.py --config examples/demo_cpu.yaml --tensor-model-parallel-size 2
-One GPU node (NCCL; vLLM rollouts):
-    torchrun --nproc_per_node=8 pretrain_rl.py --config my_run.yaml --rollout-backend vllm
+One GPU node (NCCL; 6 trainer ranks, the vLLM rollout server on the other 2 GPUs):
+    torchrun --nproc_per_node=6 pretrain_rl.py --config my_run.yaml --rollout-backend vllm \
+        rollout.vllm.tensor_parallel_size=2 'rollout.vllm.env={CUDA_VISIBLE_DEVICES: "6,7"}'
 32k-64k token responses (GPUs with Transformer Engine): split every row over CP ranks
     torchrun --nproc_per_node=8 pretrain_rl.py --config my_run.yaml --context-parallel-size 2
 A SLURM allocation: see examples/slurm_rl.sbatch.

@@ -500,13 +500,19 @@ class RunConfig:
         if n % self.train.num_minibatches:
             raise ValueError(f"rollout.prompts_per_step x rollout.group_size = {n} samples per step do not split "
                              f"into train.num_minibatches={self.train.num_minibatches}; choose a divisor of {n}")
+        replay_recipe = self.loss.recipe in ("minirl_r2", "minirl_r3")   # the recipe set moe.router_replay
         if (self.moe.router_replay != "none" and self.model.hf_dir is None
                 and not FAMILIES[self.model.arch].moe):
+            off = "loss.recipe=minirl" if replay_recipe else "moe.router_replay=none"
             raise ValueError(f"moe.router_replay={self.moe.router_replay} needs a MoE model; model.arch="
-                             f"{self.model.arch}. Use model.arch=qwen3_moe (or mixtral, deepseek_v3) or moe.router_replay=none")
-        if self.moe.router_replay == "r3" and self.rollout.backend == "vllm":
-            raise ValueError("moe.router_replay=r3 needs routing from the rollout engine; vLLM on the CPU lane "
-                             "cannot return routed experts. Use rollout.backend=embedded or router_replay=r2")
+                             f"{self.model.arch}. Use model.arch=qwen3_moe (or mixtral, deepseek_v3) or {off}")
+        vllm_device = self.rollout.vllm.get("device") if isinstance(self.rollout.vllm, dict) else None
+        if self.moe.router_replay == "r3" and self.rollout.backend == "vllm" and vllm_device == "cpu":
+            r2 = "loss.recipe=minirl_r2" if replay_recipe else "moe.router_replay=r2"
+            raise ValueError(f"moe.router_replay=r3 needs the rollout engine's routing, which a vLLM server on the CPU "
+                             f"(rollout.vllm.device=cpu) cannot return. Use rollout.backend=embedded, a GPU vLLM "
+                             f"server (it returns them: rollout.vllm.enable_return_routed_experts is turned on), "
+                             f"or R2 ({r2})")
         if self.precision.fp32_lm_head and self.rollout.backend == "vllm":
             raise ValueError("precision.fp32_lm_head: vLLM has no option to run only the LM head in fp32; use "
                              "rollout.backend=embedded, or rollout.dtype=fp32 for the whole server")

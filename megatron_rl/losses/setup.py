@@ -120,6 +120,9 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
                              f"step ({stat}); remove it from the config")
     _check("loss.surrogate_params", SURROGATES.get(surrogate), declared, params)
     if section.corrections is not None:
+        if not isinstance(section.corrections, list):
+            raise ValueError(f"loss.corrections={section.corrections!r}: a list of mappings with a 'name', e.g. "
+                             f"'loss.corrections=[{{name: tis_token, C: 2}}]'")
         corrections = []
         for i, c in enumerate(section.corrections):
             if not isinstance(c, dict) or "name" not in c:

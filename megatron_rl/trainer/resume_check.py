@@ -9,31 +9,53 @@ default) would quietly continue an old run under a new config.
 often to log, save and evaluate; the parallel layout (checkpoints reshard); the micro-batch size,
 activation recompute and loss.head_gradients (memory and speed settings: the same gradient,
 summed in other groupings or recomputed); SFT (it ran before the checkpoint); the engine's
-placement and server address; and `train.steps` (to extend or shorten the run), except under
-`train.schedule=staged`, where it sets the stages' length. Anything not listed must match;
-`train.allow_config_change=true` continues anyway.
+placement and server address (for vLLM, `VLLM_MAY_CHANGE`: where the server runs and how it is
+reached, restarted and probed; not its dtype, quantization, log-prob mode, seed, lengths or extra
+arguments, compared field by field with their defaults filled in); and `train.steps` (to extend
+or shorten the run), except under `train.schedule=staged`, where it sets the stages' length.
+Anything not listed must match; `train.allow_config_change=true` continues anyway.
 """
 from __future__ import annotations
+
+from dataclasses import asdict
+
+from megatron_rl.rollout.vllm.config import VllmConfig
 
 MAY_CHANGE = (
     "train.steps", "train.eval_every", "train.eval_size", "train.save_every", "train.keep_checkpoints",
     "train.run_dir", "train.resume", "train.init_checkpoint", "train.allow_config_change",
     "train.micro_batch_size", "model.recompute", "loss.head_gradients", "data.heldout_size",
-    "rollout.max_batch_size", "rollout.device", "rollout.vllm",
+    "rollout.max_batch_size", "rollout.device",
     "parallel", "log", "sft",
 )
 
 
+VLLM_MAY_CHANGE = tuple(f"rollout.vllm.{name}" for name in (
+    "url", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization", "max_num_seqs",
+    "kv_cache_space_gb", "weight_sync", "enforce_eager", "probe_every", "probe_tokens", "probe_tolerance",
+    "keep_weight_dirs", "max_concurrency", "request_timeout_s", "startup_timeout_s", "health_timeout_s",
+    "health_interval_s", "max_retries", "retry_backoff_s", "max_restarts", "warmup"))
+
+
 def fields(config: dict) -> dict[str, object]:
     """`{"train": {"steps": 3}}` -> `{"train.steps": 3}` (section.field; a mapping-valued field
-    such as `model.overrides` stays one value)."""
-    return {f"{section}.{name}": value for section, values in config.items() for name, value in values.items()}
+    such as `model.overrides` stays one value). `rollout.vllm`, a mapping of VllmConfig fields, is
+    spread into `rollout.vllm.<field>` with the defaults of the fields it does not set."""
+    out = {f"{section}.{name}": value for section, values in config.items() for name, value in values.items()}
+    vllm = out.pop("rollout.vllm", None)
+    if isinstance(vllm, dict):
+        try:
+            vllm = asdict(VllmConfig.from_dict(vllm))
+        except (TypeError, ValueError):   # a checkpoint's keys from another version: compare what is there
+            pass
+        out.update({f"rollout.vllm.{name}": value for name, value in vllm.items()})
+    return out
 
 
 def may_change(name: str, now: dict[str, object]) -> bool:
     if name == "train.steps":
         return now.get("train.schedule") != "staged"
-    return any(name == p or name.startswith(p + ".") for p in MAY_CHANGE)
+    return any(name == p or name.startswith(p + ".") for p in MAY_CHANGE + VLLM_MAY_CHANGE)
 
 
 def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:

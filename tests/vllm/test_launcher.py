@@ -270,3 +270,17 @@ def test_environment_discovery(tmp_path, monkeypatch):
     assert find_vllm_python() == str(venv / "bin" / "python")
     with pytest.raises(VllmError, match="does not exist"):
         find_vllm_python(str(tmp_path / "nope"))
+
+
+def test_an_interpreter_with_vllm_serves_itself(tmp_path, monkeypatch):
+    """`pip install .[vllm]` on a cluster puts vLLM beside the trainer: that interpreter is found
+    without $MEGATRON_RL_VLLM_PYTHON; the variable and rollout.vllm.python still come first."""
+    monkeypatch.delenv("MEGATRON_RL_VLLM_PYTHON", raising=False)
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert find_vllm_python() == sys.executable
+    other = tmp_path / "other-python"
+    other.write_text("")
+    monkeypatch.setenv("MEGATRON_RL_VLLM_PYTHON", str(other))
+    assert find_vllm_python() == str(other)

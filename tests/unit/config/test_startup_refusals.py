@@ -122,3 +122,25 @@ def test_paths_the_config_names_are_checked_at_startup(tmp_path):
         with pytest.raises(ValueError, match=msg):
             cfg.check_paths()
     load_config(None, [f"train.run_dir={tmp_path / 'new'}"]).check_paths()
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["loss.recipe=minirl_r3", "rollout.backend=vllm", "rollout.vllm={device: cpu}"],
+     r"r3 needs the rollout engine's routing, which a vLLM server on the CPU .* or R2 \(loss.recipe=minirl_r2\)"),
+    (["moe.router_replay=r3", "rollout.backend=vllm", "rollout.vllm={device: cpu}"], r"or R2 \(moe.router_replay=r2\)"),
+    (["loss.recipe=minirl_r3", "model.arch=qwen3"], r"needs a MoE model; .* or loss.recipe=minirl$"),
+    (["moe.router_replay=r2", "model.arch=qwen3"], r"needs a MoE model; .* or moe.router_replay=none$"),
+    (["loss.corrections=tis_token"], r"loss.corrections='tis_token': a list of mappings with a 'name'"),
+])
+def test_refusals_name_the_fix_that_works(overrides, msg):
+    """A hint must not lead in a circle: r3 set by loss.recipe=minirl_r3 is turned off by another
+    recipe, not by moe.router_replay (which the recipe then contradicts)."""
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, overrides)
+
+
+def test_r3_with_a_vllm_server_that_may_be_a_gpu_one_is_left_to_the_engine():
+    """A GPU vLLM server returns the routed experts (rollout.vllm.enable_return_routed_experts);
+    whether an `auto` server is a CPU one is known when it is found, and refused there."""
+    load_config(None, ["loss.recipe=minirl_r3", "rollout.backend=vllm"])
+    load_config(None, ["loss.recipe=minirl_r3", "rollout.backend=vllm", "rollout.vllm={device: cuda}"])

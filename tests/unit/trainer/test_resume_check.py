@@ -5,7 +5,13 @@ import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.config.loader import config_to_dict
-from megatron_rl.trainer.resume_check import MAY_CHANGE, config_changes, describe_changes, fields
+from megatron_rl.trainer.resume_check import (
+    MAY_CHANGE,
+    VLLM_MAY_CHANGE,
+    config_changes,
+    describe_changes,
+    fields,
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +67,27 @@ def test_every_may_change_entry_names_a_field_or_section(saved):
     sections = set(saved)
     for entry in MAY_CHANGE:
         assert entry in names or entry in sections, entry
+    for entry in VLLM_MAY_CHANGE:
+        assert entry in names, entry
 
 
 def test_the_message_names_the_fields_and_the_ways_out(saved):
     msg = describe_changes(config_changes(saved, changed(saved, loss__recipe="minirl", optim__lr=0.5)), "ck/iter_2")
     assert "loss.recipe: 'grpo' -> 'minirl'" in msg and "optim.lr: 0.0001 -> 0.5" in msg
     assert "train.resume=false" in msg and "train.allow_config_change=true" in msg and "ck/iter_2" in msg
+
+
+@pytest.mark.parametrize("edit,refused", [
+    ({"url": "http://other:8000"}, None), ({"tensor_parallel_size": 2}, None), ({"env": {"X": "1"}}, None),
+    ({"request_timeout_s": 60.0}, None), ({"device": "cuda"}, None),
+    ({"dtype": "float32"}, "rollout.vllm.dtype"), ({"quantization": "fp8"}, "rollout.vllm.quantization"),
+    ({"logprobs_mode": "raw_logprobs"}, "rollout.vllm.logprobs_mode"), ({"seed": 3}, "rollout.vllm.seed"),
+    ({"extra_args": ["--foo"]}, "rollout.vllm.extra_args"),
+])
+def test_the_vllm_server_may_move_but_not_change_what_it_computes(saved, edit, refused):
+    """Where the server runs and how it is reached may change on resume; what it computes may not,
+    whether the checkpoint set the field or left it at its default."""
+    now = changed(saved, rollout__vllm=edit)
+    got = [c[0] for c in config_changes(saved, now)]
+    assert got == ([] if refused is None else [refused])
+    assert [c[0] for c in config_changes(now, saved)] == got   # set in the checkpoint, default now

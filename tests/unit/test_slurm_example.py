@@ -1,0 +1,69 @@
+"""examples/slurm_rl.sbatch without a cluster: its shell logic runs with stand-in `scontrol`, `srun`
+and `torchrun`, and the pretrain_rl.py command it builds must parse, fit the world size it
+launches (--print-config runs the layout check) and keep the vLLM server's GPUs out of training."""
+import json
+import os
+import stat
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "examples", "slurm_rl.sbatch")
+
+SHIMS = {
+    "scontrol": "#!/bin/bash\nprintf 'gpu-node-1\\ngpu-node-2\\n'\n",
+    # srun: record its options, run the job step once, as node 0
+    "srun": "#!/bin/bash\nwhile [[ $1 == --* ]]; do echo \"$1\" >> \"$LOG/srun\"; shift; done\n"
+            "SLURM_NODEID=0 exec \"$@\"\n",
+    # torchrun: record its options, run the entry point as one of nnodes x nproc_per_node ranks
+    "torchrun": "#!/bin/bash\nwhile [[ $1 == --* ]]; do echo \"$1\" >> \"$LOG/torchrun\"; "
+                "case $1 in --nnodes=*) N=${1#*=};; --nproc_per_node=*) P=${1#*=};; esac; shift; done\n"
+                "printf '%s\\n' \"$@\" > \"$LOG/args\"; WORLD_SIZE=$((N * P)) exec \"$PY\" \"$@\" --print-config\n",
+}
+
+
+def _run(tmp_path, gpus_for_vllm: str | None, *overrides):
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    for name, text in SHIMS.items():
+        (shims / name).write_text(text)
+        (shims / name).chmod(stat.S_IRWXU)
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", LOG=str(tmp_path), PY=sys.executable,
+               SLURM_GPUS_PER_NODE="h100:8", SLURM_NNODES="2", SLURM_CPUS_PER_TASK="64",
+               SLURM_JOB_NODELIST="gpu-node-[1-2]")
+    env.pop("GPUS_FOR_VLLM", None)
+    if gpus_for_vllm is not None:
+        env["GPUS_FOR_VLLM"] = gpus_for_vllm
+    run = subprocess.run(["bash", SCRIPT, "examples/demo_cpu.yaml", "rollout.prompts_per_step=12",
+                          "train.micro_batch_size=2", "sft.steps=0", *overrides], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    options = {name: (tmp_path / name).read_text().splitlines() for name in ("srun", "torchrun", "args")}
+    return json.loads(run.stdout[run.stdout.index("{"):]), options
+
+
+def test_the_vllm_server_gets_gpus_no_trainer_rank_uses(tmp_path):
+    cfg, options = _run(tmp_path, None)
+    assert "--cpus-per-task=64" in options["srun"]   # srun does not inherit it (SLURM >= 22.05)
+    assert "--nproc_per_node=6" in options["torchrun"] and "--nnodes=2" in options["torchrun"]
+    assert cfg["rollout"]["backend"] == "vllm"
+    assert cfg["rollout"]["vllm"]["tensor_parallel_size"] == 2
+    assert list(cfg["rollout"]["vllm"]["env"]) == ["CUDA_VISIBLE_DEVICES"]   # its value is redacted in print
+    par = cfg["parallel"]
+    assert (par["tensor_model_parallel_size"], par["expert_model_parallel_size"],
+            par["expert_tensor_parallel_size"]) == (2, 4, 1)
+
+
+def test_the_devices_given_to_the_server(tmp_path):
+    """The override the script builds, read back from the command torchrun ran (the printed config
+    redacts the server's environment)."""
+    cfg, options = _run(tmp_path, "4")
+    assert "--nproc_per_node=4" in options["torchrun"]
+    assert 'rollout.vllm.env={CUDA_VISIBLE_DEVICES: "4,5,6,7"}' in options["args"]
+    assert cfg["rollout"]["vllm"]["tensor_parallel_size"] == 4
+
+
+def test_without_a_server_every_gpu_trains(tmp_path):
+    cfg, options = _run(tmp_path, "0", "rollout.backend=embedded")
+    assert "--nproc_per_node=8" in options["torchrun"]
+    assert cfg["rollout"]["backend"] == "embedded"
