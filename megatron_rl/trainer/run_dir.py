@@ -8,8 +8,10 @@
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -46,6 +48,15 @@ def lock_run_dir(run_dir: str):
         f.close()
         raise RunDirInUse(f"train.run_dir={run_dir} is in use by another run ({holder}); wait for it to end, stop "
                           f"it, or choose another train.run_dir") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+            raise
+        # Lustre mounted without -o flock, some FUSE or NFS set-ups: no lock to take. Refusing to
+        # start would block every run there; run unguarded, and say so
+        print(f"warning: train.run_dir={run_dir}: its filesystem cannot lock files ({os.strerror(e.errno)}), so a "
+              f"second launch into it is not kept out; mount it with flock support (Lustre: -o flock) to have that",
+              file=sys.stderr, flush=True)
+        return f
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

@@ -141,3 +141,11 @@ def test_no_api_key_in_extra_args():
         VllmConfig(extra_args=["--api-key", "x"])
     with pytest.raises(ValueError, match="no --api-key"):
         VllmConfig(extra_args=["--api-key=x"])
+
+
+def test_no_secret_in_extra_args():
+    """argv is visible to `ps`, written to server.log and kept in every checkpoint's config copy."""
+    for args in (["--hf-token", "x"], ["--hf-token=x"], ["--auth-secret", "x"], ["--db-password=x"]):
+        with pytest.raises(ValueError, match=r"looks like a secret; pass it in rollout.vllm.env"):
+            VllmConfig(extra_args=args)
+    VllmConfig(extra_args=["--max-num-batched-tokens", "4096", "--tokenizer-mode", "slow", "--ssl-keyfile", "k.pem"])

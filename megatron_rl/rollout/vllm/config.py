@@ -6,6 +6,7 @@ Field names follow vLLM's own options where one exists (`tensor_parallel_size`, 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 from megatron_rl.config import checks
@@ -14,6 +15,7 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("auto", "raw_logprobs", "processed_logprobs")
 WEIGHT_SYNCS = ("reload", "restart")
+_SECRET = re.compile(r"(^|-)(token|key|secret|password|passwd)$", re.IGNORECASE)   # a flag named for one: --hf-token
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -57,7 +59,8 @@ class VllmConfig:
       enable_return_routed_experts: return the routed experts of every token (router replay
           R3). GPU servers only: refused at start-up on CPU, where vLLM's capture fails.
       kv_cache_space_gb: VLLM_CPU_KVCACHE_SPACE (CPU servers).
-      extra_args: more command-line arguments, appended verbatim (not --api-key: the launched
+      extra_args: more command-line arguments, appended verbatim (no flag named like a secret,
+          --hf-token say: secrets go in `env`, which `ps` does not show; not --api-key: the launched
           server's key is ours). env: extra environment.
 
     Weight sync:
@@ -152,6 +155,12 @@ class VllmConfig:
             raise ValueError("rollout.vllm.extra_args: no --api-key (it would be visible to `ps`, and a server we "
                              "launch gets a random key of its own); for a url server set rollout.vllm.api_key "
                              "or $MEGATRON_RL_VLLM_API_KEY")
+        secret = next((a for a in self.extra_args if a.startswith("--") and _SECRET.search(a.split("=")[0][2:])),
+                      None)
+        if secret is not None:  # argv is visible to `ps`, written to server.log and kept in every checkpoint
+            raise ValueError(f"rollout.vllm.extra_args: {secret.split('=')[0]} looks like a secret; pass it in "
+                             f"rollout.vllm.env instead (e.g. HF_TOKEN for --hf-token): the environment is not "
+                             f"visible to `ps` and is redacted from the config a checkpoint keeps")
         self.env = {str(k): str(v) for k, v in self.env.items()}
 
     @classmethod

@@ -1,5 +1,6 @@
 """Checkpoint directory logic without a model: manifests, retention, moving an earlier run aside,
 start-up writability and space checks (single process; the collectives degrade to local)."""
+import errno
 import json
 import os
 import pathlib
@@ -127,3 +128,20 @@ def test_a_run_dir_is_held_by_one_run_at_a_time(tmp_path):
         run_files.lock_run_dir(str(tmp_path / "run"))
     first.close()  # the process ending (any way) releases it the same way
     run_files.lock_run_dir(str(tmp_path / "run")).close()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK])
+def test_a_filesystem_without_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, capsys, code):
+    """Lustre mounted without -o flock raises ENOSYS: the run starts (with a warning) instead of
+    failing before its first step; any other error still stops it."""
+    import fcntl
+
+    def no_locks(f, op):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    run_files.lock_run_dir(str(tmp_path / "run")).close()
+    assert "its filesystem cannot lock files" in capsys.readouterr().err
+    monkeypatch.setattr(fcntl, "flock", lambda f, op: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"):
+        run_files.lock_run_dir(str(tmp_path / "run2"))
