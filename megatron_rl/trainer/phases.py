@@ -194,6 +194,11 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
     m.update({k: float(v) for k, v in rollout.reward_stats.items()})
     m["schedule/staleness_mean"] = float(batch.staleness.float().mean()) if batch.staleness.numel() else 0.0
     m["schedule/staleness_max"] = float(batch.staleness.max()) if batch.staleness.numel() else 0.0
+    # in optimizer updates since the rollout policy, as the papers count it: a sample s versions old
+    # in mini-batch j (of N equal ones) is trained s N + j updates after its policy
+    n = cfg.train.num_minibatches
+    m["schedule/staleness_updates_mean"] = n * m["schedule/staleness_mean"] + (n - 1) / 2
+    m["schedule/staleness_updates_max"] = n * m["schedule/staleness_max"] + (n - 1)
     if ctx.engine is not None:  # rank 0: generation calls and weight syncs so far
         m.update({k: float(v) for k, v in ctx.schedule.stats().items()})
     if ctx.engine is not None and hasattr(ctx.engine, "stats"):  # rank 0: restarts, retries, probe diff

@@ -64,6 +64,9 @@ def test_resume_mid_schedule_reproduces_the_uninterrupted_run(tmp_path, name):
     assert [s["step"] for s in s_res] == [1, 2, 3, 4]
     want = {"sync": [0, 0, 0, 0], "staged": [0, 1, 0, 1], "async": [0, 1, 1, 1]}[name]
     assert [s["schedule/staleness_max"] for s in s_full] == want
+    # in optimizer updates (BASE: 2 mini-batches): a sample s versions old is trained 2s and 2s + 1 updates later
+    assert [s["schedule/staleness_updates_max"] for s in s_full] == [2 * w + 1 for w in want]
+    assert [s["schedule/staleness_updates_mean"] for s in s_full] == [2 * w + 0.5 for w in want]
     for a, b in zip(s_full, s_res, strict=True):
         for k in ("loss/policy", "optim/grad_norm", "rollout/reward_mean", "mismatch/kl_k3", "schedule/staleness_mean"):
             assert a[k] == b[k], (a["step"], k, a[k], b[k])
