@@ -247,15 +247,6 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
         problem = init_checkpoint_problem(init)
         if problem:
             raise ValueError(problem)
-    if rank0 and not resuming:
-        moved = run_files.archive_previous_run(cfg.train.run_dir)
-        if moved:
-            print(f"fresh run (train.resume={cfg.train.resume}): moved the earlier run's checkpoints and logs in "
-                  f"{cfg.train.run_dir} to {moved}", flush=True)
-    if rank0 and resuming:
-        for path in sweep_partial_saves(_ckpt_root(cfg)):
-            print(f"removed {path}: a save that a crash cut short (the run resumes from `latest`)", flush=True)
-    dist.barrier()
     if mode != "none":
         from megatron_rl.moe import RouterReplayController
 
@@ -265,10 +256,21 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
     if not synthetic:
         _check_checkpoint_dirs(cfg, policy, groups)
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
-    sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
-                       jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
     stop = stop or StopSignals()
     engine = make_engine(cfg, arch, cfg.train.run_dir, stop)
+    # Only now, with the model and the engine built, is the run dir changed: a start that fails
+    # before (a GPU-only setting, a missing vLLM) leaves the earlier run where a resume finds it
+    if rank0 and not resuming:
+        moved = run_files.archive_previous_run(cfg.train.run_dir)
+        if moved:
+            print(f"fresh run (train.resume={cfg.train.resume}): moved the earlier run's checkpoints and logs in "
+                  f"{cfg.train.run_dir} to {moved}", flush=True)
+    if rank0 and resuming:
+        for path in sweep_partial_saves(_ckpt_root(cfg)):
+            print(f"removed {path}: a save that a crash cut short (the run resumes from `latest`)", flush=True)
+    dist.barrier()
+    sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
+                       jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
     return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss,
                       replay=make_replay(mode, policy.model), schedule=make_schedule(cfg),
                       stop=stop, resuming=resuming,

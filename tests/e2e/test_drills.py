@@ -93,6 +93,11 @@ def test_1_fresh_run_in_used_run_dir_keeps_its_checkpoints(tmp_path):
     third = ok(run(r, "train.steps=3", "train.resume=true"))
     assert "at step 2" in third.stdout
     assert (ckpts / "latest").read_text() == "iter_0000003"
+    # a fresh start that fails before its first step (here: a vLLM interpreter that does not exist)
+    # leaves the run where a resume finds it: nothing is moved before the model and engine exist
+    failed = run(r, "train.steps=3", "train.resume=false", "rollout.backend=vllm", "rollout.vllm={python: /nope/python}")
+    assert failed.returncode != 0 and "moved the earlier run" not in failed.stdout, failed.stderr[-2000:]
+    assert (ckpts / "latest").read_text() == "iter_0000003" and len(os.listdir(r / "previous")) == 1
 
 
 # ---- 2: resuming never unpickles what is in the checkpoint
