@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import dataclass, field, fields
 
 from megatron_rl.config import checks
@@ -225,7 +226,7 @@ class LossSection:
     surrogate / surrogate_params: e.g. "ppo_clip", {eps_low: 0.2, eps_high: 0.28}.
     corrections: list of {name: ..., <params>} applied in order (e.g. [{name: tis_token, C: 2}]).
     aggregation / aggregation_params: "token_mean" | "seq_mean_token_mean" | "token_sum_norm".
-    advantages / advantage_params: "grpo" | "mean_centered" | "rloo"; e.g. {eps: 1e-6}, grpo's
+    advantages / advantage_params: "grpo" | "mean_centered" | "rloo"; e.g. {eps: 1.0e-6}, grpo's
         A = (R − mean) / (std + eps).
     filter_zero_variance_groups: drop groups whose rewards are all equal (DAPO dynamic sampling).
     keep_sampling_mask: with top-p/top-k sampling, the engine reports the kept token set and its
@@ -550,7 +551,11 @@ class RunConfig:
         if self.model.hf_dir is not None and not os.path.isdir(self.model.hf_dir):
             raise ValueError(f"model.hf_dir={self.model.hf_dir}: no such directory; name a Hugging Face model folder "
                              f"(config.json, safetensors, tokenizer files)")
-        if self.train.init_checkpoint is not None and not os.path.isdir(self.train.init_checkpoint):
+        ckpts = os.path.join(self.train.run_dir, "checkpoints")   # what trainer.checkpoint.latest_checkpoint reads
+        resuming = self.train.resume and os.path.isdir(ckpts) and any(
+            n == "latest" or re.fullmatch(r"iter_\d{7}", n) for n in os.listdir(ckpts))
+        if (self.train.init_checkpoint is not None and not resuming   # a resume never reads it
+                and not os.path.isdir(self.train.init_checkpoint)):
             raise ValueError(f"train.init_checkpoint={self.train.init_checkpoint}: no such directory; name a "
                              f"checkpoint folder (run_dir/checkpoints/iter_N, or the converter's output)")
         if os.path.exists(self.train.run_dir) and not os.path.isdir(self.train.run_dir):

@@ -75,12 +75,13 @@ def global_quantiles(sets: Sequence[Tensor], qs: Sequence[float], group=None,
     """The `qs` quantiles of `transform(x)` over each set's values on all ranks of `group`.
 
     sets: float64 [n_i] per set, this rank's values (any device; every rank passes the same number
-    of sets). transform: monotone non-decreasing, applied to the two order statistics before the
+    of sets; NaN values are left out: they have no place in an order). transform: monotone non-decreasing, applied to the two order statistics before the
     interpolation (e.g. exp: quantiles of a ratio from its log). Returns float64 0-dim tensors on
     the group's device, the same on every rank; 0 for a set with no value on any rank.
     """
     device = group_device(group) if dist.is_initialized() else (sets[0].device if sets else torch.device("cpu"))
-    keys = [order_keys(s.detach().to(device=device, dtype=torch.float64).reshape(-1)) for s in sets]
+    values = [s.detach().to(device=device, dtype=torch.float64).reshape(-1) for s in sets]
+    keys = [order_keys(v[~v.isnan()]) for v in values]
     totals = _all_reduce(torch.tensor([k.numel() for k in keys], dtype=torch.int64, device=device), group).tolist()
     zero = torch.zeros((), dtype=torch.float64, device=device)
     plans = []   # per set: [(⌊pos⌋, ⌈pos⌉, pos − ⌊pos⌋)] per q
@@ -95,6 +96,7 @@ def global_quantiles(sets: Sequence[Tensor], qs: Sequence[float], group=None,
             out.append([zero.clone() for _ in qs])
             continue
         x = transform(from_keys(st)).view(-1, 2)
-        # torch.lerp rounds as numpy's and torch.quantile's interpolation do (from the nearer end)
+        # torch.lerp interpolates from the nearer end, as numpy's and torch.quantile's do (they can
+        # differ in the last bit only between subnormals)
         out.append([torch.lerp(x[j, 0], x[j, 1], frac) for j, (_, _, frac) in enumerate(plan)])
     return out

@@ -401,27 +401,28 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
         fsync_tree(tmp)  # on disk before it takes the name (and before --overwrite deletes the old one)
         try:
             os.replace(tmp, out_dir)  # onto nothing or an empty folder; a non-empty one fails, atomically
-            fsync_dir(parent)
-            return
         except OSError:
             if not occupied():
                 raise
             if not overwrite:
                 raise refusal() from None
+        else:
+            fsync_dir(parent)   # published: only the rename's durability is left
+            return
         aside = tempfile.mkdtemp(prefix=".replaced-" + name + "-", dir=parent)
         old = os.path.join(aside, name)
         os.replace(out_dir, old)
         try:
             os.replace(tmp, out_dir)
-            fsync_dir(parent)
         except BaseException:
             os.replace(old, out_dir)  # put it back: the caller keeps what it had
             os.rmdir(aside)
             raise
-        shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_dir(parent)   # the new folder's name on disk before the old one is deleted
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _umask() -> int:

@@ -8,7 +8,9 @@
     metrics = step_metrics(ctx, rollout, batch, old, updates)
 
 Every reducible value follows the one metrics convention (megatron_rl/metrics/reduce.py) and is
-reduced once, in `step_metrics`. Tensors are made on the device of the data they describe; the
+reduced once, in `step_metrics`. The ratio quantiles, which do not reduce like sums, are found over
+all DP x CP ranks where their tokens are (`old_logprobs`: w; `update`: r and ρ) by their own
+collectives (metrics/quantiles.py) and ride along as values every rank holds alike. Tensors are made on the device of the data they describe; the
 training batch lives on the model's device.
 """
 from __future__ import annotations
@@ -74,7 +76,8 @@ class OldPolicy:
 
 @dataclass
 class Updates:
-    """values: loss parts and r/ρ ratio diagnostics summed over micro-batches (metrics convention);
+    """values: loss parts and r/ρ ratio diagnostics summed over micro-batches (metrics convention),
+    and the step's r/ρ quantiles over all ranks (the same on every rank);
     grad_norms: one per optimizer step; skipped: optimizer steps skipped (fp16 overflow: megatron's
     loss scaler found inf/NaN gradients, left the weights unchanged and lowered the scale)."""
 
@@ -112,7 +115,7 @@ def make_batch(ctx, rollout: Rollout) -> StepBatch:
 
 def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
     """π_old log-probs and entropy of the local rows (under the replay strategy), and the mismatch
-    diagnostics against the engine's μ: reducible values plus the rank's extreme ratio quantiles."""
+    diagnostics against the engine's μ: reducible values plus w's quantiles over all DP x CP ranks."""
     local = batch.local
     old, entropy = ctx.replay.old_pass(ctx.policy, ctx.groups, local, rollout.samples, batch.rows, batch.settings)
     if old is None:  # not the last pipeline stage: it holds no log-probs

@@ -304,3 +304,22 @@ def test_exported_folder_is_on_disk_before_it_takes_the_name(tmp_path, monkeypat
     synced = {e[1].replace(tmp, str(out)) for e in events[:published] if e[0] == "fsync"}
     assert {str(out)} | {str(out / n) for n in os.listdir(out)} <= synced
     assert ("fsync", str(tmp_path)) in events[published:]
+
+
+def test_a_failed_sync_after_the_publish_is_reported_as_itself(tmp_path, monkeypatch):
+    """The parent folder's fsync comes after the rename that publishes the export: its error must
+    not be taken for an occupied target (which named the wrong problem and, with overwrite, left
+    the old export stranded)."""
+    import errno
+
+    from megatron_rl.model import hf_io
+    from megatron_rl.model.presets import preset_arch
+
+    def cannot(path):
+        raise OSError(errno.EINVAL, "cannot sync a folder here")
+
+    monkeypatch.setattr(hf_io, "fsync_dir", cannot)
+    out = tmp_path / "model"
+    with pytest.raises(OSError, match="cannot sync a folder here"):
+        hf_io.save_hf_checkpoint(str(out), preset_arch("qwen3", "tiny"), iter([("w", torch.ones(2))]))
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]

@@ -22,7 +22,7 @@ SHIMS = {
 }
 
 
-def _run(tmp_path, gpus_for_vllm: str | None, *overrides):
+def _run(tmp_path, gpus_for_vllm: str | None, *overrides, visible: str | None = None):
     shims = tmp_path / "bin"
     shims.mkdir()
     for name, text in SHIMS.items():
@@ -32,6 +32,9 @@ def _run(tmp_path, gpus_for_vllm: str | None, *overrides):
                SLURM_GPUS_PER_NODE="h100:8", SLURM_NNODES="2", SLURM_CPUS_PER_TASK="64",
                SLURM_JOB_NODELIST="gpu-node-[1-2]")
     env.pop("GPUS_FOR_VLLM", None)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     if gpus_for_vllm is not None:
         env["GPUS_FOR_VLLM"] = gpus_for_vllm
     run = subprocess.run(["bash", SCRIPT, "examples/demo_cpu.yaml", "rollout.prompts_per_step=12",
@@ -67,3 +70,9 @@ def test_without_a_server_every_gpu_trains(tmp_path):
     cfg, options = _run(tmp_path, "0", "rollout.backend=embedded")
     assert "--nproc_per_node=8" in options["torchrun"]
     assert cfg["rollout"]["backend"] == "embedded"
+
+
+def test_the_server_takes_the_last_of_the_gpus_slurm_gave_the_job(tmp_path):
+    """On a shared node SLURM may give the job GPUs 8-15: the server must stay inside them."""
+    _, options = _run(tmp_path, None, visible="8,9,10,11,12,13,14,15")
+    assert 'rollout.vllm.env={CUDA_VISIBLE_DEVICES: "14,15"}' in options["args"]

@@ -149,3 +149,11 @@ def test_no_secret_in_extra_args():
         with pytest.raises(ValueError, match=r"looks like a secret; pass it in rollout.vllm.env"):
             VllmConfig(extra_args=args)
     VllmConfig(extra_args=["--max-num-batched-tokens", "4096", "--tokenizer-mode", "slow", "--ssl-keyfile", "k.pem"])
+
+
+def test_underscored_flags_are_read_as_vllm_reads_them():
+    """vLLM's parser takes --hf_token for --hf-token (and --api_key for --api-key)."""
+    with pytest.raises(ValueError, match="looks like a secret"):
+        VllmConfig(extra_args=["--hf_token=x"])
+    with pytest.raises(ValueError, match="no --api-key"):
+        VllmConfig(extra_args=["--api_key", "x"])

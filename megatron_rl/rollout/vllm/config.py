@@ -16,6 +16,11 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("auto", "raw_logprobs", "processed_logprobs")
 WEIGHT_SYNCS = ("reload", "restart")
 _SECRET = re.compile(r"(^|-)(token|key|secret|password|passwd)$", re.IGNORECASE)   # a flag named for one: --hf-token
+
+
+def _flag(arg: str) -> str:
+    """`--hf_token=x` -> `hf-token`: the flag's name as vLLM's parser reads it (it takes _ for -)."""
+    return arg[2:].split("=")[0].replace("_", "-") if arg.startswith("--") else ""
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -151,12 +156,11 @@ class VllmConfig:
                           lo_open=True, hint="a fraction of the GPU's memory, e.g. 0.5")
         checks.integer("rollout.vllm.kv_cache_space_gb", self.kv_cache_space_gb, lo=1)
         self.extra_args = [str(a) for a in self.extra_args]
-        if any(a == "--api-key" or a.startswith("--api-key=") for a in self.extra_args):
+        if any(_flag(a) == "api-key" for a in self.extra_args):
             raise ValueError("rollout.vllm.extra_args: no --api-key (it would be visible to `ps`, and a server we "
                              "launch gets a random key of its own); for a url server set rollout.vllm.api_key "
                              "or $MEGATRON_RL_VLLM_API_KEY")
-        secret = next((a for a in self.extra_args if a.startswith("--") and _SECRET.search(a.split("=")[0][2:])),
-                      None)
+        secret = next((a for a in self.extra_args if _flag(a) and _SECRET.search(_flag(a))), None)
         if secret is not None:  # argv is visible to `ps`, written to server.log and kept in every checkpoint
             raise ValueError(f"rollout.vllm.extra_args: {secret.split('=')[0]} looks like a secret; pass it in "
                              f"rollout.vllm.env instead (e.g. HF_TOKEN for --hf-token): the environment is not "

@@ -144,3 +144,16 @@ def test_r3_with_a_vllm_server_that_may_be_a_gpu_one_is_left_to_the_engine():
     whether an `auto` server is a CPU one is known when it is found, and refused there."""
     load_config(None, ["loss.recipe=minirl_r3", "rollout.backend=vllm"])
     load_config(None, ["loss.recipe=minirl_r3", "rollout.backend=vllm", "rollout.vllm={device: cuda}"])
+
+
+def test_a_resume_does_not_need_the_init_checkpoint(tmp_path):
+    """A requeued run resumes from its own checkpoints and never reads train.init_checkpoint (it
+    may have been on scratch that is gone): only a fresh start requires it."""
+    run = tmp_path / "run"
+    overrides = [f"train.run_dir={run}", f"train.init_checkpoint={tmp_path / 'gone'}"]
+    with pytest.raises(ValueError, match="train.init_checkpoint=.*gone: no such directory"):
+        load_config(None, overrides).check_paths()
+    (run / "checkpoints" / "iter_0000002").mkdir(parents=True)
+    load_config(None, overrides).check_paths()
+    with pytest.raises(ValueError, match="no such directory"):
+        load_config(None, overrides + ["train.resume=false"]).check_paths()

@@ -99,7 +99,7 @@ def entropy_mean(entropy: Tensor, mask: Tensor, num_tokens: Tensor | float | Non
 def mismatch_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
                      logprobs: Tensor | None = None, turn_ids: Tensor | None = None,
                      entropy: Tensor | None = None, seq: SeqOps = LOCAL) -> dict[str, float]:
-    """The library's values for one rank, finished, plus rank-local p01/p99 of w (and r, ρ)."""
+    """The library's values for one rank, finished, plus p01/p99 of w (and r, ρ) (one rank: no group)."""
     from megatron_rl.metrics.mismatch import mismatch_sums
     from megatron_rl.metrics.reduce import finish
 

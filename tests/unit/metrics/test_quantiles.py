@@ -36,6 +36,8 @@ def test_one_rank_order_statistics_and_quantiles_are_numpys():
     q = global_quantiles([torch.tensor(finite)], QS)[0]
     np.testing.assert_allclose([float(v) for v in q], np.quantile(finite, QS), rtol=1e-15, atol=0)
     assert [float(v) for v in global_quantiles([torch.zeros(0, dtype=torch.float64)], QS)[0]] == [0.0] * len(QS)
+    nan = float("nan")   # no place in an order: left out (a NaN log-ratio shows in the means instead)
+    assert [float(v) for v in global_quantiles([torch.tensor([nan, 2.0, -nan, 1.0])], [0.0, 1.0])[0]] == [1.0, 2.0]
 
 
 def _parts(first_sizes):

@@ -2,8 +2,11 @@
 interrupted run's points of those steps (a purge step) and keeps the SFT warm start's curve."""
 import json
 import os
+import time
+from types import SimpleNamespace
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.summary.writer import event_file_writer
 
 from megatron_rl.metrics.sink import MetricsSink
 
@@ -14,7 +17,7 @@ def _scalars(log_dir: str, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-def test_a_resume_replaces_the_redone_steps_everywhere(tmp_path):
+def test_a_resume_replaces_the_redone_steps_everywhere(tmp_path, monkeypatch):
     run = str(tmp_path)
     sink = MetricsSink(run, enabled=True)
     for step in range(1, 11):
@@ -23,6 +26,11 @@ def test_a_resume_replaces_the_redone_steps_everywhere(tmp_path):
         sink.log(step, {"rollout/reward_mean": float(step)})
     sink.close()   # the run dies after step 4; its checkpoint holds step 2
 
+    # A resume is a later process: its event files sort after the first run's by their time stamp.
+    # In one process within one second they would sort by a writer counter that is not zero-padded
+    # (file 10 before file 7), so the resumed run's files get a later stamp, as they would for real.
+    later = time.time() + 100
+    monkeypatch.setattr(event_file_writer, "time", SimpleNamespace(time=lambda: later))
     resumed = MetricsSink(run, enabled=True)
     assert resumed.drop_rows_after(2) == 2
     for step in (3, 4):
