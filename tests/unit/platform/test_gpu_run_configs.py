@@ -40,10 +40,12 @@ def test_a_failed_gpu_lane_run_explains_itself(tmp_path):
     from tests.gpu.runs import launch, launch_many
 
     (tmp_path / "many").mkdir()
+    empty = tmp_path / "hf"   # a folder (config-time checks pass) without config.json: fails when read
+    empty.mkdir()
     out = launch_many(tmp_path / "many", {"bad_config": ONE_STEP + ["loss.recipe=nope"],
-                                          "no_checkpoint": ONE_STEP + ["model.hf_dir=/nonexistent/hf"]})
+                                          "no_checkpoint": ONE_STEP + [f"model.hf_dir={empty}"]})
     assert "returned 2" in out["bad_config"] and "unknown loss recipe 'nope'" in out["bad_config"]
     assert "returned 1" in out["no_checkpoint"] and "Traceback" in out["no_checkpoint"]
-    assert "/nonexistent/hf/config.json does not exist" in out["no_checkpoint"]
-    with pytest.raises(AssertionError, match=r"(?s)exit 1.*Traceback.*/nonexistent/hf/config.json does not exist"):
-        launch(tmp_path / "one", "no_checkpoint", ONE_STEP + ["model.hf_dir=/nonexistent/hf"])
+    assert f"{empty}/config.json does not exist" in out["no_checkpoint"]
+    with pytest.raises(AssertionError, match=rf"(?s)exit 1.*Traceback.*{empty}/config.json does not exist"):
+        launch(tmp_path / "one", "no_checkpoint", ONE_STEP + [f"model.hf_dir={empty}"])
