@@ -158,7 +158,7 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
                 f"catch it), so this update is not kept: the run stops without saving it. Resume from the last "
                 f"checkpoint with a lower optim.lr, optim.clip_grad, or precision.recipe=fp16 (loss scaling)")
     if ctx.groups.is_last_stage:  # the stage that computed log-probs; quantiles over all DP x CP ranks
-        values.update(ratio_quantiles({k: torch.cat(v) if v else torch.zeros(0, dtype=torch.float64)
+        values.update(ratio_quantiles({k: torch.cat(v) if v else local.loss_mask.new_zeros(0, dtype=torch.float64)
                                        for k, v in ratio_log.items()}, ctx.groups.dp_cp_group))
     scale = policy.optimizer.get_loss_scale() if ctx.cfg.model.dtype == "fp16" else None
     return Updates(values, grad_norms, skipped, None if scale is None else float(scale))
