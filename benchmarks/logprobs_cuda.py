@@ -40,7 +40,7 @@ Accuracy at T = 2k: the largest |log-prob − float64| and |entropy − float64|
 inputs. A peer is only imported from an installed package, never vendored.
 
 `table()` also runs on the CPU at small sizes (times from perf_counter, no memory column): that
-is what tests/unit/platform/test_logprobs_benchmark.py runs, so this file cannot rot unseen.
+is what tests/tools/test_logprobs_benchmark.py runs, so this file cannot rot unseen.
 """
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def run_fresh(run_root: str, cases_: dict[str, list[str]] | None = None, extra: 
     {"numerics": ..., "values": ...}."""
     from tests.spawn import run_ranks
 
-    [out] = run_ranks(run_cases, world_size=1, timeout=timeout, cases=cases_ if cases_ is not None else cases(),
+    [out] = run_ranks(run_cases, world_size=1, timeout=timeout, fresh=True, cases=cases_ if cases_ is not None else cases(),
                       run_root=run_root, extra=list(extra))
     return out
 

@@ -1,24 +1,36 @@
-"""Run a function on N gloo ranks in fresh spawned processes and collect what each rank returns.
+"""Run a function on N gloo ranks in spawned worker processes and collect what each rank returns.
 
     results = run_ranks(fn, world_size=2, timeout=180, some_kwarg=1)   # -> [rank0_result, rank1_result]
+    results = run_ranks(fn, world_size=1, fresh=True)                  # a new interpreter for this call
 
-`fn(rank, world_size, **kwargs)` must be a top-level (importable) function. Each child gets a
-fresh interpreter (spawn), `OMP_NUM_THREADS=1`, an initialised gloo process group, and nothing
-else: applying the CPU platform layer or megatron parallel state is the function's job, so
-tests say explicitly what they set up. A hung child is killed after `timeout` seconds and the
-test fails instead of hanging CI; an exception on any rank is re-raised in the parent with that
-rank's traceback.
+`fn(rank, world_size, **kwargs)` must be a top-level (importable) function. Each rank runs in a
+worker process (spawned: a fresh interpreter, `OMP_NUM_THREADS=1`, torch threads 1) that joins an
+initialised gloo process group for the call and nothing else: applying the CPU platform layer or
+megatron parallel state is the function's job, so tests say explicitly what they set up. A hung
+rank is killed after `timeout` seconds and the test fails instead of hanging CI; an exception on
+any rank is re-raised in the parent with that rank's traceback.
 
-Ports, without races against tests running in parallel: the rendezvous store is a TCPStore the
-parent opens on port 0 (the kernel picks a free port and the store keeps it listening from then
-on) and the children join it as clients, so no port is ever chosen, released and bound again
-later; gloo's own connections use ports the kernel assigns. (MASTER_ADDR / MASTER_PORT in the
-children name that store, for code that reads them.) `free_port()` is for in-process single-rank
-set-ups that must name a port in MASTER_PORT: it keeps the port reserved for the life of the
-process, see there.
+Workers are kept for the pytest session, one pool per world size: starting an interpreter and
+importing torch, megatron-core and transformers costs 4-8 s on 2 cores, which the distributed
+tier used to pay on every call. Between calls a worker tears down what a call sets up through the
+APIs the tests use (the process group, megatron's parallel state and its RouterReplay list) and
+puts back what a fresh interpreter would have (environment variables, torch's default RNG state,
+default dtype, thread count), so a call sees what a new process would. A pool whose call failed
+or timed out is killed (a rank may still sit in a collective) and the next call starts a new
+one. `fresh=True` gives a call interpreters of its own, for runs whose point is a new process
+(the golden numbers) or that change process-wide state the reset above does not cover.
+
+Ports, without races against tests running in parallel: the rendezvous store of each call is a
+TCPStore the parent opens on port 0 (the kernel picks a free port and the store keeps it
+listening from then on) and the ranks join it as clients, so no port is ever chosen, released and
+bound again later; gloo's own connections use ports the kernel assigns. (MASTER_ADDR /
+MASTER_PORT in the ranks name that store, for code that reads them.) `free_port()` is for
+in-process single-rank set-ups that must name a port in MASTER_PORT: it keeps the port reserved
+for the life of the process, see there.
 """
 from __future__ import annotations
 
+import atexit
 import io
 import multiprocessing as mp
 import os
@@ -56,74 +68,165 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, timeout: float, queue, kwargs: dict) -> None:
-    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    import warnings
+# ----------------------------------------------------------------------------- the rank side
 
-    import torch
+
+def _run_call(fn: Callable, rank: int, world_size: int, port: int, timeout: float, results, kwargs: dict) -> None:
+    """One call on one rank: join the call's store, init gloo, run fn, ship the result, tear down."""
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's "no Apex/TE" notices
-    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
     try:
         # join the parent's store as a client: nothing here binds a port chosen in advance
         store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         out = fn(rank, world_size, **kwargs)
         # serialise here: a tensor sent through the queue as-is lives in this process's shared
-        # memory, which is gone once the child exits
+        # memory, which is gone once a fresh rank exits
         buf = io.BytesIO()
         torch.save(out, buf)
-        queue.put((rank, "ok", buf.getvalue()))
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - ship every failure to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            try:
-                from megatron.core import parallel_state
-
-                parallel_state.destroy_model_parallel()
-            except ImportError:
-                pass
-            dist.destroy_process_group()
+        _teardown()
 
 
-def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, **kwargs: Any) -> list:
+def _teardown() -> None:
+    """Undo what a call may have set up process-wide through the APIs the tests use."""
     import torch.distributed as dist
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        parallel_state.destroy_model_parallel()
+        RouterReplay.global_router_replay_instances.clear()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rank_setup() -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's "no Apex/TE" notices
+    torch.set_num_threads(1)
+
+
+def _worker(rank: int, world_size: int, tasks, results) -> None:
+    """A pooled rank: run calls from `tasks` until it gets None, each from a fresh-process state."""
+    _rank_setup()
+    env, rng, dtype = dict(os.environ), torch.get_rng_state(), torch.get_default_dtype()
+    while (task := tasks.get()) is not None:
+        fn, port, timeout, kwargs = task
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_rng_state(rng)
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(1)
+        _run_call(fn, rank, world_size, port, timeout, results, kwargs)
+
+
+def _fresh(fn: Callable, rank: int, world_size: int, port: int, timeout: float, results, kwargs: dict) -> None:
+    _rank_setup()
+    _run_call(fn, rank, world_size, port, timeout, results, kwargs)
+
+
+# ----------------------------------------------------------------------------- the parent side
+
+
+class _Pool:
+    """`world_size` spawned workers, each with its own task queue, sharing one result queue."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tasks[r], self.results), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def submit(self, fn: Callable, port: int, timeout: float, kwargs: dict) -> None:
+        for q in self.tasks:
+            q.put((fn, port, timeout, kwargs))
+
+    def close(self, kill: bool) -> None:
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close(kill=False)
+
+
+def _collect(results, world_size: int, timeout: float, procs) -> tuple[dict[int, Any], list[str]]:
+    """Wait for every rank's result; stop at the first error (the other ranks are likely blocked)."""
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = results.get(timeout=timeout)
+            if status != "ok":
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    except queue_mod.Empty:
+        dead = [p.exitcode for p in procs if not p.is_alive()]
+        errors.append(f"timed out after {timeout}s waiting for ranks" + (f" (exit codes {dead})" if dead else ""))
+    except Exception as e:  # noqa: BLE001 - e.g. a rank that could not start
+        errors.append(f"waiting for ranks failed: {type(e).__name__}: {e}")
+    return out, errors
+
+
+def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, fresh: bool = False, **kwargs: Any) -> list:
+    import torch.distributed as dist
+
     # the rendezvous store, listening from here on a port the kernel picked (see the docstring)
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, timeout, queue, kwargs), daemon=False)
-             for r in range(world_size)]
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
+    if fresh:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_fresh, args=(fn, r, world_size, store.port, timeout, results, kwargs))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
-                break  # the other ranks are likely blocked in a collective
-    except queue_mod.Empty:
-        errors.append(f"timed out after {timeout}s waiting for ranks")
-    except Exception as e:  # noqa: BLE001 - e.g. a child that could not start
-        errors.append(f"waiting for ranks failed: {type(e).__name__}: {e}")
-    finally:
+        out, errors = _collect(results, world_size, timeout, procs)
         for p in procs:
-            if p.pid is None:  # never started
-                continue
             p.join(timeout=5 if errors else 30)
             if p.is_alive():
                 p.kill()
                 p.join()
-        del store  # closes the rendezvous port once every child has gone
+    else:
+        pool = _POOLS.get(world_size)
+        if pool is None or not pool.alive():
+            if pool is not None:
+                pool.close(kill=True)
+            pool = _POOLS[world_size] = _Pool(world_size)
+        pool.submit(fn, store.port, timeout, kwargs)
+        out, errors = _collect(pool.results, world_size, timeout, pool.procs)
+        if errors:  # a rank may still sit in a collective or hold half a call's state
+            _POOLS.pop(world_size).close(kill=True)
+    del store  # closes the rendezvous port once every rank has gone
     if errors:
         raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return [out[r] for r in range(world_size)]

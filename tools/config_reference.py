@@ -6,7 +6,7 @@
 Each section of `RunConfig` (megatron_rl/config/schema.py, and ParallelConfig) becomes a table of
 its fields, their defaults and the Megatron flag that sets them, followed by the section's
 docstring, which is where each field is explained. The page is generated so that it cannot drift
-from the code: tests/unit/config/test_config_reference.py runs `--check`.
+from the code: tests/tools/test_config_reference.py runs `--check`.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@
 #             verl from .whl/peers/ when present); it does not use megatron-core, so it runs once
 # GPU_TESTS (default "rl kernels more"): the groups of tests/gpu the gpu part runs, each its own
 # pytest under its own time limit, in the order given (every test of tests/gpu is in exactly one;
-# tests/unit/platform/test_gpu_check_script.py checks that). Estimated times on one H100 (never
+# tests/tools/test_gpu_check_script.py checks that). Estimated times on one H100 (never
 # measured: each pretrain_rl process takes ~10 s on the CPU lane, mostly start-up; on a GPU add
 # CUDA/NCCL set-up and torch.compile's first compiles, cached on disk for the later processes):
 #   rl       the first evidence: the demo (SFT + 3 RL steps) in fp32, bf16, fp16; router replay

@@ -12,7 +12,7 @@ Mixtral and DeepSeek-V3 beside Qwen3). For the Qwen3 release (Qwen/Qwen3-*):
 vocab 151936, head_dim 128, rope_theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960, no
 linear biases, QK-norm; the MoE models have 128 experts, top-8, norm_topk_prob, every layer sparse.
 Their parameter counts (ModelArch.num_parameters) match the published sizes; see
-tests/unit/model/test_presets.py.
+tests/unit/model/test_presets.py (and tests/distributed/test_preset_builds.py builds each).
 """
 from __future__ import annotations
 

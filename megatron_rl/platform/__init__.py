@@ -5,7 +5,7 @@ megatron-core assumes CUDA, and often Transformer Engine or Apex, in a handful o
 before a model is built. Each workaround declares the condition it is about (no CUDA, no
 Transformer Engine, neither TE nor Apex, or always: see `Condition`), detected from the
 libraries themselves (`capabilities()`). Each has a number (the one docs/platform.md uses), the
-failure it fixes, and a probe in `tests/unit/platform/` that proves it is still needed and still
+failure it fixes, and a probe in `tests/distributed/probes.py` that proves it is still needed and still
 sufficient wherever its condition holds: when upstream fixes a line, that test fails. A defect
 fixed in a later megatron-core release names that release (`fixed_in`): the patch is applied
 only on older releases, and on newer ones its probe proves that it is not needed (each CI lane

@@ -20,7 +20,7 @@ class Workaround:
     apply: idempotent function that installs the patch.
     fixed_in: the first megatron-core release without the defect, e.g. "0.17.0" (None: every
         release has it). Releases from this one on need no patch; its probe proves it on each CI
-        lane (tests/unit/platform). The workaround is deleted once the oldest supported
+        lane (tests/distributed/test_workarounds.py). The workaround is deleted once the oldest supported
         megatron-core (pyproject.toml) is at least this release.
     """
 

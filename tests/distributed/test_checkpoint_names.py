@@ -3,14 +3,12 @@ the trainer (a DDP-wrapped one) with exactly the HF weights, and a checkpoint wr
 wrapper's `module.` names (before this convention) still loads."""
 import os
 
-import pytest
 import torch
 
 from tests.distributed.test_rl_loop import BASE
 from tests.mcore_setup import hf_tensors, random_hf_dir
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -18,8 +18,6 @@ import torch
 
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.slow
-
 V, H, G = 24, 16, 4  # vocab, hidden, group size
 PROMPTS = 3
 KEEP = "grpo+keep_sampling_mask"
@@ -222,6 +220,7 @@ def _assert_same(ref: dict, r0: dict, r1: dict, recipes: list[str]):
             torch.testing.assert_close(r1[recipe]["grads"][k], g, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.mcore_api  # get_batch_on_this_cp_rank: is_hybrid_cp, cp_group (0.19)
 def test_cp2_trainer_path_matches_single_rank():
     from megatron_rl.losses import RECIPES
 
@@ -392,7 +391,7 @@ def _ddp_worker(rank, world, recipe, forward_grads):
             "after": {n: p.detach().clone() for n, p in (("E", inner.E), ("P", inner.P), ("W", inner.W))}}
 
 
-@pytest.mark.parametrize("recipe,forward_grads", [("gspo", False), ("grpo", True)])
+@pytest.mark.parametrize("recipe,forward_grads", [("gspo", False), pytest.param("grpo", True, marks=pytest.mark.mcore_api)])  # DDP, DP x CP
 def test_cp2_megatron_ddp_step_matches_single_rank(recipe, forward_grads):
     """megatron's DDP sums (calculate_per_token_loss) the CP shards' gradients: same step as CP=1;
     with gradients formed in the forward, the same step as the recompute path."""

@@ -12,8 +12,6 @@ import torch
 
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.slow
-
 TEMPERATURE = 0.8
 
 
@@ -79,8 +77,7 @@ def _parity(rank, world, arch_kw):
     return report
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", *(pytest.param(a, marks=pytest.mark.variant)
-                                                         for a in ("llama", "qwen2", "mixtral", "deepseek_v3"))])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "llama", "qwen2", "mixtral", "deepseek_v3"])
 def test_engine_logprobs_match_trainer(arch):
     [report] = run_ranks(_parity, world_size=1, timeout=180, arch_kw={"arch": arch})
     print(f"\n{arch}: {report}")

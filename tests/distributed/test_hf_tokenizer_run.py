@@ -15,8 +15,6 @@ from tests.distributed.test_rl_loop import BASE
 from tests.spawn import run_ranks
 from tests.unit.data.test_hf_tokenizer import write_tokenizer
 
-pytestmark = pytest.mark.slow
-
 
 def _run(rank, world, overrides, run_dir, vocab):
     from megatron_rl.config import load_config

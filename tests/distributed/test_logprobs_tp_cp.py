@@ -7,13 +7,10 @@ full-logits computation on one rank (fp32, atol 1e-5). The TP=1×CP=1 case is th
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 from megatron_rl.logprobs import next_token_labels, reference_logprobs_and_entropy
 from tests.spawn import run_ranks
-
-pytestmark = pytest.mark.slow
 
 ATOL = 1e-5
 H, V = 16, 98                     # V divisible by TP=2

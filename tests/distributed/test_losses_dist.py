@@ -7,7 +7,6 @@
   plus metrics (num/den sums) and mismatch sums.
 """
 import numpy as np
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -24,8 +23,6 @@ from megatron_rl.losses.aggregation import GlobalCounts
 from megatron_rl.metrics import mismatch as mm
 from megatron_rl.metrics.reduce import finish, reduce_metrics
 from tests.spawn import run_ranks
-
-pytestmark = pytest.mark.slow
 
 CONFIGS = [
     ("ppo_clip", {"eps_high": 0.28, "dual_clip": 3.0}, [("tis_token", {})], "token_mean", {}),

@@ -12,8 +12,6 @@ import torch
 from tests.distributed.test_rl_loop import BASE
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
@@ -111,7 +109,7 @@ def _save_init(rank, world, hf_dir, root):
         close(ctx)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.variant)])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_init_checkpoint_reaches_the_master_weights(tmp_path, hf_dir, dtype):
     """A bf16/fp16 model started from train.init_checkpoint trains from those weights: the
     optimizer's fp32 master copies are made after the load (not from the random init)."""
@@ -124,6 +122,7 @@ def test_init_checkpoint_reaches_the_master_weights(tmp_path, hf_dir, dtype):
     assert worst < 0.02, worst  # a step of lr 1e-6 from the checkpoint; the random init is ~0.2 away
 
 
+@pytest.mark.mcore_api  # the bf16 optimizer's sharded_state_dict and bf16 routing (0.19)
 def test_bf16_resume_reproduces_the_uninterrupted_run(tmp_path, hf_dir):
     """The fp32 master weights and Adam state travel in the checkpoint: a resumed bf16 run is the
     uninterrupted one, bit for bit."""

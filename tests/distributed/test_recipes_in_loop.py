@@ -1,11 +1,8 @@
 """Every loss recipe runs through the real RL step (one process) and produces a finite update."""
-import pytest
 
 from megatron_rl.losses import RECIPES
 from tests.distributed.test_rl_loop import BASE, hf_dir  # noqa: F401 - fixture
 from tests.spawn import run_ranks
-
-pytestmark = pytest.mark.slow
 
 
 def _each_recipe(rank, world, recipes, run_root, hf):
@@ -32,7 +29,6 @@ def _each_recipe(rank, world, recipes, run_root, hf):
     return out
 
 
-@pytest.mark.variant  # the losses are pure functions (tests/unit/losses); one recipe trains in test_rl_loop
 def test_all_recipes_train(tmp_path, hf_dir):  # noqa: F811
     names = sorted(RECIPES.names())
     [out] = run_ranks(_each_recipe, world_size=1, timeout=600, recipes=names, run_root=str(tmp_path), hf=hf_dir)

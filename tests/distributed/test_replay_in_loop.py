@@ -4,7 +4,6 @@ import pytest
 from tests.distributed.test_rl_loop import _run, hf_dir  # noqa: F401 - fixture
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.slow
 BF16 = ["train.steps=1", "rollout.dtype=bf16", "rollout.prompts_per_step=8", "rollout.max_tokens=6"]
 
 
@@ -27,6 +26,7 @@ def test_r3_replays_engine_routing_and_lowers_mismatch(tmp_path, hf_dir):  # noq
     assert r3["mismatch/kl_k3"] < free["mismatch/kl_k3"], (r3["mismatch/kl_k3"], free["mismatch/kl_k3"])
 
 
+@pytest.mark.mcore_api  # routing recorded under no_grad (unsorted top-k on 0.19) replayed in training
 def test_r2_keeps_the_first_minibatch_and_reports_routing(tmp_path, hf_dir):  # noqa: F811
     one = ["train.num_minibatches=1", "rollout.dtype=fp32"]
     free = _step(tmp_path, "none", hf_dir, one)
@@ -38,7 +38,6 @@ def test_r2_keeps_the_first_minibatch_and_reports_routing(tmp_path, hf_dir):  # 
     assert 0.9 < r2["moe/route_agree_rollout_train"] <= 1.0  # fp32 engine vs fp32 trainer
 
 
-@pytest.mark.variant  # the R2 strategy's minibatch logic; megatron's RouterReplay is the two tests above
 def test_r2_with_two_minibatches_replays_after_an_update(tmp_path, hf_dir):  # noqa: F811
     r2 = _step(tmp_path, "r2n2", hf_dir, ["--router-replay", "r2", "optim.lr=5e-2"])
     # after the first optimizer step the live router would choose differently on some tokens;

@@ -16,8 +16,6 @@ import torch
 from tests.distributed.test_rl_loop import BASE
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.slow
-
 SCHEDULES = {
     "staged": ["train.schedule=staged", "train.stages=2", "loss.recipe=mu_grpo"],
     "async": ["train.schedule=async", "train.max_staleness=1", "loss.recipe=decoupled_ppo"],
@@ -51,7 +49,6 @@ def _run(rank, world, overrides, run_dir, stop_after_first=False):
     return weights, steps
 
 
-@pytest.mark.variant  # the schedules' own logic; test_rl_loop makes the same megatron-core calls
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_resume_mid_schedule_reproduces_the_uninterrupted_run(tmp_path, name):
     overrides = SCHEDULES[name] + STEPS
@@ -74,7 +71,6 @@ def test_resume_mid_schedule_reproduces_the_uninterrupted_run(tmp_path, name):
         assert torch.equal(w_full[k], w_res[k]), k
 
 
-@pytest.mark.variant  # the schedules' own logic; test_rl_loop makes the same megatron-core calls
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_two_data_parallel_ranks_match_one(tmp_path, name):
     overrides = SCHEDULES[name] + STEPS
@@ -94,8 +90,8 @@ def test_two_data_parallel_ranks_match_one(tmp_path, name):
 
 
 @pytest.mark.parametrize("name,stale_steps", [
-    ("sync", []), pytest.param("staged", [2], marks=pytest.mark.variant),
-    pytest.param("async", [2], marks=pytest.mark.variant)])
+    ("sync", []), ("staged", [2]),
+    ("async", [2])])
 def test_which_policies_the_losses_compare(tmp_path, name, stale_steps):
     """fp32 engine and trainer: μ and π_old agree to ~1e-6 when the batch comes from the current
     weights; a stale batch keeps its behaviour μ (version 0) while π_old is recomputed with the

@@ -5,10 +5,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.slow
 
 
 def test_short_demo_improves_reward(tmp_path):

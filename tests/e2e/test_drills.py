@@ -24,7 +24,6 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.slow
 HANG_GUARD_S = 600  # a deadline against hangs only; no assertion depends on speed
 
 BASE = ["--config", "examples/demo_cpu.yaml", "model.overrides={}", "sft.steps=0", "rollout.prompts_per_step=2",

@@ -20,7 +20,7 @@ CPUs' records, which are stale then):
     python tools/record_golden.py --add-cpu              # this CPU's record, the math unchanged
     MEGATRON_RL_REGEN_GOLDEN=1 python -m pytest tests/e2e/test_golden.py   # every case, via the test
 
-About 30-50 s on 2 CPU cores; marked slow (make test / CI, not make test-fast).
+About 30-50 s on 2 CPU cores (the e2e tier: make test and CI, not make test-fast).
 """
 import os
 
@@ -37,8 +37,6 @@ from tests.golden import (
     versions,
     write_golden,
 )
-
-pytestmark = pytest.mark.slow
 
 # Tolerance. The run is bit-reproducible: three fresh processes (and any subset or order of the
 # cases) gave identical doubles, so the tolerance only has to absorb re-associated float64

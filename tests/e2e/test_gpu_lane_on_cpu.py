@@ -11,8 +11,7 @@ import torch
 
 from tests.gpu import test_rl_gpu as lane
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs these on the GPU here")]
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs these on the GPU here")]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

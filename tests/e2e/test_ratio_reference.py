@@ -10,7 +10,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.slow
 # a 25-step SFT on sorting (about 35% accuracy) so that groups have mixed rewards and step 1 updates
 BASE = ["--config", "examples/demo_cpu.yaml", "data.tasks=[sorting]", "sft.steps=25", "sft.eval_every=0",
         "sft.target_accuracy=null", "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.dtype=fp32",

@@ -8,7 +8,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.slow
 SCRIPTS = {"minirl": 11, "mu_grpo": 5, "p3o": 5, "tim": 12}  # script -> arms it runs
 
 

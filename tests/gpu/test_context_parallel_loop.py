@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = pytest.mark.gpu
 
 OVERRIDES = ["model.size=tiny", "model.dtype=bf16", "rollout.dtype=bf16",
              "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_tokens=8", "train.steps=1",

@@ -8,7 +8,7 @@ import torch
 from megatron_rl.platform import capabilities
 from tests.spawn import run_ranks
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = pytest.mark.gpu
 
 
 def _build_and_check(rank, world, spec, dtype):

@@ -13,7 +13,7 @@ import pytest
 from megatron_rl.losses import RECIPES
 from tests.gpu.runs import DEMO_SHORT, DENSE_REWARD, ONE_STEP, STEP_KEYS, launch, launch_many
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = pytest.mark.gpu
 
 
 def _finite(metrics: dict, keys=STEP_KEYS) -> None:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from megatron_rl.logprobs import reference_logprobs_and_entropy, token_logprobs_and_entropy
-from megatron_rl.logprobs.compiled_math import CompiledChunkMath
 from megatron_rl.logprobs.loss_fused import auto_loss_chunk_size, fused_token_loss
 from tests.unit.logprobs.cases import H, N, V, random_case
 
@@ -119,22 +117,6 @@ def test_auto_chunk_keeps_logits_and_g_within_the_buffer():
     """832 tokens at V = 151,936 with a bf16 G: 832 · 151,936 · 6 bytes <= 768 MiB < 896 · ..."""
     assert auto_loss_chunk_size(151_936, 2) == 832
     assert auto_loss_chunk_size(151_936, 4) == 640 and auto_loss_chunk_size(10**9, 2) == 64
-
-
-@pytest.mark.slow   # C++ compiles on 2 cores
-def test_inductor_compiled_chunk_math_matches_float64(monkeypatch):
-    """The chunk math as a GPU runs it (compiled; Inductor's C++ backend here)."""
-    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
-    torch._dynamo.reset()
-    try:
-        h, w, y, kept, coef = _case(seed=4)
-        counter = CompileCounterWithBackend("inductor")
-        ours = _fused(h, w, y, kept, coef, chunk_size=8, kernels=CompiledChunkMath(backend=counter))
-        assert counter.frame_count >= 3, "the chunk math ran without being compiled"
-        ref = _autograd(reference_logprobs_and_entropy, h.double(), w.double(), y, kept, coef)
-        _close(ours, ref, 1e-5)
-    finally:
-        torch._dynamo.reset()
 
 
 def test_bf16_inputs_give_fp32_accurate_outputs_at_a_large_vocabulary():

@@ -48,7 +48,7 @@ def test_conditions_of_the_workarounds():
 
 
 # Which workarounds each megatron-core release needs, per platform, as the probes measured them
-# (tests/unit/platform/test_workarounds.py on each CI lane: 0.16.1 on lane 1, 0.19.2 on lane 2).
+# (tests/distributed/test_workarounds.py on each CI lane: 0.16.1 on lane 1, 0.19.2 on lane 2).
 # #3's defect was fixed in 0.17.0 (moe_utils binds te_general_gemm to None without TE); every other
 # defect is in both releases (#17's in a different form, see its docstring).
 @pytest.mark.parametrize("mcore,fixed", [("0.16.1", set()), ("0.19.2", {3})])

@@ -7,9 +7,10 @@ Per megatron-core release: a workaround whose defect a later release fixed names
 (`test_fixed_upstream`), on older ones it must still fail. Each CI lane runs its own release
 (0.16.1 and 0.19.2), so together they say which workarounds each release needs. When an upgrade
 fixes a line whose workaround has no `fixed_in`, the "needed" case fails here: record the release
-in `fixed_in`, and delete the workaround once the oldest supported release has the fix. Each case
-runs in a fresh interpreter because the patches are process-wide; the interpreter sees this
-machine as it is (its CUDA devices included).
+in `fixed_in`, and delete the workaround once the oldest supported release has the fix. Each "needed"
+case runs in a fresh interpreter because the patches are process-wide; the "sufficient" cases share
+one (every workaround applied, each probe in turn). The interpreters see this machine as it is (its
+CUDA devices included).
 """
 import os
 import subprocess
@@ -20,8 +21,9 @@ import torch
 
 from megatron_rl.platform import capabilities, megatron_core_version, workarounds
 
-pytestmark = pytest.mark.slow
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# every probe calls a private megatron-core name this project patches: each lane checks its own release
+pytestmark = pytest.mark.mcore_api
 ALL = {w.number: w for w in workarounds()}
 NUMBERS = sorted(ALL)
 FIXED_UPSTREAM = sorted(n for n, w in ALL.items() if w.fixed_in is not None)
@@ -48,10 +50,25 @@ def _expected(number: int) -> tuple[str, ...]:
     return expected if isinstance(expected, tuple) else (expected,)
 
 
-def _probe(number: int, without: bool) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tests.unit.platform.probes", str(number)] + (["--without"] if without else [])
+def _probe(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tests.distributed.probes", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def with_all() -> dict[int, str]:
+    """Every probe with every workaround applied, in one fresh process: probe number -> its output."""
+    run = _probe("all", *map(str, NUMBERS))
+    out: dict[int, str] = {}
+    number = None
+    for line in run.stdout.splitlines():
+        if line.startswith("PROBE "):
+            number = int(line.split()[1])
+            out[number] = ""
+        if number is not None:
+            out[number] += line + "\n"
+    return out
 
 
 def _skip_unless_condition_holds(number: int) -> None:
@@ -76,18 +93,17 @@ def test_every_workaround_has_a_probe():
 def test_still_needed(number):
     _skip_unless_condition_holds(number)
     _skip_if_fixed_here(number)
-    run = _probe(number, without=True)
+    run = _probe(str(number), "--without")
     assert run.returncode == 3, (f"probe {number} passed without its workaround on megatron-core "
                                  f"{megatron_core_version()}: upstream fixed it? (set fixed_in)\n{run.stdout}")
     assert any(text in run.stdout for text in _expected(number)), run.stdout + run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("number", NUMBERS)
-def test_sufficient(number):
+def test_sufficient(number, with_all):
     _skip_unless_condition_holds(number)
     _skip_if_fixed_here(number)
-    run = _probe(number, without=False)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert with_all.get(number, "").startswith(f"PROBE {number} OK"), with_all.get(number, "probe did not run")
 
 
 @pytest.mark.parametrize("number", FIXED_UPSTREAM)
@@ -98,7 +114,7 @@ def test_fixed_upstream(number):
     if w.has_defect():
         pytest.skip(f"megatron-core {megatron_core_version()} predates {w.fixed_in}, the release that fixed "
                     f"workaround #{number} ({w.name}): test_still_needed[{number}] covers it")
-    run = _probe(number, without=True)
+    run = _probe(str(number), "--without")
     assert run.returncode == 0, (f"workaround #{number} ({w.name}) is marked fixed in megatron-core {w.fixed_in}, "
                                  f"but its probe fails without it on {megatron_core_version()}:\n"
                                  + run.stdout + run.stderr[-3000:])

@@ -21,8 +21,6 @@ from packaging.requirements import Requirement
 
 from tests.gpu.runs import ROOT
 
-pytestmark = pytest.mark.slow
-
 DEVICE_HAS = ("torch", "triton", "transformers", "pytest")
 OURS = {"megatron_rl", "tests", "benchmarks", "tools"}
 CHECKED = ("megatron_rl", "tests.gpu", "tests.golden", "tests.spawn",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 import logprobs_cuda as bench
 
@@ -63,7 +63,7 @@ def test_peer_module_skips_a_package_init_that_needs_a_missing_dependency(tmp_pa
 
 
 def test_the_gpu_table_exits_2_without_cuda():
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "logprobs.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "logprobs.py")
     run = subprocess.run([sys.executable, script, "--device", "cuda"], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 2 and "torch.cuda.is_available() is False" in run.stderr, run.stderr[-2000:]

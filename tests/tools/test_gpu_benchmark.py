@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "rl_step_gpu.py")
 
 
@@ -226,7 +226,7 @@ finally:
 """
 
 
-@pytest.mark.slow  # a subprocess that builds the tiny trainer and engine (~10 s)
+# a subprocess that builds the tiny trainer and engine (~10 s)
 def test_make_batch_on_the_synthetic_rollout(tmp_path):
     """The trainer's setup + make_batch on the benchmark's config and rollout (tiny preset, CPU, one
     gloo process in a subprocess): the shapes the timed phases would get. No timing."""
@@ -258,7 +258,7 @@ print(json.dumps({k: r[k] for k in ("phases_s", "plain_lm_s", "update_s", "summa
 """
 
 
-@pytest.mark.slow  # a subprocess that builds the tiny trainer and engine and runs two steps (~15 s)
+# a subprocess that builds the tiny trainer and engine and runs two steps (~15 s)
 def test_the_whole_timed_step_runs_on_the_tiny_preset(tmp_path):
     """(With the default model.recompute=core_attn, no checkpoint-space check, and a model vocabulary
     of 96 rows beside the 64-symbol tokenizer, as a real preset's 151,936 are.)"""
@@ -307,7 +307,7 @@ def _recompute_matches(rank, world, arch_name):
     return out
 
 
-@pytest.mark.slow   # one spawned gloo rank building four tiny models (~15 s)
+# one spawned gloo rank building four tiny models (~15 s)
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_recompute_of_core_attention_gives_the_same_loss_and_gradients(arch):
     """model.recompute=core_attn (the benchmark's default) with megatron's local attention: core

@@ -1,10 +1,12 @@
 """One probe per platform workaround: the smallest real megatron-core call that needs it.
 
-    python -m tests.unit.platform.probes N [--without]
+    python -m tests.distributed.probes N [--without]
+    python -m tests.distributed.probes all N1 N2 ...
 
 applies every workaround this process needs (all but N with --without), runs probe N, prints the
 outcome and exits 0 when the call worked, 3 when it raised (the message is printed). A fresh
-process per run, because patches are process-wide. Runs on CPU (gloo) and, for the workarounds
+process per "--without" run, because patches are process-wide; `all` runs the listed probes one
+after another with every workaround applied (exit 3 if any raised, each outcome printed). Runs on CPU (gloo) and, for the workarounds
 about Transformer Engine or Apex being absent, on a GPU (NCCL) too.
 """
 from __future__ import annotations
@@ -196,14 +198,8 @@ def probe_17():
     _forward(_model(arch="deepseek_v3")[0]).sum().backward()
 
 
-def main(argv: list[str]) -> int:
-    warnings.filterwarnings("ignore")
-    number = int(argv[0])
-    without = "--without" in argv
-    from megatron_rl.platform import apply_platform_workarounds
-
-    apply_platform_workarounds(skip={number} if without else ())
-    _dist()
+def _run_probe(number: int) -> bool:
+    """Run probe `number`; print its outcome (the whole exception chain if it raised)."""
     try:
         globals()[f"probe_{number}"]()
     except Exception as e:  # noqa: BLE001 - the failure this workaround exists for
@@ -213,9 +209,34 @@ def main(argv: list[str]) -> int:
             seen = seen.__cause__ or seen.__context__
         print(f"PROBE {number} RAISED " + " <- ".join(chain))
         traceback.print_exc()
-        return 3
+        return False
     print(f"PROBE {number} OK")
-    return 0
+    return True
+
+
+def main(argv: list[str]) -> int:
+    """`N [--without]`: probe N with every workaround (but N); `all N1 N2 ...`: with every workaround,
+    each probe in turn in this one process (the "sufficient" half needs no process per probe: the
+    patches are the same for all), megatron's parallel state reset between them."""
+    warnings.filterwarnings("ignore")
+    from megatron_rl.platform import apply_platform_workarounds
+
+    if argv[0] == "all":
+        from megatron.core import parallel_state
+
+        apply_platform_workarounds()
+        _dist()
+        ok = True
+        for number in map(int, argv[1:]):
+            ok &= _run_probe(number)
+            sys.stdout.flush()
+            parallel_state.destroy_model_parallel()
+        return 0 if ok else 3
+    number = int(argv[0])
+    without = "--without" in argv
+    apply_platform_workarounds(skip={number} if without else ())
+    _dist()
+    return 0 if _run_probe(number) else 3
 
 
 if __name__ == "__main__":

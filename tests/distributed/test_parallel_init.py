@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD = ("import psutil, torch.distributed as dist\n"
          "from megatron_rl.parallel import init_distributed\n"
          "print(init_distributed())\n"

@@ -33,7 +33,7 @@ def test_context_parallel_config_loads(tmp_path):
     assert cfg.parallel.context_parallel_size == 2 and cfg.model.dtype == "bf16"
 
 
-@pytest.mark.slow   # three short subprocesses (~15 s): a config error and a start-up error
+# three short subprocesses (~15 s): a config error and a start-up error
 def test_a_failed_gpu_lane_run_explains_itself(tmp_path):
     """On the GPU machine only the test output comes back, not pytest's tmp dir: a failed run's
     message has the error itself (the traceback with --debug), not just an exit code."""

@@ -1,0 +1,35 @@
+"""The unit tier starts no process: a test here that tries fails with where it belongs instead.
+
+`make test-fast` runs this tier on every edit, so it must stay minutes on 2 cores: an interpreter
+start with torch and megatron-core costs seconds, a server or a training run far more. Tests that
+start gloo ranks or fresh interpreters live in tests/distributed, tests of scripts and benchmarks
+(tools/, benchmarks/, examples/) in tests/tools, runs of pretrain_rl.py in tests/e2e.
+"""
+import multiprocessing.process
+import os
+import subprocess
+
+import pytest
+
+WHERE = ("a unit test starts no process: move it to tests/distributed (ranks, fresh interpreters) or "
+         "tests/tools (scripts and benchmarks)")
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError(WHERE)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _font_cache():
+    """matplotlib lists the system's fonts (fc-list, a process) the first time it is imported on a
+    machine and caches them: done before the guard below, as a fresh CI machine would."""
+    import matplotlib.font_manager  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _no_processes(monkeypatch, _font_cache):
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, _refuse)
