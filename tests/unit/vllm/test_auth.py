@@ -12,8 +12,6 @@ from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.http import request
 from megatron_rl.rollout.vllm.server_plugin.megatron_rl_vllm_auth import ENV_KEY, RequireBearerKey
 
-pytestmark = pytest.mark.vllm
-
 KEY = "s3cret-key"
 
 

@@ -21,7 +21,6 @@ from megatron_rl.rollout.vllm.protocol import (
 from tests.vllm.conftest import tiny_arch
 from tests.vllm.fake_server import good_answer
 
-pytestmark = pytest.mark.vllm
 V = 64
 
 
