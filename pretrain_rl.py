@@ -82,16 +82,18 @@ def print_summary(summary: dict) -> None:
 
 def report_error(e: BaseException, rank: int, run_dir: str, debug: bool) -> None:
     """One line per failing rank on stderr; the traceback goes to run_dir/error-rank<r>.log (and to
-    stderr with --debug), except when the run directory belongs to another live run: that run's
-    own error log must not be overwritten by a launch it refused."""
-    from megatron_rl.trainer.run_dir import RunDirInUse
+    stderr with --debug), except when the run directory was refused (it belongs to another live
+    run, whose own error log must not be overwritten by a launch it refused, or its lock is a
+    link). A symbolic link at the log's name is not followed: the traceback is then not kept."""
+    from megatron_rl.fs import open_no_follow
+    from megatron_rl.trainer.run_dir import RunDirRefused
 
     trace = "".join(traceback.format_exception(e))
-    log = None if isinstance(e, RunDirInUse) else os.path.join(run_dir, f"error-rank{rank}.log")
+    log = None if isinstance(e, RunDirRefused) else os.path.join(run_dir, f"error-rank{rank}.log")
     try:
         if log is not None:
             os.makedirs(run_dir, exist_ok=True)
-            with open(log, "w") as f:
+            with open_no_follow(log, "w") as f:
                 f.write(trace)
     except OSError:
         log = None
