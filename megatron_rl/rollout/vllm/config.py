@@ -178,6 +178,7 @@ class VllmConfig:
             checks.number("rollout.vllm.gpu_memory_utilization", self.gpu_memory_utilization, lo=0, hi=1,
                           lo_open=True, hint="a fraction of the GPU's memory, e.g. 0.5")
         checks.integer("rollout.vllm.kv_cache_space_gb", self.kv_cache_space_gb, lo=1)
+        checks.integer("rollout.vllm.seed", self.seed, lo=0, hi=2**32 - 1, hint="vLLM seeds numpy: 32 bits")
         self.extra_args = [str(a) for a in self.extra_args]
         for arg in self.extra_args:  # argv is visible to `ps`, written to server.log and kept in every checkpoint
             secret, given = secret_flag(arg), arg.split("=")[0]   # never the value: it is the secret

@@ -71,3 +71,38 @@ def test_shared_anchors_within_the_bound_still_work(tmp_path):
                     "rollout:\n  vllm:\n    env: {A: '1'}\n")
     cfg = load_config(str(path))
     assert config_to_dict(cfg)["loss"]["surrogate_params"] == {"eps_low": 0.2, "eps_high": 0.28}
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["train.seed=18446744073709551616"], (r"train.seed=18446744073709551616: must be an integer >= 0 and <= 4294967295 "
+                                          r"\(a 32-bit seed")),
+    (["--seed", "9223372036854775808"], r"train.seed=9223372036854775808: must be an integer >= 0 and <= 4294967295"),
+    (["train.seed=-1"], r"train.seed=-1: must be an integer >= 0"),
+    (["data.seed=4294967296"], r"data.seed=4294967296: must be an integer >= 0 and <= 4294967295"),
+    (["rollout.vllm={seed: 4294967296}"], r"rollout.vllm.seed=4294967296: must be an integer >= 0 and <= 4294967295"),
+    (["train.steps=9223372036854775808"], r"train.steps=9223372036854775808: must fit a 64-bit integer"),
+    (["train.eval_every=-9223372036854775809"], r"train.eval_every=-9223372036854775809: must be an integer >= 0"),
+    (["rollout.max_tokens=" + "9" * 30], r"rollout.max_tokens=9{30}: must fit a 64-bit integer"),
+])
+def test_integers_are_bounded_where_they_are_read(overrides, msg):
+    """train.seed=2**64 failed mid-start in megatron's RNG tracker ("Overflow when unpacking long
+    long", exit 1); every integer must fit 64 bits, and a seed 32 (numpy, vLLM's requests)."""
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, overrides)
+
+
+def test_largest_seed_passes():
+    assert load_config(None, ["train.seed=4294967295", "data.seed=0"]).train.seed == 2**32 - 1
+
+
+def test_a_jsonl_that_is_a_fifo_is_named_as_such(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "p.jsonl")
+    os.symlink(tmp_path / "gone.jsonl", tmp_path / "dangling.jsonl")
+    cfg = load_config(None, [f"data.jsonl={tmp_path / 'p.jsonl'}", f"train.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match=r"p.jsonl: is not a regular file \(a FIFO, socket or device"):
+        cfg.check_paths()
+    cfg = load_config(None, [f"data.jsonl={tmp_path / 'dangling.jsonl'}", f"train.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match=r"dangling.jsonl: is a symbolic link to a file that does not exist"):
+        cfg.check_paths()
