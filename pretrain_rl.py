@@ -48,6 +48,19 @@ def parse_args(argv=None):
     return args, overrides
 
 
+def check_summary_json(path: str) -> None:
+    """--summary-json is written after the run: a path that cannot take it is refused at start-up
+    (a missing folder was found only once training was over). Raises ValueError naming it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--summary-json {path} is a folder; name a file in it")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--summary-json {path}: the folder {folder} does not exist; create it or name a file "
+                         f"in an existing folder")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--summary-json {path}: not writable by this user; name a file in a writable folder")
+
+
 def print_summary(summary: dict) -> None:
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -126,6 +139,8 @@ def main(argv=None) -> int:
             print(json.dumps(config_to_dict(cfg), indent=2, default=str))
             return 0
         cfg.check_paths()
+        if args.summary_json and int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes it, after the run
+            check_summary_json(args.summary_json)
     except (ConfigError, ValueError, OSError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -160,8 +175,12 @@ def main(argv=None) -> int:
         summary["wall_seconds"] = time.perf_counter() - t0
         print_summary(summary)
         if args.summary_json:
-            with open(args.summary_json, "w") as f:
-                json.dump(summary, f, indent=1, default=str)
+            try:
+                with open(args.summary_json, "w") as f:
+                    json.dump(summary, f, indent=1, default=str)
+            except OSError as e:
+                print(f"error: --summary-json {args.summary_json}: {e.strerror or e}", file=sys.stderr, flush=True)
+                return 1
     return 0
 
 
