@@ -336,6 +336,10 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
         hf_config.save_pretrained(tmp)
         for src, dst in (extra_files or {}).items():
             shutil.copy(src, os.path.join(tmp, dst))
+        # every file as a plain open would make it: safetensors writes its files 0600 (and a copy
+        # keeps its source's mode), which hid the weights from the group beside a 0644 config.json
+        for entry in os.scandir(tmp):
+            os.chmod(entry.path, 0o666 & ~_umask())
         fsync_tree(tmp)  # on disk before it takes the name (and before --overwrite deletes the old one)
         try:
             os.replace(tmp, out_dir)  # onto nothing or an empty folder; a non-empty one fails, atomically
