@@ -221,3 +221,30 @@ def test_shards_linked_into_a_cache_still_load(hf, tmp_path):
     reader = SafetensorsReader(str(hf))
     check_weights(reader, load_arch(str(hf)))
     assert reader(EMB).shape == (64, 64) and reader(EMB).dtype == torch.float32
+
+
+# ---- an architecture from anywhere (a checkpoint's record, overrides) is checked the same way
+@pytest.mark.parametrize("field,value,msg", [
+    ("num_layers", -3, r"model.num_layers=-3: must be an integer >= 1"),
+    ("num_attention_heads", 0, r"model.num_attention_heads=0: must be an integer >= 1"),
+    ("hidden_size", "64", r"model.hidden_size='64': must be an integer >= 1"),
+    ("num_experts", -1, r"model.num_experts=-1: must be an integer >= 0"),
+    ("rope_theta", float("nan"), r"model.rope_theta=nan: must be a finite number > 0"),
+    ("rope_llama3_factor", -1.0, r"model.rope_llama3_factor=-1.0: must be a finite number >= 0"),
+    ("tie_word_embeddings", 1, r"model.tie_word_embeddings=1: must be true or false"),
+    ("mlp_only_layers", [-1], r"model.mlp_only_layers=\[-1\]: must be a list of layer indices"),
+])
+def test_an_arch_from_anywhere_is_checked(field, value, msg):
+    from megatron_rl.model.arch import ModelArch
+
+    with pytest.raises(ValueError, match=msg):
+        ModelArch(**{field: value})
+
+
+def test_the_converter_refuses_an_impossible_recorded_arch():
+    from tools.convert_hf_to_mcore import Refused, reverse_arch
+
+    with pytest.raises(Refused, match=r"the architecture the checkpoint records is not a valid one \(model.num_layers"):
+        reverse_arch({"arch": {**preset_arch("qwen3", "tiny").to_dict(), "num_layers": -3}}, None)
+    with pytest.raises(Refused, match=r"the architecture the checkpoint records is not a valid one .*unexpected"):
+        reverse_arch({"arch": {"bogus": 1}}, None)
