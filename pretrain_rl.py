@@ -48,15 +48,19 @@ def parse_args(argv=None):
     return args, overrides
 
 
-def check_summary_json(path: str) -> None:
-    """--summary-json is written after the run: a path that cannot take it is refused at start-up
-    (a missing folder was found only once training was over). Raises ValueError naming it."""
+def prepare_summary_json(path: str) -> None:
+    """--summary-json is written after the run: at start-up its folder is created if missing (as
+    train.run_dir's is; the summary often sits beside the run directory) and a path that cannot
+    take the file is refused, naming it (a missing folder was found only once training was over,
+    and the summary lost). Raises ValueError."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"--summary-json {path} is a folder; name a file in it")
-    if not os.path.isdir(folder):
-        raise ValueError(f"--summary-json {path}: the folder {folder} does not exist; create it or name a file "
-                         f"in an existing folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--summary-json {path}: cannot create its folder {folder} ({e.strerror or e}); name a "
+                         f"file in a folder that exists or can be made") from None
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"--summary-json {path}: not writable by this user; name a file in a writable folder")
 
@@ -140,7 +144,7 @@ def main(argv=None) -> int:
             return 0
         cfg.check_paths()
         if args.summary_json and int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes it, after the run
-            check_summary_json(args.summary_json)
+            prepare_summary_json(args.summary_json)
     except (ConfigError, ValueError, OSError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

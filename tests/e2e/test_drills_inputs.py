@@ -32,6 +32,11 @@ def _bomb(path):
     return path
 
 
+def _file(path):
+    path.write_text("a file where the summary's folder would be")
+    return path
+
+
 def _fifo(path):
     os.mkfifo(path)
     return path
@@ -46,8 +51,8 @@ START_UP = {
                                   "--hf_tok looks like a secret (vLLM reads it as --hf-token)"),
     "11_seed_past_64_bits": (lambda t: ["train.seed=18446744073709551616"],
                              "train.seed=18446744073709551616: must be an integer >= 0 and <= 4294967295"),
-    "11_summary_json_folder": (lambda t: ["--summary-json", str(t / "missing" / "summary.json")],
-                               f"the folder {{t}}{os.sep}missing does not exist"),
+    "11_summary_json_folder": (lambda t: ["--summary-json", str(_file(t / "notes") / "summary.json")],
+                               f"cannot create its folder {{t}}{os.sep}notes"),
     "11_jsonl_fifo": (lambda t: [f"data.jsonl={_fifo(t / 'p.jsonl')}"], "p.jsonl: is not a regular file (a FIFO"),
 }
 
