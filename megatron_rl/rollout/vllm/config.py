@@ -201,6 +201,12 @@ class VllmConfig:
             kinds = str(spec.type).replace(" ", "").split("|")
             if value is None and "None" in kinds:
                 continue
+            if "float" in kinds and isinstance(value, str):  # YAML reads 1e-3 (no dot) as text, as the loader knows
+                try:
+                    value = float(value)
+                    setattr(self, spec.name, value)
+                except ValueError:
+                    pass  # checks.number names it
             if "bool" in kinds:
                 checks.boolean(where, value)
             elif "int" in kinds:

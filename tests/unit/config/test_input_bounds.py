@@ -29,8 +29,12 @@ def test_rollout_vllm_is_validated_under_the_embedded_backend(overrides, msg):
 
 
 def test_a_valid_rollout_vllm_passes_under_the_embedded_backend():
-    cfg = load_config(None, ["rollout.vllm={tensor_parallel_size: 2, env: {A: 1}, extra_args: [--seed, 3]}"])
+    cfg = load_config(None, [("rollout.vllm={tensor_parallel_size: 2, env: {A: 1}, extra_args: [--seed, 3], "
+                             "probe_tolerance: 1e-3}")])   # YAML reads 1e-3 as text: a float field takes it
     assert cfg.rollout.vllm["tensor_parallel_size"] == 2
+    from megatron_rl.rollout.vllm.config import VllmConfig
+
+    assert VllmConfig.from_dict(cfg.rollout.vllm).probe_tolerance == 1e-3
 
 
 def test_a_yaml_alias_bomb_is_refused_before_anything_expands_it(tmp_path):
