@@ -48,6 +48,23 @@ def parse_args(argv=None):
     return args, overrides
 
 
+def prepare_summary_json(path: str) -> None:
+    """--summary-json is written after the run: at start-up its folder is created if missing (as
+    train.run_dir's is; the summary often sits beside the run directory) and a path that cannot
+    take the file is refused, naming it (a missing folder was found only once training was over,
+    and the summary lost). Raises ValueError."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--summary-json {path} is a folder; name a file in it")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--summary-json {path}: cannot create its folder {folder} ({e.strerror or e}); name a "
+                         f"file in a folder that exists or can be made") from None
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--summary-json {path}: not writable by this user; name a file in a writable folder")
+
+
 def print_summary(summary: dict) -> None:
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -82,16 +99,18 @@ def print_summary(summary: dict) -> None:
 
 def report_error(e: BaseException, rank: int, run_dir: str, debug: bool) -> None:
     """One line per failing rank on stderr; the traceback goes to run_dir/error-rank<r>.log (and to
-    stderr with --debug), except when the run directory belongs to another live run: that run's
-    own error log must not be overwritten by a launch it refused."""
-    from megatron_rl.trainer.run_dir import RunDirInUse
+    stderr with --debug), except when the run directory was refused (it belongs to another live
+    run, whose own error log must not be overwritten by a launch it refused, or its lock is a
+    link). A symbolic link at the log's name is not followed: the traceback is then not kept."""
+    from megatron_rl.fs import open_no_follow
+    from megatron_rl.trainer.run_dir import RunDirRefused
 
     trace = "".join(traceback.format_exception(e))
-    log = None if isinstance(e, RunDirInUse) else os.path.join(run_dir, f"error-rank{rank}.log")
+    log = None if isinstance(e, RunDirRefused) else os.path.join(run_dir, f"error-rank{rank}.log")
     try:
         if log is not None:
             os.makedirs(run_dir, exist_ok=True)
-            with open(log, "w") as f:
+            with open_no_follow(log, "w") as f:
                 f.write(trace)
     except OSError:
         log = None
@@ -124,6 +143,8 @@ def main(argv=None) -> int:
             print(json.dumps(config_to_dict(cfg), indent=2, default=str))
             return 0
         cfg.check_paths()
+        if args.summary_json and int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes it, after the run
+            prepare_summary_json(args.summary_json)
     except (ConfigError, ValueError, OSError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -158,8 +179,12 @@ def main(argv=None) -> int:
         summary["wall_seconds"] = time.perf_counter() - t0
         print_summary(summary)
         if args.summary_json:
-            with open(args.summary_json, "w") as f:
-                json.dump(summary, f, indent=1, default=str)
+            try:
+                with open(args.summary_json, "w") as f:
+                    json.dump(summary, f, indent=1, default=str)
+            except OSError as e:
+                print(f"error: --summary-json {args.summary_json}: {e.strerror or e}", file=sys.stderr, flush=True)
+                return 1
     return 0
 
 

@@ -16,6 +16,11 @@ writer reaches it (megatron_rl/trainer/lazy_save.py), so peak memory is about th
 tensor, not the model (benchmarks/convert_memory.py). mcore -> HF loads the model, then streams
 the export.
 
+The input --hf-dir is checked whole before anything is built (megatron_rl/model/hf_files.py): a
+config.json value of the wrong type or range, a damaged safetensors header, an index naming a file
+outside the folder, or weights that are not the model config.json describes is refused (exit code
+2) in one line naming the file and the value.
+
 --reverse writes --hf-dir and never reads it. An --hf-dir that exists and is not empty is
 refused (exit code 2) unless --overwrite is given, which replaces the whole folder once the
 export is complete. The architecture (config.json) is the one the checkpoint records (this
@@ -112,18 +117,41 @@ def reverse_arch(extra: dict, arch_from: str | None):
     trainer's checkpoints do), else --arch-from's config.json. Never the output folder's: reading
     it is what invited exporting into the source model."""
     from megatron_rl.model import ModelArch
-    from megatron_rl.model.hf_io import load_arch
+    from megatron_rl.model.hf_files import HfInputError, load_arch
 
     if arch_from is not None and not os.path.isdir(arch_from):
         raise Refused(f"--arch-from {arch_from} is not a folder")
     if "arch" in extra:
-        return ModelArch(**extra["arch"])
+        try:
+            return ModelArch(**extra["arch"])
+        except (TypeError, ValueError) as e:
+            raise Refused(f"the architecture the checkpoint records is not a valid one ({e})") from None
     if arch_from is None:
         raise Refused("the checkpoint does not record its architecture; pass --arch-from HF_DIR, the HF model "
                       "folder holding its config.json")
     if not os.path.isfile(os.path.join(arch_from, "config.json")):
         raise Refused(f"--arch-from {arch_from} has no config.json")
-    return load_arch(arch_from)
+    try:
+        return load_arch(arch_from)
+    except HfInputError as e:
+        raise Refused(f"--arch-from {arch_from}: {str(e).removeprefix(arch_from + ': ')}") from None
+
+
+def forward_input(hf_dir: str):
+    """(ModelArch, SafetensorsReader) of --hf-dir, checked whole before any work (model/hf_files.py):
+    config.json's values, the safetensors headers, and that the weights are the model config.json
+    describes. Refused naming the file and the value."""
+    from megatron_rl.model.hf_files import HfInputError, SafetensorsReader, check_weights, load_arch
+
+    if not os.path.isdir(hf_dir):
+        raise Refused(f"--hf-dir {hf_dir} is not a folder")
+    try:
+        arch = load_arch(hf_dir)
+        reader = SafetensorsReader(hf_dir)
+        check_weights(reader, arch)
+    except HfInputError as e:
+        raise Refused(f"--hf-dir {hf_dir}: {str(e).removeprefix(hf_dir + ': ')}") from None
+    return arch, reader
 
 
 def refuse(message: str) -> int:
@@ -155,15 +183,17 @@ def main(argv=None) -> int:
     point hides the GPUs before anything can initialise CUDA; a caller importing main() must too."""
     warnings.filterwarnings("ignore", category=UserWarning)
     args = parse_args(argv)
-    arch = None
-    if args.reverse:  # refuse before the process group, the model and the load
-        from megatron_rl.trainer.checkpoint import read_extra
+    arch = reader = None
+    try:  # refuse before the process group, the model and the load
+        if args.reverse:
+            from megatron_rl.trainer.checkpoint import read_extra
 
-        try:
             check_output(args)
             arch = reverse_arch(read_extra(args.mcore_dir), args.arch_from)  # JSON: nothing is unpickled
-        except Refused as e:
-            return refuse(str(e))
+        else:
+            arch, reader = forward_input(args.hf_dir)
+    except Refused as e:
+        return refuse(str(e))
     import torch
     import torch.distributed as dist
 
@@ -174,13 +204,7 @@ def main(argv=None) -> int:
 
     from megatron_rl.data.hf_tokenizer import folder_fingerprint
     from megatron_rl.model import BuildOptions, build_gpt_model
-    from megatron_rl.model.hf_io import (
-        SafetensorsReader,
-        export_hf_weights,
-        hf_materializer,
-        load_arch,
-        save_hf_checkpoint,
-    )
+    from megatron_rl.model.hf_io import export_hf_weights, hf_materializer, save_hf_checkpoint
     from megatron_rl.parallel import ParallelConfig, destroy_parallel, init_distributed, init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -196,11 +220,10 @@ def main(argv=None) -> int:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size))
     try:
         if not args.reverse:
-            arch = load_arch(args.hf_dir)
             opts = BuildOptions(dtype=args.dtype)
             with torch.device("meta"):  # shapes and sharding only: tensors are made as they are written
                 model = build_gpt_model(arch, groups, opts)
-            materialize = hf_materializer(model, arch, groups, SafetensorsReader(args.hf_dir), opts.torch_dtype)
+            materialize = hf_materializer(model, arch, groups, reader, opts.torch_dtype)
             total = sum(p.numel() for p in model.parameters()) * opts.torch_dtype.itemsize
             bar = progress_bar(show, total=total, unit="B", unit_scale=True, desc="convert (rank 0's shards)")
 

@@ -36,14 +36,26 @@ def read_history(run_dir: str, last: int | None = None, step: int | None = None)
             try:
                 history.append(json.loads(line))
             except ValueError as e:  # a row cut short by a crash: report it and use the others
-                print(f"{path}:{lineno}: skipped, not a complete JSON row ({e.msg}); the run was probably "
-                      f"interrupted while writing it", file=sys.stderr)
+                print(f"{path}:{lineno}: skipped, not a complete JSON row ({getattr(e, 'msg', e)}); the run was "
+                      f"probably interrupted while writing it", file=sys.stderr)
+            except RecursionError:
+                print(f"{path}:{lineno}: skipped, a JSON row nested too deeply to read", file=sys.stderr)
     history = [h for h in history if "mismatch/kl_k3" in h and h.get("phase", "rl") == "rl"]
     if step is not None:
         history = [h for h in history if h["step"] == step]
     elif last:
         history = history[-last:]
     return history
+
+
+def run_labels(run_dirs: list[str]) -> list[str]:
+    """A column name for each run, one per run given: the folder's name, or where two runs share
+    it (a/run, b/run) the path as given; a path given twice keeps a #k suffix. Keyed by the folder
+    name alone, --compare a/run b/run showed one of them."""
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    labels = [n if names.count(n) == 1 else os.path.normpath(d) for n, d in zip(names, run_dirs)]
+    return [label if labels.count(label) == 1 else f"{label} #{labels[:i + 1].count(label)}"
+            for i, label in enumerate(labels)]
 
 
 def headline(history: list[dict]) -> dict[str, float]:
@@ -88,7 +100,7 @@ def main(argv=None) -> int:
         p.error("give one RUN_DIR, or --compare RUN_DIR RUN_DIR ...")
     try:
         if args.compare:
-            runs = {os.path.basename(os.path.normpath(d)): read_history(d, args.last, args.step) for d in args.compare}
+            runs = dict(zip(run_labels(args.compare), (read_history(d, args.last, args.step) for d in args.compare)))
             empty = [n for n, h in runs.items() if not h]
             if empty:
                 print(f"no RL steps with mismatch metrics in: {', '.join(empty)}", file=sys.stderr)

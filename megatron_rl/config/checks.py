@@ -5,18 +5,24 @@
     choice("model.dtype", "fp8", ("fp32", "bf16", "fp16"))
 
 They accept exactly the field's type (a bool is not an integer; 2.5 is not an integer), so
-`train.steps=2.5` and `train.micro_batch_size=true` fail at start-up instead of mid-run.
+`train.steps=2.5` and `train.micro_batch_size=true` fail at start-up instead of mid-run. An
+integer must also fit 64 bits unless its bounds say more (torch and numpy take 64-bit integers:
+a seed of 2**64 failed mid-start with "Overflow when unpacking long long").
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 def integer(where: str, value, lo: int | None = None, hi: int | None = None, hint: str = "") -> None:
     ok = isinstance(value, int) and not isinstance(value, bool)
     if ok and (lo is None or value >= lo) and (hi is None or value <= hi):
-        return
+        if INT64_MIN <= value <= INT64_MAX:
+            return
+        raise ValueError(f"{where}={value!r}: must fit a 64-bit integer ({INT64_MIN} to {INT64_MAX}){_hint(hint)}")
     bounds = " and ".join(b for b in (f">= {lo}" if lo is not None else "", f"<= {hi}" if hi is not None else "")
                           if b)
     raise ValueError(f"{where}={value!r}: must be an integer{' ' + bounds if bounds else ''}{_hint(hint)}")

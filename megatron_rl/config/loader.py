@@ -4,6 +4,10 @@
 
 Overrides are `section.field=value` (value parsed as YAML: 3, 1e-4, true, [a, b], {C: 2}) or
 Megatron-style flags from MEGATRON_FLAGS.
+
+Every parsed YAML document, the file and each override value, is bounded before anything else
+reads it (`check_expansion`): at most MAX_CONFIG_SIZE values and characters once its aliases are
+written out, and MAX_CONFIG_DEPTH levels of nesting.
 """
 from __future__ import annotations
 
@@ -46,6 +50,42 @@ MOVED = {"optim.dtype": "the training precision is model.dtype (the optimizer ke
 
 class ConfigError(ValueError):
     pass
+
+
+# A config's size once written out, counting each mapping, list and scalar as 1 and each text by
+# its length: far above any real config (the largest example is a few hundred), far below what
+# printing it or saving it in a checkpoint would choke on. A config is never nested this deep.
+MAX_CONFIG_SIZE = 1_000_000
+MAX_CONFIG_DEPTH = 32
+
+
+def check_expansion(data: Any, source: str) -> None:
+    """Refuse a parsed YAML document that is too large or too deep once its aliases are expanded.
+
+    A YAML alias (`*a`) repeats what its anchor (`&a`) holds. safe_load shares one object among
+    the repeats, but everything that writes the config out (--print-config, the copy each
+    checkpoint keeps, the resume comparison) expands every one: a 1.5 KB file of aliases of
+    aliases ("billion laughs") grew to 13.5 GB, and an alias inside its own anchor never ends.
+    The walk is iterative and stops at the budget, so checking is bounded too. Raises
+    ConfigError naming `source` and the path where the budget ran out."""
+    budget = MAX_CONFIG_SIZE
+    stack = [(data, "", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        budget -= len(node) if isinstance(node, str) else 1
+        if budget < 0:
+            raise ConfigError(f"{source}: the config expands to more than {MAX_CONFIG_SIZE:,} values and characters "
+                              f"(reached at {path or 'the top'}); YAML aliases (*name) that repeat anchors of "
+                              f"aliases multiply without bound: write the values out instead")
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{source}: {path} is nested more than {MAX_CONFIG_DEPTH} levels deep (a YAML alias "
+                              f"inside its own anchor?); a config needs a few levels")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                budget -= len(key) if isinstance(key, str) else 1
+                stack.append((value, f"{path}.{key}" if path else str(key), depth + 1))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((value, f"{path}[{i}]", depth + 1) for i, value in enumerate(node))
 
 
 def _field_names(cls) -> list[str]:
@@ -152,11 +192,19 @@ def parse_overrides(args: list[str]) -> dict:
 def _value(name: str, text: str) -> Any:
     """An override's value read as YAML (so 3, 1.0e-6, true, null, [a, b] and {k: v} work)."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{name}={text!r}: not a valid YAML value ({_yaml_problem(e)}); write it as YAML "
                           f"and quote the whole override for the shell, e.g. 'loss.corrections=[{{name: tis_token, "
                           f"C: 2}}]'") from None
+    except (ValueError, RecursionError) as e:  # an integer of 5,000 digits; [[[[...]]]] past the parser's stack
+        raise ConfigError(f"{name}: not a usable YAML value ({_unparsable(e)})") from None
+    check_expansion(value, f"override {name}")
+    return value
+
+
+def _unparsable(e: BaseException) -> str:
+    return "nested too deeply to read" if isinstance(e, RecursionError) else str(e)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -208,6 +256,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
                 data = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
+        except (ValueError, RecursionError) as e:
+            raise ConfigError(f"{path}: not a usable config ({_unparsable(e)})") from None
+        check_expansion(data, path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, rollout:, ...)")
     cli = parse_overrides(overrides or [])

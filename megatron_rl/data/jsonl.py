@@ -54,6 +54,8 @@ def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | N
     except json.JSONDecodeError as e:
         cut = "" if text.endswith("\n") else " (the file's last line, with no newline: is the file truncated?)"
         raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno}){cut}; {_ROW_HINT}") from None
+    except RecursionError:  # [[[[...]]]] deeper than the parser's stack
+        raise DataError(f"{where}: the JSON is nested too deeply to read; {_ROW_HINT}") from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {_type_name(row)}; {_ROW_HINT}")
     for field in REQUIRED:

@@ -14,6 +14,8 @@ import math
 import os
 import time
 
+from megatron_rl.fs import open_no_follow
+
 
 class MetricsSink:
     """Writes metrics on the writer rank only; every other rank holds a no-op sink."""
@@ -31,7 +33,7 @@ class MetricsSink:
         os.makedirs(run_dir, exist_ok=True)
         if jsonl:
             # open for the run's life (closed in close()); line-buffered, so each row reaches the file whole
-            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115
+            self._jsonl = open_no_follow(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -78,7 +80,7 @@ class MetricsSink:
             self._tb = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
         if self._jsonl is None:
             return 0
-        path = self._jsonl.name
+        path = os.path.join(self.run_dir, "metrics.jsonl")
         self._jsonl.close()
         kept, dropped = [], 0
         with open(path) as f:
@@ -93,12 +95,12 @@ class MetricsSink:
                 else:
                     kept.append(line if line.endswith("\n") else line + "\n")
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with open_no_follow(tmp, "w") as f:
             f.writelines(kept)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the sink
+        self._jsonl = open_no_follow(path, "a", buffering=1)  # lives as long as the sink
         return dropped
 
     def sync(self) -> None:

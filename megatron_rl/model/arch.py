@@ -9,7 +9,8 @@ family are refused in `from_hf_config` with the reason, never silently dropped.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class ModelArch:
     v_head_dim: int = 0
 
     def __post_init__(self):
+        self._check_types()
         if self.arch not in FAMILIES:
             why = f" ({UNSUPPORTED[self.arch]})" if self.arch in UNSUPPORTED else ""
             raise ValueError(f"model.arch={self.arch!r} is not supported{why}; choose one of {ARCHS}")
@@ -145,6 +147,31 @@ class ModelArch:
         self._check_router()
         if self.arch == "mixtral":  # no dense MLP: HF's intermediate_size is the experts' size
             object.__setattr__(self, "ffn_hidden_size", self.moe_ffn_hidden_size)
+
+    def _check_types(self) -> None:
+        """Every field holds its type in its range, whatever built the arch (a config.json, a
+        checkpoint's record, overrides): sizes are integers >= 1 (>= 0 where the default 0 means
+        none), floats finite and > 0 (>= 0 where 0 means off). A string, a list or a negative
+        count failed later as a TypeError, a ZeroDivisionError or a math domain error."""
+        for spec in fields(self):
+            value, kind, where = getattr(self, spec.name), str(spec.type), f"model.{spec.name}"
+            default = spec.default if spec.default is not MISSING else None
+            if kind == "str":
+                ok = isinstance(value, str)
+            elif kind == "bool":
+                ok = isinstance(value, bool)
+            elif kind == "int":
+                ok = _is_int(value) and value >= (1 if default else 0)
+            elif kind == "float":
+                ok = (_is_number(value) and math.isfinite(value) and value >= 0
+                      and (value > 0 or not default))
+            else:  # layer indices
+                ok = isinstance(value, (list, tuple)) and all(_is_int(i) and i >= 0 for i in value)
+            if not ok:
+                need = {"str": "a name", "bool": "true or false",
+                        "int": f"an integer >= {1 if default else 0}",
+                        "float": f"a finite number {'> 0' if default else '>= 0'}"}.get(kind, "a list of layer indices")
+                raise ValueError(f"{where}={value!r}: must be {need}")
 
     def _check_mla(self) -> None:
         mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -307,40 +334,44 @@ class ModelArch:
         """
         d = cfg if isinstance(cfg, dict) else cfg.to_dict()
         model_type = d.get("model_type")
-        if model_type not in FAMILIES:
-            why = f" ({UNSUPPORTED[model_type]})" if model_type in UNSUPPORTED else ""
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
+            why = f" ({UNSUPPORTED[model_type]})" if isinstance(model_type, str) and model_type in UNSUPPORTED else ""
             raise ValueError(f"config.json model_type={model_type!r} is not supported{why}; "
                              f"supported: {', '.join(ARCHS)}")
-        heads = d["num_attention_heads"]
-        kw = {"arch": model_type, "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
-              "num_layers": d["num_hidden_layers"], "num_attention_heads": heads,
-              "num_kv_heads": d.get("num_key_value_heads") or heads,
-              "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
-              "ffn_hidden_size": d["intermediate_size"], "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
-              "max_position_embeddings": d.get("max_position_embeddings", 4096),
-              "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
+        heads, hidden = _hf_int(d, "num_attention_heads"), _hf_int(d, "hidden_size")
+        layers = _hf_int(d, "num_hidden_layers")
+        kw = {"arch": model_type, "vocab_size": _hf_int(d, "vocab_size"), "hidden_size": hidden,
+              "num_layers": layers, "num_attention_heads": heads,
+              "num_kv_heads": _hf_int(d, "num_key_value_heads", default=heads),
+              "head_dim": _hf_int(d, "head_dim", default=None) or _derived_head_dim(hidden, heads),
+              "ffn_hidden_size": _hf_int(d, "intermediate_size"),
+              "rms_norm_eps": _hf_float(d, "rms_norm_eps", 1e-6),
+              "max_position_embeddings": _hf_int(d, "max_position_embeddings", default=4096),
+              "tie_word_embeddings": _hf_bool(d, "tie_word_embeddings", False),
               **_rope_fields(d, model_type)}
         for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
             if d.get(key) and not (key == "attention_bias" and FAMILIES[model_type].qkv_bias):
                 raise ValueError(f"config.json {key}=true is not supported for model_type={model_type} "
                                  "(megatron-core's model for it has no such path here)")
         if model_type == "qwen3_moe":
-            kw.update(num_experts=d.get("num_experts") or d["num_local_experts"], moe_ffn_hidden_size=d["moe_intermediate_size"],
-                      moe_topk=d["num_experts_per_tok"], norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-                      mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-                      decoder_sparse_step=d.get("decoder_sparse_step", 1))
+            experts = "num_experts" if d.get("num_experts") is not None else "num_local_experts"
+            kw.update(num_experts=_hf_int(d, experts), moe_ffn_hidden_size=_hf_int(d, "moe_intermediate_size"),
+                      moe_topk=_hf_int(d, "num_experts_per_tok"),
+                      norm_topk_prob=_hf_bool(d, "norm_topk_prob", True),
+                      mlp_only_layers=_hf_layers(d, "mlp_only_layers", layers),
+                      decoder_sparse_step=_hf_int(d, "decoder_sparse_step", default=1))
         if model_type == "mixtral":
-            if d.get("router_jitter_noise"):
+            if _hf_float(d, "router_jitter_noise", 0.0, lo_open=False):
                 raise ValueError("config.json router_jitter_noise is a training-time router noise that "
                                  "megatron-core's router does not apply; set it to 0")
-            kw.update(num_experts=d["num_local_experts"], moe_ffn_hidden_size=d["intermediate_size"],
-                      moe_topk=d["num_experts_per_tok"])
+            kw.update(num_experts=_hf_int(d, "num_local_experts"), moe_ffn_hidden_size=kw["ffn_hidden_size"],
+                      moe_topk=_hf_int(d, "num_experts_per_tok"))
         if model_type == "deepseek_v3":
-            kw.update(_deepseek_v3_fields(d))
+            kw.update(_deepseek_v3_fields(d, layers))
         return cls(**kw)
 
 
-def _deepseek_v3_fields(d: dict) -> dict:
+def _deepseek_v3_fields(d: dict, layers: int) -> dict:
     """ModelArch fields of a DeepSeek-V3 config.json (MLA, sigmoid router, shared and dense MLPs).
 
     Its multi-token-prediction layers (num_nextn_predict_layers) are not part of the causal LM
@@ -353,34 +384,97 @@ def _deepseek_v3_fields(d: dict) -> dict:
         raise ValueError(f"config.json scoring_func={d.get('scoring_func')!r} / topk_method={d.get('topk_method')!r} "
                          "is not supported for deepseek_v3: its router is sigmoid with a score-correction bias "
                          "(scoring_func 'sigmoid', topk_method 'noaux_tc')")
-    if float(d.get("rms_norm_eps", 1e-6)) != 1e-6:
+    if _hf_float(d, "rms_norm_eps", 1e-6) != 1e-6:
         raise ValueError(f"config.json rms_norm_eps={d['rms_norm_eps']} is not supported for deepseek_v3: HF fixes "
                          "the q and kv latent norms' epsilon at 1e-6 while megatron-core uses rms_norm_eps for all")
-    moe = d["moe_intermediate_size"]
-    return dict(num_experts=d["n_routed_experts"], moe_ffn_hidden_size=moe, moe_topk=d["num_experts_per_tok"],
-                norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-                mlp_only_layers=tuple(range(d.get("first_k_dense_replace", 0))),
-                moe_shared_expert_ffn_hidden_size=moe * d.get("n_shared_experts", 1),
-                moe_routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                moe_num_groups=d.get("n_group") or 1, moe_group_topk=d.get("topk_group") or 1,
-                q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
-                qk_nope_head_dim=d["qk_nope_head_dim"], qk_rope_head_dim=d["qk_rope_head_dim"],
-                v_head_dim=d["v_head_dim"])
+    moe = _hf_int(d, "moe_intermediate_size")
+    return dict(num_experts=_hf_int(d, "n_routed_experts"), moe_ffn_hidden_size=moe,
+                moe_topk=_hf_int(d, "num_experts_per_tok"), norm_topk_prob=_hf_bool(d, "norm_topk_prob", True),
+                mlp_only_layers=tuple(range(_hf_int(d, "first_k_dense_replace", lo=0, default=0, hi=layers))),
+                moe_shared_expert_ffn_hidden_size=moe * _hf_int(d, "n_shared_experts", default=1),
+                moe_routed_scaling_factor=_hf_float(d, "routed_scaling_factor", 1.0),
+                moe_num_groups=_hf_int(d, "n_group", default=1), moe_group_topk=_hf_int(d, "topk_group", default=1),
+                q_lora_rank=_hf_int(d, "q_lora_rank", lo=0, default=0), kv_lora_rank=_hf_int(d, "kv_lora_rank"),
+                qk_nope_head_dim=_hf_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_hf_int(d, "qk_rope_head_dim"),
+                v_head_dim=_hf_int(d, "v_head_dim"))
+
+
+_REQUIRED = object()
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _hf_int(d: dict, key: str, lo: int = 1, default=_REQUIRED, hi: int | None = None) -> int:
+    """config.json's integer `key`, >= lo (and <= hi); null or absent means `default` where the
+    key has one (HF's convention: num_key_value_heads null = num_attention_heads)."""
+    value = d.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config.json {key} is {'null' if key in d else 'missing'}; the model needs it")
+        return default
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" + (f" and <= {hi}" if hi is not None else "")
+        raise ValueError(f"config.json {key}={value!r}: must be an integer {bound}")
+    return value
+
+
+def _derived_head_dim(hidden: int, heads: int) -> int:
+    if hidden < heads:
+        raise ValueError(f"config.json head_dim is missing, and hidden_size={hidden} / num_attention_heads={heads} "
+                         "leaves none to derive")
+    return hidden // heads
+
+
+def _hf_float(d: dict, key: str, default: float, lo_open: bool = True) -> float:
+    """config.json's number `key`: finite and > 0 (>= 0 with lo_open=False); null or absent = default."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if not _is_number(value) or not math.isfinite(value) or value < 0 or (lo_open and value == 0):
+        raise ValueError(f"config.json {key}={value!r}: must be a finite number {'> 0' if lo_open else '>= 0'}")
+    return float(value)
+
+
+def _hf_bool(d: dict, key: str, default: bool) -> bool:
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"config.json {key}={value!r}: must be true or false")
+
+
+def _hf_layers(d: dict, key: str, layers: int) -> tuple[int, ...]:
+    """config.json's list of layer indices `key`, each in [0, layers)."""
+    value = d.get(key) or []
+    if not isinstance(value, list) or not all(_is_int(i) and 0 <= i < layers for i in value):
+        raise ValueError(f"config.json {key}={value!r}: must be a list of layer indices in [0, {layers})")
+    return tuple(value)
 
 
 def _rope_fields(d: dict, model_type: str) -> dict:
     """rope_theta and Llama 3 scaling from a config dict (transformers 4: rope_theta + rope_scaling;
     transformers 5: rope_parameters)."""
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    theta = d.get("rope_theta") or params.get("rope_theta") or 10000.0
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not hasattr(params, "get"):
+        raise ValueError(f"config.json rope_parameters / rope_scaling={params!r}: must be a mapping")
+    theta = _hf_float(d, "rope_theta", 0.0) or _hf_float(params, "rope_theta", 10000.0)
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
-        return {"rope_theta": float(theta)}
+        return {"rope_theta": theta}
     if kind != "llama3" or model_type != "llama":
         raise ValueError(f"config.json rope type {kind!r} is not supported for model_type={model_type} "
                          "(megatron-core's GPTModel applies plain RoPE or Llama 3 scaling)")
     for key, fixed in LLAMA3_ROPE_FIXED.items():
-        if float(params.get(key, fixed)) != fixed:
+        if _hf_float(params, key, fixed) != fixed:
             raise ValueError(f"config.json rope {key}={params[key]} is not supported: megatron-core's "
                              f"Llama 3 RoPE scaling fixes it at {fixed} (only the factor is configurable)")
-    return {"rope_theta": float(theta), "rope_llama3_factor": float(params["factor"])}
+    if params.get("factor") is None:
+        raise ValueError("config.json rope factor is missing; Llama 3 RoPE scaling needs it")
+    return {"rope_theta": theta, "rope_llama3_factor": _hf_float(params, "factor", 0.0)}

@@ -3,13 +3,12 @@
 Both directions stream tensor by tensor through the architecture's mapping (mappings/), aware
 of TP (and expert-TP), EP and PP sharding:
 
-    load_hf_weights(model, arch, groups, SafetensorsReader(hf_dir))
+    load_hf_weights(model, arch, groups, SafetensorsReader(hf_dir))   # hf_files: the folder's files, checked
     for name, tensor in export_hf_weights(model, arch, groups): ...   # every rank, in step
     save_hf_checkpoint(out_dir, arch, export_hf_weights(...), write=groups.rank == 0)
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from megatron_rl.fs import fsync_dir, fsync_tree
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.model.builder import unwrap_model
+from megatron_rl.model.hf_files import SafetensorsReader, load_arch  # noqa: F401 - the readers live there
 from megatron_rl.model.mappings import Kind, Param, Scope, from_shards, mapping_for, to_local_shard
 from megatron_rl.parallel import ParallelGroups
 
@@ -259,68 +259,6 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
                         yield template.format(layer=layer, expert=r * e_local + j), cast(full[k * n_ep + r], param)
 
 
-# safetensors dtype names -> torch dtypes (the format's header spells them so)
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-class SafetensorsReader:
-    """Read HF tensors by name from a checkpoint directory (single file or sharded with index).
-
-    Each call reads that tensor's bytes with a plain positioned read into fresh memory: nothing
-    is memory-mapped, so a process that converts tensor by tensor holds one tensor, not the
-    mapped files (safetensors' own `safe_open` maps them, and touched pages stay resident).
-    Format: 8-byte little-endian header length, a JSON header {name: {dtype, shape,
-    data_offsets: [begin, end)}} with offsets from the end of the header, then the bytes.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.exists(os.path.join(path, "model.safetensors")):
-            files = ["model.safetensors"]
-        else:
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        self._where: dict[str, tuple[str, int, dict]] = {}
-        for file in files:
-            full = os.path.join(path, file)
-            with open(full, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            for name, info in header.items():
-                self._where[name] = (full, 8 + n, info)
-
-    def keys(self) -> list[str]:
-        return list(self._where)
-
-    def __call__(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
-        file, start, info = self._where[name]
-        begin, end = info["data_offsets"]
-        dtype = _ST_DTYPES[info["dtype"]]
-        # File bytes land in host memory (callers copy them to the parameter's device), in
-        # torch-owned, resizable storage (a streaming writer frees it after writing; `.numpy()`
-        # would pin it), filled in place through a ctypes view of its bytes.
-        buf = torch.empty(end - begin, dtype=torch.uint8, device="cpu")
-        with open(file, "rb", buffering=0) as f:
-            f.seek(start + begin)
-            view = memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
-            if buf.numel() and f.readinto(view) != buf.numel():
-                raise ValueError(f"{file}: tensor {name!r} is cut short (the file is truncated)")
-        return buf.view(dtype).reshape(info["shape"])
-
-
-def load_arch(hf_dir: str) -> ModelArch:
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        return ModelArch.from_hf_config(json.load(f))
-
-
 def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[str, torch.Tensor]], *,
                        write: bool = True, max_shard_bytes: int = 2 << 30,
                        extra_files: dict[str, str] | None = None, overwrite: bool = False) -> None:
@@ -398,6 +336,10 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
         hf_config.save_pretrained(tmp)
         for src, dst in (extra_files or {}).items():
             shutil.copy(src, os.path.join(tmp, dst))
+        # every file as a plain open would make it: safetensors writes its files 0600 (and a copy
+        # keeps its source's mode), which hid the weights from the group beside a 0644 config.json
+        for entry in os.scandir(tmp):
+            os.chmod(entry.path, 0o666 & ~_umask())
         fsync_tree(tmp)  # on disk before it takes the name (and before --overwrite deletes the old one)
         try:
             os.replace(tmp, out_dir)  # onto nothing or an empty folder; a non-empty one fails, atomically

@@ -173,11 +173,11 @@ def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = Non
     if dist.get_rank() == 0:
         try:
             lock = run_files.lock_run_dir(cfg.train.run_dir)
-        except run_files.RunDirInUse as e:
-            problem = str(e)
+        except run_files.RunDirRefused as e:
+            problem = (isinstance(e, run_files.RunDirInUse), str(e))
     problem = broadcast(problem)
     if problem:
-        raise run_files.RunDirInUse(problem)
+        raise (run_files.RunDirInUse if problem[0] else run_files.RunDirRefused)(problem[1])
     try:
         ctx = _build(cfg, groups, stop, synthetic)
     except BaseException:

@@ -1,13 +1,13 @@
 """The trainable policy: megatron model + optimizer + the weight export that feeds engines."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from megatron_rl.model import BuildOptions, ModelArch, build_gpt_model
-from megatron_rl.model.hf_io import SafetensorsReader, export_hf_weights, load_arch, load_hf_weights
+from megatron_rl.model.hf_files import HfInputError, SafetensorsReader, check_weights, load_arch
+from megatron_rl.model.hf_io import export_hf_weights, load_hf_weights
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.trainer.stack import OptimSettings, build_optimizer, wrap_model
@@ -30,17 +30,18 @@ def arch_from_config(model_section, vocab_size: int | None = None) -> ModelArch:
     """ModelArch from the model section: a HF dir's config.json, or a preset + overrides.
 
     vocab_size: the tokenizer's size, used for presets (a HF dir brings its own).
+    A HF dir is checked whole before anything is built from it (model/hf_files.py): its
+    config.json's values, its safetensors headers, and that the weights are the ones config.json
+    describes; ValueError naming model.hf_dir, the file and the value.
     """
     if model_section.hf_dir:
-        path = os.path.join(model_section.hf_dir, "config.json")
         try:
-            return load_arch(model_section.hf_dir)
-        except FileNotFoundError:
-            raise ValueError(f"model.hf_dir={model_section.hf_dir}: {path} does not exist; point model.hf_dir at "
-                             f"a Hugging Face checkpoint directory") from None
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # bad JSON or missing/odd fields
-            raise ValueError(f"{path} cannot be read as a supported model config ({type(e).__name__}: {e}); "
-                             f"is the file complete?") from None
+            arch = load_arch(model_section.hf_dir)
+            check_weights(SafetensorsReader(model_section.hf_dir), arch)
+        except HfInputError as e:
+            raise ValueError(f"model.hf_dir={model_section.hf_dir}: "
+                             f"{str(e).removeprefix(model_section.hf_dir + ': ')}") from None
+        return arch
     overrides = dict(model_section.overrides or {})
     if vocab_size is not None:
         overrides.setdefault("vocab_size", vocab_size)

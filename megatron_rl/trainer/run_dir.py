@@ -18,13 +18,18 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_rl.fs import open_no_follow
 from megatron_rl.platform.reaping import forked_children_die_with_this_process
 
 MOVED_BY_FRESH_RUN = ("checkpoints", "metrics.jsonl", "tensorboard")
 LOCK = ".lock"
 
 
-class RunDirInUse(RuntimeError):
+class RunDirRefused(RuntimeError):
+    """The run directory cannot be taken; nothing in it is touched (not even an error log)."""
+
+
+class RunDirInUse(RunDirRefused):
     """Another live process holds the run directory's lock."""
 
 
@@ -34,12 +39,16 @@ def lock_run_dir(run_dir: str):
     process ending in any way, SIGKILL included, releases the lock). A second launch into the same
     directory (a SLURM requeue while the old job still runs, a repeated command) would otherwise
     move, truncate or retire the first one's checkpoints and metrics: it gets RunDirInUse naming
-    the holder's pid and host instead."""
+    the holder's pid and host instead. A symbolic link (or anything but a file) at run_dir/.lock
+    is RunDirRefused: the lock file is written, and a link's target must not be."""
     import fcntl
     import socket
 
     os.makedirs(run_dir, exist_ok=True)
-    f = open(os.path.join(run_dir, LOCK), "a+")  # noqa: SIM115 - held open for the whole run
+    try:
+        f = open_no_follow(os.path.join(run_dir, LOCK), "a+")  # held open for the whole run
+    except OSError as e:
+        raise RunDirRefused(f"train.run_dir={run_dir}: cannot take its lock: {e}") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -108,7 +117,7 @@ def check_writable(directory: str, need_bytes: int, field: str) -> str | None:
     try:
         os.makedirs(directory, exist_ok=True)
         probe = os.path.join(directory, f".write-test-{os.getpid()}")
-        with open(probe, "wb") as f:
+        with open_no_follow(probe, "wb") as f:
             f.write(b"0" * 4096)
             f.flush()
             os.fsync(f.fileno())

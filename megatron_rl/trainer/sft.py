@@ -54,13 +54,25 @@ def sft_loss(n_tok: torch.Tensor, in_forward: bool) -> LossFn | TokenLocalLoss:
     return TokenLocalLoss(lambda mb: NllTerms(mb["loss_mask"].float() / n_tok.float().clamp_min(1)), values)
 
 
+# what a SIGTERM or Ctrl-C during SFT does (the notice it prints): the warm start is saved only
+# once it ends, so a stop part-way keeps nothing
+SFT_STOP = ("stopping after the current SFT step, without saving (the SFT warm start is saved only when it ends: "
+            "a rerun starts it over)")
+
+
 def run_sft(ctx, eval_examples, progress=None) -> dict:
     """Train until sft.steps or held-out greedy accuracy >= sft.target_accuracy. Returns a summary.
 
     Uses ctx.policy.optimizer at lr = sft.lr; the caller rebuilds the optimizer for RL. The stopping
     checks score the first sft.eval_size of `eval_examples` (all of them when it is null, or when it
-    exceeds their number: the run's held-out set of train.eval_size problems caps it).
+    exceeds their number: the run's held-out set of train.eval_size problems caps it). A stop
+    signal meanwhile says it saves nothing (SFT_STOP), and raises Stopped after the step.
     """
+    with ctx.stop.while_(SFT_STOP):
+        return _sft_steps(ctx, eval_examples, progress)
+
+
+def _sft_steps(ctx, eval_examples, progress) -> dict:
     cfg, groups, policy = ctx.cfg, ctx.groups, ctx.policy
     sft = cfg.sft
     eval_examples = eval_examples[: sft.eval_size]

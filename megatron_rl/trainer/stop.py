@@ -26,6 +26,7 @@ save.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -49,11 +50,25 @@ class Stopped(Exception):
 
 
 class StopSignals:
-    """The SIGTERM/SIGINT flag. `signum` is the first signal received (None: none yet)."""
+    """The SIGTERM/SIGINT flag. `signum` is the first signal received (None: none yet).
+    `then`: what a stop does, as the first signal's notice says it; a phase that stops otherwise
+    (the SFT warm start saves nothing) sets it for its duration (`while_`)."""
+
+    SAVES = "stopping after the current step and saving a checkpoint"
 
     def __init__(self):
         self.signum: int | None = None
+        self.then = self.SAVES
         self._previous: dict[int, object] = {}
+
+    @contextlib.contextmanager
+    def while_(self, then: str):
+        """`then` is what a stop does inside the block."""
+        before, self.then = self.then, then
+        try:
+            yield self
+        finally:
+            self.then = before
 
     @classmethod
     def install(cls) -> StopSignals:
@@ -74,8 +89,7 @@ class StopSignals:
             return
         self.signum = signum
         # os.write, not print: a signal handler may interrupt a print (a tqdm bar) on stderr
-        os.write(2, f"\n{_name(signum)} received: stopping after the current step and saving a checkpoint "
-                    f"(Ctrl-C to stop at once without saving)\n".encode())
+        os.write(2, f"\n{_name(signum)} received: {self.then} (Ctrl-C to stop at once without saving)\n".encode())
 
     def _again(self, signum: int) -> None:
         """A signal after the first: Ctrl-C stops at once, SIGTERM is the same request again (see

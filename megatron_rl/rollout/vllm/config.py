@@ -15,13 +15,34 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("auto", "raw_logprobs", "processed_logprobs")
 WEIGHT_SYNCS = ("reload", "restart")
-_SECRET = re.compile(r"(^|-)(token|key|secret|password|passwd)$", re.IGNORECASE)   # a flag named for one: --hf-token
+DEVICES = ("auto", "cpu", "cuda")
+# vLLM's flags that carry a secret (`vllm serve --help`; the S3 ones are its model loader's) and a
+# name that says it is one (--hf-token, --db-password): never on the server's command line
+SECRET_FLAGS = ("api-key", "hf-token", "s3-access-key-id", "s3-secret-access-key")
+_SECRET = re.compile(r"(^|-)(token|key|secret|password|passwd)$", re.IGNORECASE)
 
 
 def _flag(arg: str) -> str:
-    """`--hf_token=x` -> `hf-token`: the flag's name as vLLM's parser reads it (it takes _ for -)."""
-    return arg[2:].split("=")[0].replace("_", "-") if arg.startswith("--") else ""
-DEVICES = ("auto", "cpu", "cuda")
+    """`--hf_tok.x=S` -> `hf-tok`: the flag's name as vLLM's parser reads it (FlexibleArgumentParser
+    takes _ for -; a value follows `=`, a field of a dict-valued flag follows `.`); "" for a value."""
+    if not arg.startswith("--"):
+        return ""
+    return re.split(r"[=.]", arg[2:], maxsplit=1)[0].replace("_", "-").lower()
+
+
+def secret_flag(arg: str) -> str | None:
+    """The secret flag vLLM would read `arg` as, or None. Its parser (argparse, allow_abbrev) takes
+    any unambiguous prefix of a flag for the flag, so --hf-tok, --hf_tok=S and --api-ke are
+    --hf-token and --api-key; a flag whose own name says secret is one too."""
+    name = _flag(arg)
+    if not name:  # a value, or `--` (the end of the flags)
+        return None
+    known = next((flag for flag in SECRET_FLAGS if flag.startswith(name)), None)
+    return known or (name if _SECRET.search(name) else None)
+
+
+def _scalar(value) -> bool:
+    return isinstance(value, (str, int, float, bool))
 
 
 @dataclass
@@ -64,9 +85,10 @@ class VllmConfig:
       enable_return_routed_experts: return the routed experts of every token (router replay
           R3). GPU servers only: refused at start-up on CPU, where vLLM's capture fails.
       kv_cache_space_gb: VLLM_CPU_KVCACHE_SPACE (CPU servers).
-      extra_args: more command-line arguments, appended verbatim (no flag named like a secret,
-          --hf-token say: secrets go in `env`, which `ps` does not show; not --api-key: the launched
-          server's key is ours). env: extra environment.
+      extra_args: more command-line arguments, appended verbatim (no flag vLLM would read as a
+          secret one, `secret_flag`: --hf-token, and its spellings --hf_token, --hf-tok=...: secrets
+          go in `env`, which `ps` does not show; not --api-key: the launched server's key is ours).
+          env: extra environment.
 
     Weight sync:
       weight_sync: "reload" (write the new weights to disk, /collective_rpc reload_weights; a
@@ -125,6 +147,7 @@ class VllmConfig:
     warmup: bool = True
 
     def __post_init__(self):
+        self._check_types()
         if self.device not in DEVICES:
             raise ValueError(f"rollout.vllm.device={self.device!r}; choose one of {DEVICES}")
         if self.dtype not in VLLM_DTYPES and self.dtype not in _DTYPES:
@@ -155,24 +178,59 @@ class VllmConfig:
             checks.number("rollout.vllm.gpu_memory_utilization", self.gpu_memory_utilization, lo=0, hi=1,
                           lo_open=True, hint="a fraction of the GPU's memory, e.g. 0.5")
         checks.integer("rollout.vllm.kv_cache_space_gb", self.kv_cache_space_gb, lo=1)
+        checks.integer("rollout.vllm.seed", self.seed, lo=0, hi=2**32 - 1, hint="vLLM seeds numpy: 32 bits")
         self.extra_args = [str(a) for a in self.extra_args]
-        if any(_flag(a) == "api-key" for a in self.extra_args):
-            raise ValueError("rollout.vllm.extra_args: no --api-key (it would be visible to `ps`, and a server we "
-                             "launch gets a random key of its own); for a url server set rollout.vllm.api_key "
-                             "or $MEGATRON_RL_VLLM_API_KEY")
-        secret = next((a for a in self.extra_args if _flag(a) and _SECRET.search(_flag(a))), None)
-        if secret is not None:  # argv is visible to `ps`, written to server.log and kept in every checkpoint
-            raise ValueError(f"rollout.vllm.extra_args: {secret.split('=')[0]} looks like a secret; pass it in "
-                             f"rollout.vllm.env instead (e.g. HF_TOKEN for --hf-token): the environment is not "
-                             f"visible to `ps` and is redacted from the config a checkpoint keeps")
+        for arg in self.extra_args:  # argv is visible to `ps`, written to server.log and kept in every checkpoint
+            secret, given = secret_flag(arg), arg.split("=")[0]   # never the value: it is the secret
+            if secret == "api-key":
+                raise ValueError(f"rollout.vllm.extra_args: no --api-key ({given}; it would be visible to `ps`, and "
+                                 f"a server we launch gets a random key of its own); for a url server set "
+                                 f"rollout.vllm.api_key or $MEGATRON_RL_VLLM_API_KEY")
+            if secret is not None:
+                read_as = f" (vLLM reads it as --{secret})" if given != f"--{secret}" else ""
+                raise ValueError(f"rollout.vllm.extra_args: {given} looks like a secret{read_as}; pass it in "
+                                 f"rollout.vllm.env instead (e.g. HF_TOKEN for --hf-token): the environment is not "
+                                 f"visible to `ps` and is redacted from the config a checkpoint keeps")
         self.env = {str(k): str(v) for k, v in self.env.items()}
+
+    def _check_types(self) -> None:
+        """Each field holds its annotated type (an int field no text, `env` and `extra_args` only
+        scalars), so a bad value is named here, not met as a TypeError deep in the launcher."""
+        for spec in fields(self):
+            value, where = getattr(self, spec.name), f"rollout.vllm.{spec.name}"
+            kinds = str(spec.type).replace(" ", "").split("|")
+            if value is None and "None" in kinds:
+                continue
+            if "float" in kinds and isinstance(value, str):  # YAML reads 1e-3 (no dot) as text, as the loader knows
+                try:
+                    value = float(value)
+                    setattr(self, spec.name, value)
+                except ValueError:
+                    pass  # checks.number names it
+            if "bool" in kinds:
+                checks.boolean(where, value)
+            elif "int" in kinds:
+                checks.integer(where, value)
+            elif "float" in kinds:
+                checks.number(where, value)
+            elif "str" in kinds and not isinstance(value, str):
+                raise ValueError(f"{where}={value!r}: must be a string")
+            elif "list" in kinds and not (isinstance(value, list) and all(map(_scalar, value))):
+                raise ValueError(f"{where}={value!r}: must be a list of command-line arguments, e.g. "
+                                 f"[--max-num-batched-tokens, 4096]")
+            elif "dict" in kinds and not (isinstance(value, dict) and all(map(_scalar, value.values()))):
+                raise ValueError(f"{where}={value!r}: must be a mapping of names to values, e.g. "
+                                 f"{{HF_TOKEN: ...}}")
 
     @classmethod
     def from_dict(cls, values: dict | None) -> VllmConfig:
         """From the `rollout.vllm` mapping of a YAML config; unknown keys are an error."""
+        if values is not None and not isinstance(values, dict):
+            raise ValueError(f"rollout.vllm={values!r}: must be a mapping of its settings, e.g. "
+                             f"{{tensor_parallel_size: 2}}")
         values = dict(values or {})
         known = {f.name for f in fields(cls)}
-        unknown = sorted(values.keys() - known)
+        unknown = sorted(str(k) for k in values if k not in known)
         if unknown:
             raise ValueError(f"unknown rollout.vllm keys {unknown}; known: {sorted(known)}")
         return cls(**values)

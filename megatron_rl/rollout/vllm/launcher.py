@@ -48,6 +48,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from megatron_rl.fs import open_no_follow
 from megatron_rl.rollout.vllm.errors import VllmServerDiedError, VllmStartError
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, healthy, request_json
 
@@ -196,7 +197,7 @@ def _popen_logged(cmd: list[str], env: dict[str, str], log_path: str, header: st
     it for the exit reaping. Runs on the launcher thread, start to finish: a caller interrupted
     while it waits (Ctrl-C) neither closes the log under Popen nor loses the server, which the
     exit reaping still stops."""
-    with open(log_path, "ab") as log:
+    with open_no_follow(log_path, "ab") as log:   # a link planted at the name is not followed
         log.write(header.encode())
         log.flush()
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -340,7 +341,7 @@ class LocalServer:
 
     def log_tail(self, lines: int = 25) -> str:
         try:
-            with open(self.log_path, "rb") as f:
+            with open_no_follow(self.log_path, "rb") as f:
                 f.seek(max(0, os.path.getsize(self.log_path) - 400 * lines))
                 return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
         except OSError:

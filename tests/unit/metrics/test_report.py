@@ -57,3 +57,29 @@ def test_figure_and_text():
     rows = bucket_rows(_step(1, [1, 2, 3, 4, 5, 6, 7], [0.1] * 7, [1e-3] * 7))
     assert "KL k3" in format_bucket_table(rows)
     assert bucket_figure(rows, 1) is not None
+
+
+def test_compare_keeps_runs_whose_folders_share_a_name(tmp_path, capsys):
+    """--compare a/run b/run showed one column: the runs were keyed by the folder's name."""
+    from tools.mismatch_report import main, run_labels
+
+    for parent, absd in (("a", 2e-2), ("b", 3e-3)):
+        (tmp_path / parent / "run").mkdir(parents=True)
+        row = _step(1, [10, 0, 0, 0, 5, 5, 80], [absd] * 7, [absd / 10] * 7)
+        (tmp_path / parent / "run" / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    a, b = str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")
+    assert main(["--compare", a, b]) == 0
+    out = capsys.readouterr().out
+    assert a in out.splitlines()[1] and b in out.splitlines()[1]
+    first = next(line for line in out.splitlines() if line.strip().startswith("0-0.0001"))
+    assert "2.00e-02 / 2.00e-03" in first and "3.00e-03 / 3.00e-04" in first
+    assert run_labels(["x/run", "y/other", "x/run/"]) == ["x/run #1", "other", "x/run #2"]
+
+
+def test_a_row_nested_too_deeply_is_skipped_with_its_line(tmp_path, capsys):
+    from tools.mismatch_report import read_history
+
+    row = _step(1, [10, 0, 0, 0, 5, 5, 80], [1e-1] * 7, [2e-2] * 7)
+    (tmp_path / "metrics.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n" + json.dumps(row) + "\n")
+    assert len(read_history(str(tmp_path))) == 1
+    assert "metrics.jsonl:1: skipped, a JSON row nested too deeply to read" in capsys.readouterr().err
