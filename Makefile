@@ -103,10 +103,19 @@ test-lane2: $(STAMP2)
 	$(PY2) -m pytest -q $(LANE2_TESTS) -m "$(LANE2_MARKERS)" --junitxml=$(TIMES)/lane2.xml
 
 # GPU lane (a GPU machine without a package index): `make gpu-wheels` here downloads the wheels into
-# .whl/, then on the GPU machine `make gpu-check` installs them and runs tests + benchmark (tools/gpu_check.sh)
-.PHONY: gpu-wheels gpu-check
+# .whl/; on the GPU machine (repository + .whl/ copied over) `make gpu-check` is the quick profile
+# (<= 8 min, megatron-core 0.19.2), `make gpu-check-more` the rest (<= 4 min, 0.16.1); results in
+# $(OUT) (default benchmarks/results). `make gpu-plan` prints both profiles' parts and estimates
+# (tools/gpu_check.py: the profiles are data there).
+.PHONY: gpu-wheels gpu-check gpu-check-more gpu-plan
 gpu-wheels:
 	PYTHON=$(PYTHON) bash tools/gpu_wheels.sh
 
 gpu-check:
-	bash tools/gpu_check.sh
+	$(PYTHON) tools/gpu_check.py quick
+
+gpu-check-more:
+	$(PYTHON) tools/gpu_check.py more
+
+gpu-plan:
+	$(PYTHON) tools/gpu_check.py --plan

@@ -200,7 +200,7 @@ def main() -> None:
 
         if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
             print("logprobs.py --device cuda: torch.cuda.is_available() is False here; run it on a GPU machine "
-                  "(tools/gpu_check.sh does)", file=sys.stderr)
+                  "(tools/gpu_check.py does)", file=sys.stderr)
             sys.exit(2)
         from logprobs_cuda import table
 

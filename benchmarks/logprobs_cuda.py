@@ -1,6 +1,7 @@
 """Log-probs + entropy on one GPU: ours against the straightforward path and two peers, one table.
 
     python benchmarks/logprobs.py --device cuda                      # T in {4k, 16k, 64k}
+    python benchmarks/logprobs.py --device cuda --gpu-tokens 16384 65536   # make gpu-check's table
     python benchmarks/logprobs.py --device cuda --gpu-tokens 4096 --out benchmarks/results/logprobs_gpu.md
 
 bf16 hidden `[T, H]` and weight `[V, H]` (V = 151,936, H = 4,096), forward + backward of
@@ -36,8 +37,15 @@ gradients of h and W; floor = 3 × the time of one `[T, H] × [H, V]` bf16 GEMM 
 same run (forward, d_hidden, d_weight), and `% of floor` = floor / time. Ours recomputes the
 logits in the backward, a fourth GEMM: its own bound is 4/3 of the floor (75% of floor); the
 loss-fused path does not (its bound is the floor).
-Accuracy at T = 2k: the largest |log-prob − float64| and |entropy − float64| from the same bf16
-inputs. A peer is only imported from an installed package, never vendored.
+Accuracy at the largest T (64k by default): the largest |log-prob − float64| and |entropy −
+float64| over every token, from the same bf16 inputs; the float64 reference runs 2,048 tokens at
+a time (its whole `[T, V]` logits would be 80 GB at 64k). A peer is only imported from an
+installed package, never vendored.
+
+Targets for ours at T = 64k (the trainer's two paths, `ours` and `ours loss-fused`): time <= 0.45 s,
+peak beyond the inputs <= 1 GiB, error vs float64 <= 2e-5; the table's last lines check them, and
+its very last line, `summary: ...`, gives every path at the largest T in one line (for
+tools/gpu_check.py's end-of-call summary).
 
 `table()` also runs on the CPU at small sizes (times from perf_counter, no memory column): that
 is what tests/tools/test_logprobs_benchmark.py runs, so this file cannot rot unseen.
@@ -235,21 +243,90 @@ def measure(path: str, tokens: int, vocab: int, hidden: int, device, reps: int =
     return {"time": statistics.median(times), "peak": peak}
 
 
-def accuracy(path: str, tokens: int, vocab: int, hidden: int, device) -> dict:
-    """Largest |log-prob − float64| and |entropy − float64| from the same bf16 inputs."""
+def float64_reference(h, w, y, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) in float64 from the same low-precision inputs, `chunk` tokens at a time:
+    a chunk's float64 logits are chunk x V x 8 bytes (2.5 GB at 2,048 x 151,936), and the
+    reference holds a few such temporaries at once, against 80 GB for the logits of 64k tokens."""
     from megatron_rl.logprobs import reference_logprobs_and_entropy
 
+    wd = w.double()
+    outs = [reference_logprobs_and_entropy(h[i:i + chunk].double(), wd, y[i:i + chunk])
+            for i in range(0, y.numel(), chunk)]
+    return torch.cat([o.logprobs for o in outs]), torch.cat([o.entropy for o in outs])
+
+
+def accuracy(path: str, tokens: int, vocab: int, hidden: int, device, ref=None) -> dict:
+    """Largest |log-prob − float64| and |entropy − float64| over all tokens, from the same bf16
+    inputs; `ref`: their `float64_reference` when the caller has it already."""
     h, w, y = inputs(tokens, vocab, hidden, device)
     try:
         with torch.no_grad():
+            ref_lp, ref_ent = float64_reference(h, w, y) if ref is None else ref
             lp, ent, _ = PATHS[path](h, w, y)
-            ref = reference_logprobs_and_entropy(h.double(), w.double(), y)
+            out = {"logprob": float((lp.double() - ref_lp).abs().max())}
+            if ent is not None:
+                out["entropy"] = float((ent.double() - ref_ent).abs().max())
+    except torch.OutOfMemoryError:
+        return {"error": "does not fit"}
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}"}
-    out = {"logprob": float((lp.double() - ref.logprobs).abs().max())}
-    if ent is not None:
-        out["entropy"] = float((ent.double() - ref.entropy).abs().max())
+    finally:
+        del h, w, y
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
     return out
+
+
+# the targets for the trainer's two paths at T = 64k, H = 4,096, V = 151,936 on one GPU
+TARGET_TOKENS = 65536
+TARGET_TIME_S, TARGET_PEAK, TARGET_ERROR = 0.45, 1 * GiB, 2e-5
+TARGETED = ("ours", "ours loss-fused")
+
+
+def _label(t: int) -> str:
+    return f"{t // 1024}k" if t % 1024 == 0 else str(t)
+
+
+def _error(a: dict) -> float | None:
+    return None if "error" in a else max(v for k, v in a.items() if k in ("logprob", "entropy"))
+
+
+def target_checks(path: str, r: dict, a: dict | None) -> list[tuple[str, bool | None]]:
+    """[(text, met)] for time, peak and error; met is None where it was not measured (no peak on
+    the CPU, no accuracy at this T)."""
+    if "error" in r:
+        return [(r["error"], False)]
+    out = [(f"{r['time']:.3f} s", r["time"] <= TARGET_TIME_S)]
+    out.append(("peak n/a", None) if r["peak"] is None else (f"{r['peak'] / GiB:.2f} GiB", r["peak"] <= TARGET_PEAK))
+    err = None if a is None else _error(a)
+    if a is not None and err is None:
+        out.append((f"accuracy: {a['error']}", False))
+    elif err is not None:
+        out.append((f"error {err:.1e}", err <= TARGET_ERROR))
+    return out
+
+
+def _verdict(checks: list[tuple[str, bool | None]]) -> str:
+    known = [met for _, met in checks if met is not None]
+    return "MISSED" if not all(known) else "ok" if len(known) == 3 else "ok so far"
+
+
+def summary_line(t: int, measured: dict[str, dict], errors: dict[str, dict] | None) -> str:
+    """Every path at T = t in one line: time, peak, error (when measured at t), and for the
+    trainer's paths at the target T whether they meet the targets."""
+    cells = []
+    for p, r in measured.items():
+        a = (errors or {}).get(p)
+        if p in TARGETED and t == TARGET_TOKENS:
+            checks = target_checks(p, r, a)
+            cells.append(f"{p} {', '.join(text for text, _ in checks)} ({_verdict(checks)})")
+        elif "error" in r:
+            cells.append(f"{p} {r['error']}")
+        else:
+            err = None if a is None else _error(a)
+            cells.append(f"{p} {r['time']:.3f} s" + ("" if r["peak"] is None else f", {r['peak'] / GiB:.2f} GiB")
+                         + ("" if err is None else f", error {err:.1e}"))
+    return f"summary: T={_label(t)}: " + "; ".join(cells)
 
 
 # ----------------------------------------------------------------------------- table
@@ -265,8 +342,11 @@ def available(path: str) -> bool:
     return True
 
 
-def table(tokens: list[int], vocab: int, hidden: int, device: str, accuracy_tokens: int = 2048) -> str:
+def table(tokens: list[int], vocab: int, hidden: int, device: str, accuracy_tokens: int | None = None) -> str:
+    """The Markdown table; accuracy at `accuracy_tokens` (default: the largest T); target checks
+    when T = 64k is measured; a one-line summary last."""
     dev = torch.device(device)
+    accuracy_tokens = accuracy_tokens or max(tokens)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     paths = [p for p in PATHS if available(p)]
     missing = ", ".join(p for p in PATHS if p not in paths) or "none"
@@ -274,26 +354,45 @@ def table(tokens: list[int], vocab: int, hidden: int, device: str, accuracy_toke
              f"{torch.__version__}, {time.strftime('%Y-%m-%d')}; peers not installed: {missing}")
     lines = [title, "",
              "| T | floor | " + " | ".join(paths) + " |", "|---|---|" + "---|" * len(paths)]
+    measured: dict[int, dict[str, dict]] = {}
     for t in tokens:
         floor = gemm_floor(t, vocab, hidden, dev)
         cells = []
         for p in paths:
-            r = measure(p, t, vocab, hidden, dev)
+            r = measured.setdefault(t, {})[p] = measure(p, t, vocab, hidden, dev)
             if "error" in r:
                 cells.append(r["error"])
                 continue
             mem = f", {r['peak'] / GiB:.2f} GiB" if r["peak"] is not None else ""
             cells.append(f"{r['time']:.3f} s ({floor / r['time']:.0%} of floor){mem}")
-        label = f"{t // 1024}k" if t % 1024 == 0 else str(t)
-        lines.append(f"| {label} | {floor:.3f} s | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(t)} | {floor:.3f} s | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
-    lines += ["", f"accuracy vs float64 from the same bf16 inputs, T={accuracy_tokens}:", "",
+    lines += ["", f"accuracy vs float64 from the same bf16 inputs, all T={_label(accuracy_tokens)} tokens:", "",
               "| path | max abs log-prob error | max abs entropy error |", "|---|---|---|"]
+    h, w, y = inputs(accuracy_tokens, vocab, hidden, dev)
+    try:
+        with torch.no_grad():
+            ref = float64_reference(h, w, y)
+    except torch.OutOfMemoryError:
+        ref = None   # then each path's accuracy() tries on its own, and says "does not fit"
+    del h, w, y
+    errors = {}
     for p in paths:
-        a = accuracy(p, accuracy_tokens, vocab, hidden, dev)
+        a = errors[p] = accuracy(p, accuracy_tokens, vocab, hidden, dev, ref=ref)
         if "error" in a:
             lines.append(f"| {p} | {a['error']} | |")
         else:
             ent = f"{a['entropy']:.1e}" if "entropy" in a else "(no entropy)"
             lines.append(f"| {p} | {a['logprob']:.1e} | {ent} |")
+    if TARGET_TOKENS in measured:
+        lines += ["", (f"targets at T={_label(TARGET_TOKENS)}: time <= {TARGET_TIME_S} s, peak beyond inputs <= "
+                       f"{TARGET_PEAK / GiB:.0f} GiB, log-prob and entropy error vs float64 <= {TARGET_ERROR:.0e}"), ""]
+        for p in TARGETED:
+            if p in measured[TARGET_TOKENS]:
+                checks = target_checks(p, measured[TARGET_TOKENS][p],
+                                       errors.get(p) if accuracy_tokens == TARGET_TOKENS else None)
+                marks = ", ".join(f"{text} {'-' if met is None else 'ok' if met else 'MISSED'}" for text, met in checks)
+                lines.append(f"- {p}: {marks}: {_verdict(checks)}")
+    t = max(tokens)
+    lines += ["", summary_line(t, measured[t], errors if accuracy_tokens == t else None)]
     return "\n".join(lines)

@@ -1,9 +1,11 @@
 """One RL training step on one GPU at a real model shape: where the time goes.
 
     python benchmarks/rl_step_gpu.py                         # qwen3-1.7b, and qwen3-moe-30b-a3b cut to 2 layers
+    python benchmarks/rl_step_gpu.py --dense-layers 4        # both cut to a few layers (make gpu-check)
     python benchmarks/rl_step_gpu.py --preset qwen3-1.7b --rows 8 --response-len 4096 --json out.json
 
-Run it as one process (no torchrun) on a machine with one CUDA GPU; tools/gpu_check.sh does.
+Run it as one process (no torchrun) on a machine with one CUDA GPU; tools/gpu_check.py does. Its
+last line, `summary: ...`, gives each preset's two ratios against their targets in one line.
 
 THE STEP IS THE TRAINER'S OWN CODE: the run context is megatron_rl.trainer.loop.setup's, from a
 load_config config (preset, dtype, rollout sizes, loss.recipe, micro-batches, mini-batches), and the
@@ -31,7 +33,7 @@ checked against the toy tasks' tokenizer: no sampled id is decoded (setup(synthe
 A PRESET THAT FAILS (out of GPU memory, or any other error) is that preset's outcome: its error, the
 GPU memory at the failure (peak, allocated, reserved, capacity) and the estimate below go into the
 table and the JSON, its memory is freed and the next preset runs; the exit code is then 1. A
-SIGINT (Ctrl-C, or tools/gpu_check.sh's part time limit) stops the run with the JSON written.
+SIGINT (Ctrl-C, or tools/gpu_check.py's part time limit) stops the run with the JSON written.
 
 MEMORY (one H100: 79.6 GiB). The default --recompute core_attn is megatron-core's selective
 recompute of core attention (model.recompute): without Transformer Engine megatron runs its local
@@ -95,6 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", action="append", default=None,
                    help=f"model preset (megatron_rl/model/presets.py), repeatable; default {DEFAULT_PRESETS}")
     p.add_argument("--layers", type=int, default=None, help="override num_layers of every preset")
+    p.add_argument("--dense-layers", type=int, default=None,
+                   help="num_layers of real dense presets (default: the preset's own)")
     p.add_argument("--moe-layers", type=int, default=2, help="num_layers of real MoE presets (default 2: one GPU)")
     p.add_argument("--rows", type=int, default=8, help="sequences per step (one group; default 8)")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence (default 256)")
@@ -136,6 +140,8 @@ def config_overrides(name: str, args, run_dir: str) -> list[str]:
         model["num_layers"] = args.layers
     elif real and kind == "qwen3_moe":
         model["num_layers"] = args.moe_layers
+    elif real and args.dense_layers is not None:
+        model["num_layers"] = args.dense_layers
     return [f"model.arch={kind}", f"model.size={name}", f"model.dtype={args.dtype}",
             f"model.overrides={json.dumps(model)}", f"model.recompute={args.recompute}", "rollout.prompts_per_step=1",
             f"rollout.group_size={args.rows}", f"rollout.max_tokens={args.response_len}", f"loss.recipe={args.recipe}",
@@ -216,6 +222,23 @@ def format_table(name: str, desc: str, phases: dict[str, float], lm: float, s: S
 
 def targets_met(s: Summary) -> bool:
     return s.train_vs_lm >= TARGET_TRAIN_VS_LM and s.non_model_share <= TARGET_NON_MODEL
+
+
+def summary_line(results: list[dict]) -> str:
+    """Every preset's outcome in one line (the benchmark's last; tools/gpu_check.py shows it at the
+    end of the call): the two ratios against their targets, or what went wrong."""
+    ok = {True: "ok", False: "MISSED"}
+    parts = []
+    for r in results:
+        if r["outcome"] != "ok":
+            parts.append(f"{r['preset']}: {r['outcome'].upper()}")
+            continue
+        s, layers = r["summary"], r["arch"]["num_layers"]
+        parts.append(f"{r['preset']} ({layers} layers): train pass {s['train_vs_lm']:.2f}x plain LM "
+                     f"(>= {TARGET_TRAIN_VS_LM} {ok[s['train_vs_lm'] >= TARGET_TRAIN_VS_LM]}), non-model "
+                     f"{100 * s['non_model_share']:.1f}% (<= {100 * TARGET_NON_MODEL:.0f}% "
+                     f"{ok[s['non_model_share'] <= TARGET_NON_MODEL]}), step {s['step']:.2f} s")
+    return "summary: " + ("; ".join(parts) or "no preset ran")
 
 
 def memory_estimate(arch, dtype: str, micro_batch: int, seq_len: int, recompute: str,
@@ -449,7 +472,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not cuda_available():
         print("rl_step_gpu.py: needs a CUDA GPU, and torch.cuda.is_available() is False here. "
-              "Run it on a GPU machine (tools/gpu_check.sh does).", file=sys.stderr)
+              "Run it on a GPU machine (tools/gpu_check.py does).", file=sys.stderr)
         return 2
     import warnings
 
@@ -483,6 +506,7 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"device": device, "torch": torch.__version__, "megatron_core": megatron.core.__version__,
                            "args": vars(args), "results": results}, f, indent=1, default=str)
+        print(summary_line(results), flush=True)
     return exit_code(results, presets, args.strict)
 
 

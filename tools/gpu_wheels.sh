@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download (here, with a package index) the wheels that tools/gpu_check.sh installs on a GPU machine
+# Download (here, with a package index) the wheels that tools/gpu_check.py installs on a GPU machine
 # that has no package index. `make gpu-wheels` runs it.
 #
 # The GPU machine is assumed to have Python 3.12, a CUDA torch, triton, transformers (and with it
@@ -12,7 +12,7 @@
 #                           matplotlib and its dependencies (mismatch figures, a unit test)
 #   .whl/peers/             the log-prob benchmark's peers, Liger and verl (pure-Python wheels with
 #                           Triton kernels; installed apart, for benchmarks/logprobs.py only)
-#   .whl/SHA256SUMS         checksums, verified by gpu_check.sh
+#   .whl/SHA256SUMS         checksums, verified by gpu_check.py
 # Versions other than megatron-core's are the CPU lane's pins (constraints/cpu-py311.txt).
 # TensorBoard is left out (about 20 MB with grpcio): the GPU tests run with log.tensorboard=false.
 #

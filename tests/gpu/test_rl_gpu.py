@@ -2,7 +2,7 @@
 recipe, router replay R2 and R3, SFT, and resume (GPU lane: skipped without CUDA).
 
 Each test asserts that the runs complete and report finite losses and metrics; the resume test
-that a resumed run continues like the uninterrupted one. tools/gpu_check.sh runs them on a GPU
+that a resumed run continues like the uninterrupted one. tools/gpu_check.py runs them on a GPU
 machine; CI runs the same tests on the CPU (tests/e2e/test_gpu_lane_on_cpu.py), which checks the
 tests themselves, not the GPU.
 """

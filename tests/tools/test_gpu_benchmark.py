@@ -2,7 +2,7 @@
 config and synthetic rollout, its memory estimate, a failing preset recorded as that preset's
 outcome, the trainer's make_batch on that rollout, and the recompute of core attention its default
 relies on (model.recompute=core_attn: the same loss and gradients). Nothing here measures
-anything: the benchmark itself runs on a GPU machine (tools/gpu_check.sh)."""
+anything: the benchmark itself runs on a GPU machine (tools/gpu_check.py)."""
 import importlib.util
 import json
 import os
@@ -62,6 +62,11 @@ def test_summary_and_table():
     assert not mod.targets_met(slow) and "MISSED" in mod.format_table("x", "y", phases, 2.7, slow, {})
     heavy = mod.summarize(dict(phases, sync=1.5), lm=2.7, tokens=30000)  # non-model time over 15%
     assert not mod.targets_met(heavy)
+    line = mod.summary_line([{"preset": "qwen3-1.7b", "outcome": "ok", "summary": s.__dict__, "arch": {"num_layers": 4}},
+                             {"preset": "qwen3-moe-30b-a3b", "outcome": "out of GPU memory"}])
+    assert line == ("summary: qwen3-1.7b (4 layers): train pass 0.90x plain LM (>= 0.85 ok), non-model 12.0% "
+                    "(<= 15% ok), step 5.00 s; qwen3-moe-30b-a3b: OUT OF GPU MEMORY")
+    assert mod.summary_line([]) == "summary: no preset ran"
 
 
 def _args(mod, *argv):
@@ -88,6 +93,12 @@ def test_config_overrides_make_a_valid_config(tmp_path):
     assert moe.model.overrides == {"vocab_size": 151936, "num_layers": 2} and moe.moe.router_replay == "r2"
     assert load_config(None, mod.config_overrides("tiny", _args(mod, "--layers", "1"), str(tmp_path))).model.overrides \
         == {"vocab_size": 64, "num_layers": 1}
+    # make gpu-check's cut: the dense preset to 4 layers, the MoE one keeps --moe-layers
+    cut = _args(mod, "--dense-layers", "4")
+    assert load_config(None, mod.config_overrides("qwen3-1.7b", cut, str(tmp_path))).model.overrides \
+        == {"vocab_size": 151936, "num_layers": 4}
+    assert load_config(None, mod.config_overrides("qwen3-moe-30b-a3b", cut, str(tmp_path))).model.overrides \
+        == {"vocab_size": 151936, "num_layers": 2}
     with pytest.raises(SystemExit, match="unknown preset"):
         mod.config_overrides("qwen9", args, str(tmp_path))
     plain = load_config(None, mod.config_overrides("qwen3-1.7b", _args(mod, "--recompute", "none"), str(tmp_path)))

@@ -3,12 +3,12 @@
 The GPU machine has torch, triton, transformers and pytest (and what they require); everything
 else comes from the wheels `make gpu-wheels` carries (tools/gpu_wheels.sh: megatron-core and the
 COMMON list). A module-level import of anything beyond that (TensorBoard, vLLM, TE, a new
-dependency) would stop tools/gpu_check.sh on its first GPU minute. So a fresh process blocks
+dependency) would stop tools/gpu_check.py on its first GPU minute. So a fresh process blocks
 every installed top-level module outside that set and imports every module the check runs:
 the package, tests/gpu and the GPU benchmarks.
 
 (A rehearsal of the whole lane in such an environment, Python 3.12 with transformers 5.17 and
-the carried wheels installed as gpu_check.sh does, passed tests/e2e/test_gpu_lane_on_cpu.py on
+the carried wheels installed as gpu_check.sh did, passed tests/e2e/test_gpu_lane_on_cpu.py on
 both megatron-core versions on 2026-11-24; this test keeps the import half of it in CI.)
 """
 import re
@@ -23,7 +23,7 @@ from tests.gpu.runs import ROOT
 
 DEVICE_HAS = ("torch", "triton", "transformers", "pytest")
 OURS = {"megatron_rl", "tests", "benchmarks", "tools"}
-CHECKED = ("megatron_rl", "tests.gpu", "tests.golden", "tests.spawn",
+CHECKED = ("megatron_rl", "tests.gpu", "tests.golden", "tests.spawn", "tools.gpu_check",
            "benchmarks.rl_step_gpu", "benchmarks.logprobs", "benchmarks.logprobs_cuda")
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
@@ -13,10 +14,38 @@ import logprobs_cuda as bench
 
 
 def test_table_runs_on_cpu_at_a_small_size():
-    text = bench.table([256], vocab=512, hidden=64, device="cpu", accuracy_tokens=128)
-    assert "| 256 |" in text and "of floor" in text
+    text = bench.table([256], vocab=512, hidden=64, device="cpu")
+    assert "| 256 |" in text and "of floor" in text and "all T=256 tokens" in text   # accuracy at the largest T
     assert "| ours |" in text and "| straightforward |" in text and "| ours loss-fused |" in text
     assert "does not fit" not in text and "Error" not in text
+    last = text.splitlines()[-1]
+    assert last.startswith("summary: T=256: ") and "ours loss-fused " in last and ", error " in last
+    assert "targets at" not in text   # only where T = 64k was measured
+
+
+def test_the_float64_reference_in_chunks_is_the_whole_one():
+    h, w, y = bench.inputs(300, 512, 64, "cpu")
+    lp, ent = bench.float64_reference(h, w, y, chunk=128)   # 128 + 128 + 44 tokens
+    from megatron_rl.logprobs import reference_logprobs_and_entropy
+
+    whole = reference_logprobs_and_entropy(h.double(), w.double(), y)
+    assert torch.equal(lp, whole.logprobs) and torch.equal(ent, whole.entropy)
+
+
+def test_targets_at_64k_and_the_summary_line():
+    gib = bench.GiB
+    measured = {"straightforward": {"error": "does not fit"}, "ours": {"time": 0.41, "peak": 0.8 * gib},
+                "ours loss-fused": {"time": 0.47, "peak": 0.7 * gib}, "liger": {"time": 0.5, "peak": 1.5 * gib}}
+    errors = {"ours": {"logprob": 1.1e-5, "entropy": 9e-6}, "ours loss-fused": {"logprob": 1e-5, "entropy": 3e-5},
+              "liger": {"logprob": 2e-2}, "straightforward": {"error": "does not fit"}}
+    assert bench.summary_line(65536, measured, errors) == (
+        "summary: T=64k: straightforward does not fit; ours 0.410 s, 0.80 GiB, error 1.1e-05 (ok); "
+        "ours loss-fused 0.470 s, 0.70 GiB, error 3.0e-05 (MISSED); liger 0.500 s, 1.50 GiB, error 2.0e-02")
+    # without the accuracy at this T, or the peak (CPU), the verdict is on what was measured
+    assert bench.summary_line(65536, {"ours": {"time": 0.4, "peak": None}}, None) == \
+        "summary: T=64k: ours 0.400 s, peak n/a (ok so far)"
+    assert bench.summary_line(16384, {"ours": {"time": 0.1, "peak": 0.2 * gib}}, None) == \
+        "summary: T=16k: ours 0.100 s, 0.20 GiB"
 
 
 def test_accuracy_column_separates_fp32_logits_from_bf16_rounded_ones():
