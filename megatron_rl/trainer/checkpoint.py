@@ -11,7 +11,9 @@ Layout under `root/`:
 Saving writes into `iter_XXXXXXX.tmp`, all ranks barrier, the manifest is computed (collective)
 and written, rank 0 renames the directory into place and only then rewrites `latest` (temp file
 + fsync + os.replace). A crash at any point leaves `latest` naming a checkpoint that loads; the
-`.tmp` folder it may leave is deleted when the run resumes (`sweep_partial_saves`).
+`.tmp` folder it may leave is deleted when the run starts again (`sweep_partial_saves`). A save
+that fails (a full disk, a writer process that died: platform/checkpoint_writer.py) raises
+CheckpointError naming the step, the file or writer, and that folder.
 
 Loading verifies the manifest first. Nothing here unpickles code: host state is JSON, rank 0's
 extra tensors (a schedule's queued rollouts) load with weights_only, and megatron's own reads are
@@ -28,6 +30,7 @@ one `latest` names.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -41,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.fs import fsync_dir, fsync_tree
 from megatron_rl.model.builder import unwrap_model
+from megatron_rl.platform.checkpoint_writer import WriterFailed, watched_save_strategy
 from megatron_rl.platform.reaping import reaped_checkpoint_queue
 from megatron_rl.trainer.manifest import MANIFEST, build_manifest, read_manifest, verify_manifest, write_json
 from megatron_rl.trainer.no_code_load import UnsafeCheckpoint, check_metadata, weights_only_torch_loads
@@ -49,6 +53,7 @@ from megatron_rl.trainer.no_code_load import UnsafeCheckpoint, check_metadata, w
 # "ShardedTensor.flattened_range is not supported"; this is Megatron-LM's default.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 _ITER = re.compile(r"^iter_(\d{7})$")
+_WORKER_FAILURE = "Worker failure: "  # megatron's FileSystemWriterAsync.retrieve_write_results
 
 
 class CheckpointError(RuntimeError):
@@ -116,6 +121,24 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
     sharded_strategy: megatron's save strategy (default: its torch_dist one); the converter
     passes lazy_save's, which writes a meta-device model's tensors one at a time.
     """
+    final = _iter_dir(root, step)
+    try:
+        return _save(root, step, model, optimizer, extra, keep, run_id, rank0_tensors, sharded_strategy)
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        raise CheckpointError(f"cannot save the checkpoint of step {step} to {final}: {_first_failure(e)}"
+                              f"{_space_left(root)}; the unfinished {final}.tmp is deleted when the run "
+                              f"starts again") from e
+
+
+def _space_left(root: str) -> str:
+    """` (N GiB free under root)`: a save that failed for want of space says so."""
+    try:
+        return f" ({shutil.disk_usage(root).free / 2**30:.2f} GiB free under {root})"
+    except OSError:
+        return ""
+
+
+def _save(root, step, model, optimizer, extra, keep, run_id, rank0_tensors, sharded_strategy) -> str:
     from megatron.core import dist_checkpointing
 
     reaped_checkpoint_queue()  # megatron's writer helper process must not outlive a killed trainer
@@ -127,7 +150,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
         os.makedirs(tmp)
     _barrier()
     dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp,
-                            sharded_strategy=sharded_strategy)
+                            sharded_strategy=sharded_strategy or watched_save_strategy())
     os.makedirs(os.path.join(tmp, "extra"), exist_ok=True)
     write_json(os.path.join(tmp, "extra", f"rank_{rank:05d}.json"), extra or {})
     if rank == 0:
@@ -198,19 +221,35 @@ def retired_checkpoints(root: str, run_id: str, keep: int) -> list[str]:
     return [p for *_, p in mine if p not in protected]
 
 
-def sweep_partial_saves(root: str) -> list[str]:
-    """Rank 0 of a resuming run that holds the run directory's lock: delete the `iter_XXXXXXX.tmp`
-    folders that saves cut short by a crash left behind (each up to a full checkpoint's size;
-    nothing else would ever remove one whose step is not saved again). Never published, so never
-    named by `latest`; a complete one only repeats a step the resumed run trains again. The
-    `.replaced` and `.corrupt` folders stay: those may be the only copy of a step. Returns the
-    deleted paths."""
+def partial_saves(root: str) -> list[str]:
+    """The `iter_XXXXXXX.tmp` folders under `root`: saves that a crash or a failed write cut short."""
     if not os.path.isdir(root):
         return []
-    found = sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".tmp") and _ITER.match(n[:-4]))
+    return sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".tmp") and _ITER.match(n[:-4]))
+
+
+def sweep_partial_saves(root: str) -> list[str]:
+    """Rank 0 of a starting run that holds the run directory's lock, before its space check:
+    delete the `iter_XXXXXXX.tmp` folders that saves cut short by a crash or a failed write (a
+    full disk) left behind. Each holds up to a full checkpoint's size, and nothing else would
+    ever remove one whose step is not saved again (a fresh run would carry it to previous/). Never
+    published, so never named by `latest`; a complete one only repeats a step the run trains
+    again. The `.replaced` and `.corrupt` folders stay: those may be the only copy of a step.
+    Returns the deleted paths."""
+    found = partial_saves(root)
     for path in found:
         shutil.rmtree(path, ignore_errors=True)
     return found
+
+
+def folder_bytes(path: str) -> int:
+    """Bytes of the files under `path` (links not followed)."""
+    total = 0
+    for d, _, names in os.walk(path):
+        for n in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(d, n)).st_size
+    return total
 
 
 def read_extra(path: str, rank: int = 0) -> dict:
@@ -278,9 +317,15 @@ def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> di
 def _first_failure(e: BaseException) -> str:
     """`Type: first line` of what went wrong; for torch's CheckpointException (which gathers every
     rank's exception), of the lowest failing rank's."""
-    if isinstance(e, CheckpointException) and e.failures:
+    if isinstance(e, CheckpointException):
+        if not e.failures:  # megatron's save gives the details to the coordinating rank only
+            return "it failed on another rank (rank 0 names the cause)"
         e = e.failures[min(e.failures)][0]
     lines = [line for line in str(e).splitlines() if line.strip()]
+    if lines and lines[0].startswith(_WORKER_FAILURE):  # a writer's own error (platform/checkpoint_writer.py
+        return lines[0][len(_WORKER_FAILURE):]        # names the file), in megatron's words around it
+    if isinstance(e, WriterFailed):
+        return lines[0]
     if isinstance(e, pickle.UnpicklingError):  # torch's weights-only refusal: say what it refused, not "retry"
         named = [line.strip() for line in lines if "GLOBAL" in line]
         return ("an item holds more than tensors and plain data, refused because loading it could run code"

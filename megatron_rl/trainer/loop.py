@@ -33,8 +33,11 @@ from megatron_rl.rewards import RewardRunner
 from megatron_rl.trainer import run_dir as run_files
 from megatron_rl.trainer.batch import model_device
 from megatron_rl.trainer.checkpoint import (
+    CheckpointError,
+    folder_bytes,
     latest_checkpoint,
     load_checkpoint,
+    partial_saves,
     read_extra,
     read_rank0_tensors,
     resume_checkpoint,
@@ -254,6 +257,10 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
     policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed, routing_replay=mode != "none",
                           precision=cfg.precision)
     if not synthetic:
+        if rank0:  # before the space check: a failed save's folder must not be what fills the disk
+            for root in (_ckpt_root(cfg), os.path.join(cfg.train.run_dir, "sft")):
+                for path in sweep_partial_saves(root):
+                    print(f"removed {path}: a save that a crash or a failed write cut short", flush=True)
         _check_checkpoint_dirs(cfg, policy, groups)
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
     stop = stop or StopSignals()
@@ -265,9 +272,6 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
         if moved:
             print(f"fresh run (train.resume={cfg.train.resume}): moved the earlier run's checkpoints and logs in "
                   f"{cfg.train.run_dir} to {moved}", flush=True)
-    if rank0 and resuming:
-        for path in sweep_partial_saves(_ckpt_root(cfg)):
-            print(f"removed {path}: a save that a crash cut short (the run resumes from `latest`)", flush=True)
     dist.barrier()
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
                        jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
@@ -300,12 +304,23 @@ def _check_checkpoint_dirs(cfg: RunConfig, policy: Policy, groups: ParallelGroup
     need = run_files.checkpoint_bytes(policy.model, groups, policy.model.module.config.params_dtype)
     problem = None
     if dist.get_rank() == 0:
-        problem = run_files.check_writable(_ckpt_root(cfg), need, "train.run_dir")
+        held = [(p, folder_bytes(p)) for p in _unfinished_saves(cfg.train.run_dir)]
+        problem = run_files.check_writable(_ckpt_root(cfg), need, "train.run_dir", held)
         if problem is None and cfg.sft.steps > 0 and not cfg.train.resume:
-            problem = run_files.check_writable(os.path.join(cfg.train.run_dir, "sft"), need, "train.run_dir")
+            problem = run_files.check_writable(os.path.join(cfg.train.run_dir, "sft"), need, "train.run_dir", held)
     problem = broadcast(problem)
     if problem:
         raise OSError(problem)
+
+
+def _unfinished_saves(run_dir: str) -> list[str]:
+    """The `iter_*.tmp` folders under `run_dir`: its own checkpoint folders' (swept at start-up,
+    unless that failed) and those earlier runs, moved to previous/ by a fresh run, took along."""
+    roots = [os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "sft")]
+    previous = os.path.join(run_dir, "previous")
+    if os.path.isdir(previous):
+        roots += [os.path.join(previous, d, "checkpoints") for d in sorted(os.listdir(previous))]
+    return [p for root in roots for p in partial_saves(root)]
 
 
 def _heldout(ctx: RunContext):
@@ -519,7 +534,18 @@ def _record(ctx: RunContext, completed_steps: int, metrics: dict, bar) -> None:
 
 
 def _save(ctx: RunContext, root: str, completed_steps: int) -> str:
+    """Save the completed steps; a save that fails stops the run naming the newest checkpoint."""
     ctx.sink.sync()
+    try:
+        return _save_checkpoint(ctx, root, completed_steps)
+    except CheckpointError as e:
+        newest = latest_checkpoint(root)
+        then = (f"the newest checkpoint is {newest}: rerun with train.resume=true to continue from it" if newest
+                else "no checkpoint was saved: rerun to start over")
+        raise CheckpointError(f"{e}. The run stopped: {then}") from e
+
+
+def _save_checkpoint(ctx: RunContext, root: str, completed_steps: int) -> str:
     return save_checkpoint(root, completed_steps, ctx.policy.model, ctx.policy.optimizer,
                            extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
                                   "rng": _rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg),

@@ -1,0 +1,111 @@
+"""Fault drills, third round: checkpoint faults met through `pretrain_rl.py` as a user meets them.
+
+Numbers are the review's: 2 a disk that fills during a save, 3 a checkpoint writer that dies,
+4 a checkpoint that cannot be verified (a named pipe or a device link in its manifest, a deleted
+manifest, a malformed entry), 5 a dtype change on resume, 10 the files a resume reads back
+(metrics.jsonl's lines, the cumulative counters). The runs are test_drills.py's tiny config; the
+tests that resume share one finished 2-step run (copied before anything is changed). Faults are
+triggered by events (a writer process appears), never by timers.
+
+A full disk is a per-process file-size limit in the child (RLIMIT_FSIZE, set between fork and
+exec, with SIGXFSZ ignored so that the write fails instead of killing the process): every write
+past 1 MiB fails with EFBIG, the way a full disk makes it fail with ENOSPC, deterministically and
+without a filesystem to fill. The checkpoint's shards are about 6 MiB; everything else the run
+writes is far below the limit.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+
+import psutil
+import pytest
+
+from tests.e2e.test_drills import (
+    ENV,
+    HANG_GUARD_S,
+    ROOT,
+    cmd,
+    ok,
+    run,
+    wait_for,
+    wait_gone,
+)
+
+pytestmark = pytest.mark.slow
+FILE_LIMIT = 1 << 20
+
+
+def _one_error_line(proc) -> str:
+    """The failed run's one line on stderr; no traceback there (it is in error-rank0.log)."""
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "[rank0]" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    return line
+
+
+# ---- 2: a disk that fills during a save
+def _small_files_only():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+
+
+def test_2_a_save_that_cannot_write_is_one_line_and_its_folder_is_removed_on_the_rerun(tmp_path):
+    r = tmp_path / "R"
+    proc = subprocess.run(cmd(r, "train.steps=1"), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S, check=False, preexec_fn=_small_files_only)
+    partial = r / "checkpoints" / "iter_0000001.tmp"
+    line = _one_error_line(proc)
+    assert f"cannot save the checkpoint of step 1 to {r / 'checkpoints' / 'iter_0000001'}: writing {partial}" in line
+    assert "no checkpoint was saved" in line and f"(traceback: {r / 'error-rank0.log'})" in line
+    assert "Traceback" in (r / "error-rank0.log").read_text()
+    assert partial.is_dir()  # named in the message: it holds the space
+    # the rerun (the disk freed) removes it before it checks for room, and never carries it to previous/
+    rerun = ok(run(r, "train.steps=1", "train.resume=true"))
+    assert f"removed {partial}: a save that a crash or a failed write cut short" in rerun.stdout
+    assert [p for p, _, _ in os.walk(r) if p.endswith(".tmp")] == []
+    assert (r / "checkpoints" / "latest").read_text() == "iter_0000001"
+
+
+# ---- 3: a checkpoint writer process that dies (the OOM killer) fails the save instead of hanging the run
+def test_3_a_dead_checkpoint_writer_fails_the_save_and_the_run_names_the_newest_checkpoint(tmp_path):
+    r = tmp_path / "R"
+    proc = subprocess.Popen(cmd(r, "train.steps=200", "train.save_every=1"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killed: list[int] = []
+    try:
+        # from the first save on, megatron's results-queue helper exists (spawned: it has the
+        # trainer's command line only until it execs), so a child with the trainer's command line
+        # is a forked writer: each is SIGKILLed on sight, as the OOM killer would. One killed after
+        # it reported changes nothing (that save succeeds), so the next save's are killed too.
+        wait_for(lambda: (r / "checkpoints" / "latest").exists(), "the first save")
+        trainer = psutil.Process(proc.pid)
+
+        def kill_the_writers() -> bool:
+            if proc.poll() is not None:
+                return True
+            for c in trainer.children():
+                try:
+                    if c.cmdline() == trainer.cmdline():
+                        c.kill()
+                        killed.append(c.pid)
+                except psutil.NoSuchProcess:
+                    pass
+            return False
+
+        wait_for(kill_the_writers, "the run to fail its save (a dead writer hung it)")
+        err = proc.stderr.read()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert killed
+    line = _one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, "", err))
+    assert "was killed by SIGKILL" in line and "the checkpoint writer process" in line, line
+    saved = int((r / "checkpoints" / "latest").read_text().split("_")[1])
+    assert f"the newest checkpoint is {r / 'checkpoints' / f'iter_{saved:07d}'}: rerun with train.resume=true" in line
+    wait_gone(killed)
+
