@@ -15,13 +15,16 @@ and written, rank 0 renames the directory into place and only then rewrites `lat
 that fails (a full disk, a writer process that died: platform/checkpoint_writer.py) raises
 CheckpointError naming the step, the file or writer, and that folder.
 
-Loading verifies the manifest first. Nothing here unpickles code: host state is JSON, rank 0's
+Loading verifies the manifest first, and opens only regular files of the checkpoint (a named
+pipe would block, a device never end, a link point anywhere; `.metadata` may name only files of
+the manifest). Nothing here unpickles code: host state is JSON, rank 0's
 extra tensors (a schedule's queued rollouts) load with weights_only, and megatron's own reads are
 made safe around it (`no_code_load`: `.metadata` is checked with a restricted unpickler first,
 and the load runs with torch's weights-only override), so a crafted checkpoint cannot run code.
 The model's names are the bare GPTModel's (no `module.` from the trainer's wrappers), so the
-converter's checkpoints and the trainer's are interchangeable. A checkpoint that fails
-verification is renamed `iter_XXXXXXX.corrupt` (kept for inspection, never deleted) and
+converter's checkpoints and the trainer's are interchangeable. A checkpoint that cannot be
+verified (CorruptCheckpoint: damaged bytes, no or a malformed manifest, files that are not files) is
+renamed `iter_XXXXXXX.corrupt` (kept for inspection, never deleted) and
 `resume_checkpoint` falls back to the newest older checkpoint of the same run that verifies.
 
 Retention (`keep`) only ever deletes checkpoints of this run (same run id in the manifest) that
@@ -46,7 +49,14 @@ from megatron_rl.fs import fsync_dir, fsync_tree
 from megatron_rl.model.builder import unwrap_model
 from megatron_rl.platform.checkpoint_writer import WriterFailed, watched_save_strategy
 from megatron_rl.platform.reaping import reaped_checkpoint_queue
-from megatron_rl.trainer.manifest import MANIFEST, build_manifest, read_manifest, verify_manifest, write_json
+from megatron_rl.trainer.manifest import (
+    NotRegularFile,
+    build_manifest,
+    open_regular,
+    read_manifest,
+    verify_manifest,
+    write_json,
+)
 from megatron_rl.trainer.no_code_load import UnsafeCheckpoint, check_metadata, weights_only_torch_loads
 
 # The distributed optimizer's checkpoint layout: megatron-core's own default raises
@@ -61,7 +71,9 @@ class CheckpointError(RuntimeError):
 
 
 class CorruptCheckpoint(CheckpointError):
-    """A checkpoint's bytes differ from its manifest (or a file is missing or unreadable)."""
+    """A checkpoint that cannot be verified: its bytes differ from its manifest, a file is missing
+    or unreadable or not a regular file, or the manifest is missing or malformed. A resume sets
+    it aside and falls back."""
 
 
 def _rank() -> int:
@@ -89,12 +101,14 @@ def latest_checkpoint(root: str) -> str | None:
     `latest` may only name an `iter_NNNNNNN` dir of `root` (never `../x` or an absolute path:
     a resume renames a damaged checkpoint, and must not reach outside `root`)."""
     marker = os.path.join(root, "latest")
-    if os.path.exists(marker):
-        with open(marker, errors="replace") as f:
-            name = f.read().strip()
-        path = os.path.join(root, name)
-        if _ITER.match(name) and os.path.isdir(path):
-            return path
+    try:
+        with open_regular(marker) as f:  # not a named pipe that would block the start
+            name = f.read(64).decode(errors="replace").strip()
+    except OSError:  # absent, or not a file: the highest-step checkpoint
+        name = ""
+    path = os.path.join(root, name)
+    if _ITER.match(name) and os.path.isdir(path):
+        return path
     done = complete_checkpoints(root)
     return done[-1] if done else None
 
@@ -214,7 +228,10 @@ def retired_checkpoints(root: str, run_id: str, keep: int) -> list[str]:
     for path in complete_checkpoints(root):
         manifest = read_manifest_or_none(path)
         if manifest is not None and manifest.get("run_id") == run_id:
-            mine.append((int(manifest["step"]), float(manifest["written_at"]), path))
+            try:
+                mine.append((int(manifest["step"]), float(manifest["written_at"]), path))
+            except (KeyError, TypeError, ValueError):  # a manifest not as this run writes them: kept
+                continue
     protected = {p for *_, p in sorted(mine)[-keep:]}
     protected |= {p for _, _, p in sorted(mine, key=lambda m: m[1])[-keep:]}
     protected.add(latest_checkpoint(root))
@@ -256,27 +273,35 @@ def read_extra(path: str, rank: int = 0) -> dict:
     """Rank `rank`'s host state of checkpoint dir `path` (rank 0's when the checkpoint has fewer
     ranks: a resume with more ranks than saved)."""
     name = os.path.join(path, "extra", f"rank_{rank:05d}.json")
-    if not os.path.exists(name):
+    if not os.path.lexists(name):
         name = os.path.join(path, "extra", "rank_00000.json")
-    if not os.path.exists(name):
+    if not os.path.lexists(name):
         raise CorruptCheckpoint(f"{path} has no host state (extra/rank_*.json); it is incomplete or was not "
                                 f"written by this version of megatron-rl")
     try:
-        with open(name) as f:
-            return json.load(f)
+        with open_regular(name) as f:
+            extra = json.loads(f.read().decode())
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpoint(f"{name} is damaged ({e})") from None
+    except OSError as e:
+        raise CorruptCheckpoint(str(e) if isinstance(e, NotRegularFile) else f"{name} cannot be read ({e})") from None
+    if not isinstance(extra, dict):
+        raise CorruptCheckpoint(f"{name} is damaged (not a JSON object)")
+    return extra
 
 
 def read_rank0_tensors(path: str, name: str):
     """What rank 0 saved as `rank0_tensors[name]` in checkpoint dir `path` (None when absent).
     Loaded with weights_only=True: tensors and plain containers, never code."""
     file = os.path.join(path, "extra", f"{name}.pt")
-    if not os.path.exists(file):
+    if not os.path.lexists(file):
         return None
     try:
-        return torch.load(file, weights_only=True)
+        with open_regular(file) as f:
+            return torch.load(f, weights_only=True)
     except Exception as e:  # noqa: BLE001 - name the file, whatever the unpickler says
+        if isinstance(e, NotRegularFile):
+            raise CorruptCheckpoint(str(e)) from None
         raise CorruptCheckpoint(f"{file} cannot be read ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") \
             from None
 
@@ -284,24 +309,17 @@ def read_rank0_tensors(path: str, name: str):
 def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> dict:
     """Verify, then load a checkpoint dir into `model` (and `optimizer`); return this rank's
     host state. The parallel layout may differ from the one that saved (dist_checkpointing
-    reshards). Raises CheckpointError naming the damaged file."""
+    reshards). Raises CorruptCheckpoint when the checkpoint cannot be verified (damaged bytes, a
+    missing or unusable manifest, files that are not regular files), CheckpointError for other
+    reasons it cannot be used; each names the file."""
     from megatron.core import dist_checkpointing
 
     if verify:
-        if not os.path.exists(os.path.join(path, MANIFEST)):
-            raise CheckpointError(f"{path} has no manifest.json: it was written by an older version of megatron-rl "
-                                  f"or not by megatron-rl; start a fresh run (train.resume=false) or re-save it")
         problems = verify_manifest(path)
         if problems:
             raise CorruptCheckpoint(f"checkpoint {path} failed verification: " + "; ".join(problems[:3]) +
-                                  (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
-    extra = read_extra(path, _rank())
-    try:
-        metadata = check_metadata(path)
-    except UnsafeCheckpoint as e:
-        raise CheckpointError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - a damaged file: name it, whatever the unpickler says
-        raise CorruptCheckpoint(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+                                    (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
+    extra, metadata = _before_the_load(path, verify)
     prefix = _saved_prefix(metadata, model)
     try:
         with weights_only_torch_loads():  # megatron's byte items and common.pt: tensors, never code
@@ -312,6 +330,26 @@ def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> di
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     return extra
+
+
+def _before_the_load(path: str, verify: bool):
+    """This rank's host state and the checkpoint's `.metadata` (read safely, and naming only
+    files of the manifest: megatron opens the files it names)."""
+    extra = read_extra(path, _rank())
+    try:
+        metadata = check_metadata(path)
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a damaged file: name it, whatever the unpickler says
+        raise CorruptCheckpoint(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+    if verify and metadata is not None:
+        listed = set((read_manifest(path) or {}).get("files", {}))
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            name = getattr(info, "relative_path", None)
+            if name not in listed:
+                raise CorruptCheckpoint(f"{path}/.metadata names {name!r} as a file of the checkpoint, which its "
+                                        f"manifest does not list")
+    return extra, metadata
 
 
 def _first_failure(e: BaseException) -> str:
@@ -351,8 +389,9 @@ def _strip(state: dict, prefix: str) -> dict:
 
 def resume_checkpoint(root: str, model, optimizer=None, log=print) -> tuple[str, dict] | None:
     """Load the newest checkpoint under `root` that verifies: `latest` first, then older ones of
-    the same run. A damaged one is renamed `<dir>.corrupt` and reported through `log`, never
-    deleted. Returns (path, host state), or None when `root` holds no checkpoint. Collective."""
+    the same run. One that cannot be verified (see load_checkpoint) is renamed `<dir>.corrupt`
+    and reported through `log`, never deleted. Returns (path, host state), or None when `root`
+    holds no checkpoint. Collective."""
     first = latest_checkpoint(root)
     if first is None:
         return None

@@ -15,8 +15,11 @@ writes is far below the limit.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 
@@ -28,6 +31,7 @@ from tests.e2e.test_drills import (
     HANG_GUARD_S,
     ROOT,
     cmd,
+    copy_of,
     ok,
     run,
     wait_for,
@@ -36,6 +40,15 @@ from tests.e2e.test_drills import (
 
 pytestmark = pytest.mark.slow
 FILE_LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """test_drills.py's: a completed 2-step run with a checkpoint after each step, shared by the
+    resume tests (each changes a copy)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    ok(run(run_dir, "train.steps=2", "train.save_every=1"))
+    return run_dir
 
 
 def _one_error_line(proc) -> str:
@@ -108,4 +121,41 @@ def test_3_a_dead_checkpoint_writer_fails_the_save_and_the_run_names_the_newest_
     saved = int((r / "checkpoints" / "latest").read_text().split("_")[1])
     assert f"the newest checkpoint is {r / 'checkpoints' / f'iter_{saved:07d}'}: rerun with train.resume=true" in line
     wait_gone(killed)
+
+
+# ---- 4: a checkpoint that cannot be verified is set aside, and the resume falls back
+def _resign(ckpt, fake: list[str]):
+    """Rewrite `ckpt`'s manifest as an attacker would (the sha256 list has no key), listing
+    `fake` (not regular files) beside the real files."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    files = [p for p in ckpt.rglob("*") if p.is_file() and not p.is_symlink() and p.name != "manifest.json"]
+    manifest["files"] = {str(p.relative_to(ckpt)): {"bytes": p.stat().st_size,
+                                                    "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                         for p in files}
+    manifest["files"].update({rel: {"bytes": 0, "sha256": "0" * 64} for rel in fake})
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_4_unverifiable_checkpoints_are_set_aside_and_only_regular_files_are_read(finished_run, tmp_path):
+    r = copy_of(finished_run, tmp_path)
+    ckpts = r / "checkpoints"
+    for step in (3, 4):
+        shutil.copytree(ckpts / "iter_0000002", ckpts / f"iter_{step:07d}")
+    (ckpts / "iter_0000004" / "manifest.json").unlink()                      # deleted
+    manifest = json.loads((ckpts / "iter_0000003" / "manifest.json").read_text())
+    manifest["files"]["common.pt"] = "ok"                                     # a malformed entry
+    (ckpts / "iter_0000003" / "manifest.json").write_text(json.dumps(manifest))
+    os.mkfifo(ckpts / "iter_0000002" / "extra" / "notes")                     # a named pipe: opening it blocks
+    os.symlink("/dev/zero", ckpts / "iter_0000002" / "zero")                  # a device: reading it never ends
+    _resign(ckpts / "iter_0000002", ["extra/notes", "zero"])
+    (ckpts / "latest").unlink()
+    os.mkfifo(ckpts / "latest")                                               # the marker, a named pipe too
+    proc = ok(run(r, "train.steps=1", "train.resume=true"))
+    assert f"{ckpts / 'iter_0000004' / 'manifest.json'} is missing" in proc.stderr
+    assert f"{ckpts / 'iter_0000003' / 'manifest.json'} is damaged (its entry for 'common.pt'" in proc.stderr
+    assert f"{ckpts / 'iter_0000002' / 'extra' / 'notes'} is a named pipe, not a file" in proc.stderr
+    assert f"{ckpts / 'iter_0000002' / 'zero'} is a symbolic link, not a file" in proc.stderr
+    assert f"resumed from {ckpts / 'iter_0000001'} at step 1" in proc.stdout
+    assert sorted(os.listdir(ckpts)) == ["iter_0000001", "iter_0000002.corrupt", "iter_0000003.corrupt",
+                                         "iter_0000004.corrupt", "latest"]
 

@@ -6,14 +6,16 @@ counters) never stop it. Single process: the collectives degrade to local."""
 import errno
 import json
 import os
+import pickle
 import shutil
 from collections import namedtuple
 
+import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.trainer import checkpoint
 from megatron_rl.trainer import run_dir as run_files
-from megatron_rl.trainer.manifest import build_manifest
+from megatron_rl.trainer.manifest import NotRegularFile, build_manifest, read_manifest, verify_manifest
 
 
 def _checkpoint(root, step=1, extra=None):
@@ -38,6 +40,84 @@ def _edit_manifest(path, edit):
 
 def _resign(path, fake):
     _edit_manifest(path, lambda m: m["files"].update({rel: {"bytes": 0, "sha256": "0" * 64} for rel in fake}))
+
+
+# ---- 4: only regular files inside the checkpoint are read
+def test_named_pipes_links_and_devices_are_reported_never_opened(tmp_path):
+    path = _checkpoint(str(tmp_path))
+    os.mkfifo(os.path.join(path, "extra", "pipe"))
+    os.symlink("/dev/zero", os.path.join(path, "zero"))
+    os.symlink(str(tmp_path), os.path.join(path, "folder_link"))
+    _resign(path, ["extra/pipe", "zero"])
+    problems = verify_manifest(path)
+    assert any(p.endswith("extra/pipe is a named pipe, not a file: a checkpoint holds only files") for p in problems)
+    assert any("zero is a symbolic link, not a file" in p for p in problems)
+    assert any("folder_link is a symbolic link, not a file" in p for p in problems)
+    assert not any("is missing" in p for p in problems)  # reported once, as what it is
+    with pytest.raises(NotRegularFile, match="is a named pipe"):
+        build_manifest(path, {"run_id": "r", "step": 1, "written_at": 1.0})
+
+
+def test_a_manifest_or_latest_that_is_a_named_pipe_does_not_block(tmp_path):
+    path = _checkpoint(str(tmp_path), 2)
+    os.remove(os.path.join(path, "manifest.json"))
+    os.mkfifo(os.path.join(path, "manifest.json"))
+    assert "is a named pipe, not a file" in verify_manifest(path)[0]
+    assert checkpoint.read_manifest_or_none(path) is None
+    os.mkfifo(tmp_path / "latest")
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == path  # the highest-step one instead
+    os.remove(os.path.join(path, "extra", "rank_00000.json"))
+    os.mkfifo(os.path.join(path, "extra", "rank_00000.json"))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="rank_00000.json is a named pipe"):
+        checkpoint.read_extra(path)
+
+
+@pytest.mark.parametrize("entry", ["ok", None, [1], {"bytes": "7", "sha256": "0" * 64}, {"bytes": 7},
+                                   {"bytes": -1, "sha256": "0" * 64}, {"bytes": 7, "sha256": 5}])
+def test_a_malformed_manifest_entry_is_named(tmp_path, entry):
+    path = _checkpoint(str(tmp_path))
+    _edit_manifest(path, lambda m: m["files"].update({"__0_0.distcp": entry}))
+    with pytest.raises(ValueError, match=r"is damaged \(its entry for '__0_0.distcp' is "):
+        read_manifest(path)
+    [problem] = verify_manifest(path)
+    assert "its entry for '__0_0.distcp'" in problem
+
+
+def test_a_missing_manifest_is_a_checkpoint_that_cannot_be_verified(tmp_path):
+    path = _checkpoint(str(tmp_path))
+    os.remove(os.path.join(path, "manifest.json"))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="manifest.json is missing"):
+        checkpoint.load_checkpoint(path, model=None)
+
+
+def test_metadata_may_name_only_files_of_the_manifest(tmp_path):
+    """megatron opens the files `.metadata` names: one outside the checkpoint is refused."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    path = _checkpoint(str(tmp_path))
+    for name, refused in (("__0_0.distcp", False), ("../../outside", True)):
+        info = _StorageInfo(relative_path=name, offset=0, length=1)
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): info}), f)
+        os.remove(os.path.join(path, "manifest.json"))
+        build_manifest(path, {"run_id": "r", "step": 1, "written_at": 1.0})
+        if refused:
+            with pytest.raises(checkpoint.CorruptCheckpoint, match="names '../../outside' as a file"):
+                checkpoint._before_the_load(path, verify=True)
+        else:
+            extra, metadata = checkpoint._before_the_load(path, verify=True)
+            assert extra == {"step": 1} and metadata.storage_data
+
+
+def test_retention_keeps_a_checkpoint_whose_manifest_has_no_usable_step(tmp_path):
+    root = str(tmp_path)
+    odd = _checkpoint(root, 1)
+    _edit_manifest(odd, lambda m: m.update(step="one"))
+    for step in (2, 3, 4):
+        _checkpoint(root, step)
+    retired = checkpoint.retired_checkpoints(root, "r", keep=1)   # was a ValueError, failing the save
+    assert retired == [os.path.join(root, "iter_0000002"), os.path.join(root, "iter_0000003")]
 
 
 # ---- 2: a failed save names what failed; a full disk names what holds its space
