@@ -17,13 +17,14 @@ CheckpointError naming the step, the file or writer, and that folder.
 
 Loading verifies the manifest first, and opens only regular files of the checkpoint (a named
 pipe would block, a device never end, a link point anywhere; `.metadata` may name only files of
-the manifest). Nothing here unpickles code: host state is JSON, rank 0's
+the manifest). A caller's `check` of the host state runs before any weight is read, the same
+verdict on every rank. Nothing here unpickles code: host state is JSON, rank 0's
 extra tensors (a schedule's queued rollouts) load with weights_only, and megatron's own reads are
 made safe around it (`no_code_load`: `.metadata` is checked with a restricted unpickler first,
 and the load runs with torch's weights-only override), so a crafted checkpoint cannot run code.
 The model's names are the bare GPTModel's (no `module.` from the trainer's wrappers), so the
 converter's checkpoints and the trainer's are interchangeable. A checkpoint that cannot be
-verified (CorruptCheckpoint: damaged bytes, no or a malformed manifest, files that are not files) is
+verified (CorruptCheckpoint: damaged bytes, no or a malformed manifest, unusable host state) is
 renamed `iter_XXXXXXX.corrupt` (kept for inspection, never deleted) and
 `resume_checkpoint` falls back to the newest older checkpoint of the same run that verifies.
 
@@ -72,8 +73,8 @@ class CheckpointError(RuntimeError):
 
 class CorruptCheckpoint(CheckpointError):
     """A checkpoint that cannot be verified: its bytes differ from its manifest, a file is missing
-    or unreadable or not a regular file, or the manifest is missing or malformed. A resume sets
-    it aside and falls back."""
+    or unreadable or not a regular file, the manifest is missing or malformed, or its host state
+    is unusable. A resume sets it aside and falls back."""
 
 
 def _rank() -> int:
@@ -306,12 +307,15 @@ def read_rank0_tensors(path: str, name: str):
             from None
 
 
-def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> dict:
+def load_checkpoint(path: str, model, optimizer=None, verify: bool = True, check=None) -> dict:
     """Verify, then load a checkpoint dir into `model` (and `optimizer`); return this rank's
     host state. The parallel layout may differ from the one that saved (dist_checkpointing
-    reshards). Raises CorruptCheckpoint when the checkpoint cannot be verified (damaged bytes, a
-    missing or unusable manifest, files that are not regular files), CheckpointError for other
-    reasons it cannot be used; each names the file."""
+    reshards). `check(path, host_state)` runs before any weight is read: a refusal (e.g. a
+    config the checkpoint cannot continue under) is raised then, not as a failed load. Raises
+    CorruptCheckpoint when the checkpoint cannot be verified (damaged bytes, a missing or
+    unusable manifest, files that are not regular files, unusable host state), CheckpointError
+    for other reasons it cannot be used; each names the file. Collective: every rank raises the
+    same exception (the lowest failing rank's)."""
     from megatron.core import dist_checkpointing
 
     if verify:
@@ -319,7 +323,7 @@ def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> di
         if problems:
             raise CorruptCheckpoint(f"checkpoint {path} failed verification: " + "; ".join(problems[:3]) +
                                     (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
-    extra, metadata = _before_the_load(path, verify)
+    extra, metadata = _on_every_rank_alike(lambda: _before_the_load(path, verify, check))
     prefix = _saved_prefix(metadata, model)
     try:
         with weights_only_torch_loads():  # megatron's byte items and common.pt: tensors, never code
@@ -332,10 +336,12 @@ def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> di
     return extra
 
 
-def _before_the_load(path: str, verify: bool):
-    """This rank's host state and the checkpoint's `.metadata` (read safely, and naming only
-    files of the manifest: megatron opens the files it names)."""
+def _before_the_load(path: str, verify: bool, check):
+    """This rank's host state, after `check`, and the checkpoint's `.metadata` (read safely, and
+    naming only files of the manifest: megatron opens the files it names)."""
     extra = read_extra(path, _rank())
+    if check is not None:
+        check(path, extra)
     try:
         metadata = check_metadata(path)
     except UnsafeCheckpoint as e:
@@ -350,6 +356,22 @@ def _before_the_load(path: str, verify: bool):
                 raise CorruptCheckpoint(f"{path}/.metadata names {name!r} as a file of the checkpoint, which its "
                                         f"manifest does not list")
     return extra, metadata
+
+
+def _on_every_rank_alike(fn):
+    """`fn()` on every rank; when it raises on any, every rank raises the lowest failing rank's
+    exception (a rank that went on alone would wait for the others in the load's collectives)."""
+    try:
+        out, error = fn(), None
+    except Exception as e:  # noqa: BLE001 - carried to every rank, then raised
+        out, error = None, e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+    return out
 
 
 def _first_failure(e: BaseException) -> str:
@@ -387,11 +409,11 @@ def _strip(state: dict, prefix: str) -> dict:
     return {k[len(prefix):] if prefix and k.startswith(prefix) else k: v for k, v in state.items()}
 
 
-def resume_checkpoint(root: str, model, optimizer=None, log=print) -> tuple[str, dict] | None:
+def resume_checkpoint(root: str, model, optimizer=None, log=print, check=None) -> tuple[str, dict] | None:
     """Load the newest checkpoint under `root` that verifies: `latest` first, then older ones of
     the same run. One that cannot be verified (see load_checkpoint) is renamed `<dir>.corrupt`
-    and reported through `log`, never deleted. Returns (path, host state), or None when `root`
-    holds no checkpoint. Collective."""
+    and reported through `log`, never deleted. `check`: as in load_checkpoint, for each
+    candidate. Returns (path, host state), or None when `root` holds no checkpoint. Collective."""
     first = latest_checkpoint(root)
     if first is None:
         return None
@@ -401,7 +423,7 @@ def resume_checkpoint(root: str, model, optimizer=None, log=print) -> tuple[str,
         if path != first and run_id is not None and _run_id_of(path) != run_id:
             continue
         try:
-            return path, load_checkpoint(path, model, optimizer)
+            return path, load_checkpoint(path, model, optimizer, check=check)
         except CorruptCheckpoint as e:
             if _rank() == 0:
                 aside = _unique(path + ".corrupt")

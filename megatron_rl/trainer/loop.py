@@ -34,16 +34,17 @@ from megatron_rl.trainer import run_dir as run_files
 from megatron_rl.trainer.batch import model_device
 from megatron_rl.trainer.checkpoint import (
     CheckpointError,
+    CorruptCheckpoint,
     folder_bytes,
     latest_checkpoint,
     load_checkpoint,
     partial_saves,
-    read_extra,
     read_rank0_tensors,
     resume_checkpoint,
     save_checkpoint,
     sweep_partial_saves,
 )
+from megatron_rl.trainer.host_state import host_state_problem, rng_state, set_rng_state
 from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
 from megatron_rl.trainer.replay import NoReplay, make_replay
 from megatron_rl.trainer.resume_check import config_changes, describe_changes
@@ -140,27 +141,6 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
                          f"rollout.max_tokens={cfg.rollout.max_tokens} exceed the model's maximum length {max_len}; "
                          f"lower rollout.max_tokens or raise model.overrides.max_position_embeddings")
     return stream
-
-
-def _rng_state() -> dict:
-    """Host RNG streams as JSON (the torch CPU generator and this rank's CUDA device's, as byte
-    lists; only the rank's own device, so a resume may see a different number of GPUs)."""
-    state = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
-def _jsonable(obj):
-    return [_jsonable(o) for o in obj] if isinstance(obj, (tuple, list)) else obj
 
 
 def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None,
@@ -379,16 +359,17 @@ def _start(ctx: RunContext, heldout) -> int:
     the before-RL evaluation. Returns the first RL step to run."""
     cfg, rank0 = ctx.cfg, dist.get_rank() == 0
     if ctx.resuming:
+        # each candidate is checked before its weights are read: a config it cannot continue under
+        # is refused by name (not as a failed load), unusable host state sets it aside
         found = resume_checkpoint(_ckpt_root(cfg), ctx.policy.model, ctx.policy.optimizer,
-                                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                                  log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                                  check=lambda path, extra: _check_resume(ctx, path, extra))
         if found is not None:
             path, extra = found
-            _check_resumable(ctx, path, extra)
             start, ctx.policy_version, ctx.state = extra["step"], extra["policy_version"], extra["state"]
+            ctx.state.setdefault("curve", [])
             ctx.run_id = extra["run_id"]
-            _set_rng_state(extra["rng"])
-            if dist.get_rank() == 0:  # batches generated ahead by the schedule: trained on as they were
-                ctx.schedule.load_state_dict(read_rank0_tensors(path, "schedule") or {})
+            set_rng_state(extra["rng"])
             ctx.sink.drop_rows_after(start)  # steps after the checkpoint run again
             if rank0:
                 print(f"resumed from {path} at step {start}", flush=True)
@@ -396,9 +377,8 @@ def _start(ctx: RunContext, heldout) -> int:
             return start
     if cfg.train.init_checkpoint:
         # refused before the weights are read: the record is in the host state's JSON
-        _check_tokenizer(ctx, cfg.train.init_checkpoint, read_extra(cfg.train.init_checkpoint, dist.get_rank()),
-                         "train.init_checkpoint")
-        load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model)
+        load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model,
+                        check=lambda path, extra: _check_tokenizer(ctx, path, extra, "train.init_checkpoint"))
         # bf16/fp16: the optimizer keeps fp32 master copies of the weights it was built with; a
         # fresh one starts from the loaded weights (else its first step would restore the old ones)
         ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)
@@ -420,6 +400,23 @@ def _start(ctx: RunContext, heldout) -> int:
         ctx.state["before_rl_sampled_accuracy"] = before["eval/heldout_sampled_accuracy"]
     ctx.state["curve"] = []
     return 0
+
+
+def _check_resume(ctx: RunContext, path: str, extra: dict) -> None:
+    """Before checkpoint `path`'s weights are read (every rank): its host state must be usable
+    (else CorruptCheckpoint: set aside, the previous checkpoint is tried), the config must allow
+    continuing it (else ValueError), and rank 0 takes the schedule's queued batches from it."""
+    problem = host_state_problem(extra)
+    if problem:
+        raise CorruptCheckpoint(f"checkpoint {path} cannot be resumed: its host state (extra/rank_*.json) is "
+                                f"unusable: {problem}")
+    _check_resumable(ctx, path, extra)
+    if dist.get_rank() == 0:  # batches generated ahead by the schedule: trained on as they were
+        try:
+            ctx.schedule.load_state_dict(read_rank0_tensors(path, "schedule") or {})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptCheckpoint(f"{path}/extra/schedule.pt does not hold a schedule's batches ({type(e).__name__}: "
+                                    f"{e})") from None
 
 
 def _check_resumable(ctx: RunContext, path: str, extra: dict) -> None:
@@ -548,7 +545,7 @@ def _save(ctx: RunContext, root: str, completed_steps: int) -> str:
 def _save_checkpoint(ctx: RunContext, root: str, completed_steps: int) -> str:
     return save_checkpoint(root, completed_steps, ctx.policy.model, ctx.policy.optimizer,
                            extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
-                                  "rng": _rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg),
+                                  "rng": rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg),
                                   "data": ctx.prompts.state_dict(), "tokenizer": ctx.tokenizer.fingerprint,
                                   "arch": ctx.policy.arch.to_dict()},  # tools/convert_hf_to_mcore.py --reverse
                            keep=ctx.cfg.train.keep_checkpoints, run_id=ctx.run_id,

@@ -32,6 +32,7 @@ from tests.e2e.test_drills import (
     ROOT,
     cmd,
     copy_of,
+    metric_steps,
     ok,
     run,
     wait_for,
@@ -158,4 +159,15 @@ def test_4_unverifiable_checkpoints_are_set_aside_and_only_regular_files_are_rea
     assert f"resumed from {ckpts / 'iter_0000001'} at step 1" in proc.stdout
     assert sorted(os.listdir(ckpts)) == ["iter_0000001", "iter_0000002.corrupt", "iter_0000003.corrupt",
                                          "iter_0000004.corrupt", "latest"]
+
+
+# ---- 5: a resume under another dtype is refused by name, before the checkpoint is loaded
+@pytest.mark.parametrize("override,named", [("model.dtype=fp16", "model.dtype: 'fp32' -> 'fp16'"),
+                                            ("precision.recipe=bf16", "precision.recipe: None -> 'bf16'")])
+def test_5_a_dtype_change_on_resume_is_refused_naming_the_field(finished_run, tmp_path, override, named):
+    r = copy_of(finished_run, tmp_path)
+    line = _one_error_line(run(r, "train.steps=3", "train.resume=true", override))
+    assert named in line and "KeyError" not in line, line
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_0000001", "iter_0000002", "latest"]
+    assert metric_steps(r) == [1, 2]
 

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.trainer import checkpoint
 from megatron_rl.trainer import run_dir as run_files
+from megatron_rl.trainer.host_state import host_state_problem, rng_state
 from megatron_rl.trainer.manifest import NotRegularFile, build_manifest, read_manifest, verify_manifest
 
 
@@ -104,9 +105,9 @@ def test_metadata_may_name_only_files_of_the_manifest(tmp_path):
         build_manifest(path, {"run_id": "r", "step": 1, "written_at": 1.0})
         if refused:
             with pytest.raises(checkpoint.CorruptCheckpoint, match="names '../../outside' as a file"):
-                checkpoint._before_the_load(path, verify=True)
+                checkpoint._before_the_load(path, verify=True, check=None)
         else:
-            extra, metadata = checkpoint._before_the_load(path, verify=True)
+            extra, metadata = checkpoint._before_the_load(path, verify=True, check=None)
             assert extra == {"step": 1} and metadata.storage_data
 
 
@@ -118,6 +119,32 @@ def test_retention_keeps_a_checkpoint_whose_manifest_has_no_usable_step(tmp_path
         _checkpoint(root, step)
     retired = checkpoint.retired_checkpoints(root, "r", keep=1)   # was a ValueError, failing the save
     assert retired == [os.path.join(root, "iter_0000002"), os.path.join(root, "iter_0000003")]
+
+
+# ---- 5: a resume reads every field of the host state only once it is checked
+def _host_state():
+    return {"step": 2, "policy_version": 2, "run_id": "abc", "rng": rng_state(),
+            "state": {"curve": [{"rollout/reward_mean": 0.5, "mismatch/kl_k3": 1e-6}], "before_rl_accuracy": None},
+            "config": {"train": {"steps": 2}}, "data": {"kind": "PromptStream"}}
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda s: s.update(step="2"), "step is '2', not a count"),
+    (lambda s: s.pop("policy_version"), "policy_version is None"),
+    (lambda s: s.update(run_id=7), "run_id is 7"),
+    (lambda s: s.update(state=[]), "state is not a mapping"),
+    (lambda s: s["state"]["curve"].append({"mismatch/kl_k3": 1.0}), "state.curve[1] is not a point"),
+    (lambda s: s["state"].update(before_rl_accuracy="high"), "state.before_rl_accuracy is 'high'"),
+    (lambda s: s["rng"].update(torch=[0, 1]), "rng.torch is not the torch generator's state"),
+    (lambda s: s["rng"].update(python=[3, [1, 2], None]), "rng.python is not Python's random state"),
+    (lambda s: s.update(config={"train": 3}), "config is not a mapping of sections"),
+    (lambda s: s.update(data="x"), "data is not a mapping"),
+])
+def test_host_state_problems_are_named(edit, named):
+    state = json.loads(json.dumps(_host_state()))   # as read back from the JSON file
+    assert host_state_problem(state) is None
+    edit(state)
+    assert named in host_state_problem(state)
 
 
 # ---- 2: a failed save names what failed; a full disk names what holds its space
