@@ -1,7 +1,8 @@
 """The host state a checkpoint keeps for a resume (extra/rank_XXXXX.json), and its check.
 
     extra = {"step": 12, "policy_version": 12, "run_id": "3f2a...", "state": {"curve": [...], ...},
-             "rng": rng_state(), "config": {...}, "data": {...}, "tokenizer": "...", "arch": {...}}
+             "rng": rng_state(), "config": {...}, "data": {...}, "tokenizer": "...", "arch": {...},
+             "counters": {"schedule/generate_calls": 12, "rewards/count": 384, ...}}
 
 Each rank writes its own (its RNG streams are its own). A resume reads every field back, so
 `host_state_problem` checks each one's type and range before anything is used. The manifest's
@@ -53,7 +54,7 @@ def _bytes(v, n: int) -> bool:
 def host_state_problem(extra: dict) -> str | None:
     """What makes `extra` (one rank's host state) unusable for a resume, naming the field; None
     when every field a resume reads is there with its type. Fields a checkpoint may lack (written
-    before they existed: config, data, tokenizer) are checked only when present."""
+    before they existed: config, data, tokenizer, counters) are checked only when present."""
     for name in ("step", "policy_version"):
         if not _count(extra.get(name)):
             return f"{name} is {extra.get(name)!r}, not a count"
@@ -67,6 +68,9 @@ def host_state_problem(extra: dict) -> str | None:
         return "config is not a mapping of sections"
     if not isinstance(extra.get("data", {}), dict):
         return "data is not a mapping"
+    counters = extra.get("counters", {})
+    if not (isinstance(counters, dict) and all(isinstance(k, str) and _count(v) for k, v in counters.items())):
+        return "counters is not a mapping of names to counts"
     return None
 
 

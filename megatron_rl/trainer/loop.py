@@ -370,6 +370,9 @@ def _start(ctx: RunContext, heldout) -> int:
             ctx.state.setdefault("curve", [])
             ctx.run_id = extra["run_id"]
             set_rng_state(extra["rng"])
+            counters = extra.get("counters", {})  # cumulative counts continue where they were
+            ctx.schedule.load_stats(counters)
+            ctx.rewards.load_stats(counters)
             ctx.sink.drop_rows_after(start)  # steps after the checkpoint run again
             if rank0:
                 print(f"resumed from {path} at step {start}", flush=True)
@@ -547,6 +550,7 @@ def _save_checkpoint(ctx: RunContext, root: str, completed_steps: int) -> str:
                            extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
                                   "rng": rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg),
                                   "data": ctx.prompts.state_dict(), "tokenizer": ctx.tokenizer.fingerprint,
+                                  "counters": {**ctx.schedule.stats(), **ctx.rewards.stats()},
                                   "arch": ctx.policy.arch.to_dict()},  # tools/convert_hf_to_mcore.py --reverse
                            keep=ctx.cfg.train.keep_checkpoints, run_id=ctx.run_id,
                            rank0_tensors={"schedule": ctx.schedule.state_dict()} if dist.get_rank() == 0 else None)

@@ -171,3 +171,24 @@ def test_5_a_dtype_change_on_resume_is_refused_naming_the_field(finished_run, tm
     assert sorted(os.listdir(r / "checkpoints")) == ["iter_0000001", "iter_0000002", "latest"]
     assert metric_steps(r) == [1, 2]
 
+
+# ---- 10: a resume reads metrics.jsonl's bad lines without stopping, and continues the counters
+def test_10_bad_metrics_lines_are_named_and_the_resumed_run_repeats_the_uninterrupted_one(finished_run, tmp_path):
+    r = copy_of(finished_run, tmp_path)
+    shutil.rmtree(r / "checkpoints" / "iter_0000002")  # resume from step 1: step 2 is trained again
+    metrics = r / "metrics.jsonl"
+    rows = metrics.read_bytes().splitlines(keepends=True)
+    bad = [b"\xff\xfe not UTF-8\n", b"[1, 2]\n", b'{"step": "2", "phase": "rl"}\n']
+    metrics.write_bytes(b"".join(rows[:1] + bad + rows[1:]))
+    proc = ok(run(r, "train.steps=2", "train.resume=true"))
+    for number, why in ((2, "not UTF-8 text"), (3, "a JSON list, not a row (an object)"), (4, "its step is '2', not a number")):
+        assert f"{metrics}:{number}: {why}; dropped that line" in proc.stderr, proc.stderr[-2000:]
+    with open(finished_run / "metrics.jsonl") as f:
+        uninterrupted = [json.loads(line) for line in f]
+    with open(metrics) as f:
+        resumed = [json.loads(line) for line in f]
+    assert [row["step"] for row in resumed] == [1, 2]
+    for key, value in uninterrupted[1].items():   # step 2: the counters continue, everything is bit-exact
+        if key != "time" and not key.startswith("timing/"):
+            assert resumed[1][key] == value, key
+    assert resumed[1]["rewards/count"] > 0 and resumed[1]["schedule/weight_syncs"] == 2

@@ -7,16 +7,21 @@ import errno
 import json
 import os
 import pickle
+import random
 import shutil
 from collections import namedtuple
 
 import pytest
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_rl.metrics.sink import MetricsSink
+from megatron_rl.rewards import RewardRunner
 from megatron_rl.trainer import checkpoint
 from megatron_rl.trainer import run_dir as run_files
-from megatron_rl.trainer.host_state import host_state_problem, rng_state
+from megatron_rl.trainer.host_state import host_state_problem, rng_state, set_rng_state
 from megatron_rl.trainer.manifest import NotRegularFile, build_manifest, read_manifest, verify_manifest
+from megatron_rl.trainer.schedule import SyncSchedule
 
 
 def _checkpoint(root, step=1, extra=None):
@@ -125,7 +130,8 @@ def test_retention_keeps_a_checkpoint_whose_manifest_has_no_usable_step(tmp_path
 def _host_state():
     return {"step": 2, "policy_version": 2, "run_id": "abc", "rng": rng_state(),
             "state": {"curve": [{"rollout/reward_mean": 0.5, "mismatch/kl_k3": 1e-6}], "before_rl_accuracy": None},
-            "config": {"train": {"steps": 2}}, "data": {"kind": "PromptStream"}}
+            "config": {"train": {"steps": 2}}, "data": {"kind": "PromptStream"},
+            "counters": {"schedule/generate_calls": 2, "rewards/count": 8}}
 
 
 @pytest.mark.parametrize("edit,named", [
@@ -139,6 +145,7 @@ def _host_state():
     (lambda s: s["rng"].update(python=[3, [1, 2], None]), "rng.python is not Python's random state"),
     (lambda s: s.update(config={"train": 3}), "config is not a mapping of sections"),
     (lambda s: s.update(data="x"), "data is not a mapping"),
+    (lambda s: s["counters"].update({"rewards/count": -1}), "counters is not a mapping of names to counts"),
 ])
 def test_host_state_problems_are_named(edit, named):
     state = json.loads(json.dumps(_host_state()))   # as read back from the JSON file
@@ -180,3 +187,40 @@ def test_partial_saves_are_swept_and_a_full_disk_names_what_holds_space(tmp_path
     assert "No space left on device" in msg and "free some space" in msg and "iter_0000009.tmp" in msg
     assert [n for n in os.listdir(root) if n.startswith(".write-test")] == []   # the probe is not left
 
+
+# ---- 10: the files a resume reads back
+def test_lines_of_metrics_jsonl_that_are_not_rows_are_named_and_dropped(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "phase": "rl"}, {"step": 2, "phase": "rl"}, {"step": 3, "phase": "rl"}]
+    good = [json.dumps(r).encode() + b"\n" for r in rows]
+    bad = [b"\xff\xfe\n", b"[1, 2]\n", b'{"step": "2"}\n', b"\n", b'{"step": 2, "ph']
+    path.write_bytes(good[0] + bad[0] + bad[1] + good[1] + bad[2] + bad[3] + good[2] + bad[4])
+    sink = MetricsSink(str(tmp_path), enabled=True, tensorboard=False)
+    assert sink.drop_rows_after(2) == 6   # 4 bad lines, the redone step 3, the last line a crash cut short
+    sink.close()
+    err = capsys.readouterr().err
+    for number, why in ((2, "not UTF-8 text"), (3, "a JSON list, not a row"), (5, "its step is '2', not a number"),
+                        (6, "not JSON")):
+        assert f"{path}:{number}: {why}" in err
+    assert ":8:" not in err   # the cut-short last line is expected after a crash: dropped quietly
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_cumulative_counters_continue_after_a_resume():
+    schedule, rewards = SyncSchedule(), RewardRunner("exact_match")
+    schedule.generate_calls, schedule.weight_syncs = 3, 4
+    rewards([("p", "a", "a", "t"), ("p", "b", "a", "t")])
+    saved = json.loads(json.dumps({**schedule.stats(), **rewards.stats()}))   # the checkpoint's counters
+    again, fresh = SyncSchedule(), RewardRunner("exact_match")
+    again.load_stats(saved)
+    fresh.load_stats(saved)
+    assert again.stats() == schedule.stats() and fresh.stats() == rewards.stats()
+    fresh([("p", "a", "a", "t")])
+    assert fresh.stats()["rewards/count"] == 3
+
+
+def test_rng_state_round_trips_through_json():
+    state = json.loads(json.dumps(rng_state()))
+    expected = (torch.rand(3), random.random())
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
