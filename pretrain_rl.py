@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from megatron_rl.parallel import destroy_parallel, init_distributed, init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import run
@@ -170,7 +172,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"interrupted{f' (rank {rank})' if rank else ''}: stopped without saving", file=sys.stderr, flush=True)
         return 130
-    except Exception as e:  # noqa: BLE001 - the top level: one clear line, the traceback in a file
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - the top level: one clear line, the
+        # traceback in a file (torch's CheckpointException is a BaseException)
         report_error(e, rank, cfg.train.run_dir, args.debug)
         return 1
     finally:

@@ -4,7 +4,9 @@ Keys are namespaced (`rollout/reward_mean`, `mismatch/kl_k3`, `timing/generate`)
 floats; anything else (tables) goes through `log_table` / `log_figure`. Each metrics.jsonl row is
 {"step", "time", "phase" ("sft" | "rl"), <metrics>}; `drop_rows_after(step)` removes the RL rows a
 resumed run is about to write again, and has TensorBoard hide the RL points of those steps that
-the interrupted run wrote (a purge step). The SFT warm start's events go to their own TensorBoard
+the interrupted run wrote (a purge step); a line that is not a metrics row (not UTF-8, not JSON, not
+an object, a step that is not a number) is dropped with a message naming the file and line,
+instead of stopping the resume. The SFT warm start's events go to their own TensorBoard
 run, `tensorboard/sft`, so that purge, which hides every later step of its run, leaves them alone.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 
 from megatron_rl.fs import open_no_follow
@@ -83,17 +86,20 @@ class MetricsSink:
         path = os.path.join(self.run_dir, "metrics.jsonl")
         self._jsonl.close()
         kept, dropped = [], 0
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:  # a line cut short by a crash
-                    dropped += 1
-                    continue
-                if row.get("phase", "rl") == "rl" and row.get("step", 0) > step:
-                    dropped += 1
-                else:
-                    kept.append(line if line.endswith("\n") else line + "\n")
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+        if not lines[-1]:
+            lines.pop()  # the file ends with a newline; else its last line may be one a crash cut short
+        for number, raw in enumerate(lines, 1):
+            row, why = _parse_row(raw)
+            if why is not None:  # not a row: dropped, and said where (the resume goes on)
+                dropped += 1
+                if number < len(lines) or not why.startswith("not JSON"):
+                    print(f"{path}:{number}: {why}; dropped that line", file=sys.stderr, flush=True)
+            elif row.get("phase", "rl") == "rl" and row.get("step", 0) > step:
+                dropped += 1
+            else:
+                kept.append(raw.decode() + "\n")
         tmp = path + ".tmp"
         with open_no_follow(tmp, "w") as f:
             f.writelines(kept)
@@ -127,3 +133,18 @@ class MetricsSink:
         for tb in (self._tb, self._tb_sft):
             if tb is not None:
                 tb.close()
+
+
+def _parse_row(raw: bytes) -> tuple[dict | None, str | None]:
+    """(row, None) for a metrics row, else (None, why it is not one)."""
+    try:
+        row = json.loads(raw.decode())
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    except ValueError:
+        return None, "not JSON (cut short?)"
+    if not isinstance(row, dict):
+        return None, f"a JSON {type(row).__name__}, not a row (an object)"
+    if type(row.get("step", 0)) not in (int, float):
+        return None, f"its step is {row['step']!r}, not a number"
+    return row, None

@@ -79,6 +79,10 @@ class RewardRunner:
             self._counts.clear()
         return out
 
+    def load_stats(self, stats: dict) -> None:
+        """Continue the counts of an earlier `stats()` (a resumed run's; other names are ignored)."""
+        self._counts = Counter({k: v for k, v in stats.items() if k == "rewards/count" or k.startswith("rewards/errors")})
+
     def _failed(self, kind: str, what: str, exc: BaseException | None = None) -> float:
         key = f"rewards/errors/{kind}"
         if not self._counts[key]:

@@ -11,15 +11,21 @@ Layout under `root/`:
 Saving writes into `iter_XXXXXXX.tmp`, all ranks barrier, the manifest is computed (collective)
 and written, rank 0 renames the directory into place and only then rewrites `latest` (temp file
 + fsync + os.replace). A crash at any point leaves `latest` naming a checkpoint that loads; the
-`.tmp` folder it may leave is deleted when the run resumes (`sweep_partial_saves`).
+`.tmp` folder it may leave is deleted when the run starts again (`sweep_partial_saves`). A save
+that fails (a full disk, a writer process that died: platform/checkpoint_writer.py) raises
+CheckpointError naming the step, the file or writer, and that folder.
 
-Loading verifies the manifest first. Nothing here unpickles code: host state is JSON, rank 0's
+Loading verifies the manifest first, and opens only regular files of the checkpoint (a named
+pipe would block, a device never end, a link point anywhere; `.metadata` may name only files of
+the manifest). A caller's `check` of the host state runs before any weight is read, the same
+verdict on every rank. Nothing here unpickles code: host state is JSON, rank 0's
 extra tensors (a schedule's queued rollouts) load with weights_only, and megatron's own reads are
 made safe around it (`no_code_load`: `.metadata` is checked with a restricted unpickler first,
 and the load runs with torch's weights-only override), so a crafted checkpoint cannot run code.
 The model's names are the bare GPTModel's (no `module.` from the trainer's wrappers), so the
-converter's checkpoints and the trainer's are interchangeable. A checkpoint that fails
-verification is renamed `iter_XXXXXXX.corrupt` (kept for inspection, never deleted) and
+converter's checkpoints and the trainer's are interchangeable. A checkpoint that cannot be
+verified (CorruptCheckpoint: damaged bytes, no or a malformed manifest, unusable host state) is
+renamed `iter_XXXXXXX.corrupt` (kept for inspection, never deleted) and
 `resume_checkpoint` falls back to the newest older checkpoint of the same run that verifies.
 
 Retention (`keep`) only ever deletes checkpoints of this run (same run id in the manifest) that
@@ -28,6 +34,7 @@ one `latest` names.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -41,14 +48,23 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.fs import fsync_dir, fsync_tree
 from megatron_rl.model.builder import unwrap_model
+from megatron_rl.platform.checkpoint_writer import WriterFailed, watched_save_strategy
 from megatron_rl.platform.reaping import reaped_checkpoint_queue
-from megatron_rl.trainer.manifest import MANIFEST, build_manifest, read_manifest, verify_manifest, write_json
+from megatron_rl.trainer.manifest import (
+    NotRegularFile,
+    build_manifest,
+    open_regular,
+    read_manifest,
+    verify_manifest,
+    write_json,
+)
 from megatron_rl.trainer.no_code_load import UnsafeCheckpoint, check_metadata, weights_only_torch_loads
 
 # The distributed optimizer's checkpoint layout: megatron-core's own default raises
 # "ShardedTensor.flattened_range is not supported"; this is Megatron-LM's default.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 _ITER = re.compile(r"^iter_(\d{7})$")
+_WORKER_FAILURE = "Worker failure: "  # megatron's FileSystemWriterAsync.retrieve_write_results
 
 
 class CheckpointError(RuntimeError):
@@ -56,7 +72,9 @@ class CheckpointError(RuntimeError):
 
 
 class CorruptCheckpoint(CheckpointError):
-    """A checkpoint's bytes differ from its manifest (or a file is missing or unreadable)."""
+    """A checkpoint that cannot be verified: its bytes differ from its manifest, a file is missing
+    or unreadable or not a regular file, the manifest is missing or malformed, or its host state
+    is unusable. A resume sets it aside and falls back."""
 
 
 def _rank() -> int:
@@ -84,12 +102,14 @@ def latest_checkpoint(root: str) -> str | None:
     `latest` may only name an `iter_NNNNNNN` dir of `root` (never `../x` or an absolute path:
     a resume renames a damaged checkpoint, and must not reach outside `root`)."""
     marker = os.path.join(root, "latest")
-    if os.path.exists(marker):
-        with open(marker, errors="replace") as f:
-            name = f.read().strip()
-        path = os.path.join(root, name)
-        if _ITER.match(name) and os.path.isdir(path):
-            return path
+    try:
+        with open_regular(marker) as f:  # not a named pipe that would block the start
+            name = f.read(64).decode(errors="replace").strip()
+    except OSError:  # absent, or not a file: the highest-step checkpoint
+        name = ""
+    path = os.path.join(root, name)
+    if _ITER.match(name) and os.path.isdir(path):
+        return path
     done = complete_checkpoints(root)
     return done[-1] if done else None
 
@@ -116,6 +136,24 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
     sharded_strategy: megatron's save strategy (default: its torch_dist one); the converter
     passes lazy_save's, which writes a meta-device model's tensors one at a time.
     """
+    final = _iter_dir(root, step)
+    try:
+        return _save(root, step, model, optimizer, extra, keep, run_id, rank0_tensors, sharded_strategy)
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        raise CheckpointError(f"cannot save the checkpoint of step {step} to {final}: {_first_failure(e)}"
+                              f"{_space_left(root)}; the unfinished {final}.tmp is deleted when the run "
+                              f"starts again") from e
+
+
+def _space_left(root: str) -> str:
+    """` (N GiB free under root)`: a save that failed for want of space says so."""
+    try:
+        return f" ({shutil.disk_usage(root).free / 2**30:.2f} GiB free under {root})"
+    except OSError:
+        return ""
+
+
+def _save(root, step, model, optimizer, extra, keep, run_id, rank0_tensors, sharded_strategy) -> str:
     from megatron.core import dist_checkpointing
 
     reaped_checkpoint_queue()  # megatron's writer helper process must not outlive a killed trainer
@@ -127,7 +165,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
         os.makedirs(tmp)
     _barrier()
     dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp,
-                            sharded_strategy=sharded_strategy)
+                            sharded_strategy=sharded_strategy or watched_save_strategy())
     os.makedirs(os.path.join(tmp, "extra"), exist_ok=True)
     write_json(os.path.join(tmp, "extra", f"rank_{rank:05d}.json"), extra or {})
     if rank == 0:
@@ -191,78 +229,101 @@ def retired_checkpoints(root: str, run_id: str, keep: int) -> list[str]:
     for path in complete_checkpoints(root):
         manifest = read_manifest_or_none(path)
         if manifest is not None and manifest.get("run_id") == run_id:
-            mine.append((int(manifest["step"]), float(manifest["written_at"]), path))
+            try:
+                mine.append((int(manifest["step"]), float(manifest["written_at"]), path))
+            except (KeyError, TypeError, ValueError):  # a manifest not as this run writes them: kept
+                continue
     protected = {p for *_, p in sorted(mine)[-keep:]}
     protected |= {p for _, _, p in sorted(mine, key=lambda m: m[1])[-keep:]}
     protected.add(latest_checkpoint(root))
     return [p for *_, p in mine if p not in protected]
 
 
-def sweep_partial_saves(root: str) -> list[str]:
-    """Rank 0 of a resuming run that holds the run directory's lock: delete the `iter_XXXXXXX.tmp`
-    folders that saves cut short by a crash left behind (each up to a full checkpoint's size;
-    nothing else would ever remove one whose step is not saved again). Never published, so never
-    named by `latest`; a complete one only repeats a step the resumed run trains again. The
-    `.replaced` and `.corrupt` folders stay: those may be the only copy of a step. Returns the
-    deleted paths."""
+def partial_saves(root: str) -> list[str]:
+    """The `iter_XXXXXXX.tmp` folders under `root`: saves that a crash or a failed write cut short."""
     if not os.path.isdir(root):
         return []
-    found = sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".tmp") and _ITER.match(n[:-4]))
+    return sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".tmp") and _ITER.match(n[:-4]))
+
+
+def sweep_partial_saves(root: str) -> list[str]:
+    """Rank 0 of a starting run that holds the run directory's lock, before its space check:
+    delete the `iter_XXXXXXX.tmp` folders that saves cut short by a crash or a failed write (a
+    full disk) left behind. Each holds up to a full checkpoint's size, and nothing else would
+    ever remove one whose step is not saved again (a fresh run would carry it to previous/). Never
+    published, so never named by `latest`; a complete one only repeats a step the run trains
+    again. The `.replaced` and `.corrupt` folders stay: those may be the only copy of a step.
+    Returns the deleted paths."""
+    found = partial_saves(root)
     for path in found:
         shutil.rmtree(path, ignore_errors=True)
     return found
+
+
+def folder_bytes(path: str) -> int:
+    """Bytes of the files under `path` (links not followed)."""
+    total = 0
+    for d, _, names in os.walk(path):
+        for n in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(d, n)).st_size
+    return total
 
 
 def read_extra(path: str, rank: int = 0) -> dict:
     """Rank `rank`'s host state of checkpoint dir `path` (rank 0's when the checkpoint has fewer
     ranks: a resume with more ranks than saved)."""
     name = os.path.join(path, "extra", f"rank_{rank:05d}.json")
-    if not os.path.exists(name):
+    if not os.path.lexists(name):
         name = os.path.join(path, "extra", "rank_00000.json")
-    if not os.path.exists(name):
+    if not os.path.lexists(name):
         raise CorruptCheckpoint(f"{path} has no host state (extra/rank_*.json); it is incomplete or was not "
                                 f"written by this version of megatron-rl")
     try:
-        with open(name) as f:
-            return json.load(f)
+        with open_regular(name) as f:
+            extra = json.loads(f.read().decode())
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpoint(f"{name} is damaged ({e})") from None
+    except OSError as e:
+        raise CorruptCheckpoint(str(e) if isinstance(e, NotRegularFile) else f"{name} cannot be read ({e})") from None
+    if not isinstance(extra, dict):
+        raise CorruptCheckpoint(f"{name} is damaged (not a JSON object)")
+    return extra
 
 
 def read_rank0_tensors(path: str, name: str):
     """What rank 0 saved as `rank0_tensors[name]` in checkpoint dir `path` (None when absent).
     Loaded with weights_only=True: tensors and plain containers, never code."""
     file = os.path.join(path, "extra", f"{name}.pt")
-    if not os.path.exists(file):
+    if not os.path.lexists(file):
         return None
     try:
-        return torch.load(file, weights_only=True)
+        with open_regular(file) as f:
+            return torch.load(f, weights_only=True)
     except Exception as e:  # noqa: BLE001 - name the file, whatever the unpickler says
+        if isinstance(e, NotRegularFile):
+            raise CorruptCheckpoint(str(e)) from None
         raise CorruptCheckpoint(f"{file} cannot be read ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") \
             from None
 
 
-def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> dict:
+def load_checkpoint(path: str, model, optimizer=None, verify: bool = True, check=None) -> dict:
     """Verify, then load a checkpoint dir into `model` (and `optimizer`); return this rank's
     host state. The parallel layout may differ from the one that saved (dist_checkpointing
-    reshards). Raises CheckpointError naming the damaged file."""
+    reshards). `check(path, host_state)` runs before any weight is read: a refusal (e.g. a
+    config the checkpoint cannot continue under) is raised then, not as a failed load. Raises
+    CorruptCheckpoint when the checkpoint cannot be verified (damaged bytes, a missing or
+    unusable manifest, files that are not regular files, unusable host state), CheckpointError
+    for other reasons it cannot be used; each names the file. Collective: every rank raises the
+    same exception (the lowest failing rank's)."""
     from megatron.core import dist_checkpointing
 
     if verify:
-        if not os.path.exists(os.path.join(path, MANIFEST)):
-            raise CheckpointError(f"{path} has no manifest.json: it was written by an older version of megatron-rl "
-                                  f"or not by megatron-rl; start a fresh run (train.resume=false) or re-save it")
         problems = verify_manifest(path)
         if problems:
             raise CorruptCheckpoint(f"checkpoint {path} failed verification: " + "; ".join(problems[:3]) +
-                                  (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
-    extra = read_extra(path, _rank())
-    try:
-        metadata = check_metadata(path)
-    except UnsafeCheckpoint as e:
-        raise CheckpointError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - a damaged file: name it, whatever the unpickler says
-        raise CorruptCheckpoint(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+                                    (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
+    extra, metadata = _on_every_rank_alike(lambda: _before_the_load(path, verify, check))
     prefix = _saved_prefix(metadata, model)
     try:
         with weights_only_torch_loads():  # megatron's byte items and common.pt: tensors, never code
@@ -275,12 +336,56 @@ def load_checkpoint(path: str, model, optimizer=None, verify: bool = True) -> di
     return extra
 
 
+def _before_the_load(path: str, verify: bool, check):
+    """This rank's host state, after `check`, and the checkpoint's `.metadata` (read safely, and
+    naming only files of the manifest: megatron opens the files it names)."""
+    extra = read_extra(path, _rank())
+    if check is not None:
+        check(path, extra)
+    try:
+        metadata = check_metadata(path)
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a damaged file: name it, whatever the unpickler says
+        raise CorruptCheckpoint(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+    if verify and metadata is not None:
+        listed = set((read_manifest(path) or {}).get("files", {}))
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            name = getattr(info, "relative_path", None)
+            if name not in listed:
+                raise CorruptCheckpoint(f"{path}/.metadata names {name!r} as a file of the checkpoint, which its "
+                                        f"manifest does not list")
+    return extra, metadata
+
+
+def _on_every_rank_alike(fn):
+    """`fn()` on every rank; when it raises on any, every rank raises the lowest failing rank's
+    exception (a rank that went on alone would wait for the others in the load's collectives)."""
+    try:
+        out, error = fn(), None
+    except Exception as e:  # noqa: BLE001 - carried to every rank, then raised
+        out, error = None, e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+    return out
+
+
 def _first_failure(e: BaseException) -> str:
     """`Type: first line` of what went wrong; for torch's CheckpointException (which gathers every
     rank's exception), of the lowest failing rank's."""
-    if isinstance(e, CheckpointException) and e.failures:
+    if isinstance(e, CheckpointException):
+        if not e.failures:  # megatron's save gives the details to the coordinating rank only
+            return "it failed on another rank (rank 0 names the cause)"
         e = e.failures[min(e.failures)][0]
     lines = [line for line in str(e).splitlines() if line.strip()]
+    if lines and lines[0].startswith(_WORKER_FAILURE):  # a writer's own error (platform/checkpoint_writer.py
+        return lines[0][len(_WORKER_FAILURE):]        # names the file), in megatron's words around it
+    if isinstance(e, WriterFailed):
+        return lines[0]
     if isinstance(e, pickle.UnpicklingError):  # torch's weights-only refusal: say what it refused, not "retry"
         named = [line.strip() for line in lines if "GLOBAL" in line]
         return ("an item holds more than tensors and plain data, refused because loading it could run code"
@@ -304,10 +409,11 @@ def _strip(state: dict, prefix: str) -> dict:
     return {k[len(prefix):] if prefix and k.startswith(prefix) else k: v for k, v in state.items()}
 
 
-def resume_checkpoint(root: str, model, optimizer=None, log=print) -> tuple[str, dict] | None:
+def resume_checkpoint(root: str, model, optimizer=None, log=print, check=None) -> tuple[str, dict] | None:
     """Load the newest checkpoint under `root` that verifies: `latest` first, then older ones of
-    the same run. A damaged one is renamed `<dir>.corrupt` and reported through `log`, never
-    deleted. Returns (path, host state), or None when `root` holds no checkpoint. Collective."""
+    the same run. One that cannot be verified (see load_checkpoint) is renamed `<dir>.corrupt`
+    and reported through `log`, never deleted. `check`: as in load_checkpoint, for each
+    candidate. Returns (path, host state), or None when `root` holds no checkpoint. Collective."""
     first = latest_checkpoint(root)
     if first is None:
         return None
@@ -317,7 +423,7 @@ def resume_checkpoint(root: str, model, optimizer=None, log=print) -> tuple[str,
         if path != first and run_id is not None and _run_id_of(path) != run_id:
             continue
         try:
-            return path, load_checkpoint(path, model, optimizer)
+            return path, load_checkpoint(path, model, optimizer, check=check)
         except CorruptCheckpoint as e:
             if _rank() == 0:
                 aside = _unique(path + ".corrupt")

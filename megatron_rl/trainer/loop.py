@@ -33,14 +33,18 @@ from megatron_rl.rewards import RewardRunner
 from megatron_rl.trainer import run_dir as run_files
 from megatron_rl.trainer.batch import model_device
 from megatron_rl.trainer.checkpoint import (
+    CheckpointError,
+    CorruptCheckpoint,
+    folder_bytes,
     latest_checkpoint,
     load_checkpoint,
-    read_extra,
+    partial_saves,
     read_rank0_tensors,
     resume_checkpoint,
     save_checkpoint,
     sweep_partial_saves,
 )
+from megatron_rl.trainer.host_state import host_state_problem, rng_state, set_rng_state
 from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
 from megatron_rl.trainer.replay import NoReplay, make_replay
 from megatron_rl.trainer.resume_check import config_changes, describe_changes
@@ -139,27 +143,6 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
     return stream
 
 
-def _rng_state() -> dict:
-    """Host RNG streams as JSON (the torch CPU generator and this rank's CUDA device's, as byte
-    lists; only the rank's own device, so a resume may see a different number of GPUs)."""
-    state = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
-def _jsonable(obj):
-    return [_jsonable(o) for o in obj] if isinstance(obj, (tuple, list)) else obj
-
-
 def setup(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None,
           synthetic: bool = False) -> RunContext:
     """Build everything the run needs, after checking what would otherwise fail later. The run
@@ -254,6 +237,10 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
     policy = build_policy(cfg.model, cfg.optim, groups, arch, seed=cfg.train.seed, routing_replay=mode != "none",
                           precision=cfg.precision)
     if not synthetic:
+        if rank0:  # before the space check: a failed save's folder must not be what fills the disk
+            for root in (_ckpt_root(cfg), os.path.join(cfg.train.run_dir, "sft")):
+                for path in sweep_partial_saves(root):
+                    print(f"removed {path}: a save that a crash or a failed write cut short", flush=True)
         _check_checkpoint_dirs(cfg, policy, groups)
     loss = resolve_loss(cfg.loss, cfg.rollout.max_tokens)
     stop = stop or StopSignals()
@@ -265,9 +252,6 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
         if moved:
             print(f"fresh run (train.resume={cfg.train.resume}): moved the earlier run's checkpoints and logs in "
                   f"{cfg.train.run_dir} to {moved}", flush=True)
-    if rank0 and resuming:
-        for path in sweep_partial_saves(_ckpt_root(cfg)):
-            print(f"removed {path}: a save that a crash cut short (the run resumes from `latest`)", flush=True)
     dist.barrier()
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
                        jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
@@ -300,12 +284,23 @@ def _check_checkpoint_dirs(cfg: RunConfig, policy: Policy, groups: ParallelGroup
     need = run_files.checkpoint_bytes(policy.model, groups, policy.model.module.config.params_dtype)
     problem = None
     if dist.get_rank() == 0:
-        problem = run_files.check_writable(_ckpt_root(cfg), need, "train.run_dir")
+        held = [(p, folder_bytes(p)) for p in _unfinished_saves(cfg.train.run_dir)]
+        problem = run_files.check_writable(_ckpt_root(cfg), need, "train.run_dir", held)
         if problem is None and cfg.sft.steps > 0 and not cfg.train.resume:
-            problem = run_files.check_writable(os.path.join(cfg.train.run_dir, "sft"), need, "train.run_dir")
+            problem = run_files.check_writable(os.path.join(cfg.train.run_dir, "sft"), need, "train.run_dir", held)
     problem = broadcast(problem)
     if problem:
         raise OSError(problem)
+
+
+def _unfinished_saves(run_dir: str) -> list[str]:
+    """The `iter_*.tmp` folders under `run_dir`: its own checkpoint folders' (swept at start-up,
+    unless that failed) and those earlier runs, moved to previous/ by a fresh run, took along."""
+    roots = [os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "sft")]
+    previous = os.path.join(run_dir, "previous")
+    if os.path.isdir(previous):
+        roots += [os.path.join(previous, d, "checkpoints") for d in sorted(os.listdir(previous))]
+    return [p for root in roots for p in partial_saves(root)]
 
 
 def _heldout(ctx: RunContext):
@@ -364,16 +359,20 @@ def _start(ctx: RunContext, heldout) -> int:
     the before-RL evaluation. Returns the first RL step to run."""
     cfg, rank0 = ctx.cfg, dist.get_rank() == 0
     if ctx.resuming:
+        # each candidate is checked before its weights are read: a config it cannot continue under
+        # is refused by name (not as a failed load), unusable host state sets it aside
         found = resume_checkpoint(_ckpt_root(cfg), ctx.policy.model, ctx.policy.optimizer,
-                                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                                  log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                                  check=lambda path, extra: _check_resume(ctx, path, extra))
         if found is not None:
             path, extra = found
-            _check_resumable(ctx, path, extra)
             start, ctx.policy_version, ctx.state = extra["step"], extra["policy_version"], extra["state"]
+            ctx.state.setdefault("curve", [])
             ctx.run_id = extra["run_id"]
-            _set_rng_state(extra["rng"])
-            if dist.get_rank() == 0:  # batches generated ahead by the schedule: trained on as they were
-                ctx.schedule.load_state_dict(read_rank0_tensors(path, "schedule") or {})
+            set_rng_state(extra["rng"])
+            counters = extra.get("counters", {})  # cumulative counts continue where they were
+            ctx.schedule.load_stats(counters)
+            ctx.rewards.load_stats(counters)
             ctx.sink.drop_rows_after(start)  # steps after the checkpoint run again
             if rank0:
                 print(f"resumed from {path} at step {start}", flush=True)
@@ -381,9 +380,8 @@ def _start(ctx: RunContext, heldout) -> int:
             return start
     if cfg.train.init_checkpoint:
         # refused before the weights are read: the record is in the host state's JSON
-        _check_tokenizer(ctx, cfg.train.init_checkpoint, read_extra(cfg.train.init_checkpoint, dist.get_rank()),
-                         "train.init_checkpoint")
-        load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model)
+        load_checkpoint(cfg.train.init_checkpoint, ctx.policy.model,
+                        check=lambda path, extra: _check_tokenizer(ctx, path, extra, "train.init_checkpoint"))
         # bf16/fp16: the optimizer keeps fp32 master copies of the weights it was built with; a
         # fresh one starts from the loaded weights (else its first step would restore the old ones)
         ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)
@@ -405,6 +403,23 @@ def _start(ctx: RunContext, heldout) -> int:
         ctx.state["before_rl_sampled_accuracy"] = before["eval/heldout_sampled_accuracy"]
     ctx.state["curve"] = []
     return 0
+
+
+def _check_resume(ctx: RunContext, path: str, extra: dict) -> None:
+    """Before checkpoint `path`'s weights are read (every rank): its host state must be usable
+    (else CorruptCheckpoint: set aside, the previous checkpoint is tried), the config must allow
+    continuing it (else ValueError), and rank 0 takes the schedule's queued batches from it."""
+    problem = host_state_problem(extra)
+    if problem:
+        raise CorruptCheckpoint(f"checkpoint {path} cannot be resumed: its host state (extra/rank_*.json) is "
+                                f"unusable: {problem}")
+    _check_resumable(ctx, path, extra)
+    if dist.get_rank() == 0:  # batches generated ahead by the schedule: trained on as they were
+        try:
+            ctx.schedule.load_state_dict(read_rank0_tensors(path, "schedule") or {})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptCheckpoint(f"{path}/extra/schedule.pt does not hold a schedule's batches ({type(e).__name__}: "
+                                    f"{e})") from None
 
 
 def _check_resumable(ctx: RunContext, path: str, extra: dict) -> None:
@@ -519,11 +534,23 @@ def _record(ctx: RunContext, completed_steps: int, metrics: dict, bar) -> None:
 
 
 def _save(ctx: RunContext, root: str, completed_steps: int) -> str:
+    """Save the completed steps; a save that fails stops the run naming the newest checkpoint."""
     ctx.sink.sync()
+    try:
+        return _save_checkpoint(ctx, root, completed_steps)
+    except CheckpointError as e:
+        newest = latest_checkpoint(root)
+        then = (f"the newest checkpoint is {newest}: rerun with train.resume=true to continue from it" if newest
+                else "no checkpoint was saved: rerun to start over")
+        raise CheckpointError(f"{e}. The run stopped: {then}") from e
+
+
+def _save_checkpoint(ctx: RunContext, root: str, completed_steps: int) -> str:
     return save_checkpoint(root, completed_steps, ctx.policy.model, ctx.policy.optimizer,
                            extra={"step": completed_steps, "policy_version": ctx.policy_version, "state": ctx.state,
-                                  "rng": _rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg),
+                                  "rng": rng_state(), "run_id": ctx.run_id, "config": config_to_dict(ctx.cfg),
                                   "data": ctx.prompts.state_dict(), "tokenizer": ctx.tokenizer.fingerprint,
+                                  "counters": {**ctx.schedule.stats(), **ctx.rewards.stats()},
                                   "arch": ctx.policy.arch.to_dict()},  # tools/convert_hf_to_mcore.py --reverse
                            keep=ctx.cfg.train.keep_checkpoints, run_id=ctx.run_id,
                            rank0_tensors={"schedule": ctx.schedule.state_dict()} if dist.get_rank() == 0 else None)

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -111,22 +112,36 @@ def checkpoint_bytes(model, groups, dtype: torch.dtype, with_optimizer: bool = T
     return int(total.item() * per_param)
 
 
-def check_writable(directory: str, need_bytes: int, field: str) -> str | None:
+def check_writable(directory: str, need_bytes: int, field: str,
+                   held: list[tuple[str, int]] = ()) -> str | None:
     """None when `directory` can be created, written, and has `need_bytes` free (plus 5%); else
-    the reason, naming the directory, the sizes and the config field that chose it."""
+    the reason, naming the directory, the sizes and the config field that chose it. `held`: (folder,
+    bytes) of what this run directory keeps that may be deleted (unfinished saves of earlier
+    runs): named when the disk is too full."""
+    probe = os.path.join(directory, f".write-test-{os.getpid()}")
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-test-{os.getpid()}")
         with open_no_follow(probe, "wb") as f:
             f.write(b"0" * 4096)
             f.flush()
             os.fsync(f.fileno())
-        os.remove(probe)
     except OSError as e:
-        return (f"cannot write checkpoints to {directory} ({e.strerror or e}); make it writable or choose "
-                f"another {field}")
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        return (f"cannot write checkpoints to {directory} ({e.strerror or e}); "
+                f"{'free some space' if full else 'make it writable'} or choose another {field}"
+                f"{_held(held) if full else ''}")
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
     free = shutil.disk_usage(directory).free
     if free < need_bytes * 1.05:
         return (f"{directory} has {free / 2**30:.2f} GiB free, one checkpoint needs about "
-                f"{need_bytes / 2**30:.2f} GiB; free some space or choose another {field}")
+                f"{need_bytes / 2**30:.2f} GiB; free some space or choose another {field}{_held(held)}")
     return None
+
+
+def _held(held: list[tuple[str, int]]) -> str:
+    if not held:
+        return ""
+    listed = ", ".join(f"{path} ({size / 2**30:.2f} GiB)" for path, size in held)
+    return f". Unfinished saves of earlier runs hold space: {listed}"

@@ -135,8 +135,14 @@ class SyncSchedule:
         if engine_version != ctx.policy_version:
             self.sync(ctx)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, int]:
+        """Counts since the run started (a resumed run's continue the checkpoint's)."""
         return {"schedule/generate_calls": self.generate_calls, "schedule/weight_syncs": self.weight_syncs}
+
+    def load_stats(self, stats: dict) -> None:
+        """Continue the counts of `stats()` (names it does not hold stay as they are)."""
+        self.generate_calls = stats.get("schedule/generate_calls", self.generate_calls)
+        self.weight_syncs = stats.get("schedule/weight_syncs", self.weight_syncs)
 
     def state_dict(self) -> dict:
         """Rank 0: the batches generated ahead (plain tensors, lists, numbers and strings)."""
