@@ -41,9 +41,9 @@ get_surrogate = SURROGATES.get
 # Value ranges a surrogate declares where it registers (`limits`: parameter -> bounds of
 # config.checks.number), checked by losses.setup.resolve_loss at start-up. The clip range is
 # [1 − ε_low, 1 + ε_high] around a ratio ≥ 0: ε_low >= 1 is no lower bound (the "no clip" arms
-# write 1e9 for both), a large ε_high no upper one; a negative ε would make the range empty.
-CLIP_LIMITS = {"eps_low": {"lo": 0, "hint": ">= 1 = no lower clip"},
-               "eps_high": {"lo": 0, "hint": "a large value = no upper clip"}}
+# write 1e9 for both), a large ε_high (or inf) no upper one; a negative ε would make the range empty.
+CLIP_LIMITS = {"eps_low": {"lo": 0, "finite": False, "hint": ">= 1 = no lower clip"},
+               "eps_high": {"lo": 0, "finite": False, "hint": "a large value or inf = no upper clip"}}
 DUAL_CLIP_LIMITS = {"dual_clip": {"lo": 1, "lo_open": True, "hint": "the -cA cap of A < 0 tokens; null = off"}}
 
 
@@ -203,8 +203,8 @@ def gspo_token(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4
     return SurrogateOut(per_token, _gspo_metrics(batch, torch.exp(L), n, adv_seq, eps_low, eps_high))
 
 
-@register_surrogate("minirl", limits={**CLIP_LIMITS, "c_tis": {"lo": 0, "lo_open": True,
-                                                                  "hint": "null = no IS weight"}},
+@register_surrogate("minirl", limits={**CLIP_LIMITS, "c_tis": {"lo": 0, "lo_open": True, "finite": False,
+                                                                  "hint": "null = no IS weight, inf = untruncated"}},
                     token_local=True)
 def minirl(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.27,
            c_tis: float | None = 5.0) -> SurrogateOut:
