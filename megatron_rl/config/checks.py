@@ -7,7 +7,9 @@
 They accept exactly the field's type (a bool is not an integer; 2.5 is not an integer), so
 `train.steps=2.5` and `train.micro_batch_size=true` fail at start-up instead of mid-run. An
 integer must also fit 64 bits unless its bounds say more (torch and numpy take 64-bit integers:
-a seed of 2**64 failed mid-start with "Overflow when unpacking long long").
+a seed of 2**64 failed mid-start with "Overflow when unpacking long long"). A number must be
+finite unless the field says what infinity means (`finite=False`): `optim.lr=inf` would write
+inf/NaN into every weight in the first update.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ def integer(where: str, value, lo: int | None = None, hi: int | None = None, hin
 
 
 def number(where: str, value, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
-           hi_open: bool = False, hint: str = "") -> None:
+           hi_open: bool = False, hint: str = "", finite: bool = True) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if ok and finite and math.isinf(value):
+        raise ValueError(f"{where}={value!r}: must be a finite number{_hint(hint)}")
     if ok and lo is not None:
         ok = value > lo if lo_open else value >= lo
     if ok and hi is not None:

@@ -344,6 +344,10 @@ class TrainSection:
         one trains, each exactly `max_staleness` versions old).
     stages: K for schedule=staged (train.steps must be a multiple of it). max_staleness: s >= 1
         for schedule=async.
+    max_nonfinite_updates: optimizer updates in a row whose loss or gradient norm is inf or NaN
+        before the run stops (>= 1; default 3). Each such update is skipped: the weights and the
+        optimizer state stay as they were, `optim/nonfinite_updates` counts it and stderr names the
+        step. An applied update resets the count; fp16 loss-scaler overflows do not count.
     """
 
     steps: int = 50
@@ -361,6 +365,7 @@ class TrainSection:
     schedule: str = "sync"
     stages: int = 4
     max_staleness: int = 1
+    max_nonfinite_updates: int = 3
 
     def __post_init__(self):
         checks.integer("train.steps", self.steps, lo=0)
@@ -378,6 +383,8 @@ class TrainSection:
         checks.choice("train.schedule", self.schedule, ("sync", "staged", "async"))
         checks.integer("train.stages", self.stages, lo=1)
         checks.integer("train.max_staleness", self.max_staleness, lo=1)
+        checks.integer("train.max_nonfinite_updates", self.max_nonfinite_updates, lo=1,
+                       hint="1 = stop at the first non-finite loss or gradient norm")
         if self.schedule == "staged" and self.steps % self.stages:
             raise ValueError(f"train.schedule=staged: train.steps={self.steps} is not a multiple of "
                              f"train.stages={self.stages}; every stage has the same number of steps")

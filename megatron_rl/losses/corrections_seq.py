@@ -93,7 +93,7 @@ def veto(batch: PolicyBatch, *, tau: float = 1e-4) -> Correction:
     return _drop_seqs(batch, mins[0] < math.log(tau), mins[1] == 0, metrics, "vetoed")
 
 
-@register_correction("opsm", reads_policy=True)
+@register_correction("opsm", limits={"delta": {"hint": "a KL threshold; any finite value"}}, reads_policy=True)
 def opsm(batch: PolicyBatch, *, delta: float = 1e-3) -> Correction:
     """DeepSeek-V3.2 off-policy sequence masking: drop response i when A_i < 0 and
     (1/|y_i|) Σ_t m (log μ_t − log π_θ,t) > δ.  c = 1.

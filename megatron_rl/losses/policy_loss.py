@@ -7,13 +7,16 @@
 
     ℓ'_t = Π_k c_k,t · 1(∧_k keep_k,t) · ℓ_t,  loss = aggregation(ℓ', m, normaliser)
 
+A term with weight 0 is exactly 0, with gradient 0, whatever its ratio (the surrogate sees the
+weighted tokens as `PolicyBatch.active`; docs/algorithms.md#zero-weight-terms).
+
 Named combinations (`RECIPES`, e.g. `decoupled_ppo` = ppo_clip + tis_token on w) bundle the three parts.
 `keep_sampling_mask` renormalises π_θ over the rollout's top-p/top-k kept set (DeepSeek-V3.2).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,10 +45,13 @@ def compute_policy_loss(
     their keyword params. normaliser: the step's GLOBAL counts (see `aggregation.required_counts`).
     Returns (0-dim fp32 loss with gradient, metrics of detached float64 sums `<part>/<key>/num|den`).
     """
-    out = get_surrogate(surrogate)(batch, **dict(surrogate_params or {}))
     corr = apply_corrections(batch, [(n, dict(p or {})) for n, p in corrections])
     m = batch.mask
-    per_token = torch.where(m & corr.keep, corr.weight * out.per_token, 0.0)
+    # the surrogate learns which terms are weighted 0 so that it freezes their ratios: a where()
+    # after the fact would leave 0 · inf = nan in the backward of a dropped token with ratio inf
+    active = m & corr.keep & (corr.weight != 0)
+    out = get_surrogate(surrogate)(replace(batch, active=active), **dict(surrogate_params or {}))
+    per_token = torch.where(active, corr.weight * out.per_token, 0.0)
     loss = aggregate(aggregation, per_token, batch.loss_mask, normaliser, batch.seq, **dict(agg_params or {}))
     metrics = prefix_metrics(surrogate, out.metrics)
     metrics.update(corr.metrics)

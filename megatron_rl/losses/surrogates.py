@@ -3,6 +3,10 @@
 Common signature: `fn(batch: PolicyBatch, **params) -> SurrogateOut` with `per_token [B, T]` (0 where
 m_t = 0). Notation (docs/algorithms.md#notation): r_t = π_θ/π_old, w_t = π_old/μ, ρ_t = π_θ/μ = r_t·w_t, sg = detach,
 A = advantage broadcast to tokens. Ratios are exp of fp32 log-differences with Δ = 0 at padding.
+Where a term's weight is 0 (A = 0, a clipped branch, a token the corrections drop: `batch.idle`,
+P3O's k3 at ESS = 1) its ratio is frozen before the exp (`frozen_exp`), so the term and its
+gradient stay finite there (0, not 0 · inf = nan) whatever the log-ratio; metrics still read the
+true ratios. docs/algorithms.md#zero-weight-terms.
 
 Registered names: ppo_clip, mu_grpo, reinforce, cispo, gspo, gspo_token, minirl, p3o.
 `token_local=True` where a surrogate registers: ℓ_t and its gradient read token t's own values
@@ -19,7 +23,15 @@ from torch import Tensor
 
 from megatron_rl.losses.registry import Registry
 from megatron_rl.losses.seqops import owner_count
-from megatron_rl.losses.types import PolicyBatch, SurrogateOut, add_fraction, count, masked, masked_log_ratio
+from megatron_rl.losses.types import (
+    PolicyBatch,
+    SurrogateOut,
+    add_fraction,
+    count,
+    frozen_exp,
+    masked,
+    masked_log_ratio,
+)
 
 SURROGATES = Registry("surrogate")
 register_surrogate = SURROGATES.register
@@ -29,9 +41,9 @@ get_surrogate = SURROGATES.get
 # Value ranges a surrogate declares where it registers (`limits`: parameter -> bounds of
 # config.checks.number), checked by losses.setup.resolve_loss at start-up. The clip range is
 # [1 − ε_low, 1 + ε_high] around a ratio ≥ 0: ε_low >= 1 is no lower bound (the "no clip" arms
-# write 1e9 for both), a large ε_high no upper one; a negative ε would make the range empty.
-CLIP_LIMITS = {"eps_low": {"lo": 0, "hint": ">= 1 = no lower clip"},
-               "eps_high": {"lo": 0, "hint": "a large value = no upper clip"}}
+# write 1e9 for both), a large ε_high (or inf) no upper one; a negative ε would make the range empty.
+CLIP_LIMITS = {"eps_low": {"lo": 0, "finite": False, "hint": ">= 1 = no lower clip"},
+               "eps_high": {"lo": 0, "finite": False, "hint": "a large value or inf = no upper clip"}}
 DUAL_CLIP_LIMITS = {"dual_clip": {"lo": 1, "lo_open": True, "hint": "the -cA cap of A < 0 tokens; null = off"}}
 
 
@@ -45,18 +57,21 @@ def _clip_active(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) ->
 
 
 def _clipped_surrogate(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
-                       dual_clip: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                       dual_clip: float | None = None, idle: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """ℓ = −min(x A, clip(x, 1−ε_low, 1+ε_high) A), x = exp(log_ratio); dual clip: ℓ = min(ℓ, −c A) for A < 0.
 
     Written as a select: where the clip (or dual clip) is active ℓ is a constant of θ, elsewhere ℓ = −x A.
-    The gradient path exponentiates log_ratio only where it is used, so an overflowing ratio on a
-    clipped token cannot turn its zero gradient into 0·inf = nan. Returns (ℓ, clip_active, dual_active).
+    The gradient path exponentiates log_ratio only where its term counts: not on a clipped token,
+    nor where A = 0 or `idle` (bool, the term's weight is 0 downstream), so an overflowing ratio
+    there cannot turn a zero loss or gradient into 0·inf = nan. Returns (ℓ, clip_active, dual_active).
     """
     x = torch.exp(log_ratio.detach())
     clip_active = _clip_active(x, adv, eps_low, eps_high)
     dual_active = (adv < 0) & (x > dual_clip) if dual_clip is not None else torch.zeros_like(clip_active)
-    frozen = clip_active | dual_active
-    x_grad = torch.exp(torch.where(frozen, torch.zeros((), device=x.device), log_ratio))
+    frozen = clip_active | dual_active | (adv == 0)
+    if idle is not None:
+        frozen = frozen | idle
+    x_grad = frozen_exp(log_ratio, frozen)
     loss = torch.where(clip_active, -x.clamp(1 - eps_low, 1 + eps_high) * adv, -x_grad * adv)
     if dual_clip is not None:
         loss = torch.where(dual_active, -dual_clip * adv, loss)
@@ -74,7 +89,7 @@ def ppo_clip(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.2,
     m = batch.mask
     adv = masked(batch.advantages, m)
     logr = masked_log_ratio(batch.logprobs, batch.old_logprobs, m)
-    loss, clipped, dual = _clipped_surrogate(logr, adv, eps_low, eps_high, dual_clip)
+    loss, clipped, dual = _clipped_surrogate(logr, adv, eps_low, eps_high, dual_clip, batch.idle)
     metrics = {}
     add_fraction(metrics, "clipped", m & clipped, m)
     if dual_clip is not None:
@@ -96,8 +111,10 @@ def mu_grpo(batch: PolicyBatch, *, eps_low: float = 1.0, eps_high: float = 4.0,
 def reinforce(batch: PolicyBatch) -> SurrogateOut:
     """ℓ_t = −sg[ρ_t] A log π_θ,t  (ρ_t = π_θ/μ; ∂ℓ_t/∂log π_θ,t = −ρ_t A)."""
     m = batch.mask
-    rho = torch.exp(masked_log_ratio(batch.logprobs.detach(), batch.rollout_logprobs, m))
-    loss = -rho * masked(batch.advantages, m) * masked(batch.logprobs, m)
+    adv = masked(batch.advantages, m)
+    # ρ is inf for log μ = −inf or a log-ratio > 88.7: frozen where A = 0 or the term is dropped
+    rho = frozen_exp(masked_log_ratio(batch.logprobs.detach(), batch.rollout_logprobs, m), batch.idle | (adv == 0))
+    loss = -rho * adv * masked(batch.logprobs, m)
     return SurrogateOut(loss, {})
 
 
@@ -109,9 +126,12 @@ def cispo(batch: PolicyBatch, *, eps_low: float = 1.0, eps_high: float = 0.28) -
     eps_high = 0.28 is our default. Metrics: clipped (the weight was clipped, either side).
     """
     m = batch.mask
-    r = torch.exp(masked_log_ratio(batch.logprobs.detach(), batch.old_logprobs, m))
-    coef = r.clamp(1 - eps_low, 1 + eps_high)
-    loss = -coef * masked(batch.advantages, m) * masked(batch.logprobs, m)
+    logr = masked_log_ratio(batch.logprobs.detach(), batch.old_logprobs, m)
+    adv = masked(batch.advantages, m)
+    r = torch.exp(logr)
+    # frozen where the term is 0: with ε_high = inf the weight is r itself, inf past Δ ≈ 88.7
+    coef = frozen_exp(logr, batch.idle | (adv == 0)).clamp(1 - eps_low, 1 + eps_high)
+    loss = -coef * adv * masked(batch.logprobs, m)
     metrics = {}
     add_fraction(metrics, "clipped", m & ((r > 1 + eps_high) | (r < 1 - eps_low)), m)
     return SurrogateOut(loss, metrics)
@@ -160,7 +180,8 @@ def gspo(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4e-4) -
     m = batch.mask
     L, n, adv_seq = _seq_stats(batch, batch.logprobs)  # log s_i [B] (with gradient)
     adv = masked(batch.advantages, m)
-    per_token, _, _ = _clipped_surrogate(L[:, None].expand_as(adv), adv, eps_low, eps_high)
+    # a token whose term is dropped adds no gradient to s_i (its frozen copy of L_i is a constant)
+    per_token, _, _ = _clipped_surrogate(L[:, None].expand_as(adv), adv, eps_low, eps_high, idle=batch.idle)
     per_token = torch.where(m, per_token, _zero(per_token))
     per_seq, _, _ = _clipped_surrogate(L, adv_seq, eps_low, eps_high)
     metrics = _gspo_metrics(batch, torch.exp(L.detach()), n, adv_seq, eps_low, eps_high)
@@ -177,13 +198,13 @@ def gspo_token(batch: PolicyBatch, *, eps_low: float = 3e-4, eps_high: float = 4
     lp = masked(batch.logprobs, m)
     log_s_tok = L[:, None] + (lp - lp.detach())  # value log s_i, gradient ∇log π_θ,t
     adv = masked(batch.advantages, m)
-    per_token, _, _ = _clipped_surrogate(log_s_tok, adv, eps_low, eps_high)
+    per_token, _, _ = _clipped_surrogate(log_s_tok, adv, eps_low, eps_high, idle=batch.idle)
     per_token = torch.where(m, per_token, _zero(per_token))
     return SurrogateOut(per_token, _gspo_metrics(batch, torch.exp(L), n, adv_seq, eps_low, eps_high))
 
 
-@register_surrogate("minirl", limits={**CLIP_LIMITS, "c_tis": {"lo": 0, "lo_open": True,
-                                                                  "hint": "null = no IS weight"}},
+@register_surrogate("minirl", limits={**CLIP_LIMITS, "c_tis": {"lo": 0, "lo_open": True, "finite": False,
+                                                                  "hint": "null = no IS weight, inf = untruncated"}},
                     token_local=True)
 def minirl(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.27,
            c_tis: float | None = 5.0) -> SurrogateOut:
@@ -202,7 +223,9 @@ def minirl(batch: PolicyBatch, *, eps_low: float = 0.2, eps_high: float = 0.27,
     log_rho = masked_log_ratio(lp_d, batch.rollout_logprobs, m)
     adv = masked(batch.advantages, m)
     clip_mask = _clip_active(r, adv, eps_low, eps_high)
-    coef = torch.exp(log_rho.clamp(max=math.log(c_tis))) if c_tis is not None else torch.ones_like(log_rho)
+    # frozen where the term is 0 (masked, A = 0, dropped): with c_tis = inf, ρ itself may be inf
+    log_coef = torch.where(clip_mask | (adv == 0) | batch.idle, _zero(log_rho), log_rho)
+    coef = torch.exp(log_coef.clamp(max=math.log(c_tis))) if c_tis is not None else torch.ones_like(log_rho)
     loss = -coef * adv * masked(batch.logprobs, m)
     loss = torch.where(m & ~clip_mask, loss, _zero(loss))
     metrics = {}
@@ -250,11 +273,14 @@ def p3o(batch: PolicyBatch, *, ess: Tensor | float) -> SurrogateOut:
     r = torch.exp(masked_log_ratio(batch.logprobs.detach(), batch.old_logprobs, m))
     coef = torch.minimum(r, ess_t)
     d = masked_log_ratio(batch.old_logprobs, batch.logprobs, m)  # log π_old − log π_θ, grad via π_θ
-    k3 = torch.exp(d) - d - 1.0
+    # k3's weight 1 − ESS is 0 at ESS = 1, and so is a dropped token's: d is frozen to 0 there (k3 = 0)
+    d_term = torch.where(batch.idle | (ess_t >= 1.0), _zero(d), d)
+    k3 = torch.exp(d_term) - d_term - 1.0
     loss = -coef * masked(batch.advantages, m) * masked(batch.logprobs, m) + (1.0 - ess_t) * k3
     loss = torch.where(m, loss, _zero(loss))
     metrics = {"ess/num/sum": ess_t.double(), "ess/den/sum": torch.ones_like(ess_t, dtype=torch.float64)}
     add_fraction(metrics, "capped", m & (r > ess_t), m)
-    metrics["k3/num/sum"] = count(torch.where(m, k3, 0.0))
+    d = d.detach()
+    metrics["k3/num/sum"] = count(torch.where(m, torch.exp(d) - d - 1.0, 0.0))  # the true k3, frozen or not
     metrics["k3/den/sum"] = count(m)
     return SurrogateOut(loss, metrics)

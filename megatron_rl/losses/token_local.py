@@ -70,8 +70,9 @@ class TokenTerms:
     made; `map` re-lays them out, e.g. flat in a kernel's token order).
 
     old_logprobs, rollout_logprobs, advantages, loss_mask, positions: the PolicyBatch fields the
-        surrogate reads at each token; coef: fp32 a_t = w_t · c_t; active: bool m_t ∧ keep_t
-        (a_t counts only there, so an inf/nan term at a dropped token cannot reach the loss).
+        surrogate reads at each token; coef: fp32 a_t = w_t · c_t; active: bool m_t ∧ keep_t ∧ c_t ≠ 0
+        (a_t counts only there; the surrogate freezes the ratios elsewhere, so an inf term at a
+        dropped token reaches neither the loss nor, as 0 · inf, the gradient).
     surrogate, params: the surrogate and its keyword parameters.
     """
 
@@ -106,7 +107,7 @@ class TokenTerms:
             value = aggregate(aggregation, x, batch.loss_mask, normaliser, batch.seq, **dict(agg_params or {}))
             (w,) = torch.autograd.grad(value, x, allow_unused=True) if value.requires_grad else (None,)
         w = torch.zeros_like(x) if w is None else w
-        active = m & corr.keep
+        active = m & corr.keep & (corr.weight != 0)  # as compute_policy_loss's
         return cls(batch.old_logprobs, batch.rollout_logprobs, batch.advantages, m, batch.token_positions(),
                    torch.where(active, w * corr.weight, 0.0), active, surrogate, dict(surrogate_params or {}))
 
@@ -123,7 +124,7 @@ class TokenTerms:
 
         sub = PolicyBatch(logprobs=logprobs[None], old_logprobs=take(self.old_logprobs),
                           rollout_logprobs=take(self.rollout_logprobs), advantages=take(self.advantages),
-                          loss_mask=take(self.loss_mask), positions=take(self.positions))
+                          loss_mask=take(self.loss_mask), positions=take(self.positions), active=take(self.active))
         per_token = get_surrogate(self.surrogate)(sub, **self.params).per_token
         return torch.where(take(self.active), take(self.coef) * per_token, 0.0).sum()
 

@@ -35,6 +35,9 @@ class PolicyBatch:
     seq:              per-sequence reductions (LocalSeqOps, or CPSeqOps under context parallelism)
     positions:        [B, T] int, global index of each token inside its response (needed under CP,
                       where a rank's tokens are not contiguous); None = arange(T)
+    active:           [B, T] bool, the tokens whose term keeps a non-zero weight after the rollout
+                      corrections (m ∧ keep ∧ c ≠ 0; `compute_policy_loss` sets it); None = every
+                      valid token. See `idle`.
     """
 
     logprobs: Tensor
@@ -44,6 +47,7 @@ class PolicyBatch:
     loss_mask: Tensor
     seq: SeqOps = LOCAL
     positions: Tensor | None = None
+    active: Tensor | None = None
 
     def __post_init__(self):
         shape = self.logprobs.shape
@@ -51,13 +55,21 @@ class PolicyBatch:
             if getattr(self, name).shape != shape:
                 raise ValueError(f"PolicyBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
                                  f"expected {tuple(shape)} like logprobs")
-        if self.positions is not None and self.positions.shape != shape:
-            raise ValueError("PolicyBatch.positions must have the shape of logprobs")
+        for name in ("positions", "active"):
+            if getattr(self, name) is not None and getattr(self, name).shape != shape:
+                raise ValueError(f"PolicyBatch.{name} must have the shape of logprobs")
 
     @property
     def mask(self) -> Tensor:
         """bool [B, T]: m_t = 1."""
         return self.loss_mask.bool() if self.loss_mask.dtype != torch.bool else self.loss_mask
+
+    @property
+    def idle(self) -> Tensor:
+        """bool [B, T]: tokens whose term is multiplied by 0 downstream (padding, and with `active` the
+        tokens a correction drops or weights 0). A surrogate freezes its ratios there (`frozen_exp`),
+        so the term is finite and its gradient exactly 0, and still counts them in its metrics."""
+        return ~self.mask if self.active is None else ~(self.mask & self.active)
 
     def token_positions(self) -> Tensor:
         """int64 [B, T]: global position of each token within its response."""
@@ -94,6 +106,18 @@ def masked_log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
     Keeps the gradient of `num`/`den`; torch.where gives padding a zero gradient even if it holds inf.
     """
     return torch.where(mask, num.float() - den.float(), torch.zeros((), device=num.device))
+
+
+def frozen_exp(log_x: Tensor, frozen: Tensor) -> Tensor:
+    """fp32 [B, T]: exp(log_x), and exactly 1 where `frozen` (the exponent is replaced by 0 first).
+
+    For a ratio whose term has weight 0 there (A = 0, a dropped token, a clipped branch, P3O's k3 at
+    ESS = 1): exp of a log-ratio above ~88.7 is inf in fp32, and 0 · inf = nan, in the forward and
+    in the backward, even when a torch.where drops the term afterwards (its backward still forms
+    0 · ∂term, with ∂term = inf). Freezing before the exp keeps both finite; the term's weight 0
+    makes its value irrelevant.
+    """
+    return torch.exp(torch.where(frozen, torch.zeros((), device=log_x.device), log_x))
 
 
 def masked(x: Tensor, mask: Tensor) -> Tensor:

@@ -59,6 +59,7 @@ from megatron_rl.trainer.manifest import (
     write_json,
 )
 from megatron_rl.trainer.no_code_load import UnsafeCheckpoint, check_metadata, weights_only_torch_loads
+from megatron_rl.trainer.nonfinite import check_parameters
 
 # The distributed optimizer's checkpoint layout: megatron-core's own default raises
 # "ShardedTensor.flattened_range is not supported"; this is Megatron-LM's default.
@@ -159,6 +160,8 @@ def _save(root, step, model, optimizer, extra, keep, run_id, rank0_tensors, shar
     reaped_checkpoint_queue()  # megatron's writer helper process must not outlive a killed trainer
     rank = _rank()
     final = _iter_dir(root, step)
+    # a checkpoint must never hold inf/NaN: a resume would train on them and an export serve them
+    check_parameters(model, f"not saving {final}: the weights", "Resume from an earlier checkpoint")
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,7 @@ metrics rows of steps it is about to redo.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -45,6 +46,7 @@ from megatron_rl.trainer.checkpoint import (
     sweep_partial_saves,
 )
 from megatron_rl.trainer.host_state import host_state_problem, rng_state, set_rng_state
+from megatron_rl.trainer.nonfinite import check_parameters
 from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
 from megatron_rl.trainer.replay import NoReplay, make_replay
 from megatron_rl.trainer.resume_check import config_changes, describe_changes
@@ -376,6 +378,9 @@ def _start(ctx: RunContext, heldout) -> int:
             ctx.sink.drop_rows_after(start)  # steps after the checkpoint run again
             if rank0:
                 print(f"resumed from {path} at step {start}", flush=True)
+            check_parameters(ctx.policy.model, f"the checkpoint {path}",
+                             "It was written before checkpoints were checked: move it aside to resume from an "
+                             "older one")
             sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
             return start
     if cfg.train.init_checkpoint:
@@ -396,6 +401,7 @@ def _start(ctx: RunContext, heldout) -> int:
             extra={"step": 0, "sft": True, "arch": ctx.policy.arch.to_dict(), "tokenizer": ctx.tokenizer.fingerprint},
             run_id=ctx.run_id)
         ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)  # fresh Adam for RL
+    check_parameters(ctx.policy.model, f"the initial weights ({_weights_source(cfg)})")  # before the engine has them
     sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
     if heldout:
         before = _evaluate_both(ctx, heldout)
@@ -420,6 +426,17 @@ def _check_resume(ctx: RunContext, path: str, extra: dict) -> None:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpoint(f"{path}/extra/schedule.pt does not hold a schedule's batches ({type(e).__name__}: "
                                     f"{e})") from None
+
+
+def _weights_source(cfg: RunConfig) -> str:
+    """Where the weights RL starts from come from, for an error message."""
+    if cfg.sft.steps > 0:
+        return f"the SFT warm start of sft.steps={cfg.sft.steps}"
+    if cfg.train.init_checkpoint:
+        return f"train.init_checkpoint={cfg.train.init_checkpoint}"
+    if cfg.model.hf_dir:
+        return f"model.hf_dir={cfg.model.hf_dir}"
+    return f"random init with model.init_std={cfg.model.init_std:g}"
 
 
 def _check_resumable(ctx: RunContext, path: str, extra: dict) -> None:
@@ -483,6 +500,13 @@ def train(ctx: RunContext) -> dict:
                 raise _stopped(ctx, completed, path) from e
             raise RolloutFailed(engine_failure_message(e, completed, path), completed) from e
         _record(ctx, step + 1, metrics, bar)
+        if metrics["optim/nonfinite_updates"] and ctx.sink.enabled:
+            print(f"warning: step {step + 1}: {metrics['optim/nonfinite_updates']:.0f} of {cfg.train.num_minibatches} "
+                  f"updates skipped: their loss or gradient norm was not finite (loss/policy "
+                  f"{metrics.get('loss/policy', math.nan):g}, optim/grad_norm {metrics['optim/grad_norm']:g}); the weights and "
+                  f"optimizer state are as before them. {ctx.state.get('nonfinite_in_a_row', 0)} in a row; the run "
+                  f"stops at train.max_nonfinite_updates={cfg.train.max_nonfinite_updates}", file=sys.stderr,
+                  flush=True)
         if metrics["optim/skipped_steps"] and ctx.sink.enabled:
             print(f"step {step + 1}: {metrics['optim/skipped_steps']:.0f} of {cfg.train.num_minibatches} updates "
                   f"skipped (fp16 gradient overflow: weights unchanged); loss scale now "

@@ -46,6 +46,7 @@ from megatron_rl.trainer.batch import (
     padded_length,
     row_multiple,
 )
+from megatron_rl.trainer.nonfinite import agreed_finite, check_parameters, count_in_a_row, guarded_step
 from megatron_rl.trainer.passes import PassSettings, TokenLocalLoss, logprob_pass, reduce_dp, train_pass
 from megatron_rl.trainer.schedule import Rollout, staleness
 
@@ -79,12 +80,15 @@ class Updates:
     """values: loss parts and r/ρ ratio diagnostics summed over micro-batches (metrics convention),
     and the step's r/ρ quantiles over all ranks (the same on every rank);
     grad_norms: one per optimizer step; skipped: optimizer steps skipped (fp16 overflow: megatron's
-    loss scaler found inf/NaN gradients, left the weights unchanged and lowered the scale)."""
+    loss scaler found inf/NaN gradients, left the weights unchanged and lowered the scale);
+    nonfinite: optimizer steps skipped because their loss or gradient norm was not finite
+    (trainer/nonfinite.py: the weights and optimizer state unchanged)."""
 
     values: dict
     grad_norms: list[float]
     skipped: int
     loss_scale: float | None = None  # fp16: megatron's dynamic loss scale after the last step
+    nonfinite: int = 0
 
 
 # ----------------------------------------------------------------------------- phases
@@ -129,15 +133,21 @@ def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
 
 def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     """train.num_minibatches optimizer steps; each mini-batch's loss is normalised by its global
-    counts, and takes the per-step statistics its surrogate declared (losses/step_stats.py)."""
-    policy, local, mbs = ctx.policy, batch.local, batch.settings.micro_batch_size
+    counts, and takes the per-step statistics its surrogate declared (losses/step_stats.py).
+
+    An optimizer step whose loss or gradient norm is not finite is skipped, and the run stops at
+    train.max_nonfinite_updates of them in a row (counted across RL steps in ctx.state, which
+    checkpoints keep); an applied step is followed by a check that the weights are finite
+    (trainer/nonfinite.py)."""
+    cfg, policy, local, mbs = ctx.cfg, ctx.policy, batch.local, batch.settings.micro_batch_size
     loss_kw = ctx.loss.loss_kwargs()
     # what r = π_θ / reference is taken against (loss.ratio_reference): π_old, or the behaviour μ
-    reference = local.rollout_logprobs if ctx.cfg.loss.ratio_reference == "rollout" else old.logprobs
+    reference = local.rollout_logprobs if cfg.loss.ratio_reference == "rollout" else old.logprobs
     values: dict = {}
-    grad_norms, skipped = [], 0
+    grad_norms, skipped, nonfinite = [], 0, 0
     ratio_log: dict[str, list] = {"r": [], "rho": []}   # every update pass's valid log r and log ρ
-    for slices in minibatch_slices(local.size, ctx.cfg.train.num_minibatches, mbs):
+    step = ctx.policy_version + 1  # the trainer's version counts completed RL steps (schedule.after_update)
+    for j, slices in enumerate(minibatch_slices(local.size, cfg.train.num_minibatches, mbs)):
         counts = global_counts(local, slices, ctx.groups, batch.seq)
         loss_kw["surrogate_params"].update(step_parameters(ctx, batch, slices, reference))
         loss_fn = policy_loss_fn(loss_kw, counts, reference, batch.seq, batch.staleness, ctx.schedule.max_staleness,
@@ -149,19 +159,25 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
                               wrap_step=ctx.replay.wrap)
         for o in outs:
             values = accumulate(values, o)
-        ok, grad_norm, _ = policy.optimizer.step()
-        skipped += int(not ok)
-        grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
-        if ok and not math.isfinite(grad_norms[-1]):
-            raise FloatingPointError(
-                f"the gradient norm is {grad_norms[-1]} under model.dtype={ctx.cfg.model.dtype} (no loss scaler to "
-                f"catch it), so this update is not kept: the run stops without saving it. Resume from the last "
-                f"checkpoint with a lower optim.lr, optim.clip_grad, or precision.recipe=fp16 (loss scaling)")
+        # the loss is finite on every rank, or every rank skips (agreed_finite all-reduces the verdict)
+        outcome = guarded_step(policy.optimizer, agreed_finite(o["loss/value/sum"] for o in outs))
+        skipped += int(outcome.overflow)
+        nonfinite += int(outcome.nonfinite is not None)
+        grad_norms.append(outcome.grad_norm)
+        where = f"RL step {step}, update {j + 1} of {cfg.train.num_minibatches}"
+        ctx.state["nonfinite_in_a_row"] = count_in_a_row(ctx.state.get("nonfinite_in_a_row", 0), outcome,
+                                                         cfg.train.max_nonfinite_updates, where)
+        if outcome.applied:
+            check_parameters(policy.model, f"the optimizer update of {where} (finite loss, gradient norm "
+                                           f"{outcome.grad_norm:g})",
+                             f"The update itself wrote them: check optim.lr={cfg.optim.lr:g}, optim.adam_eps="
+                             f"{cfg.optim.adam_eps:g}, optim.weight_decay={cfg.optim.weight_decay:g}, and resume from "
+                             f"the last checkpoint (train.resume=true)")
     if ctx.groups.is_last_stage:  # the stage that computed log-probs; quantiles over all DP x CP ranks
         values.update(ratio_quantiles({k: torch.cat(v) if v else local.loss_mask.new_zeros(0, dtype=torch.float64)
                                        for k, v in ratio_log.items()}, ctx.groups.dp_cp_group))
     scale = policy.optimizer.get_loss_scale() if ctx.cfg.model.dtype == "fp16" else None
-    return Updates(values, grad_norms, skipped, None if scale is None else float(scale))
+    return Updates(values, grad_norms, skipped, None if scale is None else float(scale), nonfinite)
 
 
 def sync(ctx) -> None:
@@ -184,6 +200,7 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
     m.update(finish(reduce_metrics(ctx.replay.metrics())))
     m["optim/grad_norm"] = sum(updates.grad_norms) / len(updates.grad_norms)
     m["optim/skipped_steps"] = updates.skipped
+    m["optim/nonfinite_updates"] = updates.nonfinite
     if updates.loss_scale is not None:
         m["optim/loss_scale"] = updates.loss_scale
     m["optim/lr"] = ctx.policy.optimizer.param_groups[0]["lr"]

@@ -6,7 +6,7 @@ must match the checkpoint's. Without this check a reused `train.run_dir` (`train
 default) would quietly continue an old run under a new config.
 
 `MAY_CHANGE` lists what a resume may change, by dotted name or section prefix: where and how
-often to log, save and evaluate; the parallel layout (checkpoints reshard); the micro-batch size,
+often to log, save and evaluate; how many non-finite updates in a row stop the run; the parallel layout (checkpoints reshard); the micro-batch size,
 activation recompute and loss.head_gradients (memory and speed settings: the same gradient,
 summed in other groupings or recomputed); SFT (it ran before the checkpoint); the engine's
 placement and server address (for vLLM, `VLLM_MAY_CHANGE`: where the server runs and how it is
@@ -24,7 +24,7 @@ from megatron_rl.rollout.vllm.config import VllmConfig
 MAY_CHANGE = (
     "train.steps", "train.eval_every", "train.eval_size", "train.save_every", "train.keep_checkpoints",
     "train.run_dir", "train.resume", "train.init_checkpoint", "train.allow_config_change",
-    "train.micro_batch_size", "model.recompute", "loss.head_gradients", "data.heldout_size",
+    "train.micro_batch_size", "train.max_nonfinite_updates", "model.recompute", "loss.head_gradients", "data.heldout_size",
     "rollout.max_batch_size", "rollout.device",
     "parallel", "log", "sft",
 )

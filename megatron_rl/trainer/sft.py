@@ -7,6 +7,7 @@ then stops (`target_accuracy`) so that RL has room to show what it adds.
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
 import torch
@@ -24,6 +25,7 @@ from megatron_rl.trainer.batch import (
     row_multiple,
     shard_rows,
 )
+from megatron_rl.trainer.nonfinite import agreed_finite, check_parameters, count_in_a_row, guarded_step
 from megatron_rl.trainer.passes import LossFn, PassSettings, TokenLocalLoss, reduce_dp, train_pass
 from megatron_rl.trainer.rollout_io import evaluate, sync_weights
 from megatron_rl.trainer.stop import Stopped
@@ -82,7 +84,7 @@ def _sft_steps(ctx, eval_examples, progress) -> dict:
     mbs = min(cfg.train.micro_batch_size, sft.batch_size // dp)
     settings = PassSettings(micro_batch_size=mbs)
     history, acc, t0 = [], 0.0, time.perf_counter()
-    step = 0
+    step, in_a_row = 0, 0
     for step in range(1, sft.steps + 1):
         examples = ctx.prompts.batch(10_000_000 + step, sft.batch_size)  # disjoint from RL steps' draws
         samples = sft_samples(ctx.tokenizer, examples)
@@ -97,7 +99,15 @@ def _sft_steps(ctx, eval_examples, progress) -> dict:
 
         loss_fn = sft_loss(n_tok, in_forward=cfg.loss.head_gradients != "recompute")
         outs = train_pass(policy.model, policy.optimizer, groups, local, slices, settings, loss_fn)
-        policy.optimizer.step()
+        # as the RL updates (trainer/phases.update): a non-finite loss or gradient norm is skipped
+        outcome = guarded_step(policy.optimizer, agreed_finite(o["nll/sum"] for o in outs))
+        in_a_row = count_in_a_row(in_a_row, outcome, cfg.train.max_nonfinite_updates, f"SFT step {step}")
+        if outcome.applied:
+            check_parameters(policy.model, f"the optimizer update of SFT step {step}",
+                             f"The update itself wrote them: check sft.lr={sft.lr:g}")
+        elif outcome.nonfinite is not None and dist.get_rank() == 0:
+            print(f"warning: SFT step {step} skipped: its {outcome.nonfinite} was not finite", file=sys.stderr,
+                  flush=True)
         nll = reduce_dp({"nll/sum": sum(o["nll/sum"] for o in outs) if outs else torch.zeros(())}, groups)["nll/sum"]
         if progress is not None:
             progress.update(1)

@@ -4,7 +4,7 @@
     model = wrap_model(gpt_model, settings)                  # Float16Module (bf16/fp16) -> DDP
     optimizer = build_optimizer(model, settings)             # get_megatron_optimizer
     forward_backward(model, optimizer, forward_step, num_microbatches, ...)  # schedules + finalize
-    ok, grad_norm, _ = optimizer.step()
+    outcome = guarded_step(optimizer, loss_finite)           # optimizer.step(), skipped on inf/NaN (trainer/nonfinite.py)
 
 Losses passed through `forward_step` arrive divided by their global normaliser (see
 model.builder: calculate_per_token_loss), so DDP sums gradients over data-parallel ranks and

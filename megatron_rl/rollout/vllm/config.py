@@ -171,6 +171,9 @@ class VllmConfig:
             checks.number(f"rollout.vllm.{name}", getattr(self, name), lo=0, lo_open=True,
                           hint="seconds; 0 is not 'no timeout', it fails every request or check")
         checks.number("rollout.vllm.retry_backoff_s", self.retry_backoff_s, lo=0)
+        if self.probe_tolerance is not None:  # nan or inf would pass every probe
+            checks.number("rollout.vllm.probe_tolerance", self.probe_tolerance, lo=0, lo_open=True,
+                          hint="null = the dtype's default; probe_every=0 turns the probe off")
         for name in ("max_model_len", "max_num_seqs", "max_logprobs"):
             if getattr(self, name) is not None:
                 checks.integer(f"rollout.vllm.{name}", getattr(self, name), lo=1, hint="or null for the default")
