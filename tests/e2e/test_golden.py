@@ -79,10 +79,11 @@ def test_golden_numbers(tmp_path):
 # The default path forms the output layer's gradients inside the log-prob kernel's forward
 # (loss.head_gradients=auto). The math is the same, but its float32 sums are taken in another
 # order, so its gradients differ from the recompute path's in the last bits. Step 1 sees the same
-# rollouts in both runs. Measured here: loss/policy moved by up to 2.6e-6 relative, a sum of terms
-# of both signs; the grad norm by less than 1e-6. The step-1 tolerance is 8x that, and still 30x
-# below the smallest real math change above.
-FIRST_STEP_RTOL, FIRST_STEP_ATOL = 2e-5, 1e-8
+# rollouts in both runs. Measured: loss/policy moved by up to 2.6e-6 relative on an AMD EPYC and
+# 6.0e-5 on an Intel Xeon (both AVX-512; cispo, whose loss is a sum of terms of both signs that
+# nearly cancel), the grad norm by less than 1e-6 on both. The step-1 tolerance is 1.7x the larger,
+# and still 6x below the smallest real math change above (6e-4).
+FIRST_STEP_RTOL, FIRST_STEP_ATOL = 1e-4, 1e-8
 
 
 def test_gradients_formed_in_the_forward_give_the_golden_first_step(tmp_path):
