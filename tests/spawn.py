@@ -14,8 +14,9 @@ Workers are kept for the pytest session, one pool per world size: starting an in
 importing torch, megatron-core and transformers costs 4-8 s on 2 cores, which the distributed
 tier used to pay on every call. Between calls a worker tears down what a call sets up through the
 APIs the tests use (the process group, megatron's parallel state and its RouterReplay list) and
-puts back what a fresh interpreter would have (environment variables, torch's default RNG state,
-default dtype, thread count), so a call sees what a new process would. A pool whose call failed
+puts back what it had when it started (environment variables, torch's default RNG state, default
+dtype, thread count), so a call sees what a new process would (a new interpreter seeds torch's
+generator at random: tests seed what they draw). A pool whose call failed
 or timed out is killed (a rank may still sit in a collective) and the next call starts a new
 one. `fresh=True` gives a call interpreters of its own, for runs whose point is a new process
 (the golden numbers) or that change process-wide state the reset above does not cover.
@@ -31,6 +32,7 @@ for the life of the process, see there.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -139,6 +141,24 @@ def _fresh(fn: Callable, rank: int, world_size: int, port: int, timeout: float, 
 # ----------------------------------------------------------------------------- the parent side
 
 
+def _kill_tree(p) -> None:
+    """SIGKILL a rank and every process it started (megatron's checkpoint writer, a Manager), which
+    would otherwise outlive it. The rank is stopped first, so it starts none while its tree is read."""
+    import psutil
+
+    try:
+        rank = psutil.Process(p.pid)
+        rank.suspend()
+        tree = rank.children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    p.kill()
+    p.join()
+    for c in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            c.kill()
+
+
 class _Pool:
     """`world_size` spawned workers, each with its own task queue, sharing one result queue."""
 
@@ -165,8 +185,7 @@ class _Pool:
         for p in self.procs:
             p.join(timeout=0 if kill else 10)
             if p.is_alive():
-                p.kill()
-                p.join()
+                _kill_tree(p)
 
 
 _POOLS: dict[int, _Pool] = {}
@@ -214,8 +233,7 @@ def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, fresh: 
         for p in procs:
             p.join(timeout=5 if errors else 30)
             if p.is_alive():
-                p.kill()
-                p.join()
+                _kill_tree(p)
     else:
         pool = _POOLS.get(world_size)
         if pool is None or not pool.alive():
