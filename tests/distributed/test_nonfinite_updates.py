@@ -14,13 +14,10 @@ import json
 import math
 import os
 
-import pytest
 import torch
 
 from tests.distributed.test_rl_loop import BASE
 from tests.spawn import run_ranks
-
-pytestmark = pytest.mark.slow
 
 
 def _adam_steps(optimizer) -> list[int]:
