@@ -351,7 +351,6 @@ def plain_lm_pass(ctx, batch, counts) -> None:
     import torch
 
     from megatron_rl.model import causal_mask
-    from megatron_rl.trainer.batch import minibatch_slices
     from megatron_rl.trainer.passes import micro_batches
     from megatron_rl.trainer.stack import forward_backward
 
@@ -370,7 +369,7 @@ def plain_lm_pass(ctx, batch, counts) -> None:
         return step
 
     local, mbs = batch.local, batch.settings.micro_batch_size
-    for sl, c in zip(minibatch_slices(local.size, ctx.cfg.train.num_minibatches, mbs), counts, strict=True):
+    for sl, c in zip(batch.layout.minibatch_slices(), counts, strict=True):
         forward_backward(ctx.policy.model, forward_step_for(c.num_tokens), iter(micro_batches(local, sl)), len(sl),
                          local.input_len, mbs, optimizer=ctx.policy.optimizer)
 
@@ -382,9 +381,8 @@ def bench_preset(name: str, args, groups, info: dict | None = None) -> dict:
 
     from megatron_rl.config import load_config
     from megatron_rl.trainer import phases
-    from megatron_rl.trainer.batch import minibatch_slices
     from megatron_rl.trainer.loop import close, setup
-    from megatron_rl.trainer.passes import logprob_pass
+    from megatron_rl.trainer.passes import global_counts, logprob_pass
     from megatron_rl.trainer.policy import arch_from_config
 
     info = {} if info is None else info
@@ -418,8 +416,8 @@ def bench_preset(name: str, args, groups, info: dict | None = None) -> dict:
         first = phases.make_batch(ctx, rollout)
         mu, _ = logprob_pass(policy.model, ctx.groups, first.local, first.settings, need_entropy=False)
         rollout = with_rollout_logprobs(rollout, first.rows, mu, noise=0.01, seed=args.seed)
-        slices = minibatch_slices(first.local.size, cfg.train.num_minibatches, cfg.train.micro_batch_size)
-        counts = [phases.global_counts(first.local, sl, ctx.groups, first.seq) for sl in slices]
+        slices = first.layout.minibatch_slices()
+        counts = [global_counts(first.local, sl, ctx.groups, first.seq) for sl in slices]
 
         times: dict[str, list[float]] = {}
         for _ in range(args.warmup + args.repeats):

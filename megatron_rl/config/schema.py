@@ -17,6 +17,7 @@ from megatron_rl.config import checks
 from megatron_rl.model.arch import ARCHS, FAMILIES, ModelArch
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelConfig
+from megatron_rl.parallel.layout import BatchLayout
 
 DTYPES = ("fp32", "bf16", "fp16")
 # Seeds reach numpy (32-bit), torch and megatron's RNG tracker (seed + offsets) and vLLM's
@@ -509,19 +510,26 @@ class RunConfig:
             resolve_loss(self.loss, self.rollout.max_tokens)
         except KeyError as e:  # a registry's unknown name
             raise ValueError(f"loss: {e.args[0]}") from None
-        n = self.rollout.prompts_per_step * self.rollout.group_size
-        if n % self.train.num_minibatches:
-            raise ValueError(f"rollout.prompts_per_step x rollout.group_size = {n} samples per step do not split "
-                             f"into train.num_minibatches={self.train.num_minibatches}; choose a divisor of {n}")
-        replay_recipe = self.loss.recipe in ("minirl_r2", "minirl_r3")   # the recipe set moe.router_replay
+        BatchLayout(self.rollout.prompts_per_step * self.rollout.group_size, self.train.num_minibatches, 1,
+                    1).check()  # the world size is not known yet: check_layout completes it
+        from megatron_rl.losses.policy_loss import RECIPES, recipe_variant
+
+        # a recipe that implies moe.router_replay is switched by another recipe, not by the field
+        # (which the recipe would then contradict): name the registered one that is the same loss
+        replay_recipe = self.loss.recipe in RECIPES and "moe.router_replay" in RECIPES.get(self.loss.recipe).implies
+
+        def fix(replay: str) -> str:
+            other = recipe_variant(self.loss.recipe, {"moe.router_replay": replay} if replay != "none" else {})
+            return f"loss.recipe={other}" if replay_recipe and other else f"moe.router_replay={replay}"
+
         if (self.moe.router_replay != "none" and self.model.hf_dir is None
                 and not FAMILIES[self.model.arch].moe):
-            off = "loss.recipe=minirl" if replay_recipe else "moe.router_replay=none"
+            off = fix("none")
             raise ValueError(f"moe.router_replay={self.moe.router_replay} needs a MoE model; model.arch="
                              f"{self.model.arch}. Use model.arch=qwen3_moe (or mixtral, deepseek_v3) or {off}")
         vllm_device = self.rollout.vllm.get("device") if isinstance(self.rollout.vllm, dict) else None
         if self.moe.router_replay == "r3" and self.rollout.backend == "vllm" and vllm_device == "cpu":
-            r2 = "loss.recipe=minirl_r2" if replay_recipe else "moe.router_replay=r2"
+            r2 = fix("r2")
             raise ValueError(f"moe.router_replay=r3 needs the rollout engine's routing, which a vLLM server on the CPU "
                              f"(rollout.vllm.device=cpu) cannot return. Use rollout.backend=embedded, a GPU vLLM "
                              f"server (it returns them: rollout.vllm.enable_return_routed_experts is turned on), "
@@ -578,37 +586,22 @@ class RunConfig:
             raise ValueError(f"train.run_dir={self.train.run_dir} is a file; choose a directory (it is created "
                              f"if missing)")
 
+    def layout(self, dp: int) -> BatchLayout:
+        """The RL batch's split over `dp` data-parallel ranks (parallel/layout.py)."""
+        return BatchLayout(self.rollout.prompts_per_step * self.rollout.group_size, self.train.num_minibatches, dp,
+                           self.train.micro_batch_size)
+
+    def sft_layout(self, dp: int) -> BatchLayout:
+        """The SFT batch's split: one optimizer step over `dp` ranks, micro-batches of at most
+        train.micro_batch_size (a smaller per-rank batch is one micro-batch)."""
+        per = max(self.sft.batch_size // dp, 1)
+        return BatchLayout(self.sft.batch_size, 1, dp, min(self.train.micro_batch_size, per), what="sft.batch_size")
+
     def check_layout(self, world_size: int) -> None:
-        """The batch layout over `world_size` ranks: rows split evenly into mini-batches, DP ranks
-        and micro-batches (megatron's schedules need equal micro-batches). Raises naming the sizes."""
-        par = self.parallel
-        model_ranks = par.tp * par.pp * par.cp
-        if world_size % model_ranks:
-            raise ValueError(f"world size {world_size} is not a multiple of tensor x pipeline x context parallel "
-                             f"sizes = {par.tp} x {par.pp} x {par.cp}; launch a multiple of {model_ranks} ranks")
-        expert_ranks = par.etp * par.ep * par.pp
-        if world_size % expert_ranks:
-            fix = ("set --expert-tensor-parallel-size 1 (expert-TP defaults to TP)"
-                   if par.etp > 1 and world_size % (par.ep * par.pp) == 0 else
-                   f"launch a multiple of {expert_ranks} ranks (torchrun --nproc_per_node) or lower "
-                   f"--expert-model-parallel-size")
-            raise ValueError(f"world size {world_size} is not a multiple of expert tensor x expert x pipeline "
-                             f"parallel sizes = {par.etp} x {par.ep} x {par.pp}; {fix}")
-        dp = world_size // model_ranks
-        n = self.rollout.prompts_per_step * self.rollout.group_size
-        N, mbs = self.train.num_minibatches, self.train.micro_batch_size
-        if n % (N * dp):
-            raise ValueError(f"{n} samples per step (rollout.prompts_per_step x rollout.group_size) do not split "
-                             f"into train.num_minibatches={N} x {dp} data-parallel ranks")
-        if (n // (N * dp)) % mbs:
-            per = n // (N * dp)
-            raise ValueError(f"a mini-batch of {per} samples per data-parallel rank does not split into "
-                             f"train.micro_batch_size={mbs}; choose a divisor of {per}")
+        """The parallel and batch layout over `world_size` ranks: the world fits the model-parallel
+        sizes, and rows split evenly into mini-batches, DP ranks and micro-batches (megatron's
+        schedules need equal micro-batches). Raises naming the sizes."""
+        dp = self.parallel.data_parallel_size(world_size)
+        self.layout(dp).check()
         if self.sft.steps > 0:
-            if self.sft.batch_size % dp:
-                raise ValueError(f"sft.batch_size={self.sft.batch_size} does not split over {dp} data-parallel "
-                                 f"ranks; choose a multiple of {dp}")
-            per = self.sft.batch_size // dp
-            if per % min(mbs, per):
-                raise ValueError(f"an SFT batch of {per} samples per data-parallel rank does not split into "
-                                 f"train.micro_batch_size={mbs}; choose a divisor of {per}")
+            self.sft_layout(dp).check()

@@ -9,7 +9,7 @@ and async schedules drop or weight samples by staleness).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -78,7 +78,6 @@ class Sample:
     sample_index: int = 0
     routed_experts: torch.Tensor | None = None
     kept_ids: torch.Tensor | None = None
-    metadata: dict = field(default_factory=dict)
 
 
 def check_prompts(prompts: list[list[int]], n: int, vocab_size: int, max_len: int | None = None,

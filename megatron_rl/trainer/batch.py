@@ -17,11 +17,11 @@ each row, [N, L / CP], sharded by megatron-core's own `get_batch_on_this_cp_rank
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, fields, replace
 
 import torch
 
+from megatron_rl.platform.mcore_api import cp_zigzag_shard
 from megatron_rl.rollout.types import Sample
 
 _PER_TOKEN = ("input_ids", "labels", "position_ids", "loss_mask", "rollout_logprobs", "advantages", "positions",
@@ -74,7 +74,6 @@ def cp_shard(batch: TrainBatch, cp_group) -> TrainBatch:
     of 2·CP (`padded_length(..., row_multiple(tp, cp))`). A CP group of size 1 returns `batch`.
     """
     import torch.distributed as dist
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     cp = dist.get_world_size(cp_group)
     if cp == 1:
@@ -86,14 +85,7 @@ def cp_shard(batch: TrainBatch, cp_group) -> TrainBatch:
         raise ValueError(f"rows have {length} inputs, not a multiple of 2*CP={2 * cp}; "
                          "pad them with padded_length(samples, row_multiple(tp, cp))")
     tensors = {k: getattr(batch, k).contiguous() for k in _PER_TOKEN if getattr(batch, k) is not None}
-    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
-        # megatron-core >= 0.18.0: a required `is_hybrid_cp` (hybrid CP of packed sequences, which
-        # reads `cu_seqlens` from the batch). Without `cu_seqlens` it takes the same per-sequence
-        # zig-zag split as 0.16/0.17 whatever the flag; False says we use no hybrid CP.
-        local = get_batch_on_this_cp_rank(tensors, is_hybrid_cp=False, cp_group=cp_group)
-    else:
-        local = get_batch_on_this_cp_rank(tensors, cp_group=cp_group)
-    return replace(batch, **local, cp_size=cp)
+    return replace(batch, **cp_zigzag_shard(tensors, cp_group), cp_size=cp)
 
 
 def model_device() -> torch.device:
@@ -155,42 +147,17 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
                       versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long), kept_ids=kept)
 
 
-def local_rows(n: int, num_minibatches: int, dp_size: int, dp_rank: int) -> torch.Tensor:
-    """Global row indices this DP rank trains on, mini-batch by mini-batch.
-
-    Mini-batch m is the global rows [m*n/N, (m+1)*n/N) whatever the DP size (so an optimizer
-    step sees the same data at any DP), and each mini-batch is split evenly over DP ranks.
-    The result is laid out so that minibatch_slices(len, N, mbs) finds each mini-batch's
-    local share contiguously.
-    """
-    if n % (num_minibatches * dp_size):
-        raise ValueError(f"{n} samples per step do not split into train.num_minibatches={num_minibatches} "
-                         f"x {dp_size} data-parallel ranks")
-    per = n // num_minibatches
-    share = per // dp_size
-    return torch.cat([torch.arange(m * per + dp_rank * share, m * per + (dp_rank + 1) * share)
-                      for m in range(num_minibatches)])
+def pack(samples: list[Sample], rewards: list[float], pad_id: int, parallel, with_kept_ids: bool = False) -> TrainBatch:
+    """`build_batch` at the common row length the parallel layout needs (`parallel`: a
+    ParallelConfig; TP under sequence parallelism, 2·CP under context parallelism)."""
+    seq_len = padded_length(samples, row_multiple(parallel.tp, parallel.cp))
+    return build_batch(samples, rewards, pad_id, seq_len, with_kept_ids=with_kept_ids)
 
 
-def shard_rows(n: int, parts: int, index: int) -> slice:
-    """Contiguous equal share `index` of `n` rows split into `parts` (n must divide)."""
-    if n % parts:
-        raise ValueError(f"{n} rows do not split evenly into {parts} parts")
-    size = n // parts
-    return slice(index * size, (index + 1) * size)
+def local_shard(full: TrainBatch, layout, groups) -> tuple[torch.Tensor, TrainBatch]:
+    """This rank's part of the step's batch: its DP rows (`layout`, a parallel.layout.BatchLayout),
+    their CP shard, on the model's device. Returns (the rows' global indices [local_size], the batch)."""
+    import torch.distributed as dist
 
-
-def minibatch_slices(n: int, num_minibatches: int, micro_batch_size: int) -> list[list[slice]]:
-    """Rows of each mini-batch (one optimizer step), as micro-batch slices.
-
-    n rows -> num_minibatches contiguous mini-batches -> micro-batches of micro_batch_size.
-    Raises with the arithmetic when the sizes do not divide (PP needs equal micro-batches).
-    """
-    if n % num_minibatches:
-        raise ValueError(f"{n} samples per rank do not split into train.num_minibatches={num_minibatches}")
-    per = n // num_minibatches
-    if per % micro_batch_size:
-        raise ValueError(f"a mini-batch of {per} samples per rank does not split into micro-batches of "
-                         f"train.micro_batch_size={micro_batch_size}; choose a divisor of {per}")
-    return [[slice(m * per + k * micro_batch_size, m * per + (k + 1) * micro_batch_size)
-             for k in range(per // micro_batch_size)] for m in range(num_minibatches)]
+    rows = layout.local_rows(dist.get_rank(groups.dp_group))
+    return rows, cp_shard(full.select(rows), groups.cp_group).to(model_device())

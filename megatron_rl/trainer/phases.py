@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.losses import (
     LOCAL,
@@ -30,24 +29,22 @@ from megatron_rl.losses import (
     SeqOps,
     compute_policy_loss,
     get_advantage,
-    local_counts,
     zero_variance_groups,
 )
 from megatron_rl.losses.token_local import TokenTerms
 from megatron_rl.metrics.mismatch import mismatch_sums, ratio_quantiles, valid_log_ratio
 from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
-from megatron_rl.trainer.batch import (
-    TrainBatch,
-    build_batch,
-    cp_shard,
-    local_rows,
-    minibatch_slices,
-    model_device,
-    padded_length,
-    row_multiple,
-)
+from megatron_rl.parallel.layout import BatchLayout
+from megatron_rl.trainer.batch import TrainBatch, local_shard, pack
 from megatron_rl.trainer.nonfinite import agreed_finite, check_parameters, count_in_a_row, guarded_step
-from megatron_rl.trainer.passes import PassSettings, TokenLocalLoss, logprob_pass, reduce_dp, train_pass
+from megatron_rl.trainer.passes import (
+    PassSettings,
+    TokenLocalLoss,
+    global_counts,
+    logprob_pass,
+    reduce_dp,
+    train_pass,
+)
 from megatron_rl.trainer.schedule import Rollout, staleness
 
 
@@ -64,6 +61,7 @@ class StepBatch:
     settings: PassSettings
     seq: SeqOps
     staleness: torch.Tensor  # [local rows] int64: trainer versions since each row's sample was generated
+    layout: BatchLayout  # how the step's rows split into mini-batches, DP ranks and micro-batches
 
 
 @dataclass
@@ -105,16 +103,15 @@ def make_batch(ctx, rollout: Rollout) -> StepBatch:
     cfg, groups = ctx.cfg, ctx.groups
     adv, keep_rows, zero_var = group_advantages(rollout.rewards, cfg.rollout.group_size, ctx.loss.advantages,
                                                 ctx.loss.filter_zero_variance_groups, ctx.loss.advantage_params)
-    seq_len = padded_length(rollout.samples, row_multiple(groups.config.tp, groups.config.cp))
-    full = build_batch(rollout.samples, rollout.rewards.tolist(), ctx.tokenizer.pad_id, seq_len,
-                       with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
+    full = pack(rollout.samples, rollout.rewards.tolist(), ctx.tokenizer.pad_id, groups.config,
+                with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
     if not keep_rows.all():
         full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
-    rows = local_rows(full.size, cfg.train.num_minibatches, groups.dp_size, dist.get_rank(groups.dp_group))
-    local = cp_shard(full.select(rows), groups.cp_group).to(model_device())
+    layout = cfg.layout(groups.dp_size)
+    rows, local = local_shard(full, layout, groups)
     settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
     return StepBatch(local, rows, adv, zero_var, settings, seq_ops(groups),
-                     staleness(local.versions, ctx.policy_version).to(local.loss_mask.device))
+                     staleness(local.versions, ctx.policy_version).to(local.loss_mask.device), layout)
 
 
 def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
@@ -147,7 +144,7 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     grad_norms, skipped, nonfinite = [], 0, 0
     ratio_log: dict[str, list] = {"r": [], "rho": []}   # every update pass's valid log r and log ρ
     step = ctx.policy_version + 1  # the trainer's version counts completed RL steps (schedule.after_update)
-    for j, slices in enumerate(minibatch_slices(local.size, cfg.train.num_minibatches, mbs)):
+    for j, slices in enumerate(batch.layout.minibatch_slices()):
         counts = global_counts(local, slices, ctx.groups, batch.seq)
         loss_kw["surrogate_params"].update(step_parameters(ctx, batch, slices, reference))
         loss_fn = policy_loss_fn(loss_kw, counts, reference, batch.seq, batch.staleness, ctx.schedule.max_staleness,
@@ -243,16 +240,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, fil
 def seq_ops(groups) -> SeqOps:
     """Per-sequence reductions: local, or finished over the CP group when rows are CP shards."""
     return CPSeqOps(groups.cp_group) if groups.config.cp > 1 else LOCAL
-
-
-def global_counts(batch: TrainBatch, slices, groups, seq: SeqOps = LOCAL) -> GlobalCounts:
-    """The mini-batch's token and sequence counts summed over its micro-batches and DP x CP ranks
-    (sequences counted once: on their CP owner rank)."""
-    total = GlobalCounts()
-    for sl in slices:
-        total = total + local_counts(batch.loss_mask[sl], seq)
-    vals = reduce_dp({"num_tokens/sum": total.num_tokens, "num_seqs/sum": total.num_seqs}, groups)
-    return GlobalCounts(vals["num_tokens/sum"], vals["num_seqs/sum"])
 
 
 def step_parameters(ctx, batch: StepBatch, slices, old: torch.Tensor) -> dict:

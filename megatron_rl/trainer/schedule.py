@@ -263,4 +263,8 @@ def _rollout_state(r: Rollout) -> dict:
 
 
 def _rollout_from(state: dict) -> Rollout:
-    return Rollout([Sample(**s) for s in state["samples"]], state["rewards"], dict(state["reward_stats"]))
+    # a field the saved samples have and Sample no longer does (the unused `metadata` of older
+    # checkpoints) is dropped; one they lack takes its default
+    known = {f.name for f in dataclasses.fields(Sample)}
+    return Rollout([Sample(**{k: v for k, v in s.items() if k in known}) for s in state["samples"]], state["rewards"],
+                   dict(state["reward_stats"]))

@@ -49,7 +49,7 @@ def test_an_infinite_vllm_number_is_refused(field):
 
 
 def _declared(registry) -> list[tuple[str, str]]:
-    return [(name, param) for name in registry.names() for param in registry.info(name).get("limits", {})]
+    return [(name, param) for name in registry.names() for param in registry.get(name).rules.limits]
 
 
 def _loss_override(kind: str, name: str, param: str, value: str) -> list[str]:
