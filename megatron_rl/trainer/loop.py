@@ -31,6 +31,7 @@ from megatron_rl.metrics.sink import MetricsSink
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.rewards import RewardRunner
+from megatron_rl.rollout import ENGINES, EngineNeeds, EngineRequest, RolloutEngine
 from megatron_rl.trainer import run_dir as run_files
 from megatron_rl.trainer.batch import model_device
 from megatron_rl.trainer.checkpoint import (
@@ -82,35 +83,29 @@ class RunContext:
     run_dir_lock: object | None = None  # rank 0: the open, flock'ed run_dir/.lock (run_dir.lock_run_dir)
 
 
-def make_engine(cfg: RunConfig, arch, run_dir: str, stop: StopSignals):
-    """The rollout engine, on global rank 0 only. A vLLM server that dies once `stop` has a
-    signal is not restarted (the run is about to save and exit)."""
-    if dist.get_rank() != 0:
-        return None
-    if cfg.rollout.backend == "embedded":
-        from megatron_rl.rollout.embedded import EmbeddedEngine
-
-        device = cfg.rollout.device or model_device()  # beside the trainer's model by default
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"rollout.device={device}: this machine has no CUDA; use rollout.device=cpu or null "
-                             f"(the trainer's device)")
-        return EmbeddedEngine(arch, dtype=cfg.rollout.dtype, max_batch_size=cfg.rollout.max_batch_size, device=device,
-                              fp32_lm_head=cfg.precision.fp32_lm_head)
-    from megatron_rl.rollout.vllm import make_vllm_engine
-
-    if (cfg.rollout.vllm or {}).get("quantization") == "fp8" and not torch.cuda.is_available():
-        raise RuntimeError("rollout.vllm.quantization=fp8 (precision.recipe=fp8_rollout) needs a vLLM server on a "
-                           "GPU; this machine has no CUDA. Use precision.recipe=bf16 here")
-
-    return make_vllm_engine(cfg, arch, run_dir, stopping=lambda: stop.signum is not None)
+def make_engine(cfg: RunConfig, arch, run_dir: str, stop: StopSignals) -> RolloutEngine | None:
+    """The rollout engine (cfg.rollout.backend's ENGINES entry), on global rank 0 only; a failure
+    to build it raises on every rank. An engine whose server dies once `stop` has a signal does not
+    restart it (the run is about to save and exit)."""
+    engine, problem = None, None
+    if dist.get_rank() == 0:
+        request = EngineRequest(arch, cfg.rollout, run_dir, needs=EngineNeeds.of(cfg), device=str(model_device()),
+                                stopping=lambda: stop.signum is not None)
+        try:
+            engine = ENGINES.get(cfg.rollout.backend).make(request)
+        except Exception as e:
+            problem = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            broadcast(problem)
+    elif (problem := broadcast(None)) is not None:
+        raise RuntimeError(f"the rollout engine could not be built on rank 0: {problem}")
+    return engine
 
 
 def max_sequence_length(cfg: RunConfig, arch) -> int:
     """The longest prompt + response the model and the rollout engine both take."""
-    limit = arch.max_position_embeddings
-    if cfg.rollout.backend == "vllm":
-        limit = min(limit, (cfg.rollout.vllm or {}).get("max_model_len") or limit)
-    return limit
+    return min(arch.max_position_embeddings, ENGINES.get(cfg.rollout.backend).max_len(cfg.rollout, arch))
 
 
 def make_prompts(cfg: RunConfig, tokenizer, max_len: int):

@@ -218,7 +218,7 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
     m["schedule/staleness_updates_max"] = n * m["schedule/staleness_max"] + (n - 1)
     if ctx.engine is not None:  # rank 0: generation calls and weight syncs so far
         m.update({k: float(v) for k, v in ctx.schedule.stats().items()})
-    if ctx.engine is not None and hasattr(ctx.engine, "stats"):  # rank 0: restarts, retries, probe diff
+    if ctx.engine is not None:  # rank 0: the engine's own counters (vLLM: restarts, retries, probe diff)
         m.update({k: float(v) for k, v in ctx.engine.stats().items()})
     return m
 

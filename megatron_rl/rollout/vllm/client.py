@@ -39,8 +39,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from megatron_rl.model.arch import ModelArch
-from megatron_rl.rollout.embedded import stream_seed
-from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts
+from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import (
@@ -124,6 +123,10 @@ class VllmEngine:
         self._syncs = 0
         self._stats: dict[str, float] = {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0,
                                          "vllm/requests": 0, "vllm/weight_syncs": 0}
+
+    @property
+    def max_len(self) -> int:
+        return self.max_model_len
 
     # ---- server set-up ------------------------------------------------------------------------
     def _server_args(self) -> list[str]:

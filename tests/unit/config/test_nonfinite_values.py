@@ -22,7 +22,7 @@ INFINITY_MEANS_SOMETHING = {"loss.surrogate_params.eps_low", "loss.surrogate_par
 
 
 def _float_fields(cls) -> list[str]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, localns={"VllmConfig": VllmConfig})  # schema names it for type checkers only
     return [f.name for f in fields(cls) if hints[f.name] in (float, float | None)]
 
 
