@@ -67,6 +67,10 @@ class Sample:
     kept_ids: [R, K] int64 padded with -1, or None: the token ids top-p/top-k kept.
     policy_version: version of the weights that generated the sample.
     prompt_index: index of the prompt in the generate() call; sample_index: j of n.
+    loss_mask: [R] bool, or None (= all true): which response tokens the policy sampled and is
+        trained on. A multi-turn rollout puts the environment's tokens (tool output, the next user
+        turn) into the response as context and masks them: they are no loss term, no token count,
+        no part of a sequence's log-ratio, and their rollout_logprobs / kept_ids are not read.
     """
 
     prompt_ids: torch.Tensor
@@ -78,6 +82,17 @@ class Sample:
     sample_index: int = 0
     routed_experts: torch.Tensor | None = None
     kept_ids: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+
+    def trained(self) -> torch.Tensor:
+        """[R] bool: the response tokens trained on (`loss_mask`, all true when it is None)."""
+        if self.loss_mask is None:
+            return torch.ones(len(self.response_ids), dtype=torch.bool)
+        return self.loss_mask.bool()
+
+    def num_trained(self) -> int:
+        """How many response tokens the policy sampled (the trained ones)."""
+        return len(self.response_ids) if self.loss_mask is None else int(self.loss_mask.sum())
 
 
 def check_prompts(prompts: list[list[int]], n: int, vocab_size: int, max_len: int | None = None,

@@ -6,7 +6,8 @@ Layout (one row per response; rows right padded to a common length S; L = S - 1 
     labels        [N, L]  labels[:, t] = token t + 1 of the row: the label shift happens here, on the
                           whole row, before any context-parallel split
     position_ids  [N, L]  index of each input token inside its row
-    loss_mask     [N, L]  1 at the response tokens' label positions (P-1 .. P+R-2), else 0
+    loss_mask     [N, L]  1 at the response tokens' label positions (P-1 .. P+R-2) that the sample's
+                          own loss_mask keeps (all of them by default), else 0
     rollout_logprobs, advantages, positions (index of the token inside its response): [N, L]
 A sample with prompt length P and response length R has its response token r at row index P + r,
 i.e. it is labels[:, P - 1 + r], and its log-prob at label index P - 1 + r.
@@ -108,11 +109,23 @@ def padded_length(samples: list[Sample], multiple: int = 1) -> int:
     return -(-(longest - 1) // multiple) * multiple + 1
 
 
+def _response_mask(i: int, s: Sample) -> torch.Tensor:
+    """Sample `i`'s loss_mask, checked: [R] bool."""
+    m = s.loss_mask
+    if m.dtype != torch.bool or tuple(m.shape) != (len(s.response_ids),):
+        raise ValueError(f"sample {i}: loss_mask must be bool [{len(s.response_ids)}] (one per response token), got "
+                         f"{m.dtype} {tuple(m.shape)}")
+    return m
+
+
 def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_len: int,
                 with_kept_ids: bool = False) -> TrainBatch:
     """Pack samples into a TrainBatch of rows of length `seq_len` (advantages left at 0).
 
-    with_kept_ids: also pack each sample's kept top-p/top-k token ids (required on every sample).
+    A sample's `loss_mask` (None: all true) selects the response tokens that are trained on; the
+    others stay in the row as context and are 0 in every per-token tensor but the token ids, as
+    padding is. with_kept_ids: also pack each sample's kept top-p/top-k token ids (required on
+    every sample). Cost: O(N·S) host memory, one row copy per sample.
     """
     n = len(samples)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
@@ -127,9 +140,15 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
             raise ValueError(f"sample {i} has an empty prompt; a response needs at least one context token")
         tokens[i, :p] = s.prompt_ids
         tokens[i, p:p + r] = s.response_ids
-        mask[i, p - 1:p - 1 + r] = True
-        logp[i, p - 1:p - 1 + r] = s.rollout_logprobs.float()
-        pos[i, p - 1:p - 1 + r] = torch.arange(r)
+        if s.loss_mask is None:  # every response token was sampled (single-turn)
+            mask[i, p - 1:p - 1 + r] = True
+            logp[i, p - 1:p - 1 + r] = s.rollout_logprobs.float()
+            pos[i, p - 1:p - 1 + r] = torch.arange(r)
+            continue
+        m = _response_mask(i, s)  # masked tokens (an environment's) are context: 0 off-mask, like padding
+        mask[i, p - 1:p - 1 + r] = m
+        logp[i, p - 1:p - 1 + r] = torch.where(m, s.rollout_logprobs.float(), 0.0)
+        pos[i, p - 1:p - 1 + r] = torch.where(m, torch.arange(r), 0)
     kept = None
     if with_kept_ids:
         missing = [i for i, s in enumerate(samples) if s.kept_ids is None]
@@ -139,7 +158,8 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
         kept = torch.full((n, seq_len - 1, k), -1, dtype=torch.long)
         for i, s in enumerate(samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
-            kept[i, p - 1:p - 1 + r, :s.kept_ids.shape[1]] = s.kept_ids
+            ids = s.kept_ids if s.loss_mask is None else s.kept_ids.masked_fill(~s.trained()[:, None], -1)
+            kept[i, p - 1:p - 1 + r, :s.kept_ids.shape[1]] = ids
     return TrainBatch(input_ids=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
                       position_ids=torch.arange(seq_len - 1).expand(n, -1).contiguous(),
                       loss_mask=mask, rollout_logprobs=logp, advantages=torch.zeros(n, seq_len - 1), positions=pos,

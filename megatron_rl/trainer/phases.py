@@ -204,7 +204,7 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
     r, samples = rollout.rewards, rollout.samples
     m["rollout/reward_mean"] = float(r.mean())
     m["rollout/accuracy"] = float((r >= 1.0).float().mean())
-    m["rollout/response_length"] = sum(len(s.response_ids) for s in samples) / len(samples)
+    m["rollout/response_length"] = sum(s.num_trained() for s in samples) / len(samples)  # sampled tokens
     m["rollout/truncated_fraction"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
     m["rollout/zero_variance_groups"] = float(batch.zero_var.float().mean())
     m["rollout/advantage_abs_mean"] = float(batch.advantages.abs().mean())
