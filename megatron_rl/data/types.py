@@ -23,9 +23,21 @@ class Example:
 
 
 class PromptSource(Protocol):
-    """A deterministic source of prompts: the same (step, size) always gives the same list."""
+    """A deterministic source of prompts: the same (step, size) always gives the same list.
+
+    heldout: problems never drawn for training (evaluations), possibly none; rewards: task name ->
+    reward name of its own tasks ({} = the run's data.reward decides); state_dict /
+    load_state_dict: what identifies the source, checked (not restored) at resume."""
 
     def batch(self, step: int, size: int) -> list[Example]: ...
+
+    def heldout(self) -> list[Example]: ...
+
+    def rewards(self) -> dict[str, str]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def derive_seed(*parts: object) -> int:

@@ -21,7 +21,7 @@ the config and what it can do, so the trainer and the config check handle every 
 What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
 top-p/top-k sets, routed experts, an fp32 head), never by the engine reading the loss or MoE
 sections. Adding an engine: a module with the class and its `EngineSpec`, and one line in
-rollout/engines.py (docs/architecture.md).
+rollout/registered.py (docs/architecture.md).
 """
 from __future__ import annotations
 

@@ -31,7 +31,15 @@ from megatron_rl.metrics.sink import MetricsSink
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.rewards import RewardRunner
-from megatron_rl.rollout import ENGINES, EngineNeeds, EngineRequest, RolloutEngine
+from megatron_rl.rollout import (
+    ENGINES,
+    ROLLOUT_FNS,
+    EngineNeeds,
+    EngineRequest,
+    RolloutEngine,
+    RolloutFn,
+    RolloutFnInputs,
+)
 from megatron_rl.trainer import run_dir as run_files
 from megatron_rl.trainer.batch import model_device
 from megatron_rl.trainer.checkpoint import (
@@ -46,13 +54,14 @@ from megatron_rl.trainer.checkpoint import (
     save_checkpoint,
     sweep_partial_saves,
 )
+from megatron_rl.trainer.evaluation import evaluate_both, heldout_examples
 from megatron_rl.trainer.host_state import host_state_problem, rng_state, set_rng_state
 from megatron_rl.trainer.nonfinite import check_parameters
 from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
 from megatron_rl.trainer.replay import NoReplay, make_replay
 from megatron_rl.trainer.resume_check import config_changes, describe_changes
 from megatron_rl.trainer.rl_step import RolloutFailed, rl_step
-from megatron_rl.trainer.rollout_io import broadcast, evaluate, sync_weights
+from megatron_rl.trainer.rollout_io import broadcast, sync_weights
 from megatron_rl.trainer.schedule import SyncSchedule, make_schedule
 from megatron_rl.trainer.sft import run_sft
 from megatron_rl.trainer.stack import build_optimizer
@@ -70,9 +79,10 @@ class RunContext:
     prompts: object
     rewards: RewardRunner
     policy: Policy
-    engine: object | None
+    engine: RolloutEngine | None
     sink: MetricsSink
     loss: ResolvedLoss
+    rollout_fn: RolloutFn
     replay: object = field(default_factory=NoReplay)  # the router replay strategy (none / R2 / R3)
     schedule: object = field(default_factory=SyncSchedule)  # when rollouts are generated / weights synced
     stop: StopSignals = field(default_factory=StopSignals)
@@ -213,7 +223,7 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
     if cfg.data.reward is not None:
         rewards = RewardRunner(cfg.data.reward)
     else:  # each task's own reward; JSONL rows use exact match
-        rewards = RewardRunner(prompts.rewards() if hasattr(prompts, "rewards") else {}, default="exact_match")
+        rewards = RewardRunner(prompts.rewards(), default="exact_match")
     mode = cfg.moe.router_replay
     if mode != "none" and not arch.is_moe:
         raise ValueError(f"moe.router_replay={mode} needs a MoE model; model arch is {arch.arch}")
@@ -252,7 +262,8 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
     dist.barrier()
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
                        jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
-    return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss,
+    rollout_fn = ROLLOUT_FNS.get(cfg.rollout.function).make(RolloutFnInputs(tokenizer, rewards))
+    return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss, rollout_fn,
                       replay=make_replay(mode, policy.model), schedule=make_schedule(cfg),
                       stop=stop, resuming=resuming,
                       run_id=broadcast(uuid.uuid4().hex[:12] if rank0 else None))
@@ -298,20 +309,6 @@ def _unfinished_saves(run_dir: str) -> list[str]:
     if os.path.isdir(previous):
         roots += [os.path.join(previous, d, "checkpoints") for d in sorted(os.listdir(previous))]
     return [p for root in roots for p in partial_saves(root)]
-
-
-def _heldout(ctx: RunContext):
-    examples = ctx.prompts.heldout() if hasattr(ctx.prompts, "heldout") else []
-    return examples[: ctx.cfg.train.eval_size]
-
-
-def _evaluate_both(ctx: RunContext, heldout) -> dict[str, float]:
-    """Greedy and sampled (rollout temperature, fixed seed) held-out accuracy."""
-    cfg = ctx.cfg
-    return {"eval/heldout_accuracy": evaluate(ctx.engine, ctx.tokenizer, heldout, ctx.rewards, cfg.rollout.max_tokens),
-            "eval/heldout_sampled_accuracy": evaluate(ctx.engine, ctx.tokenizer, heldout, ctx.rewards,
-                                                      cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-                                                      seed=cfg.train.seed)}
 
 
 def show_progress(cfg: RunConfig) -> bool:
@@ -399,7 +396,7 @@ def _start(ctx: RunContext, heldout) -> int:
     check_parameters(ctx.policy.model, f"the initial weights ({_weights_source(cfg)})")  # before the engine has them
     sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
     if heldout:
-        before = _evaluate_both(ctx, heldout)
+        before = evaluate_both(ctx, heldout)
         ctx.state["before_rl_accuracy"] = before["eval/heldout_accuracy"]
         ctx.state["before_rl_sampled_accuracy"] = before["eval/heldout_sampled_accuracy"]
     ctx.state["curve"] = []
@@ -468,7 +465,7 @@ def _check_tokenizer(ctx: RunContext, path: str, extra: dict, field: str) -> Non
 def train(ctx: RunContext) -> dict:
     cfg = ctx.cfg
     ckpt_root = _ckpt_root(cfg)
-    heldout = _heldout(ctx)
+    heldout = heldout_examples(ctx)
     start = _start(ctx, heldout)
     bar = _progress(cfg.train.steps, "RL", show_progress(cfg))
     if bar is not None:
@@ -481,7 +478,7 @@ def train(ctx: RunContext) -> dict:
             if heldout and (done or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)):
                 try:
                     ctx.schedule.ensure_synced(ctx)  # staged: the engine may still hold the stage's weights
-                    metrics.update(_evaluate_both(ctx, heldout))
+                    metrics.update(evaluate_both(ctx, heldout))
                 except RolloutFailed as e:
                     e.completed_steps, e.metrics = step + 1, metrics
                     raise

@@ -39,8 +39,9 @@ import threading
 
 import torch
 
+from megatron_rl.rollout.function import Generated
 from megatron_rl.rollout.types import Sample, SamplingParams
-from megatron_rl.trainer.rollout_io import RolloutFailed, broadcast, on_rank0, sample, score, sync_weights
+from megatron_rl.trainer.rollout_io import RolloutFailed, broadcast, on_rank0, sync_weights
 
 __all__ = ["SCHEDULES", "AsyncSchedule", "Rollout", "RolloutFailed", "StagedSchedule", "SyncSchedule", "make_schedule",
            "staleness"]
@@ -65,30 +66,28 @@ def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
 
 @dataclasses.dataclass
 class Sampled:
-    """Rank 0: the engine's samples of `steps` (one call), not yet scored."""
+    """Rank 0: the rollout function's samples of `steps` (one engine call), not yet scored."""
 
     steps: list[int]
-    examples: list
-    samples: list[Sample]
+    generated: Generated
 
 
 def sample_batches(ctx, steps: list[int]) -> Sampled:
-    """Rank 0: the batches of `steps` from ONE engine call with the engine's current weights
-    (sampling seeded by the first step)."""
+    """Rank 0: the batches of `steps` from ONE call of the run's rollout function with the engine's
+    current weights (sampling seeded by the first step)."""
     cfg = ctx.cfg
     examples = [e for step in steps for e in ctx.prompts.batch(step, cfg.rollout.prompts_per_step)]
-    samples = sample(ctx.engine, ctx.tokenizer, examples, cfg.rollout.group_size,
-                     sampling_for(cfg, ctx.tokenizer, steps[0]))
-    return Sampled(steps, examples, samples)
+    return Sampled(steps, ctx.rollout_fn(ctx.engine, examples, cfg.rollout.group_size,
+                                         sampling_for(cfg, ctx.tokenizer, steps[0])))
 
 
 def score_batches(ctx, sampled: Sampled) -> dict[int, Rollout]:
     """Rank 0, main thread: rewards, split back per step."""
     cfg = ctx.cfg
-    rewards = score(ctx.tokenizer, sampled.examples, sampled.samples, cfg.rollout.group_size, ctx.rewards)
+    samples, rewards = sampled.generated.samples, sampled.generated.score()
     stats = ctx.rewards.stats()
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    return {step: Rollout(sampled.samples[i * n:(i + 1) * n],
+    return {step: Rollout(samples[i * n:(i + 1) * n],
                           torch.tensor(rewards[i * n:(i + 1) * n], dtype=torch.float32), stats if i == 0 else {})
             for i, step in enumerate(sampled.steps)}
 

@@ -17,6 +17,7 @@ from megatron_rl.losses import token_mean
 from megatron_rl.losses.token_local import NllTerms
 from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer.batch import local_shard, pack
+from megatron_rl.trainer.evaluation import accuracy, eval_sampling
 from megatron_rl.trainer.nonfinite import agreed_finite, check_parameters, count_in_a_row, guarded_step
 from megatron_rl.trainer.passes import (
     LossFn,
@@ -26,7 +27,7 @@ from megatron_rl.trainer.passes import (
     reduce_dp,
     train_pass,
 )
-from megatron_rl.trainer.rollout_io import evaluate, sync_weights
+from megatron_rl.trainer.rollout_io import sync_weights
 from megatron_rl.trainer.stop import Stopped
 
 
@@ -111,7 +112,8 @@ def _sft_steps(ctx, eval_examples, progress) -> dict:
                                            f"start (step {step} of {sft.steps}); nothing was saved: rerun to start over")
         if step == sft.steps or (sft.eval_every and step % sft.eval_every == 0):  # 0: only at the end
             sync_weights(policy, ctx.engine, ctx.policy_version)
-            acc = evaluate(ctx.engine, ctx.tokenizer, eval_examples, ctx.rewards, cfg.rollout.max_tokens)
+            acc = accuracy(ctx.rollout_fn, ctx.engine, eval_examples, eval_sampling(ctx.tokenizer,
+                                                                                   cfg.rollout.max_tokens))
             history.append((step, acc))
             ctx.sink.log(step, {"sft/heldout_accuracy": acc}, phase="sft",
                          echo=f"SFT step {step}" if progress is None else None)

@@ -55,8 +55,13 @@ def _ctx(overrides, hold):
 
     cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", "train.micro_batch_size=2",
                              "train.num_minibatches=1", "data.tasks=[sorting]", *overrides])
+    from megatron_rl.rollout import RolloutFnInputs
+    from megatron_rl.rollout.single_turn import SingleTurn
+
     prompts = PromptStream([make_task("sorting")], seed=0)
-    ctx = SimpleNamespace(cfg=cfg, tokenizer=CharTokenizer(), prompts=prompts, rewards=RewardRunner("exact_match"),
+    tokenizer, rewards = CharTokenizer(), RewardRunner("exact_match")
+    ctx = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, prompts=prompts, rewards=rewards,
+                          rollout_fn=SingleTurn(RolloutFnInputs(tokenizer, rewards)),
                           engine=FakeEngine(hold), policy=SimpleNamespace(export=lambda: iter(())),
                           policy_version=0, schedule=make_schedule(cfg))
     ctx.engine.update_weights([], 0)  # the run's initial sync

@@ -13,7 +13,7 @@ talks to it over HTTP on 127.0.0.1:
     weight_sync.py  WeightStore, WeightSync (DiskReloadSync, RestartSync), the refusals
     probe.py        the post-sync parity probe
 
-    VLLM                                               # its ENGINES entry (rollout/engines.py)
+    VLLM                                               # its ENGINES entry (rollout/registered.py)
 """
 from __future__ import annotations
 
