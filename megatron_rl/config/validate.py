@@ -53,6 +53,23 @@ def check_engine(cfg) -> None:
                          f"({_router_replay_fix(cfg, 'r2')})")
     if cfg.precision.fp32_lm_head and spec.no_fp32_lm_head:
         raise ValueError(f"precision.fp32_lm_head: {spec.no_fp32_lm_head}")
+    from megatron_rl.trainer.transport import TRANSPORTS
+
+    unknown = [t for t in spec.transports if t not in TRANSPORTS]
+    if unknown:
+        raise ValueError(f"rollout.backend={cfg.rollout.backend}: its spec names weight transports {unknown}; "
+                         f"registered: {', '.join(TRANSPORTS.names())}")
+    transport = cfg.rollout.weight_transport
+    if transport is not None and transport not in spec.transports:
+        raise ValueError(f"rollout.weight_transport={transport!r}: rollout.backend={cfg.rollout.backend} takes "
+                         f"{', '.join(spec.transports)} (null = {spec.transports[0]})")
+
+
+def weight_transport(cfg) -> str:
+    """The weight transport of the run: rollout.weight_transport, else the engine's default."""
+    from megatron_rl.rollout import ENGINES
+
+    return cfg.rollout.weight_transport or ENGINES.get(cfg.rollout.backend).transports[0]
 
 
 def check_rollout_function(cfg) -> None:

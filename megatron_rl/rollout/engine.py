@@ -3,6 +3,7 @@
     spec = ENGINES.get(cfg.rollout.backend)              # "embedded", "vllm", or a registered one
     limit = spec.max_len(cfg.rollout, arch)              # before the engine exists (prompt checks)
     engine = spec.make(EngineRequest(arch, cfg.rollout, run_dir, needs=EngineNeeds.of(cfg)))
+    transport.push(policy, engine, version)              # weights in (trainer/transport.py)
     groups = engine.generate(prompt_ids, n=8, sampling=params)    # token ids in, Samples out
     engine.stats()                                       # counters the trainer logs as they are
 
@@ -16,6 +17,8 @@ the config and what it can do, so the trainer and the config check handle every 
                       experts (router replay R3), or None (they can, or it is known only once
                       the engine finds its server, which then refuses)
     no_fp32_lm_head   why it cannot run the LM head alone in fp32 (precision.fp32_lm_head), or None
+    transports        the weight transports it receives from (trainer/transport.py), first = default;
+                      it implements each one's receiver protocol (TakesTensors, TakesDirectory)
     may_change        fields of its section a resume may change (where it runs, how it is reached)
 
 What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
@@ -53,14 +56,28 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
         """n samples for each prompt (token ids in, token ids out); result[i][j] is sample j of prompt i."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights given as HF checkpoint-format (name, tensor) pairs; set policy_version."""
-
     def stats(self) -> dict[str, float]:
         """Counters and timings since construction (namespaced: `vllm/restarts`); {} when none."""
 
     def close(self) -> None:
         """Release the backend (stop servers, free memory)."""
+
+
+# How an engine receives weights: one protocol per weight transport (trainer/transport.py). An
+# engine implements those of the transports its spec lists.
+class TakesTensors(Protocol):
+    """The `memory` transport's receiver: an engine in the trainer's process."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load HF checkpoint-format (name, tensor) pairs, streamed; set policy_version."""
+
+
+class TakesDirectory(Protocol):
+    """The `disk` transport's receiver: an engine that reads an HF model folder."""
+
+    def load_weights_from(self, model_dir: str, version: int) -> None:
+        """Serve the weights in `model_dir` (config.json + safetensors); set policy_version. The
+        engine owns the folder from then on and deletes it once it no longer needs it."""
 
 
 @dataclass(frozen=True)
@@ -118,11 +135,14 @@ class EngineSpec:
     max_len: Callable[[Any, ModelArch], int] = model_len
     no_routing: Callable[[Any], str | None] = routes
     no_fp32_lm_head: str | None = None
+    transports: tuple[str, ...] = ("memory",)
     may_change: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not callable(self.make):
             raise TypeError(f"EngineSpec.make must be a factory EngineRequest -> RolloutEngine, got {self.make!r}")
+        if not self.transports or not all(isinstance(t, str) for t in self.transports):
+            raise TypeError(f"EngineSpec.transports: name the weight transports it takes, got {self.transports!r}")
         if self.may_change and self.settings is None:
             raise TypeError("EngineSpec.may_change names fields of a settings section, and the engine has none")
         if self.settings is not None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig, config_to_dict
+from megatron_rl.config.validate import weight_transport
 from megatron_rl.data import CharTokenizer, JsonlPrompts, PromptStream, make_task
 from megatron_rl.data.hf_tokenizer import make_tokenizer, padded_vocab
 from megatron_rl.losses.setup import ResolvedLoss, resolve_loss
@@ -61,11 +62,12 @@ from megatron_rl.trainer.policy import Policy, arch_from_config, build_policy
 from megatron_rl.trainer.replay import NoReplay, make_replay
 from megatron_rl.trainer.resume_check import config_changes, describe_changes
 from megatron_rl.trainer.rl_step import RolloutFailed, rl_step
-from megatron_rl.trainer.rollout_io import broadcast, sync_weights
+from megatron_rl.trainer.rollout_io import broadcast
 from megatron_rl.trainer.schedule import SyncSchedule, make_schedule
 from megatron_rl.trainer.sft import run_sft
 from megatron_rl.trainer.stack import build_optimizer
 from megatron_rl.trainer.stop import Stopped, StopSignals
+from megatron_rl.trainer.transport import TRANSPORTS, TransportInputs, WeightTransport
 
 STDOUT_KEYS = ("rollout/reward_mean", "rollout/accuracy", "mismatch/kl_k3", "loss/policy", "optim/grad_norm",
                "eval/heldout_accuracy", "timing/step", "sft/heldout_accuracy")
@@ -83,6 +85,7 @@ class RunContext:
     sink: MetricsSink
     loss: ResolvedLoss
     rollout_fn: RolloutFn
+    transport: WeightTransport
     replay: object = field(default_factory=NoReplay)  # the router replay strategy (none / R2 / R3)
     schedule: object = field(default_factory=SyncSchedule)  # when rollouts are generated / weights synced
     stop: StopSignals = field(default_factory=StopSignals)
@@ -263,7 +266,8 @@ def _build(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None, syn
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard,
                        jsonl=cfg.log.jsonl, stdout_keys=STDOUT_KEYS)
     rollout_fn = ROLLOUT_FNS.get(cfg.rollout.function).make(RolloutFnInputs(tokenizer, rewards))
-    return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss, rollout_fn,
+    transport = TRANSPORTS.get(weight_transport(cfg)).make(TransportInputs(groups, arch, cfg.train.run_dir))
+    return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, loss, rollout_fn, transport,
                       replay=make_replay(mode, policy.model), schedule=make_schedule(cfg),
                       stop=stop, resuming=resuming,
                       run_id=broadcast(uuid.uuid4().hex[:12] if rank0 else None))
@@ -373,7 +377,7 @@ def _start(ctx: RunContext, heldout) -> int:
             check_parameters(ctx.policy.model, f"the checkpoint {path}",
                              "It was written before checkpoints were checked: move it aside to resume from an "
                              "older one")
-            sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
+            ctx.transport.push(ctx.policy, ctx.engine, ctx.policy_version)
             return start
     if cfg.train.init_checkpoint:
         # refused before the weights are read: the record is in the host state's JSON
@@ -394,7 +398,7 @@ def _start(ctx: RunContext, heldout) -> int:
             run_id=ctx.run_id)
         ctx.policy.optimizer = build_optimizer(ctx.policy.model, ctx.policy.settings)  # fresh Adam for RL
     check_parameters(ctx.policy.model, f"the initial weights ({_weights_source(cfg)})")  # before the engine has them
-    sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
+    ctx.transport.push(ctx.policy, ctx.engine, ctx.policy_version)
     if heldout:
         before = evaluate_both(ctx, heldout)
         ctx.state["before_rl_accuracy"] = before["eval/heldout_accuracy"]

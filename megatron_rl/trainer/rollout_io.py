@@ -1,9 +1,9 @@
 """Talking to the rollout engine from a multi-rank trainer.
 
 The engine lives on global rank 0 (one embedded engine or one vLLM server, as in production);
-rank 0 generates and scores (the run's rollout function), then broadcasts the samples to every rank. Weight export is
-collective (all ranks iterate it); only rank 0 feeds the engine. Whatever the engine raises on
-rank 0 reaches every rank as RolloutFailed, so no rank is left waiting in a collective.
+rank 0 generates and scores (the run's rollout function), then broadcasts the samples to every
+rank (weights go the other way through trainer/transport.py). Whatever the engine raises on rank 0
+reaches every rank as RolloutFailed, so no rank is left waiting in a collective.
 """
 from __future__ import annotations
 
@@ -44,19 +44,3 @@ def on_rank0(what: str, fn):
     if isinstance(result, RolloutFailed):
         raise result
     return result
-
-
-def sync_weights(policy, engine, version: int) -> None:
-    """Push the policy's current weights to the engine (collective export; rank 0 loads)."""
-    named = policy.export()
-    error = None
-    if engine is not None:
-        try:
-            engine.update_weights(named, version)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            error = RolloutFailed(f"rollout engine failed to load weights version {version}: {type(e).__name__}: {e}")
-    for _ in named:  # keep step with rank 0's gathers (all of them when the engine stopped reading)
-        pass
-    error = broadcast(error)
-    if error is not None:
-        raise error

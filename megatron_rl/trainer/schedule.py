@@ -41,7 +41,7 @@ import torch
 
 from megatron_rl.rollout.function import Generated
 from megatron_rl.rollout.types import Sample, SamplingParams
-from megatron_rl.trainer.rollout_io import RolloutFailed, broadcast, on_rank0, sync_weights
+from megatron_rl.trainer.rollout_io import RolloutFailed, broadcast, on_rank0
 
 __all__ = ["SCHEDULES", "AsyncSchedule", "Rollout", "RolloutFailed", "StagedSchedule", "SyncSchedule", "make_schedule",
            "staleness"]
@@ -124,7 +124,7 @@ class SyncSchedule:
 
     def sync(self, ctx) -> None:
         """The engine gets the trainer's weights as version ctx.policy_version (collective)."""
-        sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
+        ctx.transport.push(ctx.policy, ctx.engine, ctx.policy_version)
         self.weight_syncs += 1
 
     def ensure_synced(self, ctx) -> None:

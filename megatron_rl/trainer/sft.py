@@ -27,7 +27,6 @@ from megatron_rl.trainer.passes import (
     reduce_dp,
     train_pass,
 )
-from megatron_rl.trainer.rollout_io import sync_weights
 from megatron_rl.trainer.stop import Stopped
 
 
@@ -111,7 +110,7 @@ def _sft_steps(ctx, eval_examples, progress) -> dict:
             raise Stopped(ctx.stop.signum, f"stopped by {signal.Signals(ctx.stop.signum).name} during the SFT warm "
                                            f"start (step {step} of {sft.steps}); nothing was saved: rerun to start over")
         if step == sft.steps or (sft.eval_every and step % sft.eval_every == 0):  # 0: only at the end
-            sync_weights(policy, ctx.engine, ctx.policy_version)
+            ctx.transport.push(policy, ctx.engine, ctx.policy_version)
             acc = accuracy(ctx.rollout_fn, ctx.engine, eval_examples, eval_sampling(ctx.tokenizer,
                                                                                    cfg.rollout.max_tokens))
             history.append((step, acc))

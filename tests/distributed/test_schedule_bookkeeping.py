@@ -57,13 +57,14 @@ def _ctx(overrides, hold):
                              "train.num_minibatches=1", "data.tasks=[sorting]", *overrides])
     from megatron_rl.rollout import RolloutFnInputs
     from megatron_rl.rollout.single_turn import SingleTurn
+    from megatron_rl.trainer.transport import MemoryTransport
 
     prompts = PromptStream([make_task("sorting")], seed=0)
     tokenizer, rewards = CharTokenizer(), RewardRunner("exact_match")
     ctx = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, prompts=prompts, rewards=rewards,
                           rollout_fn=SingleTurn(RolloutFnInputs(tokenizer, rewards)),
-                          engine=FakeEngine(hold), policy=SimpleNamespace(export=lambda: iter(())),
-                          policy_version=0, schedule=make_schedule(cfg))
+                          engine=FakeEngine(hold), policy=SimpleNamespace(export=lambda to="all": iter(())),
+                          transport=MemoryTransport(None), policy_version=0, schedule=make_schedule(cfg))
     ctx.engine.update_weights([], 0)  # the run's initial sync
     return ctx
 

@@ -5,7 +5,7 @@ from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout import EngineNeeds, EngineRequest
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError, make_vllm_engine
 from megatron_rl.rollout.vllm.weight_sync import check_supported
-from tests.vllm.conftest import hf_weights, tiny_arch
+from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 
 pytestmark = pytest.mark.vllm
@@ -49,7 +49,7 @@ def test_r3_refused_when_a_gpu_server_returns_no_routing(tmp_path):
     cfg = VllmConfig(enable_return_routed_experts=True, warmup=False, probe_every=0)
     engine = VllmEngine(MOE, cfg, str(tmp_path), server=fake, device="cuda")
     with pytest.raises(VllmUnsupportedError, match="returns no routed_experts"):
-        engine.update_weights(weights, 0)
+        push(engine, weights, 0)
 
 
 def test_restart_sync_needs_a_server_we_launch(tmp_path):

@@ -10,7 +10,7 @@ talks to it over HTTP on 127.0.0.1:
     http.py         stdlib JSON over HTTP, failures sorted for the client
     protocol.py     request bodies, strict answer validation, log-prob mode semantics
     client.py       VllmEngine: the RolloutEngine contract, retries, restarts, stats
-    weight_sync.py  WeightStore, WeightSync (DiskReloadSync, RestartSync), the refusals
+    weight_sync.py  WeightSync (DiskReloadSync, RestartSync) of a weights folder, the refusals
     probe.py        the post-sync parity probe
 
     VLLM                                               # its ENGINES entry (rollout/registered.py)
@@ -94,7 +94,7 @@ MAY_CHANGE = ("url", "api_key", "python", "device", "env", "tensor_parallel_size
 VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, no_routing=_no_routing,
                   no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
                                   "or rollout.dtype=fp32 for the whole server",
-                  may_change=MAY_CHANGE)
+                  transports=("disk",), may_change=MAY_CHANGE)
 
 
 __all__ = [
