@@ -19,7 +19,6 @@ import pytest
 
 from tests.e2e.test_drills import ENV, HANG_GUARD_S, ROOT, run
 
-pytestmark = pytest.mark.slow
 PRECIOUS = "someone else's file\n"
 
 

@@ -39,7 +39,6 @@ from tests.e2e.test_drills import (
     wait_gone,
 )
 
-pytestmark = pytest.mark.slow
 FILE_LIMIT = 1 << 20
 
 

@@ -12,7 +12,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("override,field", [("optim.lr=inf", "optim.lr"), ("model.init_std=.inf", "model.init_std"),
