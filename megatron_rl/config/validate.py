@@ -80,7 +80,12 @@ def check_rollout_function(cfg) -> None:
 
 
 def check_schedule(cfg) -> None:
-    """Filled in with the schedule registry."""
+    """train.schedule names a registered schedule, and the schedule's own rules hold."""
+    from megatron_rl.trainer.schedule import SCHEDULES
+
+    if cfg.train.schedule not in SCHEDULES:
+        raise ValueError(f"train.schedule={cfg.train.schedule!r}: choose one of {', '.join(SCHEDULES.names())}")
+    SCHEDULES.get(cfg.train.schedule).check(cfg.train)
 
 
 def check_router_replay(cfg) -> None:

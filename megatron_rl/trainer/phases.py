@@ -4,7 +4,7 @@
     batch = make_batch(ctx, rollout)               # advantages + this rank's rows of the training batch
     old = old_logprobs(ctx, batch, rollout)        # π_old (trainer, rollout weights) + mismatch values
     updates = update(ctx, batch, old)              # N optimizer steps over mini-batches
-    sync(ctx)                                      # version + 1; new weights to the engine (schedule)
+    version = sync(ctx)                            # the new version; new weights to the engine (schedule)
     metrics = step_metrics(ctx, rollout, batch, old, updates)
 
 Every reducible value follows the one metrics convention (megatron_rl/metrics/reduce.py) and is
@@ -45,7 +45,8 @@ from megatron_rl.trainer.passes import (
     reduce_dp,
     train_pass,
 )
-from megatron_rl.trainer.schedule import Rollout, staleness
+from megatron_rl.trainer.rollouts import Rollout
+from megatron_rl.trainer.schedule import staleness
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Updates:
 def generate(ctx, step: int) -> Rollout:
     """This step's samples and rewards on every rank, as the run's schedule provides them (rank 0
     generates; trainer/schedule.py). An engine failure reaches every rank as RolloutFailed."""
-    return ctx.schedule.rollout(ctx, step)
+    return ctx.schedule.rollout(step, ctx.policy_version)
 
 
 def make_batch(ctx, rollout: Rollout) -> StepBatch:
@@ -133,7 +134,7 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     counts, and takes the per-step statistics its surrogate declared (losses/step_stats.py).
 
     An optimizer step whose loss or gradient norm is not finite is skipped, and the run stops at
-    train.max_nonfinite_updates of them in a row (counted across RL steps in ctx.state, which
+    train.max_nonfinite_updates of them in a row (counted across RL steps in ctx.state (RunState), which
     checkpoints keep); an applied step is followed by a check that the weights are finite
     (trainer/nonfinite.py)."""
     cfg, policy, local, mbs = ctx.cfg, ctx.policy, batch.local, batch.settings.micro_batch_size
@@ -162,8 +163,8 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
         nonfinite += int(outcome.nonfinite is not None)
         grad_norms.append(outcome.grad_norm)
         where = f"RL step {step}, update {j + 1} of {cfg.train.num_minibatches}"
-        ctx.state["nonfinite_in_a_row"] = count_in_a_row(ctx.state.get("nonfinite_in_a_row", 0), outcome,
-                                                         cfg.train.max_nonfinite_updates, where)
+        ctx.state.nonfinite_in_a_row = count_in_a_row(ctx.state.nonfinite_in_a_row, outcome,
+                                                      cfg.train.max_nonfinite_updates, where)
         if outcome.applied:
             check_parameters(policy.model, f"the optimizer update of {where} (finite loss, gradient norm "
                                            f"{outcome.grad_norm:g})",
@@ -177,9 +178,10 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     return Updates(values, grad_norms, skipped, None if scale is None else float(scale), nonfinite)
 
 
-def sync(ctx) -> None:
-    """The trainer's version + 1; the new weights to the engine when the schedule says so."""
-    ctx.schedule.after_update(ctx)
+def sync(ctx) -> int:
+    """The trainer's new version (ctx.policy_version + 1); the new weights go to the engine when the
+    schedule says so."""
+    return ctx.schedule.after_update(ctx.policy_version)
 
 
 def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, updates: Updates) -> dict[str, float]:

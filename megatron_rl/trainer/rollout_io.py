@@ -20,15 +20,7 @@ def broadcast(obj, src: int = 0):
 
 
 class RolloutFailed(RuntimeError):
-    """The engine failed (after its own restarts/retries). completed_steps: the RL steps whose
-    updates are in the weights when it happened (what a checkpoint saved now holds); None = the
-    step in progress has not been applied. metrics: the last completed step's metrics when they
-    have not been logged yet (the failure came after its update: weight sync, evaluation)."""
-
-    def __init__(self, message: str, completed_steps: int | None = None, metrics: dict | None = None):
-        super().__init__(message)
-        self.completed_steps = completed_steps
-        self.metrics = metrics
+    """The engine failed (after its own restarts/retries), on every rank alike."""
 
 
 def on_rank0(what: str, fn):

@@ -413,7 +413,7 @@ def _setup_cp2(rank, world):
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
-    from megatron_rl.trainer.loop import setup
+    from megatron_rl.trainer.setup import setup
 
     apply_platform_workarounds()
     cfg = load_config("examples/demo_cpu.yaml", ["--context-parallel-size", "2", "train.run_dir=/tmp/unused"])
