@@ -190,7 +190,7 @@ class VllmEngine:
             request_json(self.server.url + "/v1/completions", body, timeout=self.cfg.startup_timeout_s,
                          api_key=self.server.api_key)
         except (TransportError, HttpStatusError, BadResponse) as e:
-            tail = self.server.log_tail(400) if hasattr(self.server, "log_tail") else ""
+            tail = self.server.log_tail(400)
             hint = ""
             if "died unexpectedly" in tail:
                 hint = (f" A vLLM worker process died running the model in {self.cfg.dtype}; on CPU machines "
@@ -397,7 +397,7 @@ class VllmEngine:
         return dict(self._stats)
 
     def _log_hint(self) -> str:
-        return getattr(self.server, "log_path", None) or self.server.url
+        return self.server.log_where
 
     def close(self) -> None:
         """Stop the server (if ours), the request threads, and delete the weight folders it was given."""
