@@ -7,7 +7,7 @@
 Run it as one process (no torchrun) on a machine with one CUDA GPU; tools/gpu_check.py does. Its
 last line, `summary: ...`, gives each preset's two ratios against their targets in one line.
 
-THE STEP IS THE TRAINER'S OWN CODE: the run context is megatron_rl.trainer.loop.setup's, from a
+THE STEP IS THE TRAINER'S OWN CODE: the run context is megatron_rl.trainer.setup.build_context's, from a
 load_config config (preset, dtype, rollout sizes, loss.recipe, micro-batches, mini-batches), and the
 timed phases are megatron_rl.trainer.rl_step's, called one by one, synchronised before and after:
     make_batch     advantages, the padded training batch, its copy to the GPU       (bookkeeping)
