@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 
 class RolloutEngine(Protocol):
-    """A backend that samples responses and receives weight updates.
+    """A backend that samples responses; it receives weights through the receiver protocol of each
+    transport its spec lists (TakesTensors, TakesDirectory below).
 
     policy_version: the trainer version of the weights it holds (-1 before the first).
     max_len: the longest prompt + response it takes, in tokens.
