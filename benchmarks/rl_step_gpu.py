@@ -7,7 +7,7 @@
 Run it as one process (no torchrun) on a machine with one CUDA GPU; tools/gpu_check.py does. Its
 last line, `summary: ...`, gives each preset's two ratios against their targets in one line.
 
-THE STEP IS THE TRAINER'S OWN CODE: the run context is megatron_rl.trainer.loop.setup's, from a
+THE STEP IS THE TRAINER'S OWN CODE: the run context is megatron_rl.trainer.setup.build_context's, from a
 load_config config (preset, dtype, rollout sizes, loss.recipe, micro-batches, mini-batches), and the
 timed phases are megatron_rl.trainer.rl_step's, called one by one, synchronised before and after:
     make_batch     advantages, the padded training batch, its copy to the GPU       (bookkeeping)
@@ -28,7 +28,8 @@ update minus its optimizer steps (both zero and finalise the grads the same way)
 Targets: train pass >= 0.85x the plain LM step; non-model time (make_batch + sync + step_metrics)
 <= 15% of the step. --strict exits 1 when missed; exits 2 without a CUDA GPU. Nothing is saved: the
 temporary run_dir is not checked for room for a checkpoint, and the model's real vocabulary is not
-checked against the toy tasks' tokenizer: no sampled id is decoded (setup(synthetic=True)).
+checked against the toy tasks' tokenizer: no sampled id is decoded (trainer/setup.py: build_context, without
+the run's checks).
 
 A PRESET THAT FAILS (out of GPU memory, or any other error) is that preset's outcome: its error, the
 GPU memory at the failure (peak, allocated, reserved, capacity) and the estimate below go into the
@@ -152,12 +153,12 @@ def config_overrides(name: str, args, run_dir: str) -> list[str]:
 
 
 def synthetic_rollout(vocab_size: int, rows: int, prompt_len: int, response_len: int, seed: int):
-    """A phases.Rollout of one group: `rows` random responses to one random prompt (SYNTHETIC),
+    """A trainer.rollouts.Rollout of one group: `rows` random responses to one random prompt (SYNTHETIC),
     rewards alternating 0/1 (a mixed group), rollout log-probs 0 until `with_rollout_logprobs`."""
     import torch
 
     from megatron_rl.rollout.types import Sample
-    from megatron_rl.trainer.phases import Rollout
+    from megatron_rl.trainer.rollouts import Rollout
 
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size, (prompt_len,), generator=g)
@@ -351,7 +352,6 @@ def plain_lm_pass(ctx, batch, counts) -> None:
     import torch
 
     from megatron_rl.model import causal_mask
-    from megatron_rl.trainer.batch import minibatch_slices
     from megatron_rl.trainer.passes import micro_batches
     from megatron_rl.trainer.stack import forward_backward
 
@@ -370,7 +370,7 @@ def plain_lm_pass(ctx, batch, counts) -> None:
         return step
 
     local, mbs = batch.local, batch.settings.micro_batch_size
-    for sl, c in zip(minibatch_slices(local.size, ctx.cfg.train.num_minibatches, mbs), counts, strict=True):
+    for sl, c in zip(batch.layout.minibatch_slices(), counts, strict=True):
         forward_backward(ctx.policy.model, forward_step_for(c.num_tokens), iter(micro_batches(local, sl)), len(sl),
                          local.input_len, mbs, optimizer=ctx.policy.optimizer)
 
@@ -382,10 +382,10 @@ def bench_preset(name: str, args, groups, info: dict | None = None) -> dict:
 
     from megatron_rl.config import load_config
     from megatron_rl.trainer import phases
-    from megatron_rl.trainer.batch import minibatch_slices
-    from megatron_rl.trainer.loop import close, setup
-    from megatron_rl.trainer.passes import logprob_pass
+    from megatron_rl.trainer.loop import close
+    from megatron_rl.trainer.passes import global_counts, logprob_pass
     from megatron_rl.trainer.policy import arch_from_config
+    from megatron_rl.trainer.setup import build_context
 
     info = {} if info is None else info
     run_dir = tempfile.mkdtemp(prefix="rl_step_gpu-", dir=args.tmp_dir)
@@ -403,7 +403,7 @@ def bench_preset(name: str, args, groups, info: dict | None = None) -> dict:
         # policy, optimizer, loss, replay, and the embedded engine on this GPU; nothing is saved, so
         # the run_dir's room for a checkpoint (~24 GiB at 1.7B parameters) is not checked, and no
         # sampled id is decoded, so the preset's vocabulary may differ from the tokenizer's
-        ctx = setup(cfg, groups, synthetic=True)
+        ctx = build_context(cfg, groups)
         hf = getattr(ctx.engine, "model", None)  # the embedded engine's transformers model
         engine_gib = sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**30 if hf is not None else 0.0
         engine_where = f"{engine_gib:.2f} GiB of weights on {ctx.engine.device}" if hf is not None else str(ctx.engine)
@@ -418,8 +418,8 @@ def bench_preset(name: str, args, groups, info: dict | None = None) -> dict:
         first = phases.make_batch(ctx, rollout)
         mu, _ = logprob_pass(policy.model, ctx.groups, first.local, first.settings, need_entropy=False)
         rollout = with_rollout_logprobs(rollout, first.rows, mu, noise=0.01, seed=args.seed)
-        slices = minibatch_slices(first.local.size, cfg.train.num_minibatches, cfg.train.micro_batch_size)
-        counts = [phases.global_counts(first.local, sl, ctx.groups, first.seq) for sl in slices]
+        slices = first.layout.minibatch_slices()
+        counts = [global_counts(first.local, sl, ctx.groups, first.seq) for sl in slices]
 
         times: dict[str, list[float]] = {}
         for _ in range(args.warmup + args.repeats):

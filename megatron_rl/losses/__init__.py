@@ -17,6 +17,7 @@ has its formula.
 
 from megatron_rl.losses.advantages import (
     ADVANTAGES,
+    AdvantageSpec,
     get_advantage,
     grpo,
     mean_centered,
@@ -26,6 +27,7 @@ from megatron_rl.losses.advantages import (
 )
 from megatron_rl.losses.aggregation import (
     AGGREGATIONS,
+    AggregationSpec,
     GlobalCounts,
     aggregate,
     get_aggregation,
@@ -38,6 +40,7 @@ from megatron_rl.losses.aggregation import (
 )
 from megatron_rl.losses.corrections import (
     CORRECTIONS,
+    CorrectionSpec,
     apply_corrections,
     binary_kl,
     get_correction,
@@ -56,11 +59,11 @@ from megatron_rl.losses.policy_loss import (
     keep_sampling_mask,
     register_recipe,
 )
-from megatron_rl.losses.registry import Registry
 from megatron_rl.losses.seqops import LOCAL, CPSeqOps, LocalSeqOps, SeqOps
 from megatron_rl.losses.step_stats import STEP_STATISTICS, StepStatistic, register_step_statistic
 from megatron_rl.losses.surrogates import (
     SURROGATES,
+    SurrogateSpec,
     cispo,
     ess_from_stats,
     get_surrogate,
@@ -85,16 +88,19 @@ __all__ = [
     "RECIPES",
     "STEP_STATISTICS",
     "SURROGATES",
+    "AdvantageSpec",
+    "AggregationSpec",
     "CPSeqOps",
     "Correction",
+    "CorrectionSpec",
     "GlobalCounts",
     "LocalSeqOps",
     "LossRecipe",
     "PolicyBatch",
-    "Registry",
     "SeqOps",
     "StepStatistic",
     "SurrogateOut",
+    "SurrogateSpec",
     "aggregate",
     "apply_corrections",
     "binary_kl",

@@ -14,14 +14,42 @@ DAPO dynamic sampling drops them before the update and logs how many.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from megatron_rl.losses.registry import Registry
+from megatron_rl.registry import ParamRules, Registry
 
-ADVANTAGES = Registry("advantage estimator")
-register_advantage = ADVANTAGES.register
-get_advantage = ADVANTAGES.get
+
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """A registered estimator: `fn(rewards [n, G], **params) -> advantages [n, G]` and its
+    parameters' value ranges (loss.advantage_params)."""
+
+    fn: Callable[..., Tensor]
+    rules: ParamRules = field(default_factory=ParamRules)
+
+    def __post_init__(self):
+        self.rules.check_against(f"advantage estimator {self.fn.__name__}", self.fn)
+
+
+ADVANTAGES = Registry("advantage estimator", AdvantageSpec)
+
+
+def register_advantage(name: str, *, limits: Mapping[str, Mapping[str, Any]] | None = None):
+    """Decorator: register `fn` as advantage estimator `name`."""
+    def deco(fn):
+        ADVANTAGES.add(name, AdvantageSpec(fn, ParamRules(limits or {})))
+        return fn
+
+    return deco
+
+
+def get_advantage(name: str) -> Callable[..., Tensor]:
+    return ADVANTAGES.get(name).fn
 
 
 def _check(rewards: Tensor) -> Tensor:

@@ -15,14 +15,15 @@ over the step's micro-batches, all-reduce (SUM) over the DP×CP group once, pass
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from megatron_rl.losses.registry import Registry
 from megatron_rl.losses.seqops import LOCAL, SeqOps
+from megatron_rl.registry import ParamRules, Registry
 
 Count = Tensor | float | int
 
@@ -92,32 +93,52 @@ def local_counts(mask: Tensor, seq: SeqOps = LOCAL, *, count_empty_seqs: bool = 
 
 
 @dataclass(frozen=True)
-class _Aggregation:
+class AggregationSpec:
+    """A registered aggregation: `fn(per_token, mask, counts, seq, **params) -> scalar` and what it declares.
+
+    needs: the GlobalCounts fields it divides by. rules: its parameters' value ranges.
+    linear: the loss is a fixed weighted sum Σ_t a_t ℓ_t of the per-token terms (the weights depend
+        on the mask and counts only; losses/token_local.py reads them off).
+    """
+
     fn: Callable[..., Tensor]
     needs: tuple[str, ...]
+    rules: ParamRules = field(default_factory=ParamRules)
+    linear: bool = False
+
+    def __post_init__(self):
+        known = {f.name for f in fields(GlobalCounts)}
+        if not set(self.needs) <= known:
+            raise TypeError(f"aggregation {self.fn.__name__}: needs {sorted(set(self.needs) - known)}, not "
+                            f"GlobalCounts fields ({sorted(known)})")
+        self.rules.check_against(f"aggregation {self.fn.__name__}", self.fn)
 
 
-AGGREGATIONS = Registry("aggregation")
+AGGREGATIONS = Registry("aggregation", AggregationSpec)
 
 
-def register_aggregation(name: str, needs: tuple[str, ...], **info):
+def register_aggregation(name: str, needs: tuple[str, ...], *, limits: Mapping[str, Mapping[str, Any]] | None = None,
+                         linear: bool = False):
     """Register `fn(per_token, mask, counts: GlobalCounts, seq, *, **params) -> scalar` needing `needs`.
 
     Its parameters (loss.aggregation_params) are keyword-only, so resolve_loss checks their names and
-    kinds against `fn`; `info` declares their value ranges (`limits`) as a surrogate's do, and
-    `linear=True` where the loss is a fixed weighted sum Σ_t a_t ℓ_t of the per-token terms (the
-    weights a_t depend on the mask and counts only; losses/token_local.py reads them off)."""
+    kinds against `fn`; `limits` declares their value ranges as a surrogate's do, and `linear=True`
+    where the loss is a fixed weighted sum Σ_t a_t ℓ_t of the per-token terms (see AggregationSpec)."""
     def deco(fn):
-        AGGREGATIONS.register(name, **info)(_Aggregation(fn, needs))
+        AGGREGATIONS.add(name, AggregationSpec(fn, needs, ParamRules(limits or {}), linear))
         return fn
 
     return deco
 
 
-register_aggregation("token_mean", ("num_tokens",), linear=True)(
-    lambda per_token, mask, counts, seq: token_mean(per_token, mask, counts.num_tokens))
-register_aggregation("seq_mean_token_mean", ("num_seqs",), linear=True)(
-    lambda per_token, mask, counts, seq: seq_mean_token_mean(per_token, mask, counts.num_seqs, seq))
+@register_aggregation("token_mean", ("num_tokens",), linear=True)
+def _token_mean(per_token: Tensor, mask: Tensor, counts: GlobalCounts, seq: SeqOps) -> Tensor:
+    return token_mean(per_token, mask, counts.num_tokens)
+
+
+@register_aggregation("seq_mean_token_mean", ("num_seqs",), linear=True)
+def _seq_mean_token_mean(per_token: Tensor, mask: Tensor, counts: GlobalCounts, seq: SeqOps) -> Tensor:
+    return seq_mean_token_mean(per_token, mask, counts.num_seqs, seq)
 
 
 def _token_sum_norm(per_token: Tensor, mask: Tensor, counts: GlobalCounts, seq: SeqOps, *, l_norm: float) -> Tensor:

@@ -6,7 +6,9 @@ The corrected term is c_t · keep_t · ℓ_t; a list of corrections multiplies w
 all comparisons are made in log space (no overflow for |Δ| up to fp32's range).
 
 Token-level (this file): tis_token, mis_token, icepop, kpop.
-Sequence-level (`corrections_seq.py`, same registry): tis_seq, mis_seq, mis_geo, veto, opsm, nav.
+Sequence-level (`corrections_seq.py`, same registry): tis_seq, mis_seq, mis_geo, veto, opsm, nav; the
+package (`megatron_rl/losses/__init__.py`) imports both modules, so every entry is registered before
+any module of the package is used (importing one imports the package first).
 Every correction logs the fraction of tokens (and sequences) it changed as `/num`, `/den` sums.
 
 A correction declares its parameters' valid values where it registers, checked by
@@ -21,12 +23,13 @@ correction that does not read π_θ is a constant of the update pass, known befo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from megatron_rl.losses.registry import Registry
 from megatron_rl.losses.types import (
     Correction,
     Metrics,
@@ -35,10 +38,56 @@ from megatron_rl.losses.types import (
     masked_log_ratio,
     prefix_metrics,
 )
+from megatron_rl.registry import ParamRules, Registry, keyword_params
 
-CORRECTIONS = Registry("rollout correction")
-register_correction = CORRECTIONS.register
-get_correction = CORRECTIONS.get
+
+@dataclass(frozen=True)
+class CorrectionSpec:
+    """A registered correction: `fn(batch, **params) -> Correction` and what it declares.
+
+    rules: its parameters' value ranges (registry.ParamRules).
+    reads_policy: whether c_t and keep_t read π_θ: True, False, or the name of the bool keyword
+        parameter that switches it on (tis_token's tis_use_rho). True unless declared otherwise.
+    """
+
+    fn: Callable[..., Correction]
+    rules: ParamRules = field(default_factory=ParamRules)
+    reads_policy: bool | str = True
+
+    def __post_init__(self):
+        where = f"correction {self.fn.__name__}"
+        self.rules.check_against(where, self.fn)
+        if isinstance(self.reads_policy, str):
+            param = keyword_params(self.fn).get(self.reads_policy)
+            if param is None or not isinstance(param.default, bool):
+                raise TypeError(f"{where}: reads_policy={self.reads_policy!r} must name one of its bool keyword "
+                                f"parameters")
+        elif not isinstance(self.reads_policy, bool):
+            raise TypeError(f"{where}: reads_policy must be a bool or a parameter name, got {self.reads_policy!r}")
+
+    def reads_policy_with(self, params: Mapping[str, Any]) -> bool:
+        """Whether c_t / keep_t read π_θ under `params` (the switch parameter's value, else its default)."""
+        if isinstance(self.reads_policy, bool):
+            return self.reads_policy
+        return bool(params.get(self.reads_policy, keyword_params(self.fn)[self.reads_policy].default))
+
+
+CORRECTIONS = Registry("rollout correction", CorrectionSpec)
+
+
+def register_correction(name: str, *, limits: Mapping[str, Mapping[str, Any]] | None = None,
+                        choices: Mapping[str, tuple] | None = None, band: tuple[str, str] | None = None,
+                        reads_policy: bool | str = True):
+    """Decorator: register `fn` as correction `name` with its declarations (see CorrectionSpec)."""
+    def deco(fn):
+        CORRECTIONS.add(name, CorrectionSpec(fn, ParamRules(limits or {}, choices or {}, band), reads_policy))
+        return fn
+
+    return deco
+
+
+def get_correction(name: str) -> Callable[..., Correction]:
+    return CORRECTIONS.get(name).fn
 POSITIVE = {"lo": 0, "lo_open": True}  # a threshold compared in log space: log(0) is undefined
 
 
@@ -151,6 +200,3 @@ def apply_corrections(batch: PolicyBatch, corrections: Sequence[tuple[str, dict]
         metrics.update(prefix_metrics(key, c.metrics))
     return Correction(weight, keep, metrics)
 
-
-# The sequence-level corrections register themselves into CORRECTIONS on import.
-from megatron_rl.losses import corrections_seq  # noqa: F401

@@ -24,9 +24,9 @@ from torch import Tensor
 
 from megatron_rl.losses.aggregation import GlobalCounts, aggregate
 from megatron_rl.losses.corrections import apply_corrections
-from megatron_rl.losses.registry import Registry
 from megatron_rl.losses.surrogates import get_surrogate
 from megatron_rl.losses.types import Metrics, PolicyBatch, add_fraction, prefix_metrics
+from megatron_rl.registry import Registry
 
 
 def compute_policy_loss(
@@ -79,14 +79,27 @@ class LossRecipe:
     advantage: str = "grpo"
     implies: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self):
+        for path in self.implies:
+            if not isinstance(path, str) or path.count(".") != 1:
+                raise TypeError(f"LossRecipe.implies: {path!r} is not a config field's 'section.field' name")
 
-RECIPES = Registry("loss recipe")
+
+RECIPES = Registry("loss recipe", LossRecipe)
 get_recipe = RECIPES.get
 
 
 def register_recipe(name: str, recipe: LossRecipe) -> LossRecipe:
-    RECIPES.register(name)(recipe)
-    return recipe
+    return RECIPES.add(name, recipe)
+
+
+def recipe_variant(name: str, implies: Mapping[str, Any]) -> str | None:
+    """The registered recipe with the same loss as recipe `name` that implies exactly `implies`
+    (e.g. minirl_r3 with {} -> minirl, with {"moe.router_replay": "r2"} -> minirl_r2), or None."""
+    if name not in RECIPES:
+        return None
+    same = replace(RECIPES.get(name), implies=dict(implies))
+    return next((n for n in RECIPES.names() if RECIPES.get(n) == same), None)
 
 
 register_recipe("grpo", LossRecipe("ppo_clip", aggregation="seq_mean_token_mean"))

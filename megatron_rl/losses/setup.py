@@ -11,7 +11,6 @@ of 0 would fail mid-step in log(0), an empty keep band would silently drop every
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from megatron_rl.losses.policy_loss import RECIPES
 from megatron_rl.losses.step_stats import STEP_STATISTICS
 from megatron_rl.losses.surrogates import SURROGATES
 from megatron_rl.losses.token_local import token_local_blocker
+from megatron_rl.registry import ParamRules, keyword_params
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _kind_ok(value: Any, default: Any, annotation: str) -> bool:
 def check_params(where: str, fn: Callable, params: Mapping[str, Any]) -> None:
     """Every key of `params` must be a keyword-only parameter of `fn` with a value of its kind;
     raises ValueError naming `where`.<key>."""
-    allowed = {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    allowed = keyword_params(fn)
     for key, value in params.items():
         if key not in allowed:
             raise ValueError(f"{where}.{key}: not a parameter here; choose from {', '.join(sorted(allowed)) or '(none)'}")
@@ -78,29 +78,28 @@ def check_params(where: str, fn: Callable, params: Mapping[str, Any]) -> None:
             raise ValueError(f"{where}.{key}={value!r}: must be {p.annotation} (default {p.default!r}){hint}")
 
 
-def check_values(where: str, fn: Callable, declared: Mapping[str, Any], params: Mapping[str, Any]) -> None:
-    """`params` over `fn`'s defaults must satisfy what the entry declared when it registered:
+def check_values(where: str, fn: Callable, rules: ParamRules, params: Mapping[str, Any]) -> None:
+    """`params` over `fn`'s defaults must satisfy the rules the entry declared when it registered:
     `limits` (parameter -> bounds of checks.number; null passes, where check_params allowed it),
     `choices` (parameter -> allowed values), `band` ((lo, hi): lo <= hi, or nothing is kept).
     Raises ValueError naming `where`.<parameter> and the allowed range."""
-    values = {n: p.default for n, p in inspect.signature(fn).parameters.items()
-              if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    values = {n: p.default for n, p in keyword_params(fn).items()}
     values.update(params)
-    for name, bounds in declared.get("limits", {}).items():
+    for name, bounds in rules.limits.items():
         if values[name] is not None:
             checks.number(f"{where}.{name}", values[name], **bounds)
-    for name, allowed in declared.get("choices", {}).items():
+    for name, allowed in rules.choices.items():
         checks.choice(f"{where}.{name}", values[name], allowed)
-    if "band" in declared:
-        lo, hi = declared["band"]
+    if rules.band is not None:
+        lo, hi = rules.band
         if values[lo] > values[hi]:
             raise ValueError(f"{where}: {lo}={values[lo]!r} > {hi}={values[hi]!r} keeps nothing (the band "
                              f"[{lo}, {hi}] is empty); set {lo} <= {hi}")
 
 
-def _check(where: str, fn: Callable, declared: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+def _check(where: str, fn: Callable, rules: ParamRules, params: Mapping[str, Any]) -> None:
     check_params(where, fn, params)
-    check_values(where, fn, declared, params)
+    check_values(where, fn, rules, params)
 
 
 def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
@@ -109,16 +108,16 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
     surrogate = section.surrogate or (recipe.surrogate if recipe else None)
     if surrogate is None:
         raise ValueError("loss: set loss.recipe or loss.surrogate")
-    declared = SURROGATES.info(surrogate)  # raises with the available names
+    declared = SURROGATES.get(surrogate)  # raises with the available names
     params = dict(recipe.surrogate_params) if recipe and recipe.surrogate == surrogate else {}
     params.update(section.surrogate_params or {})
-    step_statistics = dict(declared.get("step_statistics", {}))
+    step_statistics = dict(declared.step_statistics)
     for name, stat in step_statistics.items():
         STEP_STATISTICS.get(stat)
         if name in params:
             raise ValueError(f"loss.surrogate_params.{name}: {surrogate}'s {name} is computed by the trainer every "
                              f"step ({stat}); remove it from the config")
-    _check("loss.surrogate_params", SURROGATES.get(surrogate), declared, params)
+    _check("loss.surrogate_params", declared.fn, declared.rules, params)
     if section.corrections is not None:
         if not isinstance(section.corrections, list):
             raise ValueError(f"loss.corrections={section.corrections!r}: a list of mappings with a 'name', e.g. "
@@ -129,8 +128,8 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
                 raise ValueError(f"loss.corrections[{i}] must be a mapping with a 'name' (e.g. "
                                  f"{{name: tis_token, C: 2}}), got {c!r}")
             corrections.append((c["name"], {k: v for k, v in c.items() if k != "name"}))
-            _check(f"loss.corrections[{i}]", CORRECTIONS.get(c["name"]), CORRECTIONS.info(c["name"]),
-                   corrections[-1][1])
+            spec = CORRECTIONS.get(c["name"])
+            _check(f"loss.corrections[{i}]", spec.fn, spec.rules, corrections[-1][1])
     else:
         corrections = [(n, dict(p)) for n, p in recipe.corrections] if recipe else []
     aggregation = section.aggregation or (recipe.aggregation if recipe else "token_mean")
@@ -138,13 +137,14 @@ def resolve_loss(section, max_response_len: int) -> ResolvedLoss:
     agg_params.update(section.aggregation_params or {})
     if aggregation in ("token_sum_norm", "seq_mean_token_sum"):
         agg_params.setdefault("l_norm", float(max_response_len))
-    _check("loss.aggregation_params", AGGREGATIONS.get(aggregation).fn, AGGREGATIONS.info(aggregation), agg_params)
+    agg = AGGREGATIONS.get(aggregation)
+    _check("loss.aggregation_params", agg.fn, agg.rules, agg_params)
     advantages = section.advantages or (recipe.advantage if recipe else "grpo")
-    _check("loss.advantage_params", ADVANTAGES.get(advantages), ADVANTAGES.info(advantages),
-           section.advantage_params or {})
-    allowed = declared.get("aggregations")
+    estimator = ADVANTAGES.get(advantages)
+    _check("loss.advantage_params", estimator.fn, estimator.rules, section.advantage_params or {})
+    allowed = declared.aggregations
     if allowed is not None and aggregation not in allowed:
-        raise ValueError(f"loss: {surrogate} allows loss.aggregation in {list(allowed)} ({declared.get('why', '')}); "
+        raise ValueError(f"loss: {surrogate} allows loss.aggregation in {list(allowed)} ({declared.why}); "
                          f"use loss.aggregation={allowed[0]}")
     blocker = token_local_blocker(surrogate, params, corrections, aggregation, agg_params)
     if section.head_gradients == "forward" and blocker is not None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from megatron_rl.losses.registry import Registry
 from megatron_rl.losses.surrogates import ess_from_stats, p3o_ess_stats
+from megatron_rl.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,11 @@ class StepStatistic:
     value: Callable[[Mapping[str, Tensor]], Tensor | float]
 
 
-STEP_STATISTICS = Registry("step statistic")
+STEP_STATISTICS = Registry("step statistic", StepStatistic)
 
 
 def register_step_statistic(name: str, stat: StepStatistic) -> StepStatistic:
-    STEP_STATISTICS.register(name)(stat)
-    return stat
+    return STEP_STATISTICS.add(name, stat)
 
 
 register_step_statistic("ratio_ess", StepStatistic(

@@ -17,11 +17,13 @@ Metric keys are un-prefixed here (`clipped/num`); `compute_policy_loss` prefixes
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from megatron_rl.losses.registry import Registry
 from megatron_rl.losses.seqops import owner_count
 from megatron_rl.losses.types import (
     PolicyBatch,
@@ -32,10 +34,52 @@ from megatron_rl.losses.types import (
     masked,
     masked_log_ratio,
 )
+from megatron_rl.registry import ParamRules, Registry, keyword_params
 
-SURROGATES = Registry("surrogate")
-register_surrogate = SURROGATES.register
-get_surrogate = SURROGATES.get
+
+@dataclass(frozen=True)
+class SurrogateSpec:
+    """A registered surrogate: `fn(batch, **params) -> SurrogateOut` and what it declares.
+
+    rules: its parameters' value ranges (registry.ParamRules).
+    token_local: ℓ_t and its gradient read token t's own values only (losses/token_local.py).
+    aggregations: the aggregations it allows (None: any), `why` says why.
+    step_statistics: parameter -> STEP_STATISTICS name the trainer computes every optimizer step
+        and passes as that parameter (P3O's ESS).
+    """
+
+    fn: Callable[..., SurrogateOut]
+    rules: ParamRules = field(default_factory=ParamRules)
+    token_local: bool = False
+    aggregations: tuple[str, ...] | None = None
+    why: str = ""
+    step_statistics: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        where = f"surrogate {self.fn.__name__}"
+        self.rules.check_against(where, self.fn)
+        unknown = sorted(set(self.step_statistics) - set(keyword_params(self.fn)))
+        if unknown:
+            raise TypeError(f"{where}: step_statistics for {unknown}, which are not its keyword parameters")
+
+
+SURROGATES = Registry("surrogate", SurrogateSpec)
+
+
+def register_surrogate(name: str, *, limits: Mapping[str, Mapping[str, Any]] | None = None, token_local: bool = False,
+                       aggregations: tuple[str, ...] | None = None, why: str = "",
+                       step_statistics: Mapping[str, str] | None = None):
+    """Decorator: register `fn` as surrogate `name` with its declarations (see SurrogateSpec)."""
+    def deco(fn):
+        SURROGATES.add(name, SurrogateSpec(fn, ParamRules(limits or {}), token_local, aggregations, why,
+                                           step_statistics or {}))
+        return fn
+
+    return deco
+
+
+def get_surrogate(name: str) -> Callable[..., SurrogateOut]:
+    return SURROGATES.get(name).fn
 
 
 # Value ranges a surrogate declares where it registers (`limits`: parameter -> bounds of

@@ -24,7 +24,6 @@ the tokens is `compute_policy_loss`'s loss, and so are the gradients.
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -38,28 +37,18 @@ from megatron_rl.losses.surrogates import SURROGATES, get_surrogate
 from megatron_rl.losses.types import PolicyBatch
 
 
-def _reads_policy(name: str, params: Mapping[str, Any]) -> bool:
-    """Whether correction `name` with `params` reads π_θ (its `reads_policy` declaration; a name
-    is the bool parameter that switches it on; undeclared counts as reading it)."""
-    declared = CORRECTIONS.info(name).get("reads_policy", True)
-    if not isinstance(declared, str):
-        return bool(declared)
-    default = inspect.signature(CORRECTIONS.get(name)).parameters[declared].default
-    return bool(params.get(declared, default))
-
-
 def token_local_blocker(surrogate: str, surrogate_params: Mapping[str, Any] | None = None,
                         corrections: Sequence[tuple[str, Mapping[str, Any] | None]] = (),
                         aggregation: str = "token_mean", agg_params: Mapping[str, Any] | None = None) -> str | None:
     """Why this loss is not Σ_t a_t ℓ_t(lp_t) with constant a_t (a sentence naming the part), or
     None when it is. Arguments as for `compute_policy_loss`."""
     del surrogate_params, agg_params  # no parameter changes whether a surrogate or aggregation qualifies
-    if not SURROGATES.info(surrogate).get("token_local", False):
+    if not SURROGATES.get(surrogate).token_local:
         return f"the surrogate {surrogate} couples the tokens of a response (a sequence-level ratio)"
     for name, params in corrections:
-        if _reads_policy(name, params or {}):
+        if CORRECTIONS.get(name).reads_policy_with(params or {}):
             return f"the correction {name} reads π_θ, so its weights are not known before the pass"
-    if not AGGREGATIONS.info(aggregation).get("linear", False):
+    if not AGGREGATIONS.get(aggregation).linear:
         return f"the aggregation {aggregation} is not a fixed weighted sum of the per-token terms"
     return None
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.platform.capabilities import Capabilities, capabilities
+from megatron_rl.platform.mcore_api import grad_accum_fusion_available
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Activation recompute (BuildOptions.recompute, model.recompute) -> megatron-core TransformerConfig
@@ -105,11 +106,9 @@ def detect_kernels(caps: Capabilities) -> Kernels:
     """The fused kernels available to megatron-core in this process (none without CUDA)."""
     if not caps.cuda:
         return Kernels()
-    from megatron.core.tensor_parallel import layers
-
     softmax = all(importlib.util.find_spec(m) is not None for m in (
         "scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda"))
-    found = {"wgrad_accum_fusion": bool(getattr(layers, "_grad_accum_fusion_available", False)),
+    found = {"wgrad_accum_fusion": grad_accum_fusion_available(),
              "fused_softmax": softmax}
     if caps.te_usable:
         from megatron.core.extensions import transformer_engine as te_ext

@@ -201,15 +201,49 @@ def _from_stage(tensors: list[torch.Tensor] | None, owner: int, groups: Parallel
     return tensors
 
 
+def _to_rank(tensors: list[torch.Tensor] | None, owner: int, groups: ParallelGroups, device: torch.device,
+             dst: int) -> list[torch.Tensor] | None:
+    """Send a list of tensors from pipeline stage `owner` to global rank `dst` alone (point to point,
+    within dst's pipeline group); the other stages' ranks keep None. Ranks outside dst's pipeline
+    group exchange nothing: they hold their own stage's tensors or None."""
+    if groups.config.pp == 1:
+        return tensors
+    group_ranks = dist.get_process_group_ranks(groups.pp_group)
+    src = group_ranks[owner]
+    if dst not in group_ranks or src == dst:
+        return tensors
+    me = dist.get_rank()
+    if me == src:
+        dist.send_object_list([[(t.shape, t.dtype) for t in tensors]], dst=dst, device=device)
+        for t in tensors:
+            dist.send(t.contiguous(), dst=dst)
+        return tensors
+    if me == dst:
+        meta = [None]
+        dist.recv_object_list(meta, src=src, device=device)
+        out = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta[0]]
+        for t in out:
+            dist.recv(t, src=src)
+        return out
+    return None
+
+
 @torch.no_grad()
 def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype | None = None,
-                      grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for every HF tensor of the model, on every rank.
+                      grads: bool = False, to: str | int = "all") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the HF tensors of the model.
 
-    Collective: all ranks must iterate it to the end together (TP/EP all-gathers, PP
-    broadcasts). Tensors come out in the model's dtype unless `dtype` is given.
-    grads=True exports the parameters' gradients (`main_grad` under megatron DDP, else
-    `.grad`) in the same layout, which is how tests compare sharded gradients.
+    to: who gets which tensors across pipeline stages (TP and EP shards are always gathered
+        within the stage, one tensor at a time):
+        "all"   every tensor on every rank (PP broadcasts): checkpoint conversion, tests;
+        "stage" each rank its own stage's tensors, no PP traffic: a per-stage sender streams them;
+        r (int) global rank r gets every tensor (point to point from the owning stage's rank in
+            r's pipeline group); the others get their own stage's.
+    Collective: all ranks must iterate it to the end together. Tensors come out in the model's
+    dtype unless `dtype` is given. grads=True exports the parameters' gradients (`main_grad` under
+    megatron DDP, else `.grad`) in the same layout, which is how tests compare sharded gradients.
+    Cost: one full tensor (its TP x EP gather) at a time on each rank of its stage; "all" also
+    puts it on every other stage.
     """
     params = mapped_tensors(model)
     device = next(iter(params.values())).device
@@ -222,8 +256,15 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
     kw = _shape_kwargs(arch)
 
     def cast(t, param):
-        to = torch.float32 if param.fp32 else dtype
-        return t.detach().to(to) if to is not None else t.detach().clone()
+        want = torch.float32 if param.fp32 else dtype
+        return t.detach().to(want) if want is not None else t.detach().clone()
+
+    def deliver(full, owner):
+        if to == "all":
+            return _from_stage(full, owner, groups, device)
+        if to == "stage":
+            return full
+        return _to_rank(full, owner, groups, device, to)
 
     for param in mapping_for(arch):
         if not param.export:
@@ -232,17 +273,16 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
         if param.scope is Scope.GLOBAL:
             owner = 0 if param.stage == "first" else pp - 1
             name = by_key.get((param, None, None))
-            full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
-            for hf_name, t in zip(param.hf, _from_stage(full, owner, groups, device)):
+            full = deliver(from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None, owner)
+            for hf_name, t in zip(param.hf, full or ()):
                 yield hf_name, cast(t, param)
             continue
         for layer in _layers_for(param, arch, range(arch.num_layers)):
             owner = layer // per_stage
             if param.scope is not Scope.EXPERT:
                 name = by_key.get((param, layer, None))
-                full = from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None
-                full = _from_stage(full, owner, groups, device)
-                for template, t in zip(param.hf, full):
+                full = deliver(from_shards(param.kind, _gather(params[name], tp_group), **kw) if name else None, owner)
+                for template, t in zip(param.hf, full or ()):
                     yield template.format(layer=layer), cast(t, param)
                 continue
             for j in range(e_local):
@@ -252,7 +292,9 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
                     mine = from_shards(param.kind, _gather(params[name], tp_group), **kw)
                     # experts j, e_local + j, 2*e_local + j, ... from every EP rank
                     full = [t for k in range(len(mine)) for t in _gather(mine[k], groups.ep_group)]
-                full = _from_stage(full, owner, groups, device)
+                full = deliver(full, owner)
+                if full is None:
+                    continue
                 n_ep = len(full) // len(param.hf)
                 for k, template in enumerate(param.hf):
                     for r in range(n_ep):

@@ -62,6 +62,23 @@ class ParallelConfig:
     def cp(self) -> int:
         return self.context_parallel_size
 
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world / (TP·PP·CP), after checking that `world_size` ranks fit both the dense layout
+        (TP x PP x CP) and the expert layout (expert-TP x EP x PP); ValueError naming the fix."""
+        model_ranks = self.tp * self.pp * self.cp
+        if world_size % model_ranks:
+            raise ValueError(f"world size {world_size} is not a multiple of tensor x pipeline x context parallel "
+                             f"sizes = {self.tp} x {self.pp} x {self.cp}; launch a multiple of {model_ranks} ranks")
+        expert_ranks = self.etp * self.ep * self.pp
+        if world_size % expert_ranks:
+            fix = ("set --expert-tensor-parallel-size 1 (expert-TP defaults to TP)"
+                   if self.etp > 1 and world_size % (self.ep * self.pp) == 0 else
+                   f"launch a multiple of {expert_ranks} ranks (torchrun --nproc_per_node) or lower "
+                   f"--expert-model-parallel-size")
+            raise ValueError(f"world size {world_size} is not a multiple of expert tensor x expert x pipeline "
+                             f"parallel sizes = {self.etp} x {self.ep} x {self.pp}; {fix}")
+        return world_size // model_ranks
+
 
 @dataclass(frozen=True)
 class ParallelGroups:
@@ -163,14 +180,7 @@ def init_parallel(config: ParallelConfig, seed: int = 1234) -> ParallelGroups:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     world = dist.get_world_size()
-    model_parallel = config.tp * config.pp * config.cp
-    if world % model_parallel:
-        raise ValueError(f"world size {world} is not divisible by TP*PP*CP = {model_parallel} "
-                         f"(TP={config.tp}, PP={config.pp}, CP={config.cp})")
-    expert_parallel = config.etp * config.ep * config.pp
-    if world % expert_parallel:
-        raise ValueError(f"world size {world} is not divisible by expert-TP*EP*PP = {expert_parallel} "
-                         f"(expert-TP={config.etp}, EP={config.ep}, PP={config.pp})")
+    config.data_parallel_size(world)  # the layout fits the world (also checked by the config at start-up)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -1,4 +1,6 @@
-"""Platform compatibility layer for megatron-core: the only module that touches megatron's private names.
+"""Platform compatibility layer for megatron-core: the only package that touches megatron's private names
+(the workarounds here, and `mcore_api.py`: the calls whose signature or private flags differ between
+the megatron-core releases we support).
 
 megatron-core assumes CUDA, and often Transformer Engine or Apex, in a handful of places.
 `apply_platform_workarounds()` patches exactly the places this process needs, once, explicitly,

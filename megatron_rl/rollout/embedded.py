@@ -29,14 +29,14 @@ each processed position in the engine's own dtype; a Sample gets them as
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 
 import torch
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.engine import EngineRequest, EngineSpec
 from megatron_rl.rollout.hf_state import load_checkpoint_tensors, rules_for
-from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts
+from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -106,12 +106,6 @@ def sample_step(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParams)
     return tokens, logprobs, keep
 
 
-def stream_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """The 63-bit seed of sequence (prompt i, sample j)'s random stream."""
-    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
 def stream_uniforms(seed: int, seqs: list[tuple[int, int]], steps: int) -> torch.Tensor:
     """[N, steps] fp64 uniforms: row s is the stream of sequence seqs[s] = (i, j)."""
     out = torch.empty(len(seqs), steps, dtype=torch.float64)
@@ -159,6 +153,10 @@ class EmbeddedEngine:
         self._routes: dict[int, torch.Tensor] = {}
         self._hooks = [self._router(i).register_forward_hook(self._record_route(k))
                        for k, i in enumerate(self.moe_layers)]
+
+    @property
+    def max_len(self) -> int:
+        return self.arch.max_position_embeddings
 
     @property
     def moe_layers(self) -> list[int]:
@@ -212,6 +210,10 @@ class EmbeddedEngine:
             for (i, j), sample in zip(chunk, self._generate_chunk(prompts, chunk, sampling)):
                 out[i][j] = sample
         return out
+
+    def stats(self) -> dict[str, float]:
+        """Nothing to count: generation runs in this process and cannot fail over."""
+        return {}
 
     def close(self) -> None:
         for h in self._hooks:
@@ -333,3 +335,18 @@ class EmbeddedEngine:
                 padded[t, :len(x)] = x
             out.append(padded)
         return out
+
+
+def make_embedded_engine(request: EngineRequest) -> EmbeddedEngine:
+    """The `embedded` engine of a run: rollout.dtype, rollout.max_batch_size, on rollout.device
+    (null: beside the trainer's model, where its weights are synced on-device)."""
+    r = request.rollout
+    device = r.device or request.device
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"rollout.device={device}: this machine has no CUDA; use rollout.device=cpu or null "
+                         f"(the trainer's device)")
+    return EmbeddedEngine(request.arch, dtype=r.dtype, max_batch_size=r.max_batch_size, device=device,
+                          fp32_lm_head=request.needs.fp32_lm_head)
+
+
+EMBEDDED = EngineSpec(make=make_embedded_engine)

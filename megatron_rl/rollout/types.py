@@ -1,6 +1,7 @@
-"""The rollout engine contract: what every backend (embedded, vLLM, ...) takes and returns.
+"""What every rollout engine (embedded, vLLM, ...) takes and returns (the protocol and the
+registry of engines are in engine.py).
 
-The trainer only talks to `RolloutEngine`. A sample carries everything the losses and
+A sample carries everything the losses and
 diagnostics need: the engine's log-prob of every sampled token (`rollout_logprobs`, i.e. log μ),
 the routed experts when the engine can report them (router replay R3), the kept top-p/top-k set
 when asked (keep_sampling_mask), and the policy version whose weights produced it (off-policy
@@ -8,9 +9,8 @@ and async schedules drop or weight samples by staleness).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
+import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -67,6 +67,10 @@ class Sample:
     kept_ids: [R, K] int64 padded with -1, or None: the token ids top-p/top-k kept.
     policy_version: version of the weights that generated the sample.
     prompt_index: index of the prompt in the generate() call; sample_index: j of n.
+    loss_mask: [R] bool, or None (= all true): which response tokens the policy sampled and is
+        trained on. A multi-turn rollout puts the environment's tokens (tool output, the next user
+        turn) into the response as context and masks them: they are no loss term, no token count,
+        no part of a sequence's log-ratio, and their rollout_logprobs / kept_ids are not read.
     """
 
     prompt_ids: torch.Tensor
@@ -78,7 +82,17 @@ class Sample:
     sample_index: int = 0
     routed_experts: torch.Tensor | None = None
     kept_ids: torch.Tensor | None = None
-    metadata: dict = field(default_factory=dict)
+    loss_mask: torch.Tensor | None = None
+
+    def trained(self) -> torch.Tensor:
+        """[R] bool: the response tokens trained on (`loss_mask`, all true when it is None)."""
+        if self.loss_mask is None:
+            return torch.ones(len(self.response_ids), dtype=torch.bool)
+        return self.loss_mask.bool()
+
+    def num_trained(self) -> int:
+        """How many response tokens the policy sampled (the trained ones)."""
+        return len(self.response_ids) if self.loss_mask is None else int(self.loss_mask.sum())
 
 
 def check_prompts(prompts: list[list[int]], n: int, vocab_size: int, max_len: int | None = None,
@@ -97,16 +111,8 @@ def check_prompts(prompts: list[list[int]], n: int, vocab_size: int, max_len: in
                              f"engine's maximum length {max_len}")
 
 
-class RolloutEngine(Protocol):
-    """A backend that samples responses and receives weight updates."""
-
-    policy_version: int
-
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
-        """n samples for each prompt (token ids in, token ids out); result[i][j] is sample j of prompt i."""
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights given as HF checkpoint-format (name, tensor) pairs; set policy_version."""
-
-    def close(self) -> None:
-        """Release the backend (stop servers, free memory)."""
+def stream_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The 63-bit seed of sequence (prompt i, sample j)'s random stream (SamplingParams.seed): every
+    engine derives its per-sample randomness from it, so a sample does not depend on batching."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

@@ -6,7 +6,8 @@ Layout (one row per response; rows right padded to a common length S; L = S - 1 
     labels        [N, L]  labels[:, t] = token t + 1 of the row: the label shift happens here, on the
                           whole row, before any context-parallel split
     position_ids  [N, L]  index of each input token inside its row
-    loss_mask     [N, L]  1 at the response tokens' label positions (P-1 .. P+R-2), else 0
+    loss_mask     [N, L]  1 at the response tokens' label positions (P-1 .. P+R-2) that the sample's
+                          own loss_mask keeps (all of them by default), else 0
     rollout_logprobs, advantages, positions (index of the token inside its response): [N, L]
 A sample with prompt length P and response length R has its response token r at row index P + r,
 i.e. it is labels[:, P - 1 + r], and its log-prob at label index P - 1 + r.
@@ -17,11 +18,11 @@ each row, [N, L / CP], sharded by megatron-core's own `get_batch_on_this_cp_rank
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, fields, replace
 
 import torch
 
+from megatron_rl.platform.mcore_api import cp_zigzag_shard
 from megatron_rl.rollout.types import Sample
 
 _PER_TOKEN = ("input_ids", "labels", "position_ids", "loss_mask", "rollout_logprobs", "advantages", "positions",
@@ -74,7 +75,6 @@ def cp_shard(batch: TrainBatch, cp_group) -> TrainBatch:
     of 2·CP (`padded_length(..., row_multiple(tp, cp))`). A CP group of size 1 returns `batch`.
     """
     import torch.distributed as dist
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     cp = dist.get_world_size(cp_group)
     if cp == 1:
@@ -86,14 +86,7 @@ def cp_shard(batch: TrainBatch, cp_group) -> TrainBatch:
         raise ValueError(f"rows have {length} inputs, not a multiple of 2*CP={2 * cp}; "
                          "pad them with padded_length(samples, row_multiple(tp, cp))")
     tensors = {k: getattr(batch, k).contiguous() for k in _PER_TOKEN if getattr(batch, k) is not None}
-    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
-        # megatron-core >= 0.18.0: a required `is_hybrid_cp` (hybrid CP of packed sequences, which
-        # reads `cu_seqlens` from the batch). Without `cu_seqlens` it takes the same per-sequence
-        # zig-zag split as 0.16/0.17 whatever the flag; False says we use no hybrid CP.
-        local = get_batch_on_this_cp_rank(tensors, is_hybrid_cp=False, cp_group=cp_group)
-    else:
-        local = get_batch_on_this_cp_rank(tensors, cp_group=cp_group)
-    return replace(batch, **local, cp_size=cp)
+    return replace(batch, **cp_zigzag_shard(tensors, cp_group), cp_size=cp)
 
 
 def model_device() -> torch.device:
@@ -116,11 +109,23 @@ def padded_length(samples: list[Sample], multiple: int = 1) -> int:
     return -(-(longest - 1) // multiple) * multiple + 1
 
 
+def _response_mask(i: int, s: Sample) -> torch.Tensor:
+    """Sample `i`'s loss_mask, checked: [R] bool."""
+    m = s.loss_mask
+    if m.dtype != torch.bool or tuple(m.shape) != (len(s.response_ids),):
+        raise ValueError(f"sample {i}: loss_mask must be bool [{len(s.response_ids)}] (one per response token), got "
+                         f"{m.dtype} {tuple(m.shape)}")
+    return m
+
+
 def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_len: int,
                 with_kept_ids: bool = False) -> TrainBatch:
     """Pack samples into a TrainBatch of rows of length `seq_len` (advantages left at 0).
 
-    with_kept_ids: also pack each sample's kept top-p/top-k token ids (required on every sample).
+    A sample's `loss_mask` (None: all true) selects the response tokens that are trained on; the
+    others stay in the row as context and are 0 in every per-token tensor but the token ids, as
+    padding is. with_kept_ids: also pack each sample's kept top-p/top-k token ids (required on
+    every sample). Cost: O(N·S) host memory, one row copy per sample.
     """
     n = len(samples)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
@@ -135,9 +140,15 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
             raise ValueError(f"sample {i} has an empty prompt; a response needs at least one context token")
         tokens[i, :p] = s.prompt_ids
         tokens[i, p:p + r] = s.response_ids
-        mask[i, p - 1:p - 1 + r] = True
-        logp[i, p - 1:p - 1 + r] = s.rollout_logprobs.float()
-        pos[i, p - 1:p - 1 + r] = torch.arange(r)
+        if s.loss_mask is None:  # every response token was sampled (single-turn)
+            mask[i, p - 1:p - 1 + r] = True
+            logp[i, p - 1:p - 1 + r] = s.rollout_logprobs.float()
+            pos[i, p - 1:p - 1 + r] = torch.arange(r)
+            continue
+        m = _response_mask(i, s)  # masked tokens (an environment's) are context: 0 off-mask, like padding
+        mask[i, p - 1:p - 1 + r] = m
+        logp[i, p - 1:p - 1 + r] = torch.where(m, s.rollout_logprobs.float(), 0.0)
+        pos[i, p - 1:p - 1 + r] = torch.where(m, torch.arange(r), 0)
     kept = None
     if with_kept_ids:
         missing = [i for i, s in enumerate(samples) if s.kept_ids is None]
@@ -147,7 +158,8 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
         kept = torch.full((n, seq_len - 1, k), -1, dtype=torch.long)
         for i, s in enumerate(samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
-            kept[i, p - 1:p - 1 + r, :s.kept_ids.shape[1]] = s.kept_ids
+            ids = s.kept_ids if s.loss_mask is None else s.kept_ids.masked_fill(~s.trained()[:, None], -1)
+            kept[i, p - 1:p - 1 + r, :s.kept_ids.shape[1]] = ids
     return TrainBatch(input_ids=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
                       position_ids=torch.arange(seq_len - 1).expand(n, -1).contiguous(),
                       loss_mask=mask, rollout_logprobs=logp, advantages=torch.zeros(n, seq_len - 1), positions=pos,
@@ -155,42 +167,17 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
                       versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long), kept_ids=kept)
 
 
-def local_rows(n: int, num_minibatches: int, dp_size: int, dp_rank: int) -> torch.Tensor:
-    """Global row indices this DP rank trains on, mini-batch by mini-batch.
-
-    Mini-batch m is the global rows [m*n/N, (m+1)*n/N) whatever the DP size (so an optimizer
-    step sees the same data at any DP), and each mini-batch is split evenly over DP ranks.
-    The result is laid out so that minibatch_slices(len, N, mbs) finds each mini-batch's
-    local share contiguously.
-    """
-    if n % (num_minibatches * dp_size):
-        raise ValueError(f"{n} samples per step do not split into train.num_minibatches={num_minibatches} "
-                         f"x {dp_size} data-parallel ranks")
-    per = n // num_minibatches
-    share = per // dp_size
-    return torch.cat([torch.arange(m * per + dp_rank * share, m * per + (dp_rank + 1) * share)
-                      for m in range(num_minibatches)])
+def pack(samples: list[Sample], rewards: list[float], pad_id: int, parallel, with_kept_ids: bool = False) -> TrainBatch:
+    """`build_batch` at the common row length the parallel layout needs (`parallel`: a
+    ParallelConfig; TP under sequence parallelism, 2·CP under context parallelism)."""
+    seq_len = padded_length(samples, row_multiple(parallel.tp, parallel.cp))
+    return build_batch(samples, rewards, pad_id, seq_len, with_kept_ids=with_kept_ids)
 
 
-def shard_rows(n: int, parts: int, index: int) -> slice:
-    """Contiguous equal share `index` of `n` rows split into `parts` (n must divide)."""
-    if n % parts:
-        raise ValueError(f"{n} rows do not split evenly into {parts} parts")
-    size = n // parts
-    return slice(index * size, (index + 1) * size)
+def local_shard(full: TrainBatch, layout, groups) -> tuple[torch.Tensor, TrainBatch]:
+    """This rank's part of the step's batch: its DP rows (`layout`, a parallel.layout.BatchLayout),
+    their CP shard, on the model's device. Returns (the rows' global indices [local_size], the batch)."""
+    import torch.distributed as dist
 
-
-def minibatch_slices(n: int, num_minibatches: int, micro_batch_size: int) -> list[list[slice]]:
-    """Rows of each mini-batch (one optimizer step), as micro-batch slices.
-
-    n rows -> num_minibatches contiguous mini-batches -> micro-batches of micro_batch_size.
-    Raises with the arithmetic when the sizes do not divide (PP needs equal micro-batches).
-    """
-    if n % num_minibatches:
-        raise ValueError(f"{n} samples per rank do not split into train.num_minibatches={num_minibatches}")
-    per = n // num_minibatches
-    if per % micro_batch_size:
-        raise ValueError(f"a mini-batch of {per} samples per rank does not split into micro-batches of "
-                         f"train.micro_batch_size={micro_batch_size}; choose a divisor of {per}")
-    return [[slice(m * per + k * micro_batch_size, m * per + (k + 1) * micro_batch_size)
-             for k in range(per // micro_batch_size)] for m in range(num_minibatches)]
+    rows = layout.local_rows(dist.get_rank(groups.dp_group))
+    return rows, cp_shard(full.select(rows), groups.cp_group).to(model_device())

@@ -138,6 +138,9 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, extra: dict | N
     passes lazy_save's, which writes a meta-device model's tensors one at a time.
     """
     final = _iter_dir(root, step)
+    # a checkpoint must never hold inf/NaN (a resume would train on them, an export serve them): a
+    # refusal before anything is written, raised as itself (NonFiniteWeights), not as a failed save
+    check_parameters(model, f"not saving {final}: the weights", "Resume from an earlier checkpoint")
     try:
         return _save(root, step, model, optimizer, extra, keep, run_id, rank0_tensors, sharded_strategy)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
@@ -160,8 +163,6 @@ def _save(root, step, model, optimizer, extra, keep, run_id, rank0_tensors, shar
     reaped_checkpoint_queue()  # megatron's writer helper process must not outlive a killed trainer
     rank = _rank()
     final = _iter_dir(root, step)
-    # a checkpoint must never hold inf/NaN: a resume would train on them and an export serve them
-    check_parameters(model, f"not saving {final}: the weights", "Resume from an earlier checkpoint")
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_rl.logprobs import token_logprobs_and_entropy
 from megatron_rl.logprobs.loss_fused import fused_token_loss
 from megatron_rl.logprobs.megatron_hidden import gpt_hidden_states, output_weight
+from megatron_rl.losses import LOCAL, GlobalCounts, SeqOps, local_counts
 from megatron_rl.losses.token_local import NllTerms, TokenTerms
 from megatron_rl.metrics.reduce import reduce_metrics
 from megatron_rl.model.builder import causal_mask
@@ -185,3 +186,13 @@ def reduce_dp(values: dict[str, torch.Tensor], groups: ParallelGroups) -> dict[s
     pp = groups.config.pp
     src = dist.get_global_rank(groups.pp_group, pp - 1) if pp > 1 else None
     return reduce_metrics(values, groups.dp_cp_group, groups.pp_group if pp > 1 else None, src)
+
+
+def global_counts(batch: TrainBatch, slices, groups, seq: SeqOps = LOCAL) -> GlobalCounts:
+    """The mini-batch's token and sequence counts summed over its micro-batches and DP x CP ranks
+    (sequences counted once: on their CP owner rank)."""
+    total = GlobalCounts()
+    for sl in slices:
+        total = total + local_counts(batch.loss_mask[sl], seq)
+    vals = reduce_dp({"num_tokens/sum": total.num_tokens, "num_seqs/sum": total.num_seqs}, groups)
+    return GlobalCounts(vals["num_tokens/sum"], vals["num_seqs/sum"])

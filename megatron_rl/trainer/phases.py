@@ -4,7 +4,7 @@
     batch = make_batch(ctx, rollout)               # advantages + this rank's rows of the training batch
     old = old_logprobs(ctx, batch, rollout)        # π_old (trainer, rollout weights) + mismatch values
     updates = update(ctx, batch, old)              # N optimizer steps over mini-batches
-    sync(ctx)                                      # version + 1; new weights to the engine (schedule)
+    version = sync(ctx)                            # the new version; new weights to the engine (schedule)
     metrics = step_metrics(ctx, rollout, batch, old, updates)
 
 Every reducible value follows the one metrics convention (megatron_rl/metrics/reduce.py) and is
@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.losses import (
     LOCAL,
@@ -30,25 +29,24 @@ from megatron_rl.losses import (
     SeqOps,
     compute_policy_loss,
     get_advantage,
-    local_counts,
     zero_variance_groups,
 )
 from megatron_rl.losses.token_local import TokenTerms
 from megatron_rl.metrics.mismatch import mismatch_sums, ratio_quantiles, valid_log_ratio
 from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
-from megatron_rl.trainer.batch import (
-    TrainBatch,
-    build_batch,
-    cp_shard,
-    local_rows,
-    minibatch_slices,
-    model_device,
-    padded_length,
-    row_multiple,
-)
+from megatron_rl.parallel.layout import BatchLayout
+from megatron_rl.trainer.batch import TrainBatch, local_shard, pack
 from megatron_rl.trainer.nonfinite import agreed_finite, check_parameters, count_in_a_row, guarded_step
-from megatron_rl.trainer.passes import PassSettings, TokenLocalLoss, logprob_pass, reduce_dp, train_pass
-from megatron_rl.trainer.schedule import Rollout, staleness
+from megatron_rl.trainer.passes import (
+    PassSettings,
+    TokenLocalLoss,
+    global_counts,
+    logprob_pass,
+    reduce_dp,
+    train_pass,
+)
+from megatron_rl.trainer.rollouts import Rollout
+from megatron_rl.trainer.schedule import staleness
 
 
 @dataclass
@@ -64,6 +62,7 @@ class StepBatch:
     settings: PassSettings
     seq: SeqOps
     staleness: torch.Tensor  # [local rows] int64: trainer versions since each row's sample was generated
+    layout: BatchLayout  # how the step's rows split into mini-batches, DP ranks and micro-batches
 
 
 @dataclass
@@ -97,7 +96,7 @@ class Updates:
 def generate(ctx, step: int) -> Rollout:
     """This step's samples and rewards on every rank, as the run's schedule provides them (rank 0
     generates; trainer/schedule.py). An engine failure reaches every rank as RolloutFailed."""
-    return ctx.schedule.rollout(ctx, step)
+    return ctx.schedule.rollout(step, ctx.policy_version)
 
 
 def make_batch(ctx, rollout: Rollout) -> StepBatch:
@@ -105,16 +104,15 @@ def make_batch(ctx, rollout: Rollout) -> StepBatch:
     cfg, groups = ctx.cfg, ctx.groups
     adv, keep_rows, zero_var = group_advantages(rollout.rewards, cfg.rollout.group_size, ctx.loss.advantages,
                                                 ctx.loss.filter_zero_variance_groups, ctx.loss.advantage_params)
-    seq_len = padded_length(rollout.samples, row_multiple(groups.config.tp, groups.config.cp))
-    full = build_batch(rollout.samples, rollout.rewards.tolist(), ctx.tokenizer.pad_id, seq_len,
-                       with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
+    full = pack(rollout.samples, rollout.rewards.tolist(), ctx.tokenizer.pad_id, groups.config,
+                with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
     if not keep_rows.all():
         full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
-    rows = local_rows(full.size, cfg.train.num_minibatches, groups.dp_size, dist.get_rank(groups.dp_group))
-    local = cp_shard(full.select(rows), groups.cp_group).to(model_device())
+    layout = cfg.layout(groups.dp_size)
+    rows, local = local_shard(full, layout, groups)
     settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
     return StepBatch(local, rows, adv, zero_var, settings, seq_ops(groups),
-                     staleness(local.versions, ctx.policy_version).to(local.loss_mask.device))
+                     staleness(local.versions, ctx.policy_version).to(local.loss_mask.device), layout)
 
 
 def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
@@ -136,7 +134,7 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     counts, and takes the per-step statistics its surrogate declared (losses/step_stats.py).
 
     An optimizer step whose loss or gradient norm is not finite is skipped, and the run stops at
-    train.max_nonfinite_updates of them in a row (counted across RL steps in ctx.state, which
+    train.max_nonfinite_updates of them in a row (counted across RL steps in ctx.state (RunState), which
     checkpoints keep); an applied step is followed by a check that the weights are finite
     (trainer/nonfinite.py)."""
     cfg, policy, local, mbs = ctx.cfg, ctx.policy, batch.local, batch.settings.micro_batch_size
@@ -147,7 +145,7 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     grad_norms, skipped, nonfinite = [], 0, 0
     ratio_log: dict[str, list] = {"r": [], "rho": []}   # every update pass's valid log r and log ρ
     step = ctx.policy_version + 1  # the trainer's version counts completed RL steps (schedule.after_update)
-    for j, slices in enumerate(minibatch_slices(local.size, cfg.train.num_minibatches, mbs)):
+    for j, slices in enumerate(batch.layout.minibatch_slices()):
         counts = global_counts(local, slices, ctx.groups, batch.seq)
         loss_kw["surrogate_params"].update(step_parameters(ctx, batch, slices, reference))
         loss_fn = policy_loss_fn(loss_kw, counts, reference, batch.seq, batch.staleness, ctx.schedule.max_staleness,
@@ -165,8 +163,8 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
         nonfinite += int(outcome.nonfinite is not None)
         grad_norms.append(outcome.grad_norm)
         where = f"RL step {step}, update {j + 1} of {cfg.train.num_minibatches}"
-        ctx.state["nonfinite_in_a_row"] = count_in_a_row(ctx.state.get("nonfinite_in_a_row", 0), outcome,
-                                                         cfg.train.max_nonfinite_updates, where)
+        ctx.state.nonfinite_in_a_row = count_in_a_row(ctx.state.nonfinite_in_a_row, outcome,
+                                                      cfg.train.max_nonfinite_updates, where)
         if outcome.applied:
             check_parameters(policy.model, f"the optimizer update of {where} (finite loss, gradient norm "
                                            f"{outcome.grad_norm:g})",
@@ -180,9 +178,10 @@ def update(ctx, batch: StepBatch, old: OldPolicy) -> Updates:
     return Updates(values, grad_norms, skipped, None if scale is None else float(scale), nonfinite)
 
 
-def sync(ctx) -> None:
-    """The trainer's version + 1; the new weights to the engine when the schedule says so."""
-    ctx.schedule.after_update(ctx)
+def sync(ctx) -> int:
+    """The trainer's new version (ctx.policy_version + 1); the new weights go to the engine when the
+    schedule says so."""
+    return ctx.schedule.after_update(ctx.policy_version)
 
 
 def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, updates: Updates) -> dict[str, float]:
@@ -207,7 +206,7 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
     r, samples = rollout.rewards, rollout.samples
     m["rollout/reward_mean"] = float(r.mean())
     m["rollout/accuracy"] = float((r >= 1.0).float().mean())
-    m["rollout/response_length"] = sum(len(s.response_ids) for s in samples) / len(samples)
+    m["rollout/response_length"] = sum(s.num_trained() for s in samples) / len(samples)  # sampled tokens
     m["rollout/truncated_fraction"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
     m["rollout/zero_variance_groups"] = float(batch.zero_var.float().mean())
     m["rollout/advantage_abs_mean"] = float(batch.advantages.abs().mean())
@@ -221,7 +220,7 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
     m["schedule/staleness_updates_max"] = n * m["schedule/staleness_max"] + (n - 1)
     if ctx.engine is not None:  # rank 0: generation calls and weight syncs so far
         m.update({k: float(v) for k, v in ctx.schedule.stats().items()})
-    if ctx.engine is not None and hasattr(ctx.engine, "stats"):  # rank 0: restarts, retries, probe diff
+    if ctx.engine is not None:  # rank 0: the engine's own counters (vLLM: restarts, retries, probe diff)
         m.update({k: float(v) for k, v in ctx.engine.stats().items()})
     return m
 
@@ -243,16 +242,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, fil
 def seq_ops(groups) -> SeqOps:
     """Per-sequence reductions: local, or finished over the CP group when rows are CP shards."""
     return CPSeqOps(groups.cp_group) if groups.config.cp > 1 else LOCAL
-
-
-def global_counts(batch: TrainBatch, slices, groups, seq: SeqOps = LOCAL) -> GlobalCounts:
-    """The mini-batch's token and sequence counts summed over its micro-batches and DP x CP ranks
-    (sequences counted once: on their CP owner rank)."""
-    total = GlobalCounts()
-    for sl in slices:
-        total = total + local_counts(batch.loss_mask[sl], seq)
-    vals = reduce_dp({"num_tokens/sum": total.num_tokens, "num_seqs/sum": total.num_seqs}, groups)
-    return GlobalCounts(vals["num_tokens/sum"], vals["num_seqs/sum"])
 
 
 def step_parameters(ctx, batch: StepBatch, slices, old: torch.Tensor) -> dict:

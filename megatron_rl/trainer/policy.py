@@ -21,9 +21,10 @@ class Policy:
     optimizer: object
     settings: OptimSettings
 
-    def export(self, dtype: torch.dtype | None = None):
-        """HF checkpoint-format (name, tensor) pairs of the current weights (collective)."""
-        return export_hf_weights(self.model, self.arch, self.groups, dtype=dtype)
+    def export(self, dtype: torch.dtype | None = None, to: str | int = "all"):
+        """HF checkpoint-format (name, tensor) pairs of the current weights (collective; `to`: which
+        rank gets which stage's tensors, model/hf_io.py: export_hf_weights)."""
+        return export_hf_weights(self.model, self.arch, self.groups, dtype=dtype, to=to)
 
 
 def arch_from_config(model_section, vocab_size: int | None = None) -> ModelArch:

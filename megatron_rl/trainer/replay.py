@@ -15,7 +15,9 @@ i.e. they behave as R2 (megatron replays whole layers, not single tokens).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Protocol
 
 import torch
 
@@ -32,6 +34,21 @@ from megatron_rl.moe import (
 )
 from megatron_rl.moe.plumbing import local_mask
 from megatron_rl.trainer.passes import logprob_pass
+
+
+class Replay(Protocol):
+    """A router replay strategy (the module docstring shows its use). wrap: wraps the update pass's
+    forward step (or None)."""
+
+    mode: str
+    wrap: Callable | None
+
+    def old_pass(self, policy, groups, local, samples, rows, settings):
+        """π_old log-probs [N, L] and entropy of the local rows, or (None, None) off the last stage."""
+
+    def update(self, slices, micro_batch_size: int, probe: bool = False) -> AbstractContextManager: ...
+
+    def metrics(self) -> dict[str, torch.Tensor]: ...
 
 
 class NoReplay:

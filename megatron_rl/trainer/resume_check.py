@@ -9,53 +9,55 @@ default) would quietly continue an old run under a new config.
 often to log, save and evaluate; how many non-finite updates in a row stop the run; the parallel layout (checkpoints reshard); the micro-batch size,
 activation recompute and loss.head_gradients (memory and speed settings: the same gradient,
 summed in other groupings or recomputed); SFT (it ran before the checkpoint); the engine's
-placement and server address (for vLLM, `VLLM_MAY_CHANGE`: where the server runs and how it is
-reached, restarted and probed; not its dtype, quantization, log-prob mode, seed, lengths or extra
-arguments, compared field by field with their defaults filled in); and `train.steps` (to extend
-or shorten the run), except under `train.schedule=staged`, where it sets the stages' length.
+placement and server address (an engine's own section, `rollout.<engine>`, lists what may change
+in its EngineSpec's `may_change`: for vLLM where the server runs and how it is reached, restarted
+and probed; not its dtype, quantization, log-prob mode, seed, lengths or extra arguments; compared
+field by field with their defaults filled in); and `train.steps` (to extend or shorten the run),
+except under `train.schedule=staged`, where it sets the stages' length.
 Anything not listed must match; `train.allow_config_change=true` continues anyway.
 """
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from megatron_rl.rollout.vllm.config import VllmConfig
+from megatron_rl.rollout import ENGINES
 
 MAY_CHANGE = (
     "train.steps", "train.eval_every", "train.eval_size", "train.save_every", "train.keep_checkpoints",
     "train.run_dir", "train.resume", "train.init_checkpoint", "train.allow_config_change",
     "train.micro_batch_size", "train.max_nonfinite_updates", "model.recompute", "loss.head_gradients", "data.heldout_size",
-    "rollout.max_batch_size", "rollout.device",
+    "rollout.max_batch_size", "rollout.device", "rollout.weight_transport",
     "parallel", "log", "sft",
 )
 
 
-VLLM_MAY_CHANGE = tuple(f"rollout.vllm.{name}" for name in (
-    "url", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization", "max_num_seqs",
-    "kv_cache_space_gb", "weight_sync", "enforce_eager", "probe_every", "probe_tokens", "probe_tolerance",
-    "keep_weight_dirs", "max_concurrency", "request_timeout_s", "startup_timeout_s", "health_timeout_s",
-    "health_interval_s", "max_retries", "retry_backoff_s", "max_restarts", "warmup"))
+def engine_may_change() -> tuple[str, ...]:
+    """`rollout.<engine>.<field>` for every field a registered engine says a resume may change."""
+    return tuple(f"rollout.{name}.{f}" for name in ENGINES.names() for f in ENGINES.get(name).may_change)
 
 
 def fields(config: dict) -> dict[str, object]:
     """`{"train": {"steps": 3}}` -> `{"train.steps": 3}` (section.field; a mapping-valued field
-    such as `model.overrides` stays one value). `rollout.vllm`, a mapping of VllmConfig fields, is
-    spread into `rollout.vllm.<field>` with the defaults of the fields it does not set."""
+    such as `model.overrides` stays one value). An engine's section (`rollout.vllm`) is spread into
+    `rollout.<engine>.<field>`, with the defaults of the fields an older checkpoint does not hold."""
     out = {f"{section}.{name}": value for section, values in config.items() for name, value in values.items()}
-    vllm = out.pop("rollout.vllm", None)
-    if isinstance(vllm, dict):
+    for engine in ENGINES.names():
+        settings = ENGINES.get(engine).settings
+        values = out.pop(f"rollout.{engine}", None)
+        if settings is None or not isinstance(values, dict):
+            continue
         try:
-            vllm = asdict(VllmConfig.from_dict(vllm))
+            values = asdict(settings(**values))
         except (TypeError, ValueError):   # a checkpoint's keys from another version: compare what is there
             pass
-        out.update({f"rollout.vllm.{name}": value for name, value in vllm.items()})
+        out.update({f"rollout.{engine}.{name}": value for name, value in values.items()})
     return out
 
 
 def may_change(name: str, now: dict[str, object]) -> bool:
     if name == "train.steps":
         return now.get("train.schedule") != "staged"
-    return any(name == p or name.startswith(p + ".") for p in MAY_CHANGE + VLLM_MAY_CHANGE)
+    return any(name == p or name.startswith(p + ".") for p in MAY_CHANGE + engine_may_change())
 
 
 def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:

@@ -1,9 +1,13 @@
-"""Rollout schedules: when samples are generated, and when the engine gets the new weights.
+"""Rollout schedules: WHEN samples are generated and when the engine gets the new weights (how a
+batch is made and how weights travel is trainer/rollouts.py's and trainer/transport.py's).
 
-    schedule = make_schedule(cfg)
-    rollout = schedule.rollout(ctx, step)     # this step's samples and rewards, on every rank
+    schedule = SCHEDULES.get(cfg.train.schedule).make(ScheduleInputs(cfg.train, batches, weights))
+    rollout = schedule.rollout(step, version)  # this step's samples and rewards, on every rank
     ...update...
-    schedule.after_update(ctx)                # the trainer's version + 1; weight sync if the schedule says so
+    version = schedule.after_update(version)   # the trainer's new version; weights pushed if it says so
+
+A schedule is a `Schedule` with a `ScheduleSpec` in SCHEDULES (its factory and its config check);
+a new one is a class and one registry line at the end of this file.
 
 `sync` (default)   generate the step's batch from the current weights, update, sync the weights.
                    Off-policy only within the step (train.num_minibatches).
@@ -36,104 +40,107 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from megatron_rl.rollout.types import Sample, SamplingParams
-from megatron_rl.trainer.rollout_io import RolloutFailed, broadcast, on_rank0, sample, score, sync_weights
+from megatron_rl.registry import Registry
+from megatron_rl.rollout.types import Sample
+from megatron_rl.trainer.rollout_io import broadcast, on_rank0
+from megatron_rl.trainer.rollouts import Batches, EngineWeights, Rollout, Sampled
 
-__all__ = ["SCHEDULES", "AsyncSchedule", "Rollout", "RolloutFailed", "StagedSchedule", "SyncSchedule", "make_schedule",
-           "staleness"]
-SCHEDULES = ("sync", "staged", "async")
-
-
-@dataclasses.dataclass
-class Rollout:
-    """samples: B*G, groups contiguous; rewards: [B*G] float32 (CPU); reward_stats: host floats."""
-
-    samples: list[Sample]
-    rewards: torch.Tensor
-    reward_stats: dict
+__all__ = ["SCHEDULES", "AsyncSchedule", "Schedule", "ScheduleInputs", "ScheduleSpec", "StagedSchedule",
+           "SyncSchedule", "staleness"]
 
 
-def sampling_for(cfg, tokenizer, step: int) -> SamplingParams:
-    r, keep = cfg.rollout, cfg.loss.keep_sampling_mask
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                          stop_token_ids=tokenizer.stop_ids, seed=cfg.train.seed * 1_000_003 + step,
-                          return_kept_ids=keep, logprobs_mode="processed" if keep else "raw")
+class Schedule(Protocol):
+    """max_staleness: the most trainer versions a trained-on sample can be behind."""
+
+    max_staleness: int
+
+    def rollout(self, step: int, version: int) -> Rollout:
+        """Step `step`'s batch on every rank; `version`: the trainer's version now (collective)."""
+
+    def after_update(self, version: int) -> int:
+        """The step's update is done: returns the trainer's new version (version + 1), after pushing
+        the weights to the engine if the schedule says so (collective)."""
+
+    def ensure_synced(self, version: int) -> None:
+        """Push unless the engine already holds `version` (collective): before an evaluation."""
+
+    def stats(self) -> dict[str, int]: ...
+
+    def load_stats(self, stats: dict) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
-@dataclasses.dataclass
-class Sampled:
-    """Rank 0: the engine's samples of `steps` (one call), not yet scored."""
+@dataclasses.dataclass(frozen=True)
+class ScheduleInputs:
+    """train: the config's TrainSection; batches / weights: trainer/rollouts.py (rank 0 holds the
+    engine; elsewhere they only take part in the collectives)."""
 
-    steps: list[int]
-    examples: list
-    samples: list[Sample]
-
-
-def sample_batches(ctx, steps: list[int]) -> Sampled:
-    """Rank 0: the batches of `steps` from ONE engine call with the engine's current weights
-    (sampling seeded by the first step)."""
-    cfg = ctx.cfg
-    examples = [e for step in steps for e in ctx.prompts.batch(step, cfg.rollout.prompts_per_step)]
-    samples = sample(ctx.engine, ctx.tokenizer, examples, cfg.rollout.group_size,
-                     sampling_for(cfg, ctx.tokenizer, steps[0]))
-    return Sampled(steps, examples, samples)
+    train: object
+    batches: Batches | None
+    weights: EngineWeights | None
 
 
-def score_batches(ctx, sampled: Sampled) -> dict[int, Rollout]:
-    """Rank 0, main thread: rewards, split back per step."""
-    cfg = ctx.cfg
-    rewards = score(ctx.tokenizer, sampled.examples, sampled.samples, cfg.rollout.group_size, ctx.rewards)
-    stats = ctx.rewards.stats()
-    n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    return {step: Rollout(sampled.samples[i * n:(i + 1) * n],
-                          torch.tensor(rewards[i * n:(i + 1) * n], dtype=torch.float32), stats if i == 0 else {})
-            for i, step in enumerate(sampled.steps)}
+@dataclasses.dataclass(frozen=True)
+class ScheduleSpec:
+    """make: ScheduleInputs -> Schedule; check: the schedule's own rules on the TrainSection
+    (raise ValueError naming the field), run by config/validate.py."""
+
+    make: Callable[[ScheduleInputs], Schedule]
+    check: Callable[[object], None] = lambda train: None
 
 
 class SyncSchedule:
     """Generate, update, sync: every step."""
 
-    name = "sync"
     max_staleness = 0
 
-    def __init__(self):
+    def __init__(self, batches: Batches | None, weights: EngineWeights | None):
+        self.batches, self.weights = batches, weights
         self.pending: dict[int, Rollout] = {}
         self.generate_calls = 0
         self.weight_syncs = 0
 
-    def rollout(self, ctx, step: int) -> Rollout:
-        return on_rank0(f"at step {step + 1}", lambda: self._take(ctx, step))
+    def rollout(self, step: int, version: int) -> Rollout:
+        return on_rank0(f"at step {step + 1}", lambda: self._take(step))
 
-    def _take(self, ctx, step: int) -> Rollout:
+    def _take(self, step: int) -> Rollout:
         if step not in self.pending:
-            self._generate(ctx, self._steps_for(step))
+            self._generate(self._steps_for(step))
         return self.pending.pop(step)
 
     def _steps_for(self, step: int) -> list[int]:
         return [step]
 
-    def _generate(self, ctx, steps: list[int]) -> None:
+    def _generate(self, steps: list[int]) -> None:
         self.generate_calls += 1
-        self.pending.update(score_batches(ctx, sample_batches(ctx, steps)))
+        self.pending.update(self.batches.score(self.batches.sample(steps)))
 
-    def after_update(self, ctx) -> None:
-        ctx.policy_version += 1
-        self.sync(ctx)
+    def after_update(self, version: int) -> int:
+        self.sync(version + 1)
+        return version + 1
 
-    def sync(self, ctx) -> None:
-        """The engine gets the trainer's weights as version ctx.policy_version (collective)."""
-        sync_weights(ctx.policy, ctx.engine, ctx.policy_version)
+    def sync(self, version: int) -> None:
+        """The engine gets the trainer's weights as `version` (collective)."""
+        self.weights.push(version)
         self.weight_syncs += 1
 
-    def ensure_synced(self, ctx) -> None:
-        """Sync unless the engine already holds the trainer's version (collective): before an
-        evaluation, and at a stage's first step. Batches already generated are not affected."""
-        engine_version = broadcast(ctx.engine.policy_version if ctx.engine is not None else None)
-        if engine_version != ctx.policy_version:
-            self.sync(ctx)
+    def ensure_synced(self, version: int) -> None:
+        """Sync unless the engine already holds `version` (collective): before an evaluation, and at
+        a stage's first step. Batches already generated are not affected."""
+        if self.weights.engine_version() != version:
+            self.sync(version)
 
     def stats(self) -> dict[str, int]:
         """Counts since the run started (a resumed run's continue the checkpoint's)."""
@@ -161,10 +168,8 @@ class SyncSchedule:
 class StagedSchedule(SyncSchedule):
     """µ-GRPO: K stages; one generation per stage, one weight sync per stage."""
 
-    name = "staged"
-
-    def __init__(self, stages: int, steps: int):
-        super().__init__()
+    def __init__(self, batches: Batches | None, weights: EngineWeights | None, stages: int, steps: int):
+        super().__init__(batches, weights)
         self.steps_per_stage = steps // stages
         self.max_staleness = self.steps_per_stage - 1
 
@@ -172,49 +177,45 @@ class StagedSchedule(SyncSchedule):
         end = (step // self.steps_per_stage + 1) * self.steps_per_stage
         return list(range(step, end))
 
-    def rollout(self, ctx, step: int) -> Rollout:
+    def rollout(self, step: int, version: int) -> Rollout:
         if step % self.steps_per_stage == 0:
-            self.ensure_synced(ctx)  # a new stage samples from the newest weights
-        return super().rollout(ctx, step)
+            self.ensure_synced(version)  # a new stage samples from the newest weights
+        return super().rollout(step, version)
 
-    def after_update(self, ctx) -> None:
-        ctx.policy_version += 1  # the engine keeps the stage's weights until the next stage
+    def after_update(self, version: int) -> int:
+        return version + 1  # the engine keeps the stage's weights until the next stage
 
 
 class AsyncSchedule(SyncSchedule):
     """Batch t + s is sampled in the background while step t trains, from version t; it is scored
     on the main thread once sampling is done (the math reward's time limit needs the main thread)."""
 
-    name = "async"
-
-    def __init__(self, max_staleness: int):
-        super().__init__()
-        self.max_staleness = max_staleness
+    def __init__(self, batches: Batches | None, weights: EngineWeights | None, max_staleness: int, steps: int):
+        super().__init__(batches, weights)
+        self.max_staleness, self.steps = max_staleness, steps
         self._worker: threading.Thread | None = None
-        self._ctx = None
         self._sampled: Sampled | None = None
         self._error: BaseException | None = None
 
-    def _take(self, ctx, step: int) -> Rollout:
+    def _take(self, step: int) -> Rollout:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        last = min(step + self.max_staleness, ctx.cfg.train.steps)
+        last = min(step + self.max_staleness, self.steps)
         missing = [s for s in range(step, last) if s not in self.pending]
         if missing:  # the first steps (initial weights), or a batch lost to a failure
-            self._generate(ctx, missing)
+            self._generate(missing)
         ahead = step + self.max_staleness
-        if ahead < ctx.cfg.train.steps and ahead not in self.pending:
+        if ahead < self.steps and ahead not in self.pending:
             self.generate_calls += 1
-            self._ctx = ctx  # scored with it in wait()
-            self._worker = threading.Thread(target=self._background, args=(ctx, ahead), daemon=True,
+            self._worker = threading.Thread(target=self._background, args=(ahead,), daemon=True,
                                             name="rollout-generation")
             self._worker.start()
         return self.pending.pop(step)
 
-    def _background(self, ctx, step: int) -> None:
+    def _background(self, step: int) -> None:
         try:
-            self._sampled = sample_batches(ctx, [step])
+            self._sampled = self.batches.sample([step])
         except Exception as e:  # noqa: BLE001 - reported on rank 0's next rollout()
             self._error = e
 
@@ -228,28 +229,33 @@ class AsyncSchedule(SyncSchedule):
         if self._sampled is not None:
             sampled, self._sampled = self._sampled, None
             try:
-                self.pending.update(score_batches(self._ctx, sampled))
+                self.pending.update(self.batches.score(sampled))
             except Exception as e:  # noqa: BLE001 - reported on rank 0's next rollout()
                 self._error = e
 
-    def after_update(self, ctx) -> None:
+    def after_update(self, version: int) -> int:
         self.wait()  # the engine must be idle before its weights change
-        ctx.policy_version += 1
-        if broadcast(self._error is not None if ctx.engine is not None else None):
-            return  # the engine failed: the next rollout() reports it on every rank
-        self.sync(ctx)
+        if broadcast(self._error is not None if self.batches is not None and self.batches.engine is not None
+                     else None):
+            return version + 1  # the engine failed: the next rollout() reports it on every rank
+        return super().after_update(version)
 
     def close(self) -> None:
         self.wait(timeout=10.0)  # on the way out after an error: do not wait for a long generation
 
 
-def make_schedule(cfg) -> SyncSchedule:
-    s = cfg.train.schedule
-    if s == "staged":
-        return StagedSchedule(cfg.train.stages, cfg.train.steps)
-    if s == "async":
-        return AsyncSchedule(cfg.train.max_staleness)
-    return SyncSchedule()
+def _check_staged(train) -> None:
+    if train.steps % train.stages:
+        raise ValueError(f"train.schedule=staged: train.steps={train.steps} is not a multiple of "
+                         f"train.stages={train.stages}; every stage has the same number of steps")
+
+
+SCHEDULES = Registry("schedule", ScheduleSpec)
+SCHEDULES.add("sync", ScheduleSpec(lambda i: SyncSchedule(i.batches, i.weights)))
+SCHEDULES.add("staged", ScheduleSpec(lambda i: StagedSchedule(i.batches, i.weights, i.train.stages, i.train.steps),
+                                     check=_check_staged))
+SCHEDULES.add("async", ScheduleSpec(lambda i: AsyncSchedule(i.batches, i.weights, i.train.max_staleness,
+                                                            i.train.steps)))
 
 
 def staleness(batch_versions: torch.Tensor, trainer_version: int) -> torch.Tensor:
@@ -263,4 +269,8 @@ def _rollout_state(r: Rollout) -> dict:
 
 
 def _rollout_from(state: dict) -> Rollout:
-    return Rollout([Sample(**s) for s in state["samples"]], state["rewards"], dict(state["reward_stats"]))
+    # a field the saved samples have and Sample no longer does (the unused `metadata` of older
+    # checkpoints) is dropped; one they lack takes its default
+    known = {f.name for f in dataclasses.fields(Sample)}
+    return Rollout([Sample(**{k: v for k, v in s.items() if k in known}) for s in state["samples"]], state["rewards"],
+                   dict(state["reward_stats"]))

@@ -13,21 +13,20 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_rl.losses import GlobalCounts, local_counts, token_mean
+from megatron_rl.losses import token_mean
 from megatron_rl.losses.token_local import NllTerms
 from megatron_rl.rollout.types import Sample
-from megatron_rl.trainer.batch import (
-    build_batch,
-    cp_shard,
-    minibatch_slices,
-    model_device,
-    padded_length,
-    row_multiple,
-    shard_rows,
-)
+from megatron_rl.trainer.batch import local_shard, pack
+from megatron_rl.trainer.evaluation import accuracy, eval_sampling
 from megatron_rl.trainer.nonfinite import agreed_finite, check_parameters, count_in_a_row, guarded_step
-from megatron_rl.trainer.passes import LossFn, PassSettings, TokenLocalLoss, reduce_dp, train_pass
-from megatron_rl.trainer.rollout_io import evaluate, sync_weights
+from megatron_rl.trainer.passes import (
+    LossFn,
+    PassSettings,
+    TokenLocalLoss,
+    global_counts,
+    reduce_dp,
+    train_pass,
+)
 from megatron_rl.trainer.stop import Stopped
 
 
@@ -80,23 +79,17 @@ def _sft_steps(ctx, eval_examples, progress) -> dict:
     eval_examples = eval_examples[: sft.eval_size]
     for group in policy.optimizer.param_groups:
         group["lr"] = sft.lr
-    dp, dp_rank = groups.dp_size, dist.get_rank(groups.dp_group)
-    mbs = min(cfg.train.micro_batch_size, sft.batch_size // dp)
-    settings = PassSettings(micro_batch_size=mbs)
+    layout = cfg.sft_layout(groups.dp_size)
+    [slices] = layout.minibatch_slices()
+    settings = PassSettings(micro_batch_size=layout.micro_batch_size)
     history, acc, t0 = [], 0.0, time.perf_counter()
     step, in_a_row = 0, 0
     for step in range(1, sft.steps + 1):
         examples = ctx.prompts.batch(10_000_000 + step, sft.batch_size)  # disjoint from RL steps' draws
         samples = sft_samples(ctx.tokenizer, examples)
-        full = build_batch(samples, [0.0] * len(samples), ctx.tokenizer.pad_id,
-                           padded_length(samples, row_multiple(groups.config.tp, groups.config.cp)))
-        local = cp_shard(full.select(shard_rows(full.size, dp, dp_rank)), groups.cp_group).to(model_device())
-        [slices] = minibatch_slices(local.size, 1, mbs)
-        counts = GlobalCounts()
-        for sl in slices:
-            counts = counts + local_counts(local.loss_mask[sl])
-        n_tok = reduce_dp({"n/sum": counts.num_tokens}, groups)["n/sum"]
-
+        _, local = local_shard(pack(samples, [0.0] * len(samples), ctx.tokenizer.pad_id, groups.config), layout,
+                               groups)
+        n_tok = global_counts(local, slices, groups).num_tokens
         loss_fn = sft_loss(n_tok, in_forward=cfg.loss.head_gradients != "recompute")
         outs = train_pass(policy.model, policy.optimizer, groups, local, slices, settings, loss_fn)
         # as the RL updates (trainer/phases.update): a non-finite loss or gradient norm is skipped
@@ -117,8 +110,9 @@ def _sft_steps(ctx, eval_examples, progress) -> dict:
             raise Stopped(ctx.stop.signum, f"stopped by {signal.Signals(ctx.stop.signum).name} during the SFT warm "
                                            f"start (step {step} of {sft.steps}); nothing was saved: rerun to start over")
         if step == sft.steps or (sft.eval_every and step % sft.eval_every == 0):  # 0: only at the end
-            sync_weights(policy, ctx.engine, ctx.policy_version)
-            acc = evaluate(ctx.engine, ctx.tokenizer, eval_examples, ctx.rewards, cfg.rollout.max_tokens)
+            ctx.transport.push(policy, ctx.engine, ctx.policy_version)
+            acc = accuracy(ctx.rollout_fn, ctx.engine, eval_examples, eval_sampling(ctx.tokenizer,
+                                                                                   cfg.rollout.max_tokens))
             history.append((step, acc))
             ctx.sink.log(step, {"sft/heldout_accuracy": acc}, phase="sft",
                          echo=f"SFT step {step}" if progress is None else None)

@@ -21,8 +21,9 @@ def _policy_after_load(rank, world, hf_dir, run_dir, ckpt, legacy_save_to=None):
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import load_checkpoint
-    from megatron_rl.trainer.loop import close, setup
+    from megatron_rl.trainer.loop import close
     from megatron_rl.trainer.manifest import write_json
+    from megatron_rl.trainer.setup import setup
 
     apply_platform_workarounds()
     cfg = load_config(None, BASE + [f"train.run_dir={run_dir}", f"model.hf_dir={hf_dir}", "sft.steps=0"])

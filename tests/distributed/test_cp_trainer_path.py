@@ -109,7 +109,8 @@ def _one_recipe(recipe: str, groups, rank: int, cp: int, forward_grads: bool = F
     from megatron_rl.losses.setup import resolve_loss
     from megatron_rl.metrics.mismatch import mismatch_sums
     from megatron_rl.metrics.reduce import accumulate, finish
-    from megatron_rl.trainer.batch import build_batch, cp_shard, minibatch_slices, padded_length, row_multiple
+    from megatron_rl.parallel.layout import BatchLayout
+    from megatron_rl.trainer.batch import build_batch, cp_shard, padded_length, row_multiple
     from megatron_rl.trainer.passes import (
         PassSettings,
         TokenLocalLoss,
@@ -164,7 +165,7 @@ def _one_recipe(recipe: str, groups, rank: int, cp: int, forward_grads: bool = F
     model.perturb()
     loss_kw = loss.loss_kwargs()
     step_metrics = {}
-    for slices in minibatch_slices(local.size, 2, 3):
+    for slices in BatchLayout(local.size, 2, 1, 3).minibatch_slices():
         counts = global_counts(local, slices, groups, seq)
         for param, name in loss.step_statistics.items():  # as trainer.phases.step_parameters
             stat = STEP_STATISTICS.get(name)
@@ -325,8 +326,9 @@ def _ddp_worker(rank, world, recipe, forward_grads):
     from megatron_rl.config.schema import LossSection, OptimSection
     from megatron_rl.losses.setup import resolve_loss
     from megatron_rl.parallel import ParallelConfig, init_parallel
+    from megatron_rl.parallel.layout import BatchLayout
     from megatron_rl.platform import apply_platform_workarounds
-    from megatron_rl.trainer.batch import build_batch, cp_shard, minibatch_slices, padded_length, row_multiple
+    from megatron_rl.trainer.batch import build_batch, cp_shard, padded_length, row_multiple
     from megatron_rl.trainer.passes import (
         PassSettings,
         TokenLocalLoss,
@@ -373,7 +375,7 @@ def _ddp_worker(rank, world, recipe, forward_grads):
     seq = seq_ops(groups)
     old = local.rollout_logprobs + 0.1 * local.loss_mask  # any fixed π_old: ratios ≠ 1
     settings = PassSettings(micro_batch_size=3)
-    [slices] = minibatch_slices(local.size, 1, 3)
+    [slices] = BatchLayout(local.size, 1, 1, 3).minibatch_slices()
     counts = global_counts(local, slices, groups, seq)
     loss_fn = policy_loss_fn(loss.loss_kwargs(), counts, old, seq)
     if forward_grads:
@@ -411,7 +413,7 @@ def _setup_cp2(rank, world):
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
-    from megatron_rl.trainer.loop import setup
+    from megatron_rl.trainer.setup import setup
 
     apply_platform_workarounds()
     cfg = load_config("examples/demo_cpu.yaml", ["--context-parallel-size", "2", "train.run_dir=/tmp/unused"])

@@ -22,7 +22,8 @@ def _run(rank, world, overrides, run_dir, vocab):
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer import phases
-    from megatron_rl.trainer.loop import close, setup, train
+    from megatron_rl.trainer.loop import close, train
+    from megatron_rl.trainer.setup import setup
 
     apply_platform_workarounds()
     cfg = load_config(None, BASE + [f"train.run_dir={run_dir}", "train.steps=1", "rollout.max_tokens=6", *overrides])

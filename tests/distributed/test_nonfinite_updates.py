@@ -31,8 +31,9 @@ def _run(rank, world, run_dir, overrides, nan_loss_at=(), nan_grad_from=None, na
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer import phases
-    from megatron_rl.trainer.loop import _save, close, setup, train
+    from megatron_rl.trainer.loop import close, save, train
     from megatron_rl.trainer.nonfinite import NonFiniteUpdates, NonFiniteWeights
+    from megatron_rl.trainer.setup import setup
 
     apply_platform_workarounds()
     cfg = load_config(None, BASE + [f"train.run_dir={run_dir}", "loss.head_gradients=recompute"] + overrides)
@@ -83,11 +84,11 @@ def _run(rank, world, run_dir, overrides, nan_loss_at=(), nan_grad_from=None, na
             except NonFiniteWeights as e:
                 stopped = f"{type(e).__name__}: {e}"
                 try:  # what a save (the loop's, on an engine failure) would do with these weights
-                    _save(ctx, os.path.join(run_dir, "checkpoints"), 99)
+                    save(ctx, os.path.join(run_dir, "checkpoints"), 99)
                 except NonFiniteWeights as e2:
                     refused = str(e2)
         snapshots.append({k: v.clone() for k, v in ctx.policy.export()})
-        state = dict(ctx.state)
+        state = ctx.state.to_dict()
     finally:
         phases.update, phases.policy_loss_fn, phases.guarded_step = real_update, real_loss_fn, real_step
         close(ctx)

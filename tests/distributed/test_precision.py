@@ -28,7 +28,8 @@ def _run(rank, world, overrides, run_dir, overflow_at_step=None):
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer import phases
-    from megatron_rl.trainer.loop import close, setup, train
+    from megatron_rl.trainer.loop import close, train
+    from megatron_rl.trainer.setup import setup
 
     apply_platform_workarounds()
     cfg = load_config(None, BASE + [f"train.run_dir={run_dir}", "rollout.dtype=fp32", "train.num_minibatches=1",
@@ -102,7 +103,8 @@ def _save_init(rank, world, hf_dir, root):
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import save_checkpoint
-    from megatron_rl.trainer.loop import close, setup
+    from megatron_rl.trainer.loop import close
+    from megatron_rl.trainer.setup import setup
 
     apply_platform_workarounds()
     cfg = load_config(None, BASE + [f"train.run_dir={root}/run", f"model.hf_dir={hf_dir}"])

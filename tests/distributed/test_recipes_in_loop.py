@@ -11,7 +11,8 @@ def _each_recipe(rank, world, recipes, run_root, hf):
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
-    from megatron_rl.trainer.loop import close, setup, train
+    from megatron_rl.trainer.loop import close, train
+    from megatron_rl.trainer.setup import setup
 
     apply_platform_workarounds()
     out = {}

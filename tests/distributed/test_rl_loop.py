@@ -40,7 +40,8 @@ def _run(rank, world, overrides, run_dir):
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
-    from megatron_rl.trainer.loop import close, setup, train
+    from megatron_rl.trainer.loop import close, train
+    from megatron_rl.trainer.setup import setup
 
     apply_platform_workarounds()
     cfg = load_config(None, BASE + [f"train.run_dir={run_dir}"] + overrides)
@@ -140,8 +141,9 @@ def _failing_engine(rank, world, run_dir, hf, where, stopping):
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import latest_checkpoint
-    from megatron_rl.trainer.loop import close, setup, train
+    from megatron_rl.trainer.loop import close, train
     from megatron_rl.trainer.rl_step import RolloutFailed
+    from megatron_rl.trainer.setup import setup
     from megatron_rl.trainer.stop import Stopped
 
     apply_platform_workarounds()

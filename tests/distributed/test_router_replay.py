@@ -75,7 +75,7 @@ def _child(rank, world, sizes, recompute=None, engine_routes=None):
         routing_agreement_sums,
     )
     from megatron_rl.moe.replay import moe_routers
-    from megatron_rl.trainer.batch import shard_rows
+    from megatron_rl.parallel.layout import BatchLayout
     from megatron_rl.trainer.stack import OptimSettings, forward_backward, wrap_model
     from tests.mcore_setup import random_hf_dir, setup_parallel
 
@@ -102,7 +102,7 @@ def _child(rank, world, sizes, recompute=None, engine_routes=None):
     E, K = arch.num_experts, arch.moe_topk
 
     tokens = _tokens(arch.vocab_size)
-    rows = shard_rows(BATCH, groups.dp_size, dist.get_rank(groups.dp_group))
+    rows = BatchLayout(BATCH, 1, groups.dp_size, 1).local_rows(dist.get_rank(groups.dp_group))
     local = tokens[rows]
     mbs = 2 if local.shape[0] == BATCH and groups.config.pp == 1 else 1
     slices = [slice(i, i + mbs) for i in range(0, local.shape[0], mbs)]

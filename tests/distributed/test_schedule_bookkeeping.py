@@ -47,41 +47,48 @@ class FakeEngine:
         self.policy_version = version
 
 
-def _ctx(overrides, hold):
+def _schedule(overrides, hold):
+    """The run's schedule over the real batch maker (prompts, the single-turn rollout function) and
+    the memory transport, with the fake engine; no model (the policy exports nothing)."""
     from megatron_rl.config import load_config
     from megatron_rl.data import CharTokenizer, PromptStream, make_task
     from megatron_rl.rewards import RewardRunner
-    from megatron_rl.trainer.schedule import make_schedule
+    from megatron_rl.rollout import RolloutFnInputs
+    from megatron_rl.rollout.single_turn import SingleTurn
+    from megatron_rl.trainer.rollouts import Batches, EngineWeights
+    from megatron_rl.trainer.schedule import SCHEDULES, ScheduleInputs
+    from megatron_rl.trainer.transport import MemoryTransport
 
     cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", "train.micro_batch_size=2",
                              "train.num_minibatches=1", "data.tasks=[sorting]", *overrides])
-    prompts = PromptStream([make_task("sorting")], seed=0)
-    ctx = SimpleNamespace(cfg=cfg, tokenizer=CharTokenizer(), prompts=prompts, rewards=RewardRunner("exact_match"),
-                          engine=FakeEngine(hold), policy=SimpleNamespace(export=lambda: iter(())),
-                          policy_version=0, schedule=make_schedule(cfg))
-    ctx.engine.update_weights([], 0)  # the run's initial sync
-    return ctx
+    tokenizer, rewards, engine = CharTokenizer(), RewardRunner("exact_match"), FakeEngine(hold)
+    batches = Batches(cfg, PromptStream([make_task("sorting")], seed=0), tokenizer,
+                      SingleTurn(RolloutFnInputs(tokenizer, rewards)), rewards, engine)
+    weights = EngineWeights(SimpleNamespace(export=lambda to="all": iter(())), MemoryTransport(None), engine)
+    engine.update_weights([], 0)  # the run's initial sync
+    return cfg, engine, SCHEDULES.get(cfg.train.schedule).make(ScheduleInputs(cfg.train, batches, weights))
 
 
 def _drive(rank, world, overrides, hold):
     """Run the schedule through train.steps steps as rl_step does; return per step (staleness of
     its samples, the trainer version) and the engine's generate() versions."""
-    ctx = _ctx(overrides, hold)
-    seen = []
-    for step in range(ctx.cfg.train.steps):
-        rollout = ctx.schedule.rollout(ctx, step)
+    cfg, engine, schedule = _schedule(overrides, hold)
+    seen, version = [], 0
+    for step in range(cfg.train.steps):
+        rollout = schedule.rollout(step, version)
         versions = {s.policy_version for s in rollout.samples}
         assert len(rollout.samples) == 4 and len(versions) == 1
-        seen.append(ctx.policy_version - versions.pop())
+        seen.append(version - versions.pop())
         if hold:  # the background generation is still held: the update "runs" first, then it finishes
-            ctx.engine.release.set()
+            engine.release.set()
         else:  # the background generation finishes before the update
-            ctx.schedule.wait()
-        ctx.schedule.after_update(ctx)
+            schedule.wait()
+        version = schedule.after_update(version)
+        assert version == step + 1  # the schedule returns the trainer's new version
         if hold:
-            ctx.engine.release.clear()
-    ctx.schedule.close()
-    return seen, ctx.engine.calls, ctx.schedule.stats()
+            engine.release.clear()
+    schedule.close()
+    return seen, engine.calls, schedule.stats()
 
 
 @pytest.mark.parametrize("hold", [False, True], ids=["generation-first", "update-first"])

@@ -27,7 +27,8 @@ def _run(rank, world, overrides, run_dir, stop_after_first=False):
     from megatron_rl.config import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
-    from megatron_rl.trainer.loop import close, setup, train
+    from megatron_rl.trainer.loop import close, train
+    from megatron_rl.trainer.setup import setup
     from megatron_rl.trainer.stop import Stopped
 
     apply_platform_workarounds()

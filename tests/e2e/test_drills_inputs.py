@@ -45,7 +45,7 @@ def _fifo(path):
 START_UP = {
     "6_yaml_alias_bomb": (lambda t: ["--config", str(_bomb(t / "bomb.yaml")), "--print-config"],
                           "the config expands to more than"),
-    "6_vllm_under_embedded": (lambda t: ["rollout.vllm={bogus: 1}"], "unknown rollout.vllm keys ['bogus']"),
+    "6_vllm_under_embedded": (lambda t: ["rollout.vllm={bogus: 1}"], "unknown config key rollout.vllm.bogus"),
     "7_abbreviated_secret_flag": (lambda t: ["rollout.vllm={extra_args: ['--hf_tok=hf_S3CR3T']}"],
                                   "--hf_tok looks like a secret (vLLM reads it as --hf-token)"),
     "11_seed_past_64_bits": (lambda t: ["train.seed=18446744073709551616"],

@@ -218,7 +218,8 @@ from megatron_rl.config import load_config
 from megatron_rl.parallel import destroy_parallel, init_distributed, init_parallel
 from megatron_rl.platform import apply_platform_workarounds
 from megatron_rl.trainer import phases
-from megatron_rl.trainer.loop import close, setup
+from megatron_rl.trainer.loop import close
+from megatron_rl.trainer.setup import setup
 apply_platform_workarounds()
 init_distributed("gloo")
 args = mod.parse_args(["--rows", "4", "--prompt-len", "5", "--response-len", "7", "--micro-batch-size", "2",

@@ -21,6 +21,17 @@ def hf_weights(arch, seed: int) -> list:
     return model, list(model.state_dict().items())
 
 
+def push(engine, weights, version: int) -> None:
+    """What the trainer's `disk` transport does on rank 0 (trainer/transport.py): write the
+    (name, tensor) pairs as an HF folder under the engine's run directory and hand it over."""
+    import os
+
+    from megatron_rl.trainer.transport import DiskTransport, TransportInputs
+
+    disk = DiskTransport(TransportInputs(None, engine.arch, os.path.dirname(engine.root)))
+    engine.load_weights_from(disk.write(weights, version), version)
+
+
 @pytest.fixture(scope="session")
 def vllm_python():
     try:

@@ -57,6 +57,13 @@ class FakeVllm:
         self._released = False
         self._wake = threading.Event()  # of the running server: set by release_hung() and stop()
 
+    @property
+    def log_where(self) -> str:
+        return f"fake server at port {self.port}"
+
+    def log_tail(self, lines: int = 25) -> str:
+        return ""
+
     def release_hung(self) -> None:
         """Let every hung request (and any later "hang") answer."""
         self._released = True

@@ -18,7 +18,7 @@ from megatron_rl.rollout.vllm import (
     VllmStartError,
 )
 from megatron_rl.rollout.vllm.http import HttpStatusError, request
-from tests.vllm.conftest import hf_weights, tiny_arch
+from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 
 pytestmark = pytest.mark.vllm
@@ -39,7 +39,7 @@ def make_engine(tmp_path, weights, behaviour=None, **cfg):
                "health_timeout_s": 120.0}
     options.update(cfg)
     engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), server=fake, device="cpu")
-    engine.update_weights(weights, version=3)
+    push(engine, weights, 3)
     return engine, fake
 
 
@@ -203,7 +203,7 @@ def test_no_restart_once_the_run_is_stopping(tmp_path, weights):
         engine.generate(PROMPTS, 1, SAMPLING)
     fake.stop()
     with pytest.raises(VllmServerDiedError, match="not restarted: the run is stopping"):
-        engine.update_weights(weights, version=4)
+        push(engine, weights, 4)
     assert fake.restarts == 0 and engine.stats()["vllm/restarts"] == 0
     engine.close()
 
@@ -211,7 +211,7 @@ def test_no_restart_once_the_run_is_stopping(tmp_path, weights):
 def test_a_server_dead_at_the_weight_sync_is_restarted_on_the_new_weights(tmp_path, weights):
     engine, fake = make_engine(tmp_path, weights, max_restarts=1)
     fake.stop()  # dead between two syncs: the reload request finds no server
-    engine.update_weights(weights, version=4)
+    push(engine, weights, 4)
     assert fake.restarts == 1 and engine.stats()["vllm/restarts"] == 1
     assert engine.policy_version == 4 and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
     engine.close()
@@ -221,14 +221,14 @@ def test_max_restarts_bounds_the_weight_sync_too(tmp_path, weights):
     engine, fake = make_engine(tmp_path, weights, max_restarts=0)
     fake.stop()
     with pytest.raises(VllmServerDiedError, match="max_restarts=0 allows no restart"):
-        engine.update_weights(weights, version=4)
+        push(engine, weights, 4)
     assert fake.restarts == 0 and engine.policy_version == 3
     engine.close()
 
 def test_every_request_carries_the_key_and_none_passes_without_it(tmp_path, weights):
     engine, fake = make_engine(tmp_path, weights)
     engine.generate(PROMPTS, 2, SAMPLING)
-    engine.update_weights(weights, version=4)  # DiskReloadSync: /collective_rpc + /reset_prefix_cache
+    push(engine, weights, 4)  # DiskReloadSync: /collective_rpc + /reset_prefix_cache
     assert engine.server.alive()
     assert fake.unauthorised == 0 and len(fake.requests) == 6
     for path, body in (("/collective_rpc", {"method": "reload_weights"}), ("/v1/completions", {}),
@@ -248,20 +248,20 @@ def test_a_server_at_a_url_takes_its_key_from_the_config_or_the_environment(tmp_
     try:
         monkeypatch.delenv("MEGATRON_RL_VLLM_API_KEY", raising=False)
         with pytest.raises(VllmStartError, match="refused a request without an API key.*MEGATRON_RL_VLLM_API_KEY"):
-            VllmEngine(ARCH, VllmConfig(**options), str(tmp_path)).update_weights(weights, version=0)
+            push(VllmEngine(ARCH, VllmConfig(**options), str(tmp_path)), weights, 0)
         with pytest.raises(VllmStartError, match="refused the API key we sent"):
-            VllmEngine(ARCH, VllmConfig(**options, api_key="wrong"), str(tmp_path)).update_weights(weights, 0)
+            push(VllmEngine(ARCH, VllmConfig(**options, api_key="wrong"), str(tmp_path)), weights, 0)
         cfg = VllmConfig(**options, api_key=fake.api_key)
         assert fake.api_key not in repr(cfg)
         engine = VllmEngine(ARCH, cfg, str(tmp_path))
-        engine.update_weights(weights, version=0)
+        push(engine, weights, 0)
         assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
         assert fake.api_key not in repr(engine.server)
         engine.close()
         monkeypatch.setenv("MEGATRON_RL_VLLM_API_KEY", fake.api_key)
         engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path))
-        engine.update_weights(weights, version=0)
-        engine.update_weights(weights, version=1)  # the weight sync's /collective_rpc carries it too
+        push(engine, weights, 0)
+        push(engine, weights, 1)  # the weight sync's /collective_rpc carries it too
         assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
         engine.close()
     finally:
@@ -274,7 +274,7 @@ def test_a_server_at_a_url_is_used_but_never_restarted(tmp_path, weights):
     cfg = VllmConfig(url=fake.url, api_key=fake.api_key, warmup=False, probe_every=0, health_interval_s=0.5,
                      health_timeout_s=120.0)
     engine = VllmEngine(ARCH, cfg, str(tmp_path))
-    engine.update_weights(weights, version=0)
+    push(engine, weights, 0)
     assert engine.server.model_name == "fake" and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
     fake.behaviour = lambda body, answer: "drop"
     with pytest.raises(VllmServerDiedError, match="cannot be restarted"):

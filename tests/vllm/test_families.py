@@ -9,7 +9,7 @@ from megatron_rl.model.hf_io import SafetensorsReader
 from megatron_rl.model.parity import random_hf_model
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from tests.vllm.conftest import tiny_arch
+from tests.vllm.conftest import push, tiny_arch
 
 pytestmark = pytest.mark.vllm
 
@@ -47,7 +47,7 @@ def test_family_serves_the_exported_weights(family, vllm_python, tmp_path):
                      health_timeout_s=120.0, weight_sync=weight_sync)
     engine = VllmEngine(arch, cfg, str(tmp_path / "server"))
     try:
-        engine.update_weights(weights, version=0)  # runs the parity probe: raises if vLLM computes otherwise
+        push(engine, weights, 0)  # runs the parity probe: raises if vLLM computes otherwise
         assert engine.stats()["vllm/probe_max_abs_diff"] < 1e-3
         out = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
     finally:

@@ -6,7 +6,7 @@ down). Exits, Ctrl-C and the handlers' details are covered with a stand-in serve
 test_launcher.py.
 
 The "trainer" is a child process that starts the engine the way the trainer does
-(VllmEngine.update_weights) and prints the server's pid once it is up: the test waits for that
+(the `disk` transport's write and VllmEngine.load_weights_from) and prints the server's pid once it is up: the test waits for that
 line, not for a time."""
 import os
 import signal
@@ -25,12 +25,12 @@ TRAINER = """
 import signal, sys
 sys.path.insert(0, {root!r})
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from tests.vllm.conftest import hf_weights, tiny_arch
+from tests.vllm.conftest import push, hf_weights, tiny_arch
 
 arch = tiny_arch()
 cfg = VllmConfig(python={python!r}, dtype="float32", max_model_len=128, warmup=False, probe_every=0)
 engine = VllmEngine(arch, cfg, {run_dir!r})
-engine.update_weights(hf_weights(arch, seed=0)[1], version=0)
+push(engine, hf_weights(arch, seed=0)[1], 0)
 print(engine.server.pid, flush=True)
 signal.pause()
 """

@@ -1,12 +1,11 @@
 """Configurations the vLLM backend refuses instead of training on wrong numbers."""
-from types import SimpleNamespace
-
 import pytest
 
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.rollout import EngineNeeds, EngineRequest
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError, make_vllm_engine
 from megatron_rl.rollout.vllm.weight_sync import check_supported
-from tests.vllm.conftest import hf_weights, tiny_arch
+from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 
 pytestmark = pytest.mark.vllm
@@ -50,7 +49,7 @@ def test_r3_refused_when_a_gpu_server_returns_no_routing(tmp_path):
     cfg = VllmConfig(enable_return_routed_experts=True, warmup=False, probe_every=0)
     engine = VllmEngine(MOE, cfg, str(tmp_path), server=fake, device="cuda")
     with pytest.raises(VllmUnsupportedError, match="returns no routed_experts"):
-        engine.update_weights(weights, 0)
+        push(engine, weights, 0)
 
 
 def test_restart_sync_needs_a_server_we_launch(tmp_path):
@@ -73,7 +72,7 @@ def test_multi_latent_attention_is_refused_on_a_cpu_server():
 
 def test_router_replay_r3_in_the_run_config_is_refused_by_a_cpu_server(tmp_path):
     base = RunConfig()
-    base.rollout.vllm = {"device": "cpu", "weight_sync": "restart"}  # refused before any launch
-    cfg = SimpleNamespace(rollout=base.rollout, loss=base.loss, moe=SimpleNamespace(router_replay="r3"))
+    base.rollout.vllm = VllmConfig(device="cpu", weight_sync="restart")  # refused before any launch
+    request = EngineRequest(MOE, base.rollout, str(tmp_path), needs=EngineNeeds(routed_experts=True))
     with pytest.raises(VllmUnsupportedError, match="R3"):
-        make_vllm_engine(cfg, MOE, str(tmp_path))
+        make_vllm_engine(request)

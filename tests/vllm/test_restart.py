@@ -15,7 +15,7 @@ import torch
 import megatron_rl.rollout.vllm.client as client_module
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from tests.vllm.conftest import hf_weights, tiny_arch
+from tests.vllm.conftest import hf_weights, push, tiny_arch
 
 pytestmark = pytest.mark.vllm
 
@@ -32,7 +32,7 @@ def engine(vllm_python, tmp_path_factory):
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=64, max_model_len=256, weight_sync="restart",
                      health_interval_s=2.0, health_timeout_s=30.0, max_restarts=1)
     eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_restart")))
-    eng.update_weights(hf_weights(ARCH, seed=0)[1], version=0)
+    push(eng, hf_weights(ARCH, seed=0)[1], 0)
     yield eng
     eng.close()
 
@@ -41,7 +41,7 @@ def engine(vllm_python, tmp_path_factory):
 def synced(engine):
     """RestartSync to new weights (a full server restart, timed); the expected samples on them."""
     pid = engine.server.pid
-    engine.update_weights(hf_weights(ARCH, seed=2)[1], version=1)
+    push(engine, hf_weights(ARCH, seed=2)[1], 1)
     assert engine.server.pid != pid and engine.stats()["vllm/probe_max_abs_diff"] < 1e-3
     print(f"\nRestartSync: {engine.stats()['timing/vllm_restart']:.1f} s")
     return engine.generate(PROMPTS, 2, LONG)

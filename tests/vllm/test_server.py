@@ -11,7 +11,7 @@ from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError, Vl
 from megatron_rl.rollout.vllm.http import HttpStatusError, request, request_json
 from megatron_rl.rollout.vllm.probe import hf_reference
 from megatron_rl.rollout.vllm.protocol import completion_body
-from tests.vllm.conftest import hf_weights, tiny_arch
+from tests.vllm.conftest import hf_weights, push, tiny_arch
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +30,7 @@ def engine(vllm_python, models, tmp_path_factory):
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, max_model_len=256, health_timeout_s=120.0)
     eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_server")))
     (_, weights_a), _ = models
-    eng.update_weights(weights_a, version=0)
+    push(eng, weights_a, 0)
     yield eng
     eng.close()
 
@@ -82,7 +82,7 @@ def test_temperature_needs_the_matching_logprobs_mode(engine):
 def test_weight_sync_changes_outputs_and_restores_them_exactly(engine, models):
     (_, weights_a), (model_b, weights_b) = models
     before = greedy(engine)
-    engine.update_weights(weights_b, version=1)
+    push(engine, weights_b, 1)
     stats = engine.stats()
     assert stats["vllm/probe_max_abs_diff"] < 1e-3
     after = greedy(engine)
@@ -90,7 +90,7 @@ def test_weight_sync_changes_outputs_and_restores_them_exactly(engine, models):
     assert any(not torch.equal(x[0].response_ids, y[0].response_ids) for x, y in zip(before, after))
     s = after[0][0]
     assert float((reference_logprobs(model_b, s) - s.rollout_logprobs).abs().max()) < 1e-3
-    engine.update_weights(weights_a, version=2)
+    push(engine, weights_a, 2)
     restored = greedy(engine)
     for x, y in zip(before, restored):
         assert torch.equal(x[0].response_ids, y[0].response_ids)
@@ -107,11 +107,11 @@ def test_parity_probe_catches_a_server_on_other_weights(engine, models, tmp_path
     engine.reference = hf_reference(str(tmp_path / "b"))  # a reference that disagrees with what we sync
     try:
         with pytest.raises(VllmParityError, match="not running the exported weights") as info:
-            engine.update_weights(weights_a, version=3)
+            push(engine, weights_a, 3)
         assert info.value.max_abs_diff > 0.1
     finally:
         engine.reference = None
-    engine.update_weights(weights_a, version=4)
+    push(engine, weights_a, 4)
     assert engine.policy_version == 4
 
 
@@ -133,7 +133,7 @@ def test_the_server_serves_no_one_without_its_key(engine):
     server = engine.server
     key = server.api_key
     assert server.url.startswith("http://127.0.0.1:") and key
-    current = os.path.abspath(engine.store.latest)  # what the server runs: harmless if it were reloaded
+    current = os.path.abspath(engine.dirs.latest)  # what the server runs: harmless if it were reloaded
     reload = {"method": "reload_weights", "kwargs": {"weights_path": current}}
     completion = completion_body(server.model_name, [4, 5, 6], SamplingParams(max_tokens=2), seed=0)
     endpoints = [("/collective_rpc", reload), ("/v1/completions", completion), ("/v1/models", None),

@@ -10,15 +10,18 @@ talks to it over HTTP on 127.0.0.1:
     http.py         stdlib JSON over HTTP, failures sorted for the client
     protocol.py     request bodies, strict answer validation, log-prob mode semantics
     client.py       VllmEngine: the RolloutEngine contract, retries, restarts, stats
-    weight_sync.py  WeightStore, WeightSync (DiskReloadSync, RestartSync), the refusals
+    weight_sync.py  WeightSync (DiskReloadSync, RestartSync) of a weights folder, the refusals
     probe.py        the post-sync parity probe
 
-    engine = make_vllm_engine(cfg, arch, run_dir)      # the trainer's entry point
+    VLLM                                               # its ENGINES entry (rollout/registered.py)
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
+from megatron_rl.rollout.engine import EngineRequest, EngineSpec
 from megatron_rl.rollout.vllm.client import VllmEngine
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import (
@@ -34,22 +37,20 @@ from megatron_rl.rollout.vllm.protocol import server_logprobs_mode
 from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, WeightSync
 
 
-def resolve_config(cfg, arch) -> VllmConfig:
-    """VllmConfig of a RunConfig: `cfg.rollout.vllm` (a mapping) with its "auto" fields resolved
-    from the rollout section: dtype <- rollout.dtype, max_num_seqs <- rollout.max_batch_size,
-    logprobs_mode <- the sampling settings (processed_logprobs when loss.keep_sampling_mask);
-    moe.router_replay=r3 turns on enable_return_routed_experts (refused on CPU servers)."""
-    r = cfg.rollout
-    vcfg = VllmConfig.from_dict(getattr(r, "vllm", None) or {})
+def resolve_config(request: EngineRequest) -> VllmConfig:
+    """The engine's VllmConfig: `rollout.vllm` with its "auto" fields resolved from the rollout
+    section and what the trainer needs: dtype <- rollout.dtype, max_num_seqs <- rollout.max_batch_size,
+    logprobs_mode <- the sampling settings (processed_logprobs for kept top-p/top-k sets);
+    routed experts (R3) turn on enable_return_routed_experts (refused on CPU servers)."""
+    r, needs, vocab = request.rollout, request.needs, request.arch.vocab_size
+    vcfg = r.vllm
     mode = vcfg.logprobs_mode
-    keep = bool(getattr(getattr(cfg, "loss", None), "keep_sampling_mask", False))
     if mode == "auto":
-        mode = server_logprobs_mode(r.temperature, r.top_p, r.top_k, "processed" if keep else "raw", arch.vocab_size)
-    _check_kept_sets_fit(keep, r.top_k, vcfg.max_logprobs, arch.vocab_size)
-    r3 = getattr(getattr(cfg, "moe", None), "router_replay", "none") == "r3"
+        mode = server_logprobs_mode(r.temperature, r.top_p, r.top_k, "processed" if needs.kept_sets else "raw", vocab)
+    _check_kept_sets_fit(needs.kept_sets, r.top_k, vcfg.max_logprobs, vocab)
     return replace(vcfg, dtype=vcfg.resolved_dtype(r.dtype), logprobs_mode=mode,
                    max_num_seqs=vcfg.max_num_seqs or r.max_batch_size,
-                   enable_return_routed_experts=vcfg.enable_return_routed_experts or r3)
+                   enable_return_routed_experts=vcfg.enable_return_routed_experts or needs.routed_experts)
 
 
 def _check_kept_sets_fit(keep: bool, top_k: int, max_logprobs: int | None, vocab_size: int) -> None:
@@ -63,14 +64,41 @@ def _check_kept_sets_fit(keep: bool, top_k: int, max_logprobs: int | None, vocab
                          f"set rollout.vllm.max_logprobs to at least {top_k + 1}")
 
 
-def make_vllm_engine(cfg, arch, run_dir: str, stopping=lambda: False) -> VllmEngine:
-    """The trainer's vLLM engine for RunConfig `cfg` (see resolve_config); the server starts on
-    the first update_weights(). stopping: the trainer's stop flag (no restarts once it is set)."""
-    return VllmEngine(arch, resolve_config(cfg, arch), run_dir, stopping=stopping)
+def make_vllm_engine(request: EngineRequest) -> VllmEngine:
+    """The trainer's vLLM engine (see resolve_config); the server starts on the first weights."""
+    vcfg = resolve_config(request)
+    if vcfg.quantization == "fp8" and not torch.cuda.is_available():
+        raise RuntimeError("rollout.vllm.quantization=fp8 (precision.recipe=fp8_rollout) needs a vLLM server on a "
+                           "GPU; this machine has no CUDA. Use precision.recipe=bf16 here")
+    return VllmEngine(request.arch, vcfg, request.run_dir, stopping=request.stopping)
+
+
+def _max_len(rollout, arch) -> int:
+    return rollout.vllm.max_model_len or arch.max_position_embeddings
+
+
+def _no_routing(rollout) -> str | None:
+    if rollout.vllm.device != "cpu":  # a GPU server returns them; an `auto` one is refused once found on a CPU
+        return None
+    return ("a vLLM server on the CPU (rollout.vllm.device=cpu) cannot return. Use rollout.backend=embedded, a GPU "
+            "vLLM server (it returns them: rollout.vllm.enable_return_routed_experts is turned on)")
+
+
+# where the server runs and how it is reached, restarted and probed: not its dtype, quantization,
+# log-prob mode, seed, lengths or extra arguments, which change the samples (trainer/resume_check.py)
+MAY_CHANGE = ("url", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization",
+              "max_num_seqs", "kv_cache_space_gb", "weight_sync", "enforce_eager", "probe_every", "probe_tokens",
+              "probe_tolerance", "keep_weight_dirs", "max_concurrency", "request_timeout_s", "startup_timeout_s",
+              "health_timeout_s", "health_interval_s", "max_retries", "retry_backoff_s", "max_restarts", "warmup")
+
+VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, no_routing=_no_routing,
+                  no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
+                                  "or rollout.dtype=fp32 for the whole server",
+                  transports=("disk",), may_change=MAY_CHANGE)
 
 
 __all__ = [
-    "DiskReloadSync", "RestartSync", "VllmBadResponseError", "VllmConfig", "VllmEngine", "VllmError",
+    "VLLM", "DiskReloadSync", "RestartSync", "VllmBadResponseError", "VllmConfig", "VllmEngine", "VllmError",
     "VllmParityError", "VllmRequestError", "VllmServerDiedError", "VllmStartError", "VllmUnsupportedError",
     "WeightSync", "make_vllm_engine", "resolve_config",
 ]

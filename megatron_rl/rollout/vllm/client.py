@@ -1,7 +1,7 @@
 """`VllmEngine`: the RolloutEngine contract on a vLLM OpenAI-compatible server.
 
     engine = VllmEngine(arch, VllmConfig(dtype="float32"), run_dir="runs/x")
-    engine.update_weights(policy.export(), version=0)   # first call starts the server on them
+    engine.load_weights_from(model_dir, version=0)     # an HF folder (the `disk` transport's); the first starts the server
     groups = engine.generate(prompts, n=8, sampling=SamplingParams(max_tokens=64))
     engine.stats()   # {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0, ...}
     engine.close()
@@ -24,8 +24,8 @@ and the call returns only when every key has a validated sample.
   or hung (a request timed out): the server is stopped, restarted on the latest weights
   (`vllm/restarts`), and the unfinished samples are sent again. After `max_restarts` restarts
   within one call: VllmServerDiedError (the trainer checkpoints and stops).
-- server dead during update_weights(): restarted on the new weights, which loads them, when
-  `max_restarts` >= 1 (it bounds each update_weights() call too); else VllmServerDiedError.
+- server dead during load_weights_from(): restarted on the new weights, which loads them, when
+  `max_restarts` >= 1 (it bounds each load_weights_from() call too); else VllmServerDiedError.
 - never a restart once `stopping()` is true (the run got SIGTERM or Ctrl-C): VllmServerDiedError.
 """
 from __future__ import annotations
@@ -33,14 +33,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
 from megatron_rl.model.arch import ModelArch
-from megatron_rl.rollout.embedded import stream_seed
-from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts
+from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import (
@@ -62,7 +61,7 @@ from megatron_rl.rollout.vllm.protocol import (
     decode_routed_experts,
     parse_completion,
 )
-from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, WeightStore, check_supported
+from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, WeightDirs, check_supported
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
@@ -75,14 +74,15 @@ class VllmEngine:
     arch: the policy's architecture (vocab size, MoE or not). cfg: VllmConfig; its "auto"
     fields should be resolved by the caller (make_vllm_engine does it): here dtype "auto" lets
     vLLM use the checkpoint's dtype and logprobs_mode "auto" means raw_logprobs.
-    run_dir: server log (`<run_dir>/vllm/server.log`) and exported weights (`<run_dir>/vllm/weights`).
+    run_dir: server log (`<run_dir>/vllm/server.log`). Weights arrive as HF folders written by
+        the `disk` transport (trainer/transport.py); the engine keeps the newest keep_weight_dirs.
     reference: the parity probe's reference (tokens -> log-probs [len - 1]); None = transformers
-        fp32 on the exported directory.
+        fp32 on the weights' folder.
     server, device: inject a ServerHandle (tests) and its device ("cpu" | "cuda" | "unknown").
 
     Configurations that would give wrong numbers are refused here, before anything starts
     (VllmUnsupportedError): MoE + in-place reload on CPU, routed experts (R3) on CPU. The server
-    starts at the first update_weights(), on those weights.
+    starts at the first load_weights_from(), on those weights.
     """
 
     def __init__(self, arch: ModelArch, cfg: VllmConfig | None = None, run_dir: str = "runs/vllm", *,
@@ -118,12 +118,16 @@ class VllmEngine:
         check_supported(arch, cfg.weight_sync, self.device, cfg.enable_return_routed_experts, server.can_restart)
         self.server = server
         self.sync = RestartSync() if cfg.weight_sync == "restart" else DiskReloadSync()
-        self.store = WeightStore(os.path.join(self.root, "weights"), arch, cfg.keep_weight_dirs)
+        self.dirs = WeightDirs(cfg.keep_weight_dirs)  # the folders it was given: a restart starts on the newest
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="vllm-request")
         self._started = False
         self._syncs = 0
         self._stats: dict[str, float] = {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0,
                                          "vllm/requests": 0, "vllm/weight_syncs": 0}
+
+    @property
+    def max_len(self) -> int:
+        return self.max_model_len
 
     # ---- server set-up ------------------------------------------------------------------------
     def _server_args(self) -> list[str]:
@@ -186,7 +190,7 @@ class VllmEngine:
             request_json(self.server.url + "/v1/completions", body, timeout=self.cfg.startup_timeout_s,
                          api_key=self.server.api_key)
         except (TransportError, HttpStatusError, BadResponse) as e:
-            tail = self.server.log_tail(400) if hasattr(self.server, "log_tail") else ""
+            tail = self.server.log_tail(400)
             hint = ""
             if "died unexpectedly" in tail:
                 hint = (f" A vLLM worker process died running the model in {self.cfg.dtype}; on CPU machines "
@@ -206,21 +210,18 @@ class VllmEngine:
                                        f"returns no routed_experts (start it with --enable-return-routed-experts)")
 
     # ---- weights ------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Export to a new directory (atomic), make the server serve it (reload or restart), probe
-        parity against the reference, then set policy_version. Raises VllmParityError when the
+    def load_weights_from(self, model_dir: str, version: int) -> None:
+        """Make the server serve the HF folder `model_dir` (start it on the first one; then reload
+        in place or restart, rollout.vllm.weight_sync), probe parity against the reference, then set
+        policy_version. The engine owns the folder from now on. Raises VllmParityError when the
         probe differs by more than the tolerance."""
         t0 = time.perf_counter()
-        model_dir = self.store.write(named_tensors, version)
-        self._stats["timing/vllm_export"] = time.perf_counter() - t0
+        self.dirs.add(model_dir)
         if not self._started:
             self._start(model_dir)
         else:
             try:
-                seconds = self.sync.apply(self.server, model_dir, self.cfg.request_timeout_s)
-                if self.sync.name == "restart":
-                    self._warmup()
-                    self._stats["timing/vllm_restart"] = seconds
+                self._stats.update(self.sync.apply(self.server, model_dir, self.cfg.request_timeout_s, self._warmup))
             except (TransportError, HttpStatusError) as e:
                 self._sync_failed(model_dir, e)
         self._syncs += 1
@@ -228,13 +229,13 @@ class VllmEngine:
         if self.cfg.probe_every and (self._syncs - 1) % self.cfg.probe_every == 0:
             self._probe(model_dir)
         self.policy_version = version
-        self.store.prune()
+        self.dirs.prune()
         self._stats["timing/vllm_weight_sync"] = time.perf_counter() - t0
 
     def _sync_failed(self, model_dir: str, e: Exception) -> None:
         """A weight sync that failed because the server died: one restart, which loads `model_dir`
         as a fresh start does, when max_restarts allows one (it bounds the restarts of an
-        update_weights() call as it does those of a generate() call)."""
+        load_weights_from() call as it does those of a generate() call)."""
         if not self.server.can_restart or self.server.alive():
             raise VllmServerDiedError(f"weight sync to {model_dir} failed: {e}") from e
         if self.cfg.max_restarts < 1:
@@ -279,7 +280,7 @@ class VllmEngine:
                         f"the vLLM server failed again ({down}) after {restarts} restarts in this generate() call; "
                         f"{len(done)}/{len(keys)} samples were done and are discarded. Log: {self._log_hint()}")
                 restarts += 1
-                self._restart(self.store.latest, down)
+                self._restart(self.dirs.latest, down)
                 continue
             self._count_failures(failed, tries, bad_before)
             if failed:
@@ -378,7 +379,7 @@ class VllmEngine:
 
     def _check_args(self, prompts, n: int, sampling: SamplingParams) -> None:
         if not self._started:
-            raise VllmError("the vLLM engine has no weights yet: call update_weights() first (the server starts "
+            raise VllmError("the vLLM engine has no weights yet: call load_weights_from() first (the server starts "
                             "on the first weights it is given)")
         check_prompts(prompts, n, self.arch.vocab_size)
         for i, p in enumerate(prompts):
@@ -392,15 +393,15 @@ class VllmEngine:
     def stats(self) -> dict[str, float]:
         """Counters since construction (vllm/restarts, vllm/retries, vllm/bad_responses,
         vllm/requests, vllm/weight_syncs) and the last values of vllm/probe_max_abs_diff and
-        timing/vllm_{server_start,restart,export,weight_sync} (seconds)."""
+        timing/vllm_{server_start,restart,reload,weight_sync} (seconds)."""
         return dict(self._stats)
 
     def _log_hint(self) -> str:
-        return getattr(self.server, "log_path", None) or self.server.url
+        return self.server.log_where
 
     def close(self) -> None:
-        """Stop the server (if ours), the request threads, and delete the exported weights."""
+        """Stop the server (if ours), the request threads, and delete the weight folders it was given."""
         self.server.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.store.clear()
+        self.dirs.clear()
         self._started = False

@@ -108,7 +108,7 @@ class VllmConfig:
       health_interval_s: how often a running generate() checks that the server is alive.
       max_retries: bad responses / transient errors retried per sample before raising.
       retry_backoff_s: first backoff (doubles per retry round).
-      max_restarts: server restarts allowed within one generate() / update_weights() call.
+      max_restarts: server restarts allowed within one generate() / load_weights_from() call.
       warmup: send one short request after start (vLLM compiles an op on the first log-prob
           request: ~30 s on CPU) so the first generate() is not charged for it.
     """

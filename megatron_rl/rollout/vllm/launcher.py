@@ -231,6 +231,13 @@ class ServerHandle(Protocol):
     def alive(self) -> bool: ...
     def stop(self, graceful: bool = True) -> None: ...
 
+    @property
+    def log_where(self) -> str:
+        """Where its output can be read (a file; a URL for a server we do not run)."""
+
+    def log_tail(self, lines: int = 25) -> str:
+        """Its output's last lines ("" when we cannot read it)."""
+
 
 class LocalServer:
     """A vLLM server we launch and own.
@@ -339,6 +346,10 @@ class LocalServer:
                                      f"{self.log_path}:\n{self.log_tail()}")
             time.sleep(0.5)
 
+    @property
+    def log_where(self) -> str:
+        return self.log_path
+
     def log_tail(self, lines: int = 25) -> str:
         try:
             with open_no_follow(self.log_path, "rb") as f:
@@ -365,6 +376,13 @@ class RemoteServer:
 
     def __repr__(self) -> str:  # no key in it
         return f"RemoteServer(url={self.url!r})"
+
+    @property
+    def log_where(self) -> str:
+        return self.url
+
+    def log_tail(self, lines: int = 25) -> str:
+        return ""  # its output is its operator's
 
     def start(self, model_dir: str) -> float:
         t0 = time.perf_counter()

@@ -1,38 +1,34 @@
-"""Getting new weights into the vLLM server: export to disk, then one `WeightSync` backend.
+"""Making the vLLM server serve new weights from an HF model folder: one `WeightSync` backend.
 
-    store = WeightStore(root, arch, keep=2)
-    model_dir = store.write(named_tensors, version)     # atomic: temp dir + rename
-    DiskReloadSync().apply(server, model_dir)          # /collective_rpc reload_weights + reset_prefix_cache
-    RestartSync().apply(server, model_dir)             # stop; start a fresh server on model_dir
+    sync.apply(server, model_dir, timeout, warmup)   # -> {"timing/vllm_reload": s} or {"timing/vllm_restart": s}
+    dirs = WeightDirs(keep=2); dirs.add(model_dir); dirs.prune(); dirs.clear()
 
-Backends:
+The folder comes from the trainer's weight transport (trainer/transport.py: `disk` writes it and
+hands it to VllmEngine.load_weights_from); the engine owns it from then on (`WeightDirs`: the
+newest `keep` stay, for restarts and the parity probe's reference).
+
+Backends (rollout.vllm.weight_sync):
 - `DiskReloadSync` (dense models; any device): vLLM's `reload_weights` collective RPC reads the
   new safetensors in place (VLLM_SERVER_DEV_MODE=1), then the prefix cache (KV computed with
   the old weights) is dropped. Both requests carry the server's key: the development endpoints
-  are open only to it (see launcher.py, Access). ~0.05 s for a tiny model on CPU, plus the export.
+  are open only to it (see launcher.py, Access). ~0.05 s for a tiny model on CPU, plus the write.
 - `RestartSync` (MoE on CPU): vLLM's CPU backend reloads MoE experts wrongly in place, so the
-  server is restarted on the new directory, which is always correct but costs a full start
+  server is restarted on the new folder, which is always correct but costs a full start
   (~50 s on a 2-core CPU). Measured as `timing/vllm_restart`.
 
-Planned, not implemented (GPU): an `NcclSync` through vLLM's RL weight-transfer endpoints
-(`/init_weight_transfer_engine` once, then `/update_weights` per step with an NCCL broadcast from
-trainer rank 0, no disk) and an `IpcSync` for a colocated server (CUDA IPC handles of the
-trainer's gathered tensors). Both fit the `apply(server, source)` shape below; they need a GPU
-to be tested, so they are not here yet.
+In-memory transports (NCCL through vLLM's weight-transfer endpoints into a pool of servers; a
+gloo one on CPU) plug in on the trainer side (docs/architecture.md); they need no backend here.
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
-import uuid
-from collections.abc import Iterable
+import time
+from collections.abc import Callable
 from typing import Protocol
 
-import torch
-
 from megatron_rl.model.arch import ModelArch
-from megatron_rl.model.hf_io import save_hf_checkpoint
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.http import request_json
 from megatron_rl.rollout.vllm.launcher import ServerHandle
@@ -42,34 +38,21 @@ log = logging.getLogger("megatron_rl.rollout.vllm")
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
 
 
-class WeightStore:
-    """Exported HF-format weight directories under `root`, oldest first.
+class WeightDirs:
+    """The weight folders an engine was given, oldest first; all but the newest `keep` are deleted."""
 
-    Directory names are `<tag>-<n>-v<version>` with a tag unique to this store, so two engines
-    sharing a run directory never touch each other's files.
-    """
-
-    def __init__(self, root: str, arch: ModelArch, keep: int = 2):
-        self.root, self.arch, self.keep = root, arch, keep
-        self.tag = uuid.uuid4().hex[:8]
+    def __init__(self, keep: int = 2):
+        self.keep = keep
         self.dirs: list[str] = []
-        self._n = 0
 
     @property
     def latest(self) -> str | None:
         return self.dirs[-1] if self.dirs else None
 
-    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> str:
-        """Write the (name, tensor) pairs as a complete model directory (config.json +
-        safetensors) atomically; its path."""
-        self._n += 1
-        path = os.path.join(self.root, f"{self.tag}-{self._n:05d}-v{version}")
-        save_hf_checkpoint(path, self.arch, named_tensors)
+    def add(self, path: str) -> None:
         self.dirs.append(path)
-        return path
 
     def prune(self) -> None:
-        """Delete all but the newest `keep` directories."""
         while len(self.dirs) > self.keep:
             shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
 
@@ -80,22 +63,20 @@ class WeightStore:
 
 
 class WeightSync(Protocol):
-    """Make a running server serve the weights in `model_dir` (written by WeightStore)."""
+    """Make a running server serve the weights in `model_dir`."""
 
-    name: str
-
-    def apply(self, server: ServerHandle, model_dir: str, timeout: float) -> float:
-        """Returns the seconds it took. Transport failures propagate (the client restarts)."""
+    def apply(self, server: ServerHandle, model_dir: str, timeout: float,
+              warmup: Callable[[], None]) -> dict[str, float]:
+        """The timings it measured (seconds, `timing/...`). Transport failures propagate (the
+        client restarts); `warmup` is the client's first-request check, for a backend that
+        starts a new server process."""
 
 
 class DiskReloadSync:
     """In-place reload from disk through vLLM's `reload_weights` collective RPC (dense models)."""
 
-    name = "reload"
-
-    def apply(self, server: ServerHandle, model_dir: str, timeout: float) -> float:
-        import time
-
+    def apply(self, server: ServerHandle, model_dir: str, timeout: float,
+              warmup: Callable[[], None]) -> dict[str, float]:
         t0 = time.perf_counter()
         out = request_json(server.url + "/collective_rpc",
                            {"method": "reload_weights", "kwargs": {"weights_path": os.path.abspath(model_dir)}},
@@ -104,18 +85,18 @@ class DiskReloadSync:
             raise VllmError(f"/collective_rpc reload_weights answered {out!r:.300}; is the server running with "
                             f"VLLM_SERVER_DEV_MODE=1?")
         request_json(server.url + "/reset_prefix_cache", {}, timeout=timeout, api_key=server.api_key)
-        return time.perf_counter() - t0
+        return {"timing/vllm_reload": time.perf_counter() - t0}
 
 
 class RestartSync:
     """Restart the server on the new weights: slow, but a fresh load is always right."""
 
-    name = "restart"
-
-    def apply(self, server: ServerHandle, model_dir: str, timeout: float) -> float:
+    def apply(self, server: ServerHandle, model_dir: str, timeout: float,
+              warmup: Callable[[], None]) -> dict[str, float]:
         seconds = server.restart(model_dir)
+        warmup()
         log.info("vLLM weight sync by restart took %.1f s (%s)", seconds, model_dir)
-        return seconds
+        return {"timing/vllm_restart": seconds}
 
 
 def check_supported(arch: ModelArch, weight_sync: str, device: str, routed_experts: bool,

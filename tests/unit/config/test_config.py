@@ -78,5 +78,5 @@ def test_printed_and_saved_configs_carry_no_secrets():
                              "rollout.vllm={url: 'http://127.0.0.1:8000', api_key: SECRET-KEY, env: {HF_TOKEN: hf_SECRET}}"])
     text = json.dumps(config_to_dict(cfg))
     assert "SECRET" not in text and '"HF_TOKEN": "<redacted>"' in text and '"api_key": "<redacted>"' in text
-    assert cfg.rollout.vllm["api_key"] == "SECRET-KEY" and cfg.rollout.vllm["env"] == {"HF_TOKEN": "hf_SECRET"}
-    assert config_to_dict(load_config(None, []))["rollout"]["vllm"] == {}
+    assert cfg.rollout.vllm.api_key == "SECRET-KEY" and cfg.rollout.vllm.env == {"HF_TOKEN": "hf_SECRET"}
+    assert config_to_dict(load_config(None, []))["rollout"]["vllm"]["api_key"] is None  # nothing to redact

@@ -22,7 +22,7 @@ INFINITY_MEANS_SOMETHING = {"loss.surrogate_params.eps_low", "loss.surrogate_par
 
 
 def _float_fields(cls) -> list[str]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, localns={"VllmConfig": VllmConfig})  # schema names it for type checkers only
     return [f.name for f in fields(cls) if hints[f.name] in (float, float | None)]
 
 
@@ -49,7 +49,7 @@ def test_an_infinite_vllm_number_is_refused(field):
 
 
 def _declared(registry) -> list[tuple[str, str]]:
-    return [(name, param) for name in registry.names() for param in registry.info(name).get("limits", {})]
+    return [(name, param) for name in registry.names() for param in registry.get(name).rules.limits]
 
 
 def _loss_override(kind: str, name: str, param: str, value: str) -> list[str]:

@@ -16,10 +16,10 @@ from megatron_rl.config import ConfigError, load_config
     (["sft.steps=5", "data.jsonl=prompts.jsonl"], r"empty because data.jsonl is set"),
     (["optim.min_lr=1e-5"], r"optim.min_lr=1e-05: there is no learning-rate schedule"),
     (["rollout.backend=vllm", "rollout.vllm={request_timeout_s: 0}"],
-     r"rollout.vllm.request_timeout_s=0: must be a number > 0 \(seconds; 0 is not 'no timeout'"),
-    (["rollout.backend=vllm", "rollout.vllm={health_timeout_s: 0}"], r"rollout.vllm.health_timeout_s=0: must be"),
+     r"rollout.vllm.request_timeout_s=0.0: must be a number > 0 \(seconds; 0 is not 'no timeout'"),
+    (["rollout.backend=vllm", "rollout.vllm={health_timeout_s: 0}"], r"rollout.vllm.health_timeout_s=0.0: must be"),
     (["rollout.backend=vllm", "rollout.vllm={gpu_memory_utilization: 90}"],
-     r"rollout.vllm.gpu_memory_utilization=90: must be a number > 0 and <= 1"),
+     r"rollout.vllm.gpu_memory_utilization=90.0: must be a number > 0 and <= 1"),
     (["rollout.backend=vllm", "rollout.vllm={max_num_seqs: 0}"], r"rollout.vllm.max_num_seqs=0: must be an integer >= 1"),
 ])
 def test_refused_at_startup(overrides, msg):

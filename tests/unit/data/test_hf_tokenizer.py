@@ -136,7 +136,7 @@ def test_preset_vocabulary_under_an_hf_tokenizer(tmp_path):
     """The preset's own vocabulary when it holds the tokenizer, else a multiple of 128; never
     dependent on TP (a resume may change it); model.hf_dir's config brings its own."""
     from megatron_rl.config.schema import ModelSection
-    from megatron_rl.trainer.loop import preset_vocab
+    from megatron_rl.trainer.startup import preset_vocab
 
     assert padded_vocab(151_669, 151_936) == 151_936   # the preset's real shape holds the tokenizer
     assert padded_vocab(300, 64) == 384 and padded_vocab(300, 320) == 320

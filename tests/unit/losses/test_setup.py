@@ -71,7 +71,7 @@ def test_valid_values_and_every_default_pass():
     assert r.agg_params == {"l_norm": 100}
     resolve_loss(LossSection(corrections=[{"name": "mis_token", "C": 1}, {"name": "icepop", "alpha": 2, "beta": 2},
                                           {"name": "kpop", "phi": 0}]), 8)
-    assert "limits" in SURROGATES.info("ppo_clip") and "limits" in AGGREGATIONS.info("token_sum_norm")
+    assert SURROGATES.get("ppo_clip").rules.limits and AGGREGATIONS.get("token_sum_norm").rules.limits
 
 
 def test_advantage_params_reach_the_estimator_and_are_checked():

@@ -81,7 +81,7 @@ def test_surrogate_mark_matches_its_math(name):
     alone, g_alone = _one_token_at_a_time(name, batch, lp)
     same = torch.allclose(whole[m], alone[m], rtol=1e-6, atol=1e-7) and torch.allclose(g_whole, g_alone, rtol=1e-6,
                                                                                           atol=1e-7)
-    assert same == SURROGATES.info(name).get("token_local", False), name
+    assert same == SURROGATES.get(name).token_local, name
 
 
 CORRECTION_CASES = [(name, {}) for name in CORRECTIONS.names()] + [
@@ -108,7 +108,7 @@ def test_correction_mark_matches_its_math(name, params):
 
 @pytest.mark.parametrize("name", AGGREGATIONS.names())
 def test_linear_aggregations_are_linear(name):
-    assert AGGREGATIONS.info(name).get("linear", False), f"{name}: declare linear=True or test that it is not"
+    assert AGGREGATIONS.get(name).linear, f"{name}: declare linear=True or test that it is not"
     batch, _ = _batch(7)
     counts = local_counts(batch.loss_mask)
     g = torch.Generator().manual_seed(0)

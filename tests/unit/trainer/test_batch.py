@@ -1,15 +1,9 @@
 import pytest
 import torch
 
+from megatron_rl.parallel.layout import BatchLayout
 from megatron_rl.rollout.types import Sample
-from megatron_rl.trainer.batch import (
-    build_batch,
-    local_rows,
-    minibatch_slices,
-    padded_length,
-    row_multiple,
-    shard_rows,
-)
+from megatron_rl.trainer.batch import build_batch, padded_length, row_multiple
 from megatron_rl.trainer.phases import group_advantages
 
 
@@ -55,13 +49,13 @@ def test_sample_longer_than_row_is_an_error():
 
 
 def test_minibatch_and_shard_arithmetic():
-    assert shard_rows(8, 2, 1) == slice(4, 8)
-    mbs = minibatch_slices(8, 2, 2)
+    assert BatchLayout(8, 1, 2, 4).local_rows(1).tolist() == [4, 5, 6, 7]  # one mini-batch: a DP shard
+    mbs = BatchLayout(8, 2, 1, 2).minibatch_slices()
     assert mbs == [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 8)]]
     with pytest.raises(ValueError, match="micro_batch_size=3"):
-        minibatch_slices(8, 2, 3)
+        BatchLayout(8, 2, 1, 3).minibatch_slices()
     with pytest.raises(ValueError, match="num_minibatches=3"):
-        minibatch_slices(8, 3, 1)
+        BatchLayout(8, 3, 1, 1).minibatch_slices()
 
 
 def test_group_advantages_and_zero_variance_filter():
@@ -76,9 +70,25 @@ def test_group_advantages_and_zero_variance_filter():
 
 def test_local_rows_keep_each_minibatch_global():
     # 8 rows, 2 mini-batches (rows 0-3, 4-7), 2 DP ranks: rank 1 trains rows 2,3 then 6,7
-    assert local_rows(8, 2, 2, 0).tolist() == [0, 1, 4, 5]
-    assert local_rows(8, 2, 2, 1).tolist() == [2, 3, 6, 7]
-    together = sorted(local_rows(8, 2, 2, 0).tolist()[:2] + local_rows(8, 2, 2, 1).tolist()[:2])
+    layout = BatchLayout(8, 2, 2, 1)
+    assert layout.local_rows(0).tolist() == [0, 1, 4, 5]
+    assert layout.local_rows(1).tolist() == [2, 3, 6, 7]
+    together = sorted(layout.local_rows(0).tolist()[:2] + layout.local_rows(1).tolist()[:2])
     assert together == [0, 1, 2, 3]  # the first optimizer step sees exactly mini-batch 0
-    with pytest.raises(ValueError, match="num_minibatches=2"):
-        local_rows(6, 2, 2, 0)
+    with pytest.raises(ValueError, match="num_minibatches=2 x 2 data-parallel ranks"):
+        BatchLayout(6, 2, 2, 1).local_rows(0)
+
+
+def test_the_config_check_and_the_trainer_use_one_layout():
+    """RunConfig.check_layout refuses exactly the layouts the trainer's split cannot make."""
+    from megatron_rl.config import load_config
+
+    cfg = load_config(None, ["rollout.prompts_per_step=3", "rollout.group_size=4", "train.num_minibatches=2",
+                             "train.micro_batch_size=2"])
+    cfg.check_layout(1)
+    assert cfg.layout(1).minibatch_slices() == [[slice(0, 2), slice(2, 4), slice(4, 6)],
+                                                [slice(6, 8), slice(8, 10), slice(10, 12)]]
+    with pytest.raises(ValueError, match="12 samples per step do not split into train.num_minibatches=2 x 4 data"):
+        cfg.check_layout(4)
+    with pytest.raises(ValueError, match="a mini-batch of 3 samples per data-parallel rank"):
+        cfg.check_layout(2)

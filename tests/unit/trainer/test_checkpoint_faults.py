@@ -207,11 +207,11 @@ def test_lines_of_metrics_jsonl_that_are_not_rows_are_named_and_dropped(tmp_path
 
 
 def test_cumulative_counters_continue_after_a_resume():
-    schedule, rewards = SyncSchedule(), RewardRunner("exact_match")
+    schedule, rewards = SyncSchedule(None, None), RewardRunner("exact_match")
     schedule.generate_calls, schedule.weight_syncs = 3, 4
     rewards([("p", "a", "a", "t"), ("p", "b", "a", "t")])
     saved = json.loads(json.dumps({**schedule.stats(), **rewards.stats()}))   # the checkpoint's counters
-    again, fresh = SyncSchedule(), RewardRunner("exact_match")
+    again, fresh = SyncSchedule(None, None), RewardRunner("exact_match")
     again.load_stats(saved)
     fresh.load_stats(saved)
     assert again.stats() == schedule.stats() and fresh.stats() == rewards.stats()

@@ -3,7 +3,8 @@ run that fails or stops before anything was saved."""
 import signal
 from types import SimpleNamespace
 
-from megatron_rl.trainer.loop import _stopped, engine_failure_message, init_checkpoint_problem
+from megatron_rl.trainer.loop import engine_failure_message, stopped
+from megatron_rl.trainer.startup import init_checkpoint_problem
 
 
 def test_init_checkpoint_that_does_not_exist(tmp_path):
@@ -36,8 +37,8 @@ def test_failure_before_any_save_does_not_suggest_resume():
 
 def test_stop_before_any_save_does_not_name_a_checkpoint():
     ctx = SimpleNamespace(stop=SimpleNamespace(signum=signal.SIGTERM), cfg=SimpleNamespace(train=SimpleNamespace(steps=5)))
-    assert str(_stopped(ctx, 0, None)).endswith("after step 0 of 5; nothing was saved: rerun to start over")
-    assert "checkpoint /c; rerun with train.resume=true" in str(_stopped(ctx, 2, "/c"))
+    assert str(stopped(ctx, 0, None)).endswith("after step 0 of 5; nothing was saved: rerun to start over")
+    assert "checkpoint /c; rerun with train.resume=true" in str(stopped(ctx, 2, "/c"))
 
 
 class _Stream:

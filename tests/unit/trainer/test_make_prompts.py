@@ -1,7 +1,7 @@
 """loop.make_prompts builds the tasks with data.heldout_size (it used to keep each task's default)."""
 from megatron_rl.config import load_config
 from megatron_rl.data import CharTokenizer
-from megatron_rl.trainer.loop import make_prompts
+from megatron_rl.trainer.startup import make_prompts
 
 
 def test_tasks_hold_out_data_heldout_size():

@@ -7,9 +7,9 @@ from megatron_rl.config import load_config
 from megatron_rl.config.loader import config_to_dict
 from megatron_rl.trainer.resume_check import (
     MAY_CHANGE,
-    VLLM_MAY_CHANGE,
     config_changes,
     describe_changes,
+    engine_may_change,
     fields,
 )
 
@@ -67,7 +67,7 @@ def test_every_may_change_entry_names_a_field_or_section(saved):
     sections = set(saved)
     for entry in MAY_CHANGE:
         assert entry in names or entry in sections, entry
-    for entry in VLLM_MAY_CHANGE:
+    for entry in engine_may_change():
         assert entry in names, entry
 
 

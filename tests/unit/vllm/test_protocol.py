@@ -118,10 +118,16 @@ def test_config_validation_and_resolution():
     assert VllmConfig(dtype="bf16").dtype == "bfloat16"
     cfg = RunConfig()
     cfg.rollout.dtype, cfg.rollout.temperature, cfg.rollout.max_batch_size = "fp32", 0.7, 32
-    cfg.rollout.vllm = {"max_model_len": 128}
-    v = resolve_config(cfg, tiny_arch())
+    cfg.rollout.vllm = VllmConfig(max_model_len=128)
+    v = resolve_config(_request(cfg, tiny_arch()))
     assert (v.dtype, v.logprobs_mode, v.max_num_seqs, v.max_model_len) == ("float32", "processed_logprobs", 32, 128)
     assert v.tolerance(v.dtype) == 1e-3 and VllmConfig().tolerance("bfloat16") == 0.1
+
+
+def _request(cfg, arch):
+    from megatron_rl.rollout import EngineNeeds, EngineRequest
+
+    return EngineRequest(arch, cfg.rollout, "unused", needs=EngineNeeds.of(cfg))
 
 
 def test_keep_sampling_mask_top_k_needs_room_in_max_logprobs():
@@ -131,10 +137,10 @@ def test_keep_sampling_mask_top_k_needs_room_in_max_logprobs():
     cfg.loss.keep_sampling_mask, cfg.rollout.top_k = True, 64
     vocab = tiny_arch().vocab_size
     with pytest.raises(ValueError, match=r"rollout.top_k=64 .*rollout.vllm.max_logprobs to at least 65"):
-        resolve_config(cfg, tiny_arch(vocab_size=1000))
-    cfg.rollout.vllm = {"max_logprobs": 65}
-    assert resolve_config(cfg, tiny_arch(vocab_size=1000)).logprobs_mode == "processed_logprobs"
-    cfg.rollout.vllm, cfg.rollout.top_k = {}, vocab   # top-k of the whole vocabulary keeps everything
-    resolve_config(cfg, tiny_arch())
+        resolve_config(_request(cfg, tiny_arch(vocab_size=1000)))
+    cfg.rollout.vllm = VllmConfig(max_logprobs=65)
+    assert resolve_config(_request(cfg, tiny_arch(vocab_size=1000))).logprobs_mode == "processed_logprobs"
+    cfg.rollout.vllm, cfg.rollout.top_k = VllmConfig(), vocab   # top-k of the whole vocabulary keeps everything
+    resolve_config(_request(cfg, tiny_arch()))
     cfg.loss.keep_sampling_mask, cfg.rollout.top_k = False, 500   # no kept set is read
-    resolve_config(cfg, tiny_arch(vocab_size=1000))
+    resolve_config(_request(cfg, tiny_arch(vocab_size=1000)))

@@ -1,0 +1,143 @@
+"""The config's rules across sections, one component at a time: `validate(cfg)` runs each check.
+
+    validate(cfg)              # RunConfig.__post_init__ calls it; every rule names the field and the fix
+    cfg.check_layout(world)    # the rules that need the world size, at launch (pretrain_rl.py)
+
+A section checks its own values (schema.py); what a registered component declares is checked
+here the same way for every entry of its registry: the loss (losses/setup.py: resolve_loss), the
+rollout engine (its EngineSpec's refusals), the rollout function and the schedule (their specs).
+A new engine, rollout function or schedule adds no rule here: it declares its facts in its spec.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from megatron_rl.parallel.layout import BatchLayout
+
+
+def validate(cfg) -> None:
+    """Raise ValueError on the first rule `cfg` (a RunConfig) breaks."""
+    for check in (check_loss, check_batch, check_router_replay, check_engine, check_rollout_function, check_schedule,
+                  check_precision, check_sampling, check_tokenizer, check_sft):
+        check(cfg)
+
+
+def check_loss(cfg) -> None:
+    from megatron_rl.losses.setup import resolve_loss
+
+    try:
+        resolve_loss(cfg.loss, cfg.rollout.max_tokens)
+    except KeyError as e:  # a registry's unknown name
+        raise ValueError(f"loss: {e.args[0]}") from None
+
+
+def check_batch(cfg) -> None:
+    """The split into mini-batches (the world size is not known yet: check_layout completes it)."""
+    BatchLayout(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.train.num_minibatches, 1, 1).check()
+
+
+def check_engine(cfg) -> None:
+    """rollout.backend names a registered engine, and the engine can give what the run needs."""
+    from megatron_rl.rollout import ENGINES
+
+    if cfg.rollout.backend not in ENGINES:
+        raise ValueError(f"rollout.backend={cfg.rollout.backend!r}: choose one of {', '.join(ENGINES.names())}")
+    spec = ENGINES.get(cfg.rollout.backend)
+    sections = {f.name for f in fields(cfg.rollout)}
+    if spec.settings is not None and cfg.rollout.backend not in sections:
+        raise ValueError(f"rollout.backend={cfg.rollout.backend}: its settings section rollout.{cfg.rollout.backend} "
+                         f"is missing from RolloutSection")
+    why = spec.no_routing(cfg.rollout) if cfg.moe.router_replay == "r3" else None
+    if why:
+        raise ValueError(f"moe.router_replay=r3 needs the rollout engine's routing, which {why}, or R2 "
+                         f"({_router_replay_fix(cfg, 'r2')})")
+    if cfg.precision.fp32_lm_head and spec.no_fp32_lm_head:
+        raise ValueError(f"precision.fp32_lm_head: {spec.no_fp32_lm_head}")
+    from megatron_rl.trainer.transport import TRANSPORTS
+
+    unknown = [t for t in spec.transports if t not in TRANSPORTS]
+    if unknown:
+        raise ValueError(f"rollout.backend={cfg.rollout.backend}: its spec names weight transports {unknown}; "
+                         f"registered: {', '.join(TRANSPORTS.names())}")
+    transport = cfg.rollout.weight_transport
+    if transport is not None and transport not in spec.transports:
+        raise ValueError(f"rollout.weight_transport={transport!r}: rollout.backend={cfg.rollout.backend} takes "
+                         f"{', '.join(spec.transports)} (null = {spec.transports[0]})")
+
+
+def weight_transport(cfg) -> str:
+    """The weight transport of the run: rollout.weight_transport, else the engine's default."""
+    from megatron_rl.rollout import ENGINES
+
+    return cfg.rollout.weight_transport or ENGINES.get(cfg.rollout.backend).transports[0]
+
+
+def check_rollout_function(cfg) -> None:
+    from megatron_rl.rollout import ROLLOUT_FNS
+
+    if cfg.rollout.function not in ROLLOUT_FNS:
+        raise ValueError(f"rollout.function={cfg.rollout.function!r}: choose one of {', '.join(ROLLOUT_FNS.names())}")
+
+
+def check_schedule(cfg) -> None:
+    """train.schedule names a registered schedule, and the schedule's own rules hold."""
+    from megatron_rl.trainer.schedule import SCHEDULES
+
+    if cfg.train.schedule not in SCHEDULES:
+        raise ValueError(f"train.schedule={cfg.train.schedule!r}: choose one of {', '.join(SCHEDULES.names())}")
+    SCHEDULES.get(cfg.train.schedule).check(cfg.train)
+
+
+def check_router_replay(cfg) -> None:
+    from megatron_rl.model.arch import FAMILIES
+
+    if cfg.moe.router_replay != "none" and cfg.model.hf_dir is None and not FAMILIES[cfg.model.arch].moe:
+        raise ValueError(f"moe.router_replay={cfg.moe.router_replay} needs a MoE model; model.arch={cfg.model.arch}. "
+                         f"Use model.arch=qwen3_moe (or mixtral, deepseek_v3) or {_router_replay_fix(cfg, 'none')}")
+
+
+def _router_replay_fix(cfg, replay: str) -> str:
+    """How to get router replay `replay`: a recipe that implies moe.router_replay is switched by the
+    registered recipe that is the same loss with the other setting, not by the field (which the
+    recipe would then contradict)."""
+    from megatron_rl.losses.policy_loss import RECIPES, recipe_variant
+
+    recipe = cfg.loss.recipe
+    if recipe in RECIPES and "moe.router_replay" in RECIPES.get(recipe).implies:
+        other = recipe_variant(recipe, {"moe.router_replay": replay} if replay != "none" else {})
+        if other:
+            return f"loss.recipe={other}"
+    return f"moe.router_replay={replay}"
+
+
+def check_precision(cfg) -> None:
+    if cfg.precision.fp8 is not None and cfg.model.dtype == "fp32":
+        raise ValueError("precision.fp8 trains FP8 GEMMs inside a bf16/fp16 model: set model.dtype=bf16")
+
+
+def check_sampling(cfg) -> None:
+    if cfg.loss.keep_sampling_mask and cfg.rollout.top_p >= 1.0 and cfg.rollout.top_k == -1:
+        raise ValueError("loss.keep_sampling_mask needs truncated sampling: set rollout.top_p < 1 or "
+                         "rollout.top_k > 0 (without truncation the kept set is the whole vocabulary)")
+
+
+def check_tokenizer(cfg) -> None:
+    if cfg.data.tokenizer == "hf" and not cfg.model.hf_dir:
+        raise ValueError("data.tokenizer=hf reads model.hf_dir's tokenizer, and model.hf_dir is not set; set it, "
+                         "or name a tokenizer folder (data.tokenizer=/path/to/folder)")
+
+
+def check_sft(cfg) -> None:
+    """SFT's checks score the first sft.eval_size of the run's held-out set, which is the first
+    train.eval_size held-out problems of the tasks (JSONL prompts have none): refuse a target
+    accuracy that an empty set can never reach."""
+    sft, train = cfg.sft, cfg.train
+    if sft.steps == 0 or sft.target_accuracy is None:
+        return
+    empty_because = ("data.jsonl is set (JSONL prompts have no held-out set)" if cfg.data.jsonl else
+                     "train.eval_size=0" if train.eval_size == 0 else
+                     "data.heldout_size=0" if cfg.data.heldout_size == 0 else None)
+    if empty_because:
+        raise ValueError(f"sft.target_accuracy={sft.target_accuracy} can never stop SFT: its checks score the "
+                         f"held-out set, which is empty because {empty_because}; set sft.target_accuracy=null "
+                         f"to run all sft.steps={sft.steps}")

@@ -1,0 +1,156 @@
+"""The rollout engine seam: the `RolloutEngine` protocol and the `ENGINES` registry.
+
+    spec = ENGINES.get(cfg.rollout.backend)              # "embedded", "vllm", or a registered one
+    limit = spec.max_len(cfg.rollout, arch)              # before the engine exists (prompt checks)
+    engine = spec.make(EngineRequest(arch, cfg.rollout, run_dir, needs=EngineNeeds.of(cfg)))
+    transport.push(policy, engine, version)              # weights in (trainer/transport.py)
+    groups = engine.generate(prompt_ids, n=8, sampling=params)    # token ids in, Samples out
+    engine.stats()                                       # counters the trainer logs as they are
+
+An engine is an object with the protocol's members; an `EngineSpec` says how to build one from
+the config and what it can do, so the trainer and the config check handle every engine alike:
+
+    make              EngineRequest -> RolloutEngine (runs on the rank that holds the engine)
+    settings          its typed config section, `rollout.<name>` (e.g. VllmConfig), or None
+    max_len           (rollout section, arch) -> the longest prompt + response it takes
+    no_routing        (rollout section) -> why, as configured, its samples cannot carry routed
+                      experts (router replay R3), or None (they can, or it is known only once
+                      the engine finds its server, which then refuses)
+    no_fp32_lm_head   why it cannot run the LM head alone in fp32 (precision.fp32_lm_head), or None
+    transports        the weight transports it receives from (trainer/transport.py), first = default;
+                      it implements each one's receiver protocol (TakesTensors, TakesDirectory)
+    may_change        fields of its section a resume may change (where it runs, how it is reached)
+
+What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
+top-p/top-k sets, routed experts, an fp32 head), never by the engine reading the loss or MoE
+sections. Adding an engine: a module with the class and its `EngineSpec`, and one line in
+rollout/registered.py (docs/architecture.md).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from megatron_rl.registry import Registry
+from megatron_rl.rollout.types import Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_rl.model.arch import ModelArch
+
+
+class RolloutEngine(Protocol):
+    """A backend that samples responses; it receives weights through the receiver protocol of each
+    transport its spec lists (TakesTensors, TakesDirectory below).
+
+    policy_version: the trainer version of the weights it holds (-1 before the first).
+    max_len: the longest prompt + response it takes, in tokens.
+    """
+
+    policy_version: int
+
+    @property
+    def max_len(self) -> int: ...
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
+        """n samples for each prompt (token ids in, token ids out); result[i][j] is sample j of prompt i."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters and timings since construction (namespaced: `vllm/restarts`); {} when none."""
+
+    def close(self) -> None:
+        """Release the backend (stop servers, free memory)."""
+
+
+# How an engine receives weights: one protocol per weight transport (trainer/transport.py). An
+# engine implements those of the transports its spec lists.
+class TakesTensors(Protocol):
+    """The `memory` transport's receiver: an engine in the trainer's process."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load HF checkpoint-format (name, tensor) pairs, streamed; set policy_version."""
+
+
+class TakesDirectory(Protocol):
+    """The `disk` transport's receiver: an engine that reads an HF model folder."""
+
+    def load_weights_from(self, model_dir: str, version: int) -> None:
+        """Serve the weights in `model_dir` (config.json + safetensors); set policy_version. The
+        engine owns the folder from then on and deletes it once it no longer needs it."""
+
+
+@dataclass(frozen=True)
+class EngineNeeds:
+    """What the trainer needs from the engine's samples, derived from the run config once.
+
+    kept_sets: the kept top-p/top-k token set of every sampled token and log-probs renormalised
+        over it (loss.keep_sampling_mask).
+    routed_experts: the routed experts of every position (moe.router_replay=r3).
+    fp32_lm_head: the LM head and its softmax in fp32 (precision.fp32_lm_head).
+    """
+
+    kept_sets: bool = False
+    routed_experts: bool = False
+    fp32_lm_head: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> EngineNeeds:
+        """From a RunConfig."""
+        return cls(kept_sets=cfg.loss.keep_sampling_mask, routed_experts=cfg.moe.router_replay == "r3",
+                   fp32_lm_head=cfg.precision.fp32_lm_head)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What an engine factory gets. rollout: the config's rollout section (sampling settings, the
+    engine's own typed section); run_dir: where it may keep files (server logs); device: the
+    trainer's device (an in-process engine's default placement); stopping: the trainer's stop flag
+    (an engine does not restart a dead server once it is set)."""
+
+    arch: ModelArch
+    rollout: Any  # config.schema.RolloutSection (typed loosely: the config package imports this one)
+    run_dir: str
+    needs: EngineNeeds = EngineNeeds()
+    device: str = "cpu"
+    stopping: Callable[[], bool] = lambda: False
+
+
+def model_len(rollout, arch: ModelArch) -> int:
+    """The model's own limit (an engine with no limit of its own)."""
+    return arch.max_position_embeddings
+
+
+def routes(rollout) -> str | None:
+    """An engine that reports routed experts (None: no reason it cannot)."""
+    return None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A registered engine (see the module docstring)."""
+
+    make: Callable[[EngineRequest], RolloutEngine]
+    settings: type | None = None
+    max_len: Callable[[Any, ModelArch], int] = model_len
+    no_routing: Callable[[Any], str | None] = routes
+    no_fp32_lm_head: str | None = None
+    transports: tuple[str, ...] = ("memory",)
+    may_change: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not callable(self.make):
+            raise TypeError(f"EngineSpec.make must be a factory EngineRequest -> RolloutEngine, got {self.make!r}")
+        if not self.transports or not all(isinstance(t, str) for t in self.transports):
+            raise TypeError(f"EngineSpec.transports: name the weight transports it takes, got {self.transports!r}")
+        if self.may_change and self.settings is None:
+            raise TypeError("EngineSpec.may_change names fields of a settings section, and the engine has none")
+        if self.settings is not None:
+            known = {f.name for f in fields(self.settings)}
+            unknown = sorted(set(self.may_change) - known)
+            if unknown:
+                raise TypeError(f"EngineSpec.may_change: {unknown} are not fields of {self.settings.__name__}")
+
+
+ENGINES = Registry("rollout engine", EngineSpec)

@@ -1,0 +1,67 @@
+"""The rollout-function seam: how examples become scored samples (`rollout.function` in the config).
+
+    fn = ROLLOUT_FNS.get(cfg.rollout.function).make(RolloutFnInputs(tokenizer, rewards))
+    generated = fn(engine, examples, n=8, sampling=params)   # n samples per example, groups contiguous
+    rewards = generated.score()                              # on the main thread, after generation
+
+`single_turn` (rollout/single_turn.py, the default) encodes each prompt, samples n responses from
+the engine and scores each decoded response with the task's reward. An agent loop is another
+RolloutFn: it drives the engine and an environment turn by turn and returns one token sequence
+per trajectory, with the environment's tokens in the response and masked out (`Sample.loss_mask`),
+so the trainer scores exactly the tokens the engine sampled.
+
+Why scoring is a separate call: the async schedule generates in a background thread while the
+trainer updates, and a reward may need the main thread (the `math` reward bounds sympy with
+SIGALRM). A function whose environment already scored the trajectories returns them from `score`.
+Cost: whatever the engine's generate() costs plus one reward call per sample; no tensor beyond
+the samples themselves.
+
+Adding one: a module with the function and its `RolloutFnSpec`, one line in rollout/registered.py
+(a test may register a toy one itself: tests/distributed/test_toy_seams.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from megatron_rl.registry import Registry
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.types import Sample, SamplingParams
+
+
+@dataclass(frozen=True)
+class Generated:
+    """samples: flat [B·n], sample j of example i at index i·n + j; score: () -> one reward per
+    sample, in that order (call it on the main thread)."""
+
+    samples: list[Sample]
+    score: Callable[[], list[float]]
+
+
+class RolloutFn(Protocol):
+    def __call__(self, engine: RolloutEngine, examples: Sequence[Any], n: int, sampling: SamplingParams) -> Generated:
+        """n samples (each with its reward to come) for each of `examples` (data.types.Example)."""
+
+
+@dataclass(frozen=True)
+class RolloutFnInputs:
+    """What a rollout function's factory gets: the run's tokenizer (data/tokenizer.py's interface)
+    and reward runner (rewards/runner.py)."""
+
+    tokenizer: Any
+    rewards: Any
+
+
+@dataclass(frozen=True)
+class RolloutFnSpec:
+    """A registered rollout function: make(inputs) -> RolloutFn."""
+
+    make: Callable[[RolloutFnInputs], RolloutFn]
+
+    def __post_init__(self):
+        if not callable(self.make):
+            raise TypeError(f"RolloutFnSpec.make must be a factory RolloutFnInputs -> RolloutFn, got {self.make!r}")
+
+
+ROLLOUT_FNS = Registry("rollout function", RolloutFnSpec)
