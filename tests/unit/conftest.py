@@ -20,14 +20,16 @@ def _refuse(*args, **kwargs):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _font_cache():
-    """matplotlib lists the system's fonts (fc-list, a process) the first time it is imported on a
-    machine and caches them: done before the guard below, as a fresh CI machine would."""
+def _imports_that_start_processes():
+    """Imports that start a process of their own, done once before the guard below: matplotlib
+    lists the system's fonts (fc-list) the first time it is imported on a machine and caches them;
+    megatron-core 0.19 asks git for its commit (package_info.py) when first imported."""
     import matplotlib.font_manager  # noqa: F401
+    import megatron.core  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
-def _no_processes(monkeypatch, _font_cache):
+def _no_processes(monkeypatch, _imports_that_start_processes):
     monkeypatch.setattr(subprocess.Popen, "__init__", _refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
