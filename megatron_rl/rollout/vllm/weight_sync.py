@@ -123,7 +123,7 @@ def check_supported(arch: ModelArch, weight_sync: str, device: str, routed_exper
             f"in-place weight reload of a MoE model is refused on {where}: vLLM's CPU backend leaves the expert "
             f"weights wrong after reload_weights (checksums differ from a fresh load), so rollouts would come "
             f"from a different policy than the trainer's. Use rollout.vllm.weight_sync=memory (the default: the "
-            f"in-memory sync repacks the experts), or restart (RestartSync: "
+            f"in-memory sync repacks the experts), or rollout.vllm.weight_sync=restart (RestartSync: "
             f"restarts the server on the new weights every sync, ~1 min each on a 2-core CPU, timed as "
             f"timing/vllm_restart), or run the server on GPUs.")
     if weight_sync == "restart" and not can_restart:
