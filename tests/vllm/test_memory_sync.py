@@ -9,11 +9,10 @@ for MoE (the in-memory one, then the disk reference)."""
 import pytest
 import torch
 
-from megatron_rl.model.hf_io import SafetensorsReader, save_hf_checkpoint
+from megatron_rl.model.hf_io import SafetensorsReader
 from megatron_rl.model.parity import random_hf_model
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync
 from tests.vllm.conftest import tiny_arch
 
 pytestmark = pytest.mark.vllm

@@ -44,6 +44,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.model.hf_io import save_hf_config
 from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
@@ -59,8 +60,13 @@ from megatron_rl.rollout.vllm.errors import (
 )
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, HOST, LocalServer, RemoteServer, ServerHandle
-from megatron_rl.model.hf_io import save_hf_config
-from megatron_rl.rollout.vllm.probe import Reference, StreamedReference, hf_reference, probe_diff, probe_tokens
+from megatron_rl.rollout.vllm.probe import (
+    Reference,
+    StreamedReference,
+    hf_reference,
+    probe_diff,
+    probe_tokens,
+)
 from megatron_rl.rollout.vllm.protocol import (
     check_served,
     completion_body,

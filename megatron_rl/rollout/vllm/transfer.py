@@ -28,9 +28,10 @@ Data plane: a process group of the trainer (rank 0, the sender) and the server's
 Buckets: the HF-named tensors arrive as a stream (the export gathers each from the ranks that own
 it) and are copied into one reused buffer of `bucket_bytes`; a full buffer is one /update_weights
 and one broadcast, and the server loads it before the next is sent. A tensor larger than the
-buffer goes alone, from its own memory. vLLM's packed receiver cuts a chunk once its byte total
-exceeds the buffer size; a bucket never exceeds it (or holds one tensor), so one bucket is one
-chunk on both sides.
+buffer goes alone, from its own memory. Our gloo engine receives each update as one broadcast;
+vLLM's packed nccl receiver cuts a chunk once its byte total exceeds the buffer size, which the
+trainer sets to `bucket_bytes`, and a bucket never exceeds it (or holds one tensor): one bucket
+is one broadcast on both.
 
 Cost per sync: the model's bytes once through the sender per server worker (a gloo broadcast is a
 send per peer; NCCL's is a ring), ceil(model bytes / bucket_bytes) + (tensors larger than a bucket)
@@ -42,6 +43,7 @@ names its first rank), receiving every bucket from one broadcast; this module dr
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import socket
 import time
@@ -160,8 +162,9 @@ class GlooChannel:
 
 
 def _gloo_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float) -> dict:
+    del bucket_bytes  # our engine receives each update as one broadcast, whatever its size
     return {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world_size,
-            "packed_buffer_size_bytes": bucket_bytes, "timeout_s": timeout_s}
+            "timeout_s": timeout_s}
 
 
 class NcclChannel:
@@ -222,7 +225,7 @@ def backend_for(cuda: bool) -> Backend:
 
 def weight_transfer_args(backend: Backend) -> list[str]:
     """The server flags for receiving over `backend`."""
-    return ["--weight-transfer-config", '{"backend": "%s"}' % backend.name, *backend.server_args]
+    return ["--weight-transfer-config", json.dumps({"backend": backend.name}), *backend.server_args]
 
 
 # ---- the control plane -------------------------------------------------------------------------

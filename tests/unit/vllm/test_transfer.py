@@ -10,7 +10,14 @@ from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.validate import weight_transport
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
-from megatron_rl.rollout.vllm.transfer import BACKENDS, Meta, backend_for, packed_buckets, update_info, weight_transfer_args
+from megatron_rl.rollout.vllm.transfer import (
+    BACKENDS,
+    Meta,
+    backend_for,
+    packed_buckets,
+    update_info,
+    weight_transfer_args,
+)
 from tests.vllm.conftest import tiny_arch
 
 NOWHERE = "http://127.0.0.1:9"  # never contacted: every test here fails before any request
@@ -46,9 +53,9 @@ def test_buckets_are_bounded_in_order_and_round_trip():
 
 
 def test_a_bucket_is_one_chunk_of_vllms_packed_receiver():
-    """vLLM's receiver (packed_nccl_broadcast_consumer; our gloo engine cuts alike) closes a chunk
-    once its byte total exceeds the buffer size: a bucket at most that size, or a lone larger
-    tensor, is received as exactly one chunk, so one broadcast per /update_weights."""
+    """vLLM's nccl receiver (packed_nccl_broadcast_consumer) closes a chunk once its byte total
+    exceeds the buffer size (bucket_bytes): a bucket at most that size, or a lone larger tensor, is
+    received as exactly one chunk, so one broadcast per /update_weights (as our gloo engine takes it)."""
     def chunks(metas, limit):
         out, total, n = [], 0, 0
         for m in metas:
@@ -65,7 +72,7 @@ def test_a_bucket_is_one_chunk_of_vllms_packed_receiver():
 def test_the_buffer_is_reused_and_an_oversized_tensor_sent_from_its_own_memory():
     big = torch.ones(50)
     stream = packed_buckets([("a", torch.zeros(4)), ("big", big), ("b", torch.ones(4)), ("c", torch.ones(4))], 32)
-    first, data1 = next(stream)
+    _, data1 = next(stream)
     _, data_big = next(stream)
     assert data_big.data_ptr() == big.data_ptr()   # no copy for a tensor larger than the buffer
     _, data2 = next(stream)
@@ -86,7 +93,7 @@ def test_init_info_carries_what_each_server_engine_reads():
                     "packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2}
     gloo = BACKENDS["gloo"].init_info("127.0.0.1", 5000, 2, 1 << 20, 60.0)
     assert gloo == {"master_address": "127.0.0.1", "master_port": 5000, "rank_offset": 1, "world_size": 2,
-                    "packed_buffer_size_bytes": 1 << 20, "timeout_s": 60.0}
+                    "timeout_s": 60.0}
 
 
 def test_the_backend_follows_cuda():

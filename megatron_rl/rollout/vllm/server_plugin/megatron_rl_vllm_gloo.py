@@ -9,15 +9,14 @@ engine needs CUDA (PyNcclCommunicator, CUDA streams) and so does the base class'
 speaks the same protocol (the update info is vLLM's own NCCLWeightTransferUpdateInfo, the bytes
 are packed the way vLLM's packed broadcast packs them) over a gloo process group instead:
 
-    init_info  {master_address, master_port, rank_offset, world_size, packed_buffer_size_bytes, timeout_s}
+    init_info  {master_address, master_port, rank_offset, world_size, timeout_s}
                the trainer hosts a TCPStore at master_address:master_port and is rank 0; worker w
                of the server joins as rank_offset + w (w = dp_rank * TP * PP + its rank, as vLLM's
                nccl engine numbers them), so several servers share one group with their offsets.
-    update     {names, dtype_names, shapes}: the tensors of one broadcast, in order. The worker
-               cuts them into chunks as vLLM's packed consumer does (add tensors until the byte
-               total exceeds packed_buffer_size_bytes), receives each chunk as one uint8 tensor
-               and loads its views into the model; a bucket the trainer keeps at or under that
-               size is one chunk.
+    update     {names, dtype_names, shapes}: the tensors of one bucket, in order. The worker
+               receives the bucket as one broadcast of their bytes back to back (a uint8 tensor,
+               what vLLM's packed broadcast sends per chunk) and loads its views into the model.
+               The trainer bounds the bucket, so one update is one broadcast whatever its size.
 
 MoE on the CPU: vLLM's unquantized MoE method prepacks the expert weights for its CPU kernel only
 on the first load (process_weights_after_loading skips it when `moe_kernel` is already set, to
@@ -35,7 +34,7 @@ Loading it into a server (the launcher does this for the servers it starts):
 The worker extension has no methods: naming it makes every worker process import this module,
 whose import registers the engine in vLLM's WeightTransferEngineFactory before the worker builds
 its engine. Cost per sync: the model's bytes once through the trainer's socket per worker (gloo
-broadcast), one chunk buffer (at most the bucket size plus one tensor) per worker.
+broadcast), one bucket's buffer per worker while it loads.
 
 Runs in the vLLM environment (vllm, torch); nothing of megatron_rl is imported.
 """
@@ -50,7 +49,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
-from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES, unpack_tensor
+from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
 BACKEND = "gloo"
 STORE_PREFIX = "megatron_rl_weights"  # the trainer's side (rollout/vllm/transfer.py) uses the same
@@ -64,24 +63,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int
     world_size: int
-    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     timeout_s: float = 600.0
-
-
-def _chunks(info: NCCLWeightTransferUpdateInfo, limit: int):
-    """[(name, shape, dtype, nbytes)] per broadcast: tensors are added until the byte total
-    exceeds `limit` (vLLM's packed consumer cuts the same way)."""
-    chunk, total = [], 0
-    for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
-        dtype = getattr(torch, dtype_name)
-        nbytes = math.prod(shape) * dtype.itemsize
-        chunk.append((name, list(shape), dtype, nbytes))
-        total += nbytes
-        if total > limit:
-            yield chunk
-            chunk, total = [], 0
-    if chunk:
-        yield chunk
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTransferUpdateInfo]):
@@ -94,7 +76,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroup | None = None
-        self.limit = DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         pc = self.parallel_config
@@ -105,7 +86,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
                               is_master=False, timeout=timeout)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, init_info.world_size,
                                            timeout)
-        self.limit = init_info.packed_buffer_size_bytes
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -132,12 +112,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
             raise RuntimeError("gloo weight transfer is not initialised: POST /init_weight_transfer_engine first")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(update_info.shapes, dtypes)]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)  # CPU: a CUDA model's load_weights copies it over
+        self.group.broadcast(buffer, 0).wait()
         with disable_mtp_completeness_check():
-            for chunk in _chunks(update_info, self.limit):
-                names, shapes, dtypes, sizes = (list(c) for c in zip(*chunk))
-                buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-                self.group.broadcast(buffer, 0).wait()
-                self.model.load_weights(unpack_tensor(buffer, names, shapes, dtypes, sizes))
+            self.model.load_weights(unpack_tensor(buffer, update_info.names, update_info.shapes, dtypes, sizes))
 
     def shutdown(self) -> None:
         self.group = None  # a gloo group closes its connections when its last reference goes
