@@ -465,7 +465,7 @@ class VllmEngine:
     def stats(self) -> dict[str, float]:
         """Counters since construction (vllm/restarts, vllm/retries, vllm/bad_responses,
         vllm/requests, vllm/weight_syncs) and the last values of vllm/probe_max_abs_diff and
-        timing/vllm_{server_start,restart,reload,weight_sync} (seconds)."""
+        timing/vllm_{server_start,restart,reload,memory_sync,weight_sync} (seconds)."""
         return dict(self._stats)
 
     def _log_hint(self) -> str:
