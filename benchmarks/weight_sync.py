@@ -7,7 +7,8 @@ the parameter counts are printed), one server at a time, as rank 0 of a run does
               buckets of --bucket-mib over vLLM's weight-transfer API (gloo on CPU; no file)
     reload    weight_sync=reload: an HF folder written (DiskTransport), reloaded in place
               (dense only: vLLM's CPU MoE cannot reload in place from disk, refused at start-up)
-    restart   weight_sync=restart: the folder written, a fresh server started on it
+    restart   weight_sync=restart: the folder written, a fresh server started on it (MoE only
+              here: for the dense shape it would cost the same full start)
 
 Per sync: seconds (median of --repeats, --restart-repeats for restarts; the server's first start
 is not a sync and is not counted), and the trainer's peak extra host memory (VmHWM, reset through
@@ -47,7 +48,7 @@ SHAPES = {
                           "num_kv_heads": 4, "ffn_hidden_size": 2048, "num_experts": 32, "moe_ffn_hidden_size": 512,
                           "moe_topk": 4}),
 }
-SYNCS = {"dense": ("memory", "reload", "restart"), "moe": ("memory", "restart")}
+SYNCS = {"dense": ("memory", "reload"), "moe": ("memory", "restart")}
 
 
 def checkpoint_weights(arch, seed: int, tmp: str) -> list:
