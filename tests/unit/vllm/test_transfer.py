@@ -145,3 +145,23 @@ def test_each_sync_takes_only_its_own_kind_of_weights(tmp_path):
     finally:
         memory.close()
         disk.close()
+
+
+class _LaunchedServer:
+    """What the engine reads of a server it launched, before any request."""
+
+    url, model_name, can_restart, api_key, log_where = NOWHERE, "policy", True, None, "server.log"
+
+    def stop(self, graceful=True):
+        pass
+
+
+def test_a_dead_server_is_not_restarted_on_random_weights(tmp_path):
+    """A restart would start on the config-only folder (random weights): the engine keeps no copy
+    of what it streamed, so the run stops instead (and resumes)."""
+    engine = VllmEngine(tiny_arch(), VllmConfig(device="cpu"), str(tmp_path), server=_LaunchedServer(), device="cpu")
+    try:
+        with pytest.raises(VllmError, match="weight_sync=memory it is not restarted: the engine holds no copy"):
+            engine._restart("unused", "died")
+    finally:
+        engine.close()
