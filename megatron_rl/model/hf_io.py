@@ -301,6 +301,17 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
                         yield template.format(layer=layer, expert=r * e_local + j), cast(full[k * n_ep + r], param)
 
 
+def save_hf_config(out_dir: str, arch: ModelArch, dtype: torch.dtype | None) -> None:
+    """config.json of `arch` in `out_dir`, naming `dtype` as the weights' dtype: a checkpoint's
+    own, or alone, a model a server can start on before it has weights (vLLM --load-format dummy)."""
+    hf_config = arch.to_hf_config()
+    hf_config.torch_dtype = dtype
+    if hasattr(hf_config, "dtype"):
+        hf_config.dtype = dtype
+    hf_config.architectures = [arch.family.hf_architecture]
+    hf_config.save_pretrained(out_dir)
+
+
 def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[str, torch.Tensor]], *,
                        write: bool = True, max_shard_bytes: int = 2 << 30,
                        extra_files: dict[str, str] | None = None, overwrite: bool = False) -> None:
@@ -370,12 +381,7 @@ def save_hf_checkpoint(out_dir: str, arch: ModelArch, tensors: Iterable[tuple[st
                 os.replace(os.path.join(tmp, a), os.path.join(tmp, b))
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {}, "weight_map": {k: final[v] for k, v in weight_map.items()}}, f, indent=1)
-        hf_config = arch.to_hf_config()
-        hf_config.torch_dtype = dtype
-        if hasattr(hf_config, "dtype"):
-            hf_config.dtype = dtype
-        hf_config.architectures = [arch.family.hf_architecture]
-        hf_config.save_pretrained(tmp)
+        save_hf_config(tmp, arch, dtype)
         for src, dst in (extra_files or {}).items():
             shutil.copy(src, os.path.join(tmp, dst))
         # every file as a plain open would make it: safetensors writes its files 0600 (and a copy

@@ -19,6 +19,8 @@ the config and what it can do, so the trainer and the config check handle every 
     no_fp32_lm_head   why it cannot run the LM head alone in fp32 (precision.fp32_lm_head), or None
     transports        the weight transports it receives from (trainer/transport.py), first = default;
                       it implements each one's receiver protocol (TakesTensors, TakesDirectory)
+    transport_for     (rollout section) -> the transport its own settings call for (vLLM: memory
+                      for weight_sync=memory, disk for reload / restart), or None: transports[0]
     may_change        fields of its section a resume may change (where it runs, how it is reached)
 
 What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
@@ -127,6 +129,11 @@ def routes(rollout) -> str | None:
     return None
 
 
+def no_transport_setting(rollout) -> str | None:
+    """An engine whose settings do not choose its transport."""
+    return None
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """A registered engine (see the module docstring)."""
@@ -137,6 +144,7 @@ class EngineSpec:
     no_routing: Callable[[Any], str | None] = routes
     no_fp32_lm_head: str | None = None
     transports: tuple[str, ...] = ("memory",)
+    transport_for: Callable[[Any], str | None] = no_transport_setting
     may_change: tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -114,32 +114,32 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@torch.no_grad()
-def load_checkpoint_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                            rules: Iterable[FusedRule] = FUSED_RULES) -> None:
-    """Copy HF checkpoint-format (name, tensor) pairs into `model`, casting to its dtype.
+class CheckpointLoader:
+    """Copies HF checkpoint-format tensors into `model` one at a time (`take`), casting to its
+    dtype; `finish` checks that every tensor the model needs came exactly once. A tied alias (e.g.
+    `lm_head.weight` under tie_word_embeddings) is accepted and skipped, since the tensor it shares
+    is loaded under its own name. For a stream with several readers (a weight sync that also
+    feeds the parity probe's reference); `load_checkpoint_tensors` for one."""
 
-    Every checkpoint tensor the model needs must arrive exactly once; a tied alias (e.g.
-    `lm_head.weight` under tie_word_embeddings) is accepted and skipped, since the tensor it
-    shares is loaded under its own name. Raises KeyError listing unexpected or missing names
-    and ValueError on a shape mismatch. Tensors stream in one at a time; on error the model
-    may be partly updated.
-    """
-    params = state_tensors(model)
-    layout = checkpoint_layout({n: tuple(p.shape) for n, p in params.items()}, rules)
-    aliases = tied_aliases(model)
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    for name, tensor in named_tensors:
-        target = layout.get(name)
+    def __init__(self, model: torch.nn.Module, rules: Iterable[FusedRule] = FUSED_RULES):
+        self.params = state_tensors(model)
+        self.layout = checkpoint_layout({n: tuple(p.shape) for n, p in self.params.items()}, rules)
+        self.aliases = tied_aliases(model)
+        self.seen: set[str] = set()
+        self.unexpected: list[str] = []
+
+    @torch.no_grad()
+    def take(self, name: str, tensor: torch.Tensor) -> None:
+        """Raises KeyError on a tensor given twice, ValueError on a shape mismatch."""
+        target = self.layout.get(name)
         if target is None:
-            if name not in aliases:
-                unexpected.append(name)
-            continue
-        if name in seen:
+            if name not in self.aliases:
+                self.unexpected.append(name)
+            return
+        if name in self.seen:
             raise KeyError(f"checkpoint tensor {name!r} was given twice")
-        seen.add(name)
-        dst = params[target.param]
+        self.seen.add(name)
+        dst = self.params[target.param]
         if target.expert is not None:
             dst = dst[target.expert]
         if target.rows is not None:
@@ -149,7 +149,24 @@ def load_checkpoint_tensors(model: torch.nn.Module, named_tensors: Iterable[tupl
             raise ValueError(f"shape mismatch: checkpoint {name!r} is {tuple(tensor.shape)}, "
                              f"{where} slot is {tuple(dst.shape)}")
         dst.copy_(tensor)
-    missing = sorted(layout.keys() - seen)
-    if unexpected or missing:
-        raise KeyError(f"weights do not match the model: {len(unexpected)} unexpected "
-                       f"{sorted(unexpected)[:5]}, {len(missing)} missing {missing[:5]}")
+
+    def finish(self) -> None:
+        """Raises KeyError listing unexpected or missing names."""
+        missing = sorted(self.layout.keys() - self.seen)
+        if self.unexpected or missing:
+            raise KeyError(f"weights do not match the model: {len(self.unexpected)} unexpected "
+                           f"{sorted(self.unexpected)[:5]}, {len(missing)} missing {missing[:5]}")
+
+
+def load_checkpoint_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                            rules: Iterable[FusedRule] = FUSED_RULES) -> None:
+    """Copy HF checkpoint-format (name, tensor) pairs into `model` (see CheckpointLoader).
+
+    Every checkpoint tensor the model needs must arrive exactly once. Raises KeyError listing
+    unexpected or missing names and ValueError on a shape mismatch. Tensors stream in one at a
+    time; on error the model may be partly updated.
+    """
+    loader = CheckpointLoader(model, rules)
+    for name, tensor in named_tensors:
+        loader.take(name, tensor)
+    loader.finish()

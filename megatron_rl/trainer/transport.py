@@ -8,7 +8,9 @@ A transport knows which ranks send (`senders`) and what the engine must implemen
 takes (EngineSpec.transports, the first is its default; rollout.weight_transport picks another).
 
     memory   rank 0 streams (HF name, tensor) pairs into the engine object it holds
-             (TakesTensors.update_weights): the embedded engine, on-device copies, no file.
+             (TakesTensors.update_weights), no file: the embedded engine copies them on-device;
+             the vLLM engine forwards them to its server's workers in bounded buckets over vLLM's
+             weight-transfer API (rollout/vllm/transfer.py; rollout.vllm.weight_sync=memory).
     disk     rank 0 writes an HF model folder under <run_dir>/weights (config.json + safetensors,
              atomically) and hands its path over (TakesDirectory.load_weights_from): the vLLM
              server reloads it in place or restarts on it; the engine owns the folder from then

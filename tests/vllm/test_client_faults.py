@@ -36,7 +36,7 @@ def weights():
 def make_engine(tmp_path, weights, behaviour=None, **cfg):
     fake = FakeVllm(ARCH.vocab_size, behaviour)
     options = {"warmup": False, "probe_every": 0, "retry_backoff_s": 0.01, "health_interval_s": 0.5,
-               "health_timeout_s": 120.0}
+               "health_timeout_s": 120.0, "weight_sync": "reload"}
     options.update(cfg)
     engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), server=fake, device="cpu")
     push(engine, weights, 3)
@@ -244,7 +244,7 @@ def test_every_request_carries_the_key_and_none_passes_without_it(tmp_path, weig
 def test_a_server_at_a_url_takes_its_key_from_the_config_or_the_environment(tmp_path, weights, monkeypatch):
     fake = FakeVllm(ARCH.vocab_size)
     fake.start("unused")
-    options = {"url": fake.url, "warmup": False, "probe_every": 0, "health_timeout_s": 120.0}
+    options = {"url": fake.url, "warmup": False, "probe_every": 0, "health_timeout_s": 120.0, "weight_sync": "reload"}
     try:
         monkeypatch.delenv("MEGATRON_RL_VLLM_API_KEY", raising=False)
         with pytest.raises(VllmStartError, match="refused a request without an API key.*MEGATRON_RL_VLLM_API_KEY"):
@@ -272,7 +272,7 @@ def test_a_server_at_a_url_is_used_but_never_restarted(tmp_path, weights):
     fake = FakeVllm(ARCH.vocab_size)
     fake.start("unused")
     cfg = VllmConfig(url=fake.url, api_key=fake.api_key, warmup=False, probe_every=0, health_interval_s=0.5,
-                     health_timeout_s=120.0)
+                     health_timeout_s=120.0, weight_sync="reload")
     engine = VllmEngine(ARCH, cfg, str(tmp_path))
     push(engine, weights, 0)
     assert engine.server.model_name == "fake" and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3

@@ -17,19 +17,21 @@ NOWHERE = "http://127.0.0.1:9"  # never contacted: refusals happen before any co
 
 def test_moe_in_place_reload_refused_on_cpu_with_the_safe_alternative(tmp_path):
     with pytest.raises(VllmUnsupportedError) as info:
-        VllmEngine(MOE, VllmConfig(url=NOWHERE, device="cpu"), str(tmp_path))
+        VllmEngine(MOE, VllmConfig(url=NOWHERE, device="cpu", weight_sync="reload"), str(tmp_path))
     msg = str(info.value)
     assert "MoE" in msg and "expert weights wrong" in msg and "weight_sync=restart" in msg
     # a URL server of unknown device is treated as CPU, and the message says how to declare a GPU one
     with pytest.raises(VllmUnsupportedError, match="device=cuda"):
-        VllmEngine(MOE, VllmConfig(url=NOWHERE), str(tmp_path))
+        VllmEngine(MOE, VllmConfig(url=NOWHERE, weight_sync="reload"), str(tmp_path))
     check_supported(MOE, "reload", "cuda", routed_experts=False, can_restart=True)  # GPU: allowed
-    check_supported(MOE, "restart", "cpu", routed_experts=False, can_restart=True)  # the alternative
+    check_supported(MOE, "restart", "cpu", routed_experts=False, can_restart=True)  # the alternatives
+    check_supported(MOE, "memory", "cpu", routed_experts=False, can_restart=False)
+    assert "weight_sync=memory" in msg
 
 
-def test_moe_refused_on_the_installed_cpu_lane(tmp_path, vllm_python):
+def test_moe_reload_refused_on_the_installed_cpu_lane(tmp_path, vllm_python):
     with pytest.raises(VllmUnsupportedError, match="weight_sync=restart"):
-        VllmEngine(MOE, VllmConfig(python=vllm_python), str(tmp_path))
+        VllmEngine(MOE, VllmConfig(python=vllm_python, weight_sync="reload"), str(tmp_path))
 
 
 def test_r3_refused_at_start_up_on_cpu(tmp_path):
@@ -46,7 +48,7 @@ def test_r3_refused_at_start_up_on_cpu(tmp_path):
 def test_r3_refused_when_a_gpu_server_returns_no_routing(tmp_path):
     _, weights = hf_weights(MOE, seed=0)
     fake = FakeVllm(MOE.vocab_size)  # answers without routed_experts
-    cfg = VllmConfig(enable_return_routed_experts=True, warmup=False, probe_every=0)
+    cfg = VllmConfig(enable_return_routed_experts=True, warmup=False, probe_every=0, weight_sync="reload")
     engine = VllmEngine(MOE, cfg, str(tmp_path), server=fake, device="cuda")
     with pytest.raises(VllmUnsupportedError, match="returns no routed_experts"):
         push(engine, weights, 0)

@@ -27,7 +27,8 @@ def models():
 @pytest.fixture(scope="module")
 def engine(vllm_python, models, tmp_path_factory):
     # health_timeout_s: generous, so a busy server on a loaded machine never counts as hung
-    cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, max_model_len=256, health_timeout_s=120.0)
+    cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, max_model_len=256, health_timeout_s=120.0,
+                     weight_sync="reload")
     eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_server")))
     (_, weights_a), _ = models
     push(eng, weights_a, 0)

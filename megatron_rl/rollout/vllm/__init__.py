@@ -10,7 +10,9 @@ talks to it over HTTP on 127.0.0.1:
     http.py         stdlib JSON over HTTP, failures sorted for the client
     protocol.py     request bodies, strict answer validation, log-prob mode semantics
     client.py       VllmEngine: the RolloutEngine contract, retries, restarts, stats
+    transfer.py     MemorySync: in-memory weight sync over vLLM's weight-transfer API (default)
     weight_sync.py  WeightSync (DiskReloadSync, RestartSync) of a weights folder, the refusals
+    server_plugin/  code the server imports: the bearer-key middleware, the gloo transfer engine
     probe.py        the post-sync parity probe
 
     VLLM                                               # its ENGINES entry (rollout/registered.py)
@@ -77,6 +79,11 @@ def _max_len(rollout, arch) -> int:
     return rollout.vllm.max_model_len or arch.max_position_embeddings
 
 
+def _transport(rollout) -> str:
+    """memory for weight_sync=memory (tensors streamed in), disk for reload / restart (a folder)."""
+    return "memory" if rollout.vllm.weight_sync == "memory" else "disk"
+
+
 def _no_routing(rollout) -> str | None:
     if rollout.vllm.device != "cpu":  # a GPU server returns them; an `auto` one is refused once found on a CPU
         return None
@@ -87,14 +94,14 @@ def _no_routing(rollout) -> str | None:
 # where the server runs and how it is reached, restarted and probed: not its dtype, quantization,
 # log-prob mode, seed, lengths or extra arguments, which change the samples (trainer/resume_check.py)
 MAY_CHANGE = ("url", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization",
-              "max_num_seqs", "kv_cache_space_gb", "weight_sync", "enforce_eager", "probe_every", "probe_tokens",
+              "max_num_seqs", "kv_cache_space_gb", "weight_sync", "bucket_bytes", "transfer_host", "enforce_eager", "probe_every", "probe_tokens",
               "probe_tolerance", "keep_weight_dirs", "max_concurrency", "request_timeout_s", "startup_timeout_s",
               "health_timeout_s", "health_interval_s", "max_retries", "retry_backoff_s", "max_restarts", "warmup")
 
 VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, no_routing=_no_routing,
                   no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
                                   "or rollout.dtype=fp32 for the whole server",
-                  transports=("disk",), may_change=MAY_CHANGE)
+                  transports=("memory", "disk"), transport_for=_transport, may_change=MAY_CHANGE)
 
 
 __all__ = [

@@ -1,7 +1,9 @@
 """`VllmEngine`: the RolloutEngine contract on a vLLM OpenAI-compatible server.
 
     engine = VllmEngine(arch, VllmConfig(dtype="float32"), run_dir="runs/x")
-    engine.load_weights_from(model_dir, version=0)     # an HF folder (the `disk` transport's); the first starts the server
+    engine.update_weights(named_tensors, version=0)    # in memory (the `memory` transport's; weight_sync=memory)
+    engine.load_weights_from(model_dir, version=0)     # or an HF folder (the `disk` transport's; reload / restart)
+                                                       # the first weights start the server
     groups = engine.generate(prompts, n=8, sampling=SamplingParams(max_tokens=64))
     engine.stats()   # {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0, ...}
     engine.close()
@@ -26,10 +28,13 @@ and the call returns only when every key has a validated sample.
   within one call: VllmServerDiedError (the trainer checkpoints and stops).
 - server dead during load_weights_from(): restarted on the new weights, which loads them, when
   `max_restarts` >= 1 (it bounds each load_weights_from() call too); else VllmServerDiedError.
+- weight_sync=memory: a server that dies is never restarted (VllmServerDiedError): the engine
+  holds no copy of the weights it streamed to start a new one on.
 - never a restart once `stopping()` is true (the run got SIGTERM or Ctrl-C): VllmServerDiedError.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
@@ -39,6 +44,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.model.hf_io import save_hf_config
 from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
@@ -54,13 +60,20 @@ from megatron_rl.rollout.vllm.errors import (
 )
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, HOST, LocalServer, RemoteServer, ServerHandle
-from megatron_rl.rollout.vllm.probe import Reference, hf_reference, probe_diff, probe_tokens
+from megatron_rl.rollout.vllm.probe import (
+    Reference,
+    StreamedReference,
+    hf_reference,
+    probe_diff,
+    probe_tokens,
+)
 from megatron_rl.rollout.vllm.protocol import (
     check_served,
     completion_body,
     decode_routed_experts,
     parse_completion,
 )
+from megatron_rl.rollout.vllm.transfer import MemorySync, backend_for, nccl_needs_vllm, weight_transfer_args
 from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, WeightDirs, check_supported
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
@@ -74,8 +87,10 @@ class VllmEngine:
     arch: the policy's architecture (vocab size, MoE or not). cfg: VllmConfig; its "auto"
     fields should be resolved by the caller (make_vllm_engine does it): here dtype "auto" lets
     vLLM use the checkpoint's dtype and logprobs_mode "auto" means raw_logprobs.
-    run_dir: server log (`<run_dir>/vllm/server.log`). Weights arrive as HF folders written by
-        the `disk` transport (trainer/transport.py); the engine keeps the newest keep_weight_dirs.
+    run_dir: server log (`<run_dir>/vllm/server.log`). Weights arrive by the transport that
+        cfg.weight_sync takes (trainer/transport.py): `memory` streams tensors into update_weights
+        (transfer.py); `disk` hands HF folders to load_weights_from, of which the engine keeps the
+        newest keep_weight_dirs.
     reference: the parity probe's reference (tokens -> log-probs [len - 1]); None = transformers
         fp32 on the weights' folder.
     server, device: inject a ServerHandle (tests) and its device ("cpu" | "cuda" | "unknown").
@@ -89,11 +104,16 @@ class VllmEngine:
                  reference: Reference | None = None, server: ServerHandle | None = None,
                  device: str | None = None, stopping: Callable[[], bool] = lambda: False):
         self.arch = arch
+        cfg = cfg or VllmConfig()
+        # with CUDA the trainer drives vLLM's own nccl engine: refused before anything starts
+        self.backend = backend_for(torch.cuda.is_available()) if cfg.weight_sync == "memory" else None
+        if self.backend is not None and self.backend.name == "nccl" and importlib.util.find_spec("vllm") is None:
+            raise VllmUnsupportedError(nccl_needs_vllm())
         # The trainer's stop flag. A server that dies once the run is stopping is not restarted:
         # SLURM signals every process of a job step, this server too, and a restart (a model
         # load) would outlast the grace period before SIGKILL that the trainer needs to save.
         self.stopping = stopping
-        self.cfg = cfg = cfg or VllmConfig()
+        self.cfg = cfg
         self.root = os.path.join(run_dir, "vllm")
         self.logprobs_mode = "raw_logprobs" if cfg.logprobs_mode == "auto" else cfg.logprobs_mode
         self.max_model_len = cfg.max_model_len or arch.max_position_embeddings
@@ -118,6 +138,7 @@ class VllmEngine:
         check_supported(arch, cfg.weight_sync, self.device, cfg.enable_return_routed_experts, server.can_restart)
         self.server = server
         self.sync = RestartSync() if cfg.weight_sync == "restart" else DiskReloadSync()
+        self.memory = MemorySync(server, self.backend, cfg.bucket_bytes, cfg.transfer_host) if self.backend else None
         self.dirs = WeightDirs(cfg.keep_weight_dirs)  # the folders it was given: a restart starts on the newest
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="vllm-request")
         self._started = False
@@ -145,11 +166,14 @@ class VllmEngine:
             args += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         if c.enable_return_routed_experts:
             args.append("--enable-return-routed-experts")
+        if self.backend is not None:  # started on random weights; every sync streams them in
+            args += ["--load-format", "dummy", *weight_transfer_args(self.backend)]
         return args + list(c.extra_args)
 
     def _server_env(self, device: str) -> dict[str, str]:
-        # the development endpoints only where in-place weight sync needs /collective_rpc
-        env = {"VLLM_HOST_IP": HOST, "VLLM_SERVER_DEV_MODE": "1" if self.cfg.weight_sync == "reload" else "0"}
+        # the development endpoints (/collective_rpc, the weight-transfer ones) only where a sync uses them
+        dev = self.cfg.weight_sync in ("reload", "memory")
+        env = {"VLLM_HOST_IP": HOST, "VLLM_SERVER_DEV_MODE": "1" if dev else "0"}
         if device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.kv_cache_space_gb)
         env.update(self.cfg.env)
@@ -160,6 +184,8 @@ class VllmEngine:
         self._stats["timing/vllm_server_start"] = seconds
         log.info("vLLM server up at %s in %.1f s", self.server.url, seconds)
         self._warmup()
+        if self.memory is not None:
+            self.memory.open(self.cfg.startup_timeout_s)
         self._started = True
         if self.cfg.enable_return_routed_experts:
             self._check_routing()
@@ -168,6 +194,11 @@ class VllmEngine:
         if not self.server.can_restart:
             raise VllmServerDiedError(f"vLLM server at {self.server.url} failed ({reason}) and cannot be "
                                       f"restarted by us")
+        if self.memory is not None:
+            raise VllmServerDiedError(f"vLLM server at {self.server.url} failed ({reason}); with "
+                                      f"rollout.vllm.weight_sync=memory it is not restarted: the engine holds no "
+                                      f"copy of the weights to start it on (resume the run, or use weight_sync=reload "
+                                      f"for restarts from the newest weight folder). Log: {self._log_hint()}")
         if self.stopping():
             raise VllmServerDiedError(f"vLLM server at {self.server.url} failed ({reason}); not restarted: the "
                                       f"run is stopping")
@@ -210,11 +241,45 @@ class VllmEngine:
                                        f"returns no routed_experts (start it with --enable-return-routed-experts)")
 
     # ---- weights ------------------------------------------------------------------------------
+    def update_weights(self, named_tensors, version: int) -> None:
+        """Stream HF checkpoint-format (name, tensor) pairs into the server (weight_sync=memory,
+        transfer.py; the first call starts it on random weights), probe parity against the same
+        stream, then set policy_version. Raises VllmParityError when the probe differs by more
+        than the tolerance, VllmServerDiedError when the transfer fails (the server is left
+        paused and half updated: the run stops)."""
+        if self.memory is None:
+            raise VllmError(f"rollout.vllm.weight_sync={self.cfg.weight_sync} takes HF folders (load_weights_from, the "
+                            f"disk transport), not tensors in memory")
+        t0 = time.perf_counter()
+        if not self._started:
+            self._start(self._config_dir())
+        probed = self._probes_next()
+        streamed = StreamedReference(self.arch) if probed and self.reference is None else None
+        named = streamed.tee(named_tensors) if streamed is not None else named_tensors
+        try:
+            self._stats["timing/vllm_memory_sync"] = self.memory.push(named, version, self.cfg.request_timeout_s)
+        except (TransportError, HttpStatusError, RuntimeError) as e:
+            raise VllmServerDiedError(f"in-memory weight sync of version {version} to {self.server.url} failed "
+                                      f"({type(e).__name__}: {e}); the server's weights are half updated. Log: "
+                                      f"{self._log_hint()}") from e
+        self._synced(version, f"the in-memory sync of version {version}",
+                     streamed.reference if streamed is not None else self.reference, probed, t0)
+
+    def _config_dir(self) -> str:
+        """A folder with the model's config.json alone: what the server starts on before weights."""
+        path = os.path.join(self.root, "model-config")
+        dtype = self.cfg.dtype if self.cfg.dtype != "auto" else "float32"
+        save_hf_config(path, self.arch, getattr(torch, dtype))
+        return path
+
     def load_weights_from(self, model_dir: str, version: int) -> None:
         """Make the server serve the HF folder `model_dir` (start it on the first one; then reload
         in place or restart, rollout.vllm.weight_sync), probe parity against the reference, then set
         policy_version. The engine owns the folder from now on. Raises VllmParityError when the
         probe differs by more than the tolerance."""
+        if self.memory is not None:
+            raise VllmError("rollout.vllm.weight_sync=memory takes tensors in memory (update_weights, the memory "
+                            "transport), not folders")
         t0 = time.perf_counter()
         self.dirs.add(model_dir)
         if not self._started:
@@ -224,12 +289,20 @@ class VllmEngine:
                 self._stats.update(self.sync.apply(self.server, model_dir, self.cfg.request_timeout_s, self._warmup))
             except (TransportError, HttpStatusError) as e:
                 self._sync_failed(model_dir, e)
+        self._synced(version, f"the weight sync to {model_dir}", self.reference or hf_reference(model_dir),
+                     self._probes_next(), t0)
+        self.dirs.prune()
+
+    def _probes_next(self) -> bool:
+        """Whether the parity probe runs after the next sync (every probe_every-th, the first too)."""
+        return bool(self.cfg.probe_every) and self._syncs % self.cfg.probe_every == 0
+
+    def _synced(self, version: int, what: str, reference: Reference, probe: bool, t0: float) -> None:
         self._syncs += 1
         self._stats["vllm/weight_syncs"] = self._syncs
-        if self.cfg.probe_every and (self._syncs - 1) % self.cfg.probe_every == 0:
-            self._probe(model_dir)
+        if probe:
+            self._probe(what, reference)
         self.policy_version = version
-        self.dirs.prune()
         self._stats["timing/vllm_weight_sync"] = time.perf_counter() - t0
 
     def _sync_failed(self, model_dir: str, e: Exception) -> None:
@@ -243,15 +316,14 @@ class VllmEngine:
                                       f"rollout.vllm.max_restarts=0 allows no restart. Log: {self._log_hint()}") from e
         self._restart(model_dir, f"died during the weight sync: {e}")
 
-    def _probe(self, model_dir: str) -> None:
+    def _probe(self, what: str, reference: Reference) -> None:
         tokens = probe_tokens(self.arch.vocab_size, min(self.cfg.probe_tokens, self.max_model_len - 1))
-        reference = self.reference or hf_reference(model_dir)
         diff = probe_diff(self.server.url, self.server.model_name, tokens, reference, self.cfg.request_timeout_s,
                           api_key=self.server.api_key)
         self._stats["vllm/probe_max_abs_diff"] = diff
         tol = self.cfg.tolerance(self.cfg.dtype)
         if not diff <= tol:
-            raise VllmParityError(f"after the weight sync to {model_dir} the vLLM server's log-probs differ from the "
+            raise VllmParityError(f"after {what} the vLLM server's log-probs differ from the "
                                   f"reference by {diff:.3g} > {tol:g} (rollout.vllm.probe_tolerance): the server "
                                   f"is not running the exported weights", diff)
 
@@ -393,7 +465,7 @@ class VllmEngine:
     def stats(self) -> dict[str, float]:
         """Counters since construction (vllm/restarts, vllm/retries, vllm/bad_responses,
         vllm/requests, vllm/weight_syncs) and the last values of vllm/probe_max_abs_diff and
-        timing/vllm_{server_start,restart,reload,weight_sync} (seconds)."""
+        timing/vllm_{server_start,restart,reload,memory_sync,weight_sync} (seconds)."""
         return dict(self._stats)
 
     def _log_hint(self) -> str:
@@ -401,6 +473,8 @@ class VllmEngine:
 
     def close(self) -> None:
         """Stop the server (if ours), the request threads, and delete the weight folders it was given."""
+        if self.memory is not None:
+            self.memory.close()
         self.server.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.dirs.clear()

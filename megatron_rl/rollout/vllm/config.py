@@ -14,7 +14,7 @@ from megatron_rl.config import checks
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("auto", "raw_logprobs", "processed_logprobs")
-WEIGHT_SYNCS = ("reload", "restart")
+WEIGHT_SYNCS = ("memory", "reload", "restart")
 DEVICES = ("auto", "cpu", "cuda")
 # vLLM's flags that carry a secret (`vllm serve --help`; the S3 ones are its model loader's) and a
 # name that says it is one (--hf-token, --db-password): never on the server's command line
@@ -91,10 +91,24 @@ class VllmConfig:
           env: extra environment.
 
     Weight sync:
-      weight_sync: "reload" (write the new weights to disk, /collective_rpc reload_weights; a
-          fraction of a second for small models; the launched server runs with
-          VLLM_SERVER_DEV_MODE=1) | "restart" (start a fresh server on the new weights; about a
-          minute on a CPU, the only correct choice for MoE on CPU; no development endpoints).
+      weight_sync: how new weights reach the server (rollout/vllm/transfer.py, weight_sync.py):
+          "memory" (default): streamed from the trainer's memory in buckets over vLLM's
+              weight-transfer API (gloo without CUDA, vLLM's nccl with it); no file, no restart,
+              MoE included. The server starts on random weights (--load-format dummy) and the
+              first sync fills it. Takes the `memory` weight transport (rollout.weight_transport).
+              A server at `url` must run with VLLM_SERVER_DEV_MODE=1 and, without CUDA, the
+              flags weight_transfer_args() gives (--weight-transfer-config '{"backend": "gloo"}'
+              --worker-extension-cls megatron_rl_vllm_gloo.RegistersGlooEngine, the server_plugin
+              directory on its PYTHONPATH). A server that dies is not restarted: the engine holds
+              no copy of the weights to start it on (the run stops and resumes).
+          "reload": write an HF folder, /collective_rpc reload_weights (dense models only on CPU).
+          "restart": write an HF folder, start a fresh server on it (about a minute on a CPU).
+          Both take the `disk` weight transport; the launched server of "restart" runs without
+          the development endpoints.
+      bucket_bytes: the most bytes of one in-memory transfer (one /update_weights and one
+          broadcast): the trainer's extra memory for a sync is this buffer (default 1 GiB).
+      transfer_host: the address the server's workers reach the trainer's rendezvous at (a
+          server on another host needs this host's address).
       probe_every: run the parity probe after every k-th sync (0 = never).
       probe_tokens: length of the fixed probe sequence.
       probe_tolerance: max |log-prob diff| of the probe vs the reference (None = 1e-3 for
@@ -131,7 +145,9 @@ class VllmConfig:
     kv_cache_space_gb: int = 1
     extra_args: list = field(default_factory=list)
     env: dict = field(default_factory=dict)
-    weight_sync: str = "reload"
+    weight_sync: str = "memory"
+    bucket_bytes: int = 1 << 30
+    transfer_host: str = "127.0.0.1"
     probe_every: int = 1
     probe_tokens: int = 16
     probe_tolerance: float | None = None
@@ -159,7 +175,7 @@ class VllmConfig:
             raise ValueError(f"rollout.vllm.weight_sync={self.weight_sync!r}; choose one of {WEIGHT_SYNCS}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"rollout.vllm.url={self.url!r} must start with http:// or https://")
-        for name in ("tensor_parallel_size", "max_concurrency", "keep_weight_dirs", "probe_tokens"):
+        for name in ("tensor_parallel_size", "max_concurrency", "keep_weight_dirs", "probe_tokens", "bucket_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.vllm.{name} must be >= 1, got {getattr(self, name)}")
         if self.probe_tokens < 2:

@@ -4,7 +4,8 @@ After a sync the server scores a fixed token sequence (`prompt_logprobs`: log p(
 temperature 1, no sampling involved) and a reference scores the same tokens in-process; the
 largest absolute difference is the metric `vllm/probe_max_abs_diff`. The reference is a callable
 `tokens -> [len - 1] fp32 log-probs` (e.g. the trainer's own forward); by default
-`hf_reference` runs `transformers` in fp32 on the exported directory.
+`hf_reference` runs `transformers` in fp32 on the exported directory, and after an in-memory
+sync (no directory) `StreamedReference` fills the same model from the stream the server got.
 """
 from __future__ import annotations
 
@@ -24,29 +25,67 @@ def probe_tokens(vocab_size: int, length: int, seed: int = 20240611) -> list[int
     return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
 
 
-def hf_reference(model_dir: str) -> Reference:
-    """fp32 `transformers` log-probs of the model in `model_dir` (loaded on first call)."""
-    model = None
+def _fp32_model(arch):
+    from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_config(arch.to_hf_config(), dtype=torch.float32,
+                                            attn_implementation="eager").eval()
+
+
+def _scorer(model) -> Reference:
     @torch.no_grad()
     def reference(tokens: list[int]) -> torch.Tensor:
-        nonlocal model
-        if model is None:
-            from transformers import AutoModelForCausalLM
-
-            from megatron_rl.model.hf_io import SafetensorsReader, load_arch
-            from megatron_rl.rollout.hf_state import load_checkpoint_tensors, rules_for
-
-            arch = load_arch(model_dir)
-            model = AutoModelForCausalLM.from_config(arch.to_hf_config(), dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
-            read = SafetensorsReader(model_dir)
-            load_checkpoint_tensors(model, ((name, read(name)) for name in read.keys()), rules_for(arch.arch))  # noqa: SIM118 - a reader, not a dict
         ids = torch.tensor([tokens])
         logits = model(input_ids=ids).logits[0, :-1].float()
         return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
 
     return reference
+
+
+def hf_reference(model_dir: str) -> Reference:
+    """fp32 `transformers` log-probs of the model in `model_dir` (loaded on first call)."""
+    scorer = None
+
+    def reference(tokens: list[int]) -> torch.Tensor:
+        nonlocal scorer
+        if scorer is None:
+            from megatron_rl.model.hf_io import SafetensorsReader, load_arch
+            from megatron_rl.rollout.hf_state import load_checkpoint_tensors, rules_for
+
+            arch = load_arch(model_dir)
+            model = _fp32_model(arch)
+            read = SafetensorsReader(model_dir)
+            load_checkpoint_tensors(model, ((name, read(name)) for name in read.keys()), rules_for(arch.arch))  # noqa: SIM118 - a reader, not a dict
+            scorer = _scorer(model)
+        return scorer(tokens)
+
+    return reference
+
+
+class StreamedReference:
+    """The reference of an in-memory sync, which writes no folder: an fp32 `transformers` model
+    filled from the same stream the server receives.
+
+        ref = StreamedReference(arch)
+        send(ref.tee(named))          # each (name, tensor) is copied into the model as it passes
+        probe_diff(..., ref.reference, ...)
+
+    Cost: the model in fp32 on the engine's rank while it lives (what `hf_reference` costs after
+    a disk sync); nothing when the probe is off (rollout.vllm.probe_every=0)."""
+
+    def __init__(self, arch):
+        from megatron_rl.rollout.hf_state import CheckpointLoader, rules_for
+
+        model = _fp32_model(arch)
+        self.loader = CheckpointLoader(model, rules_for(arch.arch))
+        self.reference: Reference = _scorer(model)
+
+    def tee(self, named):
+        """`named`, unchanged; raises at its end if the model did not get every tensor once."""
+        for name, tensor in named:
+            self.loader.take(name, tensor)
+            yield name, tensor
+        self.loader.finish()
 
 
 def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,

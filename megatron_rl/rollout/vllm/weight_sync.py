@@ -12,12 +12,14 @@ Backends (rollout.vllm.weight_sync):
   new safetensors in place (VLLM_SERVER_DEV_MODE=1), then the prefix cache (KV computed with
   the old weights) is dropped. Both requests carry the server's key: the development endpoints
   are open only to it (see launcher.py, Access). ~0.05 s for a tiny model on CPU, plus the write.
-- `RestartSync` (MoE on CPU): vLLM's CPU backend reloads MoE experts wrongly in place, so the
-  server is restarted on the new folder, which is always correct but costs a full start
-  (~50 s on a 2-core CPU). Measured as `timing/vllm_restart`.
+- `RestartSync` (MoE on CPU, from disk): vLLM's CPU backend reloads MoE experts wrongly in
+  place from a folder (its CPU kernel keeps the experts it prepacked at the first load; the
+  in-memory sync repacks them, see server_plugin/megatron_rl_vllm_gloo.py), so the server is
+  restarted on the new folder, which is always correct but costs a full start (~50 s on a
+  2-core CPU). Measured as `timing/vllm_restart`.
 
-In-memory transports (NCCL through vLLM's weight-transfer endpoints into a pool of servers; a
-gloo one on CPU) plug in on the trainer side (docs/architecture.md); they need no backend here.
+These are the disk fallbacks: the default, rollout.vllm.weight_sync=memory, streams the tensors
+into the server with no folder and no restart (transfer.py, MemorySync; MoE included).
 """
 from __future__ import annotations
 
@@ -120,7 +122,8 @@ def check_supported(arch: ModelArch, weight_sync: str, device: str, routed_exper
         raise VllmUnsupportedError(
             f"in-place weight reload of a MoE model is refused on {where}: vLLM's CPU backend leaves the expert "
             f"weights wrong after reload_weights (checksums differ from a fresh load), so rollouts would come "
-            f"from a different policy than the trainer's. Use rollout.vllm.weight_sync=restart (RestartSync: "
+            f"from a different policy than the trainer's. Use rollout.vllm.weight_sync=memory (the default: the "
+            f"in-memory sync repacks the experts), or rollout.vllm.weight_sync=restart (RestartSync: "
             f"restarts the server on the new weights every sync, ~1 min each on a 2-core CPU, timed as "
             f"timing/vllm_restart), or run the server on GPUs.")
     if weight_sync == "restart" and not can_restart:

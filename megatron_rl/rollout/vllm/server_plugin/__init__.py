@@ -3,5 +3,9 @@
 This directory is put on the server's PYTHONPATH (see launcher.plugin_path), so its modules are
 imported there under their own top-level names; it holds nothing else, so nothing of
 megatron_rl (whose module names could shadow the standard library's, e.g. `http`) is exposed to
-the server's interpreter. Modules here import only the standard library.
+the server's interpreter. Modules here import only what the vLLM environment has (the standard
+library; vllm and torch for the weight-transfer engine), never megatron_rl:
+
+    megatron_rl_vllm_auth.py   the bearer-key middleware (--middleware), standard library only
+    megatron_rl_vllm_gloo.py   the gloo weight-transfer engine (--worker-extension-cls)
 """

@@ -1,0 +1,279 @@
+"""In-memory weight sync into a vLLM server: the trainer's side of vLLM's weight-transfer API.
+
+    sync = MemorySync(server, backend_for(torch.cuda.is_available()), bucket_bytes=1 << 30, host=HOST)
+    sync.open(timeout)                          # once per server process: the rendezvous
+    seconds = sync.push(named, version, timeout)  # per sync: no file, no restart
+
+Control plane: HTTP to the server's RL endpoints (VLLM_SERVER_DEV_MODE=1; every request carries
+the server's bearer key like all others, launcher.py Access). Per sync:
+
+    POST /pause?mode=wait          in-flight requests finish on the old weights, caches are dropped
+    POST /start_weight_update      the workers begin a layerwise reload
+    per bucket: POST /update_weights {names, dtype_names, shapes}   || broadcast of its bytes
+    POST /finish_weight_update {weight_version}    the reload ends (MoE kernels repacked)
+    POST /resume
+
+Updating without the pause kills the engine core (EngineDeadError): the model's weights are
+torn down layer by layer while the scheduler runs. The trainer's schedules never sync while
+they generate, so `wait` drains nothing; it only makes that so.
+
+Data plane: a process group of the trainer (rank 0, the sender) and the server's workers
+(ranks 1..W, W = /get_world_size), over the backend keyed on CUDA:
+  - `nccl` (CUDA in the trainer): vLLM's own engine. The trainer drives vLLM's PyNcclCommunicator,
+    so it needs vLLM importable in its own environment (pip install .[vllm]).
+  - `gloo` (no CUDA): vLLM's engines all need CUDA, so the server runs ours
+    (server_plugin/megatron_rl_vllm_gloo.py), speaking the same messages; the trainer hosts the
+    rendezvous store (a TCPStore on a port the kernel picks) and a gloo group with plain torch.
+
+Buckets: the HF-named tensors arrive as a stream (the export gathers each from the ranks that own
+it) and are copied into one reused buffer of `bucket_bytes`; a full buffer is one /update_weights
+and one broadcast, and the server loads it before the next is sent. A tensor larger than the
+buffer goes alone, from its own memory. Our gloo engine receives each update as one broadcast;
+vLLM's packed nccl receiver cuts a chunk once its byte total exceeds the buffer size, which the
+trainer sets to `bucket_bytes`, and a bucket never exceeds it (or holds one tensor): one bucket
+is one broadcast on both.
+
+Cost per sync: the model's bytes once through the sender per server worker (a gloo broadcast is a
+send per peer; NCCL's is a ring), ceil(model bytes / bucket_bytes) + (tensors larger than a bucket)
+round trips of HTTP, and the sender's extra host memory is the buffer (`bucket_bytes`, on the
+GPU for nccl) plus the tensor the export holds; nothing grows with the model beyond that.
+Several servers would be one group with a rank offset each (each /init_weight_transfer_engine
+names its first rank), receiving every bucket from one broadcast; this module drives one.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
+from megatron_rl.rollout.vllm.http import request_json
+from megatron_rl.rollout.vllm.launcher import ServerHandle
+
+Named = Iterable[tuple[str, torch.Tensor]]
+GLOO_EXTENSION = "megatron_rl_vllm_gloo.RegistersGlooEngine"  # server_plugin/megatron_rl_vllm_gloo.py
+STORE_PREFIX = "megatron_rl_weights"  # the same in the server plugin
+
+
+@dataclass(frozen=True)
+class Meta:
+    """One tensor of a bucket as the server is told of it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def update_info(metas: list[Meta]) -> dict:
+    """The /update_weights payload of one bucket (vLLM's NCCLWeightTransferUpdateInfo fields)."""
+    return {"names": [m.name for m in metas], "dtype_names": [str(m.dtype).removeprefix("torch.") for m in metas],
+            "shapes": [list(m.shape) for m in metas]}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def packed_buckets(named: Named, bucket_bytes: int, device: torch.device | str = "cpu"
+                   ) -> Iterator[tuple[list[Meta], torch.Tensor]]:
+    """(metas, uint8 bytes [sum of their nbytes]) per bucket of at most `bucket_bytes` (one larger
+    tensor is a bucket of its own, sent from its own memory). The bytes of a packed bucket are a
+    view of one buffer that the next bucket overwrites: send them before asking for the next."""
+    buffer: torch.Tensor | None = None
+    metas: list[Meta] = []
+    used = 0
+    for name, tensor in named:
+        meta = Meta(name, tensor.dtype, tuple(tensor.shape))
+        if metas and used + meta.nbytes > bucket_bytes:
+            yield metas, buffer[:used]
+            metas, used = [], 0
+        if meta.nbytes > bucket_bytes:
+            yield [meta], _bytes(tensor).to(device)
+            continue
+        if buffer is None:
+            buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+        buffer[used:used + meta.nbytes].copy_(_bytes(tensor))
+        metas.append(meta)
+        used += meta.nbytes
+    if metas:
+        yield metas, buffer[:used]
+
+
+# ---- the data plane: one registered backend per device kind -----------------------------------
+class Channel(Protocol):
+    """The trainer's end of the broadcast group (rank 0)."""
+
+    device: str
+
+    def broadcast(self, data: torch.Tensor) -> None:
+        """Send `data` (uint8 [n], on `device`) to every worker; returns once it is sent."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """name: the server's `--weight-transfer-config` backend. server_args: what a server we launch
+    needs to receive over it. init_info(host, port, world_size, bucket_bytes, timeout_s): the
+    /init_weight_transfer_engine payload. connect(host, world_size, timeout_s, start_peers):
+    open the trainer's end while `start_peers(port)` makes the workers join."""
+
+    name: str
+    server_args: tuple[str, ...]
+    init_info: Callable[[str, int, int, int, float], dict]
+    connect: Callable[[str, int, float, Callable[[int], None]], Channel]
+
+
+class GlooChannel:
+    """A gloo group with the server's workers over a TCPStore this process hosts."""
+
+    device = "cpu"
+
+    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int], None]):
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # port 0: the kernel picks a free port and the store keeps it from then on (no race)
+        self.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(start_peers, self.store.port)  # the workers block in the rendezvous
+            try:
+                self.group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, self.store), 0, world_size, timeout)
+            finally:
+                joined.result()
+
+    def broadcast(self, data: torch.Tensor) -> None:
+        self.group.broadcast(data, 0).wait()
+
+    def close(self) -> None:
+        self.group = self.store = None
+
+
+def _gloo_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float) -> dict:
+    del bucket_bytes  # our engine receives each update as one broadcast, whatever its size
+    return {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world_size,
+            "timeout_s": timeout_s}
+
+
+class NcclChannel:
+    """vLLM's PyNcclCommunicator (vLLM in the trainer's environment, a CUDA device)."""
+
+    device = "cuda"
+
+    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int], None]):
+        try:
+            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+        except ImportError as e:
+            raise VllmUnsupportedError(nccl_needs_vllm()) from e
+        port = _free_port(host)  # vLLM's StatelessProcessGroup binds the port it is given
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(start_peers, port)
+            try:
+                self.comm = stateless_init_process_group(host, port, 0, world_size, torch.cuda.current_device())
+            finally:
+                joined.result()
+
+    def broadcast(self, data: torch.Tensor) -> None:
+        stream = torch.cuda.current_stream()
+        self.comm.broadcast(data, src=0, stream=stream)
+        stream.synchronize()  # the buffer is refilled for the next bucket
+
+    def close(self) -> None:
+        self.comm = None
+
+
+def _nccl_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float) -> dict:
+    del timeout_s  # vLLM's NCCL init info has none
+    return {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world_size,
+            "packed": True, "packed_buffer_size_bytes": bucket_bytes, "packed_num_buffers": 2}
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def nccl_needs_vllm() -> str:
+    return ("rollout.vllm.weight_sync=memory with CUDA uses vLLM's nccl weight-transfer engine, which the trainer "
+            "drives with vLLM's own communicator: install vLLM in the trainer's environment (pip install .[vllm]), "
+            "or set rollout.vllm.weight_sync=reload")
+
+
+BACKENDS = {
+    "gloo": Backend("gloo", ("--worker-extension-cls", GLOO_EXTENSION), _gloo_init_info, GlooChannel),
+    "nccl": Backend("nccl", (), _nccl_init_info, NcclChannel),
+}
+
+
+def backend_for(cuda: bool) -> Backend:
+    """vLLM's own nccl engine when the trainer has CUDA, else our gloo one."""
+    return BACKENDS["nccl" if cuda else "gloo"]
+
+
+def weight_transfer_args(backend: Backend) -> list[str]:
+    """The server flags for receiving over `backend`."""
+    return ["--weight-transfer-config", json.dumps({"backend": backend.name}), *backend.server_args]
+
+
+# ---- the control plane -------------------------------------------------------------------------
+class MemorySync:
+    """Streams weights into one server over `backend` (module docstring). `open` once per server
+    process (again after the server restarts); `push` per sync, on the engine's rank."""
+
+    def __init__(self, server: ServerHandle, backend: Backend, bucket_bytes: int, host: str):
+        self.server, self.backend, self.bucket_bytes, self.host = server, backend, bucket_bytes, host
+        self.channel: Channel | None = None
+        self._rpc = ThreadPoolExecutor(1, thread_name_prefix="vllm-weight-update")
+
+    def _post(self, path: str, body: dict | None, timeout: float):
+        return request_json(self.server.url + path, body if body is not None else {}, timeout=timeout,
+                            api_key=self.server.api_key)
+
+    def open(self, timeout: float) -> None:
+        """Join the server's workers into the broadcast group."""
+        self.close()
+        size = request_json(self.server.url + "/get_world_size", timeout=timeout, api_key=self.server.api_key)
+        if not isinstance(size, dict) or not isinstance(size.get("world_size"), int):
+            raise VllmError(f"{self.server.url}/get_world_size answered {size!r:.200}; in-memory weight sync needs a "
+                            f"vLLM server with VLLM_SERVER_DEV_MODE=1")
+        world = 1 + size["world_size"]
+
+        def start_peers(port: int) -> None:
+            info = self.backend.init_info(self.host, port, world, self.bucket_bytes, timeout)
+            self._post("/init_weight_transfer_engine", {"init_info": info}, timeout)
+
+        self.channel = self.backend.connect(self.host, world, timeout, start_peers)
+
+    def push(self, named: Named, version: int, timeout: float) -> float:
+        """Send the whole stream as the server's weights `version`; seconds it took. The server
+        stays paused when a bucket fails (its weights are half updated): the caller stops."""
+        if self.channel is None:
+            raise VllmError("in-memory weight sync is not open: call open() once the server is up")
+        t0 = time.perf_counter()
+        self._post("/pause?mode=wait", None, timeout)
+        self._post("/start_weight_update", None, timeout)
+        for metas, data in packed_buckets(named, self.bucket_bytes, self.channel.device):
+            received = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
+            self.channel.broadcast(data)
+            received.result()  # loaded before the buffer is refilled
+        self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
+        self._post("/resume", None, timeout)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
