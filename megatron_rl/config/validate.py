@@ -77,6 +77,7 @@ def check_rollout_function(cfg) -> None:
 
     if cfg.rollout.function not in ROLLOUT_FNS:
         raise ValueError(f"rollout.function={cfg.rollout.function!r}: choose one of {', '.join(ROLLOUT_FNS.names())}")
+    ROLLOUT_FNS.get(cfg.rollout.function).check(cfg)
 
 
 def check_schedule(cfg) -> None:

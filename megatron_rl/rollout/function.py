@@ -22,7 +22,7 @@ Adding one: a module with the function and its `RolloutFnSpec`, one line in roll
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron_rl.registry import Registry
@@ -33,10 +33,12 @@ from megatron_rl.rollout.types import Sample, SamplingParams
 @dataclass(frozen=True)
 class Generated:
     """samples: flat [B·n], sample j of example i at index i·n + j; score: () -> one reward per
-    sample, in that order (call it on the main thread)."""
+    sample, in that order (call it on the main thread); stats: host floats the trainer logs with
+    the step's rollout metrics (namespaced: `env/failures`)."""
 
     samples: list[Sample]
     score: Callable[[], list[float]]
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutFn(Protocol):
@@ -46,18 +48,25 @@ class RolloutFn(Protocol):
 
 @dataclass(frozen=True)
 class RolloutFnInputs:
-    """What a rollout function's factory gets: the run's tokenizer (data/tokenizer.py's interface)
-    and reward runner (rewards/runner.py)."""
+    """What a rollout function's factory gets: the run's tokenizer (data/tokenizer.py's interface),
+    reward runner (rewards/runner.py) and environment settings (config's EnvSection, or None)."""
 
     tokenizer: Any
     rewards: Any
+    env: Any = None
+
+
+def no_rules(cfg) -> None:
+    """A rollout function that any run config can use."""
 
 
 @dataclass(frozen=True)
 class RolloutFnSpec:
-    """A registered rollout function: make(inputs) -> RolloutFn."""
+    """A registered rollout function: make(inputs) -> RolloutFn; check(run config) raises
+    ValueError naming the field when the config cannot drive it (config/validate.py calls it)."""
 
     make: Callable[[RolloutFnInputs], RolloutFn]
+    check: Callable[[Any], None] = no_rules
 
     def __post_init__(self):
         if not callable(self.make):

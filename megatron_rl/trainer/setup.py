@@ -159,7 +159,7 @@ def _assemble(cfg: RunConfig, groups: ParallelGroups, tokenizer, prompts, reward
     rank0 = dist.get_rank() == 0
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard, jsonl=cfg.log.jsonl,
                        stdout_keys=STDOUT_KEYS)
-    rollout_fn = ROLLOUT_FNS.get(cfg.rollout.function).make(RolloutFnInputs(tokenizer, rewards))
+    rollout_fn = ROLLOUT_FNS.get(cfg.rollout.function).make(RolloutFnInputs(tokenizer, rewards, cfg.env))
     transport = TRANSPORTS.get(weight_transport(cfg)).make(TransportInputs(groups, policy.arch, cfg.train.run_dir))
     batches = Batches(cfg, prompts, tokenizer, rollout_fn, rewards, engine)
     schedule = SCHEDULES.get(cfg.train.schedule).make(ScheduleInputs(cfg.train, batches,
