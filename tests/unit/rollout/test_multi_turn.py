@@ -3,6 +3,7 @@
 Trajectories are compared with sequences built by hand from the engine's script; an environment
 that ends after one turn gives exactly single_turn's samples; a hung environment is released by an
 event the test sets at the end (its deadline is short and nothing else waits on a clock)."""
+import dataclasses
 import logging
 
 import pytest
@@ -15,6 +16,7 @@ from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.single_turn import SingleTurn
 from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.trainer.batch import build_batch
 from tests.unit.rollout.multi_turn_fakes import RELEASE, TOK, Flaky, OneShot, ScriptedEngine, fake_logprob
 
 TOY_CALC = {"call_open": "c:", "call_close": "", "result_open": "r:", "result_close": ""}
@@ -95,6 +97,11 @@ def test_one_turn_without_observations_reproduces_single_turn(test_envs):
         assert (a.finish_reason, a.prompt_index, a.sample_index) == (b.finish_reason, b.prompt_index, b.sample_index)
         assert b.loss_mask.all() and a.loss_mask is None
     assert single.score() == multi.score()
+    # so the trainer's tensors, and every loss and gradient computed from them, are the same bit for bit
+    packed = [build_batch(g.samples, g.score(), pad_id=0, seq_len=20) for g in (single, multi)]
+    for f in dataclasses.fields(packed[0]):
+        x, y = getattr(packed[0], f.name), getattr(packed[1], f.name)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f.name
 
 
 def test_an_environment_that_raises_hangs_or_misbehaves_ends_its_trajectory_and_the_call_goes_on(test_envs, caplog):
