@@ -502,7 +502,8 @@ class EnvSection:
         tokenized, alone (a chat template's turn delimiters, e.g. "<|im_start|>user\\n" and
         "<|im_end|>\\n<|im_start|>assistant\\n" for ChatML); "" for the character tokenizer.
     check_render: also re-encode every trajectory's text and count the trajectories whose ids
-        differ from the kept ones (env/render_drift; never corrected: the kept ids are trained).
+        differ from the kept ones (env/render_drift, of which env/render_unencodable could not be
+        encoded at all; never corrected: the kept ids are trained).
     """
 
     name: str | None = None

@@ -26,7 +26,7 @@ def check_loss(cfg) -> None:
     from megatron_rl.losses.setup import resolve_loss
 
     try:
-        resolve_loss(cfg.loss, cfg.rollout.max_tokens)
+        resolve_loss(cfg.loss, max_trained(cfg))
     except KeyError as e:  # a registry's unknown name
         raise ValueError(f"loss: {e.args[0]}") from None
 
@@ -63,6 +63,15 @@ def check_engine(cfg) -> None:
     if transport is not None and transport not in spec.transports:
         raise ValueError(f"rollout.weight_transport={transport!r}: rollout.backend={cfg.rollout.backend} takes "
                          f"{', '.join(spec.transports)} (null = {spec.transports[0]})")
+
+
+def max_trained(cfg) -> int:
+    """The most trained tokens a sample of the run's rollout function holds (the default L_norm);
+    rollout.max_tokens for an unknown function (check_rollout_function then names it)."""
+    from megatron_rl.rollout import ROLLOUT_FNS
+
+    return ROLLOUT_FNS.get(cfg.rollout.function).max_trained(cfg) if cfg.rollout.function in ROLLOUT_FNS \
+        else cfg.rollout.max_tokens
 
 
 def weight_transport(cfg) -> str:

@@ -60,13 +60,21 @@ def no_rules(cfg) -> None:
     """A rollout function that any run config can use."""
 
 
+def one_response(cfg) -> int:
+    """A response is one engine sample: at most rollout.max_tokens tokens."""
+    return cfg.rollout.max_tokens
+
+
 @dataclass(frozen=True)
 class RolloutFnSpec:
     """A registered rollout function: make(inputs) -> RolloutFn; check(run config) raises
-    ValueError naming the field when the config cannot drive it (config/validate.py calls it)."""
+    ValueError naming the field when the config cannot drive it (config/validate.py calls it);
+    max_trained(run config) -> the most trained (sampled) tokens one of its samples holds (the
+    default L_norm of a constant-normaliser aggregation)."""
 
     make: Callable[[RolloutFnInputs], RolloutFn]
     check: Callable[[Any], None] = no_rules
+    max_trained: Callable[[Any], int] = one_response
 
     def __post_init__(self):
         if not callable(self.make):

@@ -27,7 +27,7 @@ With env.check_render, every trajectory is also rendered as text and encoded aga
 (trajectory.rerender); a difference from the kept ids is counted (env/render_drift) and warned
 about once per call, never corrected. Stats (Generated.stats): env/turns (mean policy turns per
 trajectory), env/sampled_per_turn (mean sampled tokens per turn), env/observation_tokens (mean per
-trajectory), env/failures, env/timeouts, env/budget_ends, env/render_drift.
+trajectory), env/failures, env/timeouts, env/budget_ends, env/render_drift, env/render_unencodable.
 
 Cost: one engine call per turn (turns <= env.max_turns), one environment call per trajectory and
 turn (threads, rollout/env_calls.py), O(trajectory length) host memory per trajectory.
@@ -192,19 +192,22 @@ class MultiTurn:
             log.warning("multi_turn: %d of %d trajectories ended by a failing environment (first: %s)",
                         len(failed), len(trajs), failed[0])
         if self.env.check_render:
-            stats["env/render_drift"] = float(self._render_drift(trajs))
+            stats.update(self._render_drift(trajs))
         return stats
 
-    def _render_drift(self, trajs: list[_Trajectory]) -> int:
-        """How many trajectories a text-keeping pipeline would re-tokenize into other ids."""
-        drifted = []
+    def _render_drift(self, trajs: list[_Trajectory]) -> dict[str, float]:
+        """How many trajectories a text-keeping pipeline would re-tokenize into other ids
+        (env/render_drift), and of those, how many it could not encode at all (a sampled special
+        or unused id decodes to U+FFFD: env/render_unencodable)."""
+        drifted, unencodable = [], 0
         for k, t in enumerate(trajs):
             turns = [(self.tokenizer.decode(x.sample.response_ids.tolist()), x.sample.response_ids.tolist(),
                       t.observations[i] if i < len(t.observations) else "") for i, x in enumerate(t.turns)]
             try:
                 rendered = rerender(t.prompt_text, turns, self.tokenizer.encode_prompt, self.tokenizer.stop_ids)
-            except ValueError:  # the text cannot even be encoded again (a sampled special id)
-                rendered = []
+            except ValueError:
+                unencodable += 1
+                continue
             d = drift(t.ids(), rendered)
             if d is not None:
                 drifted.append((k, d))
@@ -213,7 +216,7 @@ class MultiTurn:
             log.warning("multi_turn: %d of %d trajectories re-encode to other ids than were sampled (first: "
                         "trajectory %d at id %d; %d kept ids vs %d re-encoded); the kept ids are trained",
                         len(drifted), len(trajs), k, d.index, d.kept_len, d.rendered_len)
-        return len(drifted)
+        return {"env/render_drift": float(len(drifted) + unencodable), "env/render_unencodable": float(unencodable)}
 
 
 def check(cfg) -> None:
@@ -222,5 +225,10 @@ def check(cfg) -> None:
         raise ValueError("rollout.function=multi_turn needs an environment: set env.name (e.g. env.name=calculator)")
 
 
-MULTI_TURN = RolloutFnSpec(make=MultiTurn, check=check)
+def max_trained(cfg) -> int:
+    """The most sampled tokens of a trajectory: every turn at rollout.max_tokens, within the budget."""
+    return min(cfg.env.max_tokens, cfg.env.max_turns * cfg.rollout.max_tokens)
+
+
+MULTI_TURN = RolloutFnSpec(make=MultiTurn, check=check, max_trained=max_trained)
 """A registered entry (rollout/registered.py)."""

@@ -16,12 +16,12 @@ def fake_logprob(context_len: int, token: int) -> float:
 
 
 class ScriptedEngine:
-    """RolloutEngine whose every response is `script(context text)` + <eos> (when `eos`), truncated
-    to max_tokens, each token at log-prob fake_logprob; with `random_ids`, sample (i, j) is instead
+    """RolloutEngine whose every response is `script(context text)`, then the ids `tail`, then <eos>,
+    truncated to max_tokens, each token at log-prob fake_logprob; with `random_ids`, sample (i, j) is instead
     max_tokens ids drawn from stream_seed(seed, i, j). Records every call's prompts."""
 
-    def __init__(self, script=None, random_ids=False, max_len=512):
-        self.script, self.random_ids, self.calls, self._max_len = script, random_ids, [], max_len
+    def __init__(self, script=None, random_ids=False, max_len=512, tail=()):
+        self.script, self.random_ids, self.calls, self._max_len, self.tail = script, random_ids, [], max_len, list(tail)
         self.policy_version = 3
 
     @property
@@ -33,7 +33,7 @@ class ScriptedEngine:
             g = torch.Generator().manual_seed(stream_seed(sampling.seed, i, j))
             return torch.randint(4, 40, (sampling.max_tokens,), generator=g).tolist()
         text = "".join(TOK.decode([t]) for t in prompt)  # every id, past an <eos> too
-        return (TOK.encode(self.script(text)) + [TOK.eos_id])[:sampling.max_tokens]
+        return (TOK.encode(self.script(text)) + self.tail + [TOK.eos_id])[:sampling.max_tokens]
 
     def generate(self, prompts, n, sampling):
         self.calls.append(([list(p) for p in prompts], n, sampling))

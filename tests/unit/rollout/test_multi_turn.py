@@ -140,11 +140,18 @@ def test_the_render_check_reports_a_merge_across_a_turn_boundary():
     assert out.stats["env/render_drift"] == 1
     plain = _multi(check_render=True)(ScriptedEngine(_calculator_script), [Example("1*1=", "1", "m")], 1, SAMPLING)
     assert plain.stats["env/render_drift"] == 0  # the same check, no merge: nothing reported
+    assert plain.stats["env/render_unencodable"] == 0
+    unused = _multi(check_render=True)(ScriptedEngine(lambda text: "7", tail=[52]), [Example("1*1=", "1", "m")], 1,
+                                       SAMPLING)  # a sampled unused id decodes to U+FFFD, which no text encodes
+    assert unused.stats["env/render_drift"] == unused.stats["env/render_unencodable"] == 1
 
 
 def test_the_config_names_the_environment_and_checks_its_settings():
     from megatron_rl.config import load_config
     from megatron_rl.config.loader import ConfigError
+    from megatron_rl.config.schema import LossSection
+    from megatron_rl.config.validate import max_trained
+    from megatron_rl.losses.setup import resolve_loss
 
     with pytest.raises(ConfigError, match="set env.name"):
         load_config(None, ["rollout.function=multi_turn"])
@@ -152,5 +159,10 @@ def test_the_config_names_the_environment_and_checks_its_settings():
         load_config(None, ["env.name=nope"])
     with pytest.raises(ConfigError, match="env.settings"):
         load_config(None, ["env.name=calculator", "env.settings.bogus=1"])
-    cfg = load_config(None, ["rollout.function=multi_turn", "env.name=calculator", "data.tasks=[multiplication]"])
+    cfg = load_config(None, ["rollout.function=multi_turn", "env.name=calculator", "data.tasks=[multiplication]",
+                             "rollout.max_tokens=10", "env.max_turns=3", "env.max_tokens=64"])
     assert cfg.env.name == "calculator"
+    # a constant-normaliser loss divides by the most tokens a trajectory can sample: 3 turns of 10
+    assert max_trained(cfg) == 30 and resolve_loss(LossSection(recipe="minirl"), max_trained(cfg)).agg_params == {
+        "l_norm": 30.0}
+    assert max_trained(load_config(None, ["rollout.max_tokens=10"])) == 10
