@@ -16,7 +16,8 @@ environment's own cap on policy turns; the run's `env.max_turns` and token budge
 trajectory earlier (rollout/multi_turn.py).
 
 A new environment subclasses `Environment` (a dataclass of its settings, which `env.settings` in
-the config sets) and registers itself with `@register_env("name")`.
+the config sets) and registers itself with `@register_env("name")`. Building one must be cheap and
+do nothing else (the config check builds one to check the settings); work belongs in reset.
 """
 from __future__ import annotations
 

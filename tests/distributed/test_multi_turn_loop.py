@@ -1,0 +1,86 @@
+"""The multi_turn rollout function in the real RL loop (one gloo rank, the toy replay engine of
+test_toy_seams): trajectories with environment turns train, an environment that raises and one
+that hangs end their trajectories with a recorded failure and the run goes on, and the per-turn
+mismatch and env/* metrics reach metrics.jsonl. The hang is an Event the run never sets (released
+once the run is over); its deadline is short and nothing else waits on a clock."""
+from tests.spawn import run_ranks
+
+MAX_TOKENS = 3
+
+
+def _run(rank, world, run_dir):
+    import json
+    import os
+    import threading
+
+    from megatron_rl.config import load_config
+    from megatron_rl.data.envs import ENVS, Environment, Step, register_env
+    from megatron_rl.parallel import init_parallel
+    from megatron_rl.platform import apply_platform_workarounds
+    from megatron_rl.rollout import ENGINES, EngineSpec
+    from megatron_rl.trainer.loop import close, train
+    from megatron_rl.trainer.setup import setup
+    from tests.distributed.test_toy_seams import ToyEngine
+
+    release = threading.Event()
+
+    class Chatty(Environment):
+        """Answers ",," after the first turn, ends after the second with reward 1 when its last id is
+        even. The first trajectory reset in the run raises in step, the second hangs there (resets
+        run in threads: which trajectories those are may vary, how many does not)."""
+
+        max_turns = 2
+        resets, lock = 0, threading.Lock()
+
+        def reset(self, example):
+            with Chatty.lock:
+                self.nth, self.turns = Chatty.resets, 0
+                Chatty.resets += 1
+            return example.prompt
+
+        def step(self, generated_text, generated_ids):
+            if self.nth == 0:
+                raise RuntimeError("the tool crashed")
+            if self.nth == 1:
+                release.wait()
+            self.turns += 1
+            if self.turns == 1:
+                return Step(",,", None, False)
+            return Step("", float(generated_ids[-1] % 2 == 0), True)
+
+    register_env("chatty")(Chatty)
+    ENGINES.add("toy_replay", EngineSpec(make=ToyEngine))
+    try:
+        apply_platform_workarounds()
+        cfg = load_config(None, ["model.arch=qwen3", "model.size=tiny", "rollout.backend=toy_replay",
+                                 "rollout.function=multi_turn", "env.name=chatty", "env.timeout_s=0.5",
+                                 "env.check_render=true", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                                 f"rollout.max_tokens={MAX_TOKENS}", "data.tasks=[sorting]", "train.steps=2",
+                                 "train.num_minibatches=1", "train.micro_batch_size=2", "train.eval_size=0",
+                                 "train.resume=false", f"train.run_dir={run_dir}", "log.tensorboard=false",
+                                 "log.progress=false", "sft.steps=0"])
+        ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
+        try:
+            summary = train(ctx)
+        finally:
+            close(ctx)
+    finally:
+        release.set()
+        ENGINES.remove("toy_replay")
+        ENVS.pop("chatty")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return summary, [r for r in rows if r.get("phase") == "rl"]
+
+
+def test_multi_turn_trajectories_train_and_a_failing_environment_does_not_stop_the_run(tmp_path):
+    [(summary, rows)] = run_ranks(_run, world_size=1, timeout=240, run_dir=str(tmp_path))
+    assert summary["steps"] == 2 and len(rows) == 2
+    first, second = rows
+    assert first["env/failures"] == 2 and first["env/timeouts"] == 1  # the raise and the hang, step 1
+    assert second["env/failures"] == 0 and second["env/turns"] == 2
+    # 2 of step 1's trajectories ended after their first turn, the others sampled two turns
+    assert first["mismatch/tokens"] == (2 * 1 + 2 * 2) * MAX_TOKENS and second["mismatch/tokens"] == 4 * 2 * MAX_TOKENS
+    assert second["mismatch/turn/0/tokens"] == second["mismatch/turn/1/tokens"] == 4 * MAX_TOKENS
+    assert second["env/observation_tokens"] == 2 and second["env/render_drift"] >= 0
+    assert 0.0 <= second["rollout/reward_mean"] <= 1.0
