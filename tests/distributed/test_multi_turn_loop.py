@@ -8,7 +8,7 @@ from tests.spawn import run_ranks
 MAX_TOKENS = 3
 
 
-def _run(rank, world, run_dir):
+def _run(rank, world, run_dir, backend="toy_replay", failing=True, steps=2):
     import json
     import os
     import threading
@@ -39,9 +39,9 @@ def _run(rank, world, run_dir):
             return example.prompt
 
         def step(self, generated_text, generated_ids):
-            if self.nth == 0:
+            if failing and self.nth == 0:
                 raise RuntimeError("the tool crashed")
-            if self.nth == 1:
+            if failing and self.nth == 1:
                 release.wait()
             self.turns += 1
             if self.turns == 1:
@@ -52,10 +52,10 @@ def _run(rank, world, run_dir):
     ENGINES.add("toy_replay", EngineSpec(make=ToyEngine))
     try:
         apply_platform_workarounds()
-        cfg = load_config(None, ["model.arch=qwen3", "model.size=tiny", "rollout.backend=toy_replay",
-                                 "rollout.function=multi_turn", "env.name=chatty", "env.timeout_s=0.5",
+        cfg = load_config(None, ["model.arch=qwen3", "model.size=tiny", f"rollout.backend={backend}",
+                                 "rollout.dtype=fp32", "rollout.function=multi_turn", "env.name=chatty", "env.timeout_s=0.5",
                                  "env.check_render=true", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                                 f"rollout.max_tokens={MAX_TOKENS}", "data.tasks=[sorting]", "train.steps=2",
+                                 f"rollout.max_tokens={MAX_TOKENS}", "data.tasks=[sorting]", f"train.steps={steps}",
                                  "train.num_minibatches=1", "train.micro_batch_size=2", "train.eval_size=0",
                                  "train.resume=false", f"train.run_dir={run_dir}", "log.tensorboard=false",
                                  "log.progress=false", "sft.steps=0"])
@@ -84,3 +84,17 @@ def test_multi_turn_trajectories_train_and_a_failing_environment_does_not_stop_t
     assert second["mismatch/turn/0/tokens"] == second["mismatch/turn/1/tokens"] == 4 * MAX_TOKENS
     assert second["env/observation_tokens"] == 2 and second["env/render_drift"] >= 0
     assert 0.0 <= second["rollout/reward_mean"] <= 1.0
+
+
+def test_the_trainer_scores_the_tokens_the_engine_sampled_in_every_turn(tmp_path):
+    """The embedded engine in fp32 against the fp32 trainer: μ and π_old agree to rounding on every
+    turn's tokens, which holds only if the trainer's row holds the very ids each turn was sampled
+    from and scores them at the positions the engine did (turn 2's μ shifted by one position
+    gives a KL k3 of 1.5e-2)."""
+    [(summary, rows)] = run_ranks(_run, world_size=1, timeout=240, run_dir=str(tmp_path), backend="embedded",
+                                  failing=False, steps=1)
+    [row] = rows
+    assert summary["steps"] == 1 and row["env/failures"] == 0
+    for turn in ("0", "1"):
+        assert row[f"mismatch/turn/{turn}/tokens"] > 0
+        assert row[f"mismatch/turn/{turn}/kl_k3"] < 1e-8 and row[f"mismatch/turn/{turn}/abs_logprob_diff"] < 1e-4
