@@ -192,7 +192,8 @@ def _vllm_settings():
 class DataSection:
     """Prompts and rewards.
 
-    tasks: built-in verifiable toy tasks to mix ("addition", "sorting").
+    tasks: built-in verifiable toy tasks to mix ("addition", "sorting"; "multiplication" and
+        "guessing" are the multi-turn environments' tasks, with env.name calculator and guess).
     jsonl: a JSONL prompt file ({"prompt", "label", optional "task"} per line) instead of tasks.
     reward: reward function name for every prompt ("exact_match", "math"); null = each task's
         own reward (JSONL rows: exact_match).
@@ -490,7 +491,7 @@ class MoESection:
 class EnvSection:
     """The environment of a multi-turn rollout (rollout.function=multi_turn; rollout/multi_turn.py).
 
-    name: a registered environment (megatron_rl.data.envs.ENVS, e.g. "calculator"), or null
+    name: a registered environment (megatron_rl.data.envs.ENVS: "calculator", "guess"), or null
         when the rollout function needs none. settings: keyword settings of the environment's
         class (e.g. {call_open: "c:"}), checked when the config loads.
     max_turns: most policy turns per trajectory (the environment's own max_turns may end it

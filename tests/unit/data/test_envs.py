@@ -43,3 +43,31 @@ def test_multiplication_prompts_determine_their_products():
     a, b = ex.prompt.rstrip("=").split("*")
     assert 100 <= int(a) <= 999 and 10 <= int(b) <= 99 and ex.label == str(int(a) * int(b))
     assert len(ex.prompt) == task.max_prompt_len and len(ex.label) <= task.max_label_len
+
+
+def test_the_guess_game_answers_higher_lower_and_ends_at_the_secret():
+    import random
+
+    from megatron_rl.data.tasks.guessing import secret_of
+
+    task = make_task("guessing", heldout_size=10)
+    ex = task.sample(random.Random(3))
+    game = int(ex.prompt.split("n")[1].rstrip(":"))
+    assert ex.label == str(secret_of(game)) and ex.label not in ex.prompt.split("n")[0]
+    env = make_env("guess")
+    env.reset(Example("guess 0-99 n0001:", "57", "guessing"))
+    assert env.step("50", [9]) == Step("higher", None, False) and env.step("75", [9]) == Step("lower", None, False)
+    assert env.step("5 7", [9]) == Step("?", None, False) and env.step("100", [9]) == Step("?", None, False)
+    assert env.step("57", [9]) == Step("", 1.0, True)
+    # bisection wins within the game's max_turns whatever the secret
+    for secret in range(100):
+        env = make_env("guess")
+        env.reset(Example("g", str(secret), "guessing"))
+        lo, hi = 0, 99
+        for _ in range(env.max_turns):
+            mid = (lo + hi) // 2
+            step = env.step(str(mid), [9])
+            if step.done:
+                break
+            lo, hi = (mid + 1, hi) if step.observation == "higher" else (lo, mid - 1)
+        assert step.done and step.reward == 1.0, secret
