@@ -35,6 +35,7 @@ turn (threads, rollout/env_calls.py), O(trajectory length) host memory per traje
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ class MultiTurn:
         cfg = self.env
         trajs = [_Trajectory(make_env(cfg.name, **cfg.settings)) for _ in range(len(examples) * n)]
         max_turns = min(cfg.max_turns, trajs[0].env.max_turns) if trajs else cfg.max_turns
-        resets = call_all([lambda t=t, k=k: t.env.reset(examples[k // n]) for k, t in enumerate(trajs)], cfg.timeout_s)
+        resets = call_all([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)], cfg.timeout_s)
         for k, (t, r) in enumerate(zip(trajs, resets, strict=True)):
             text = r.value if r.failure is None and isinstance(r.value, str) else examples[k // n].prompt
             if r.failure is not None or not isinstance(r.value, str):
@@ -107,16 +108,19 @@ class MultiTurn:
 
     # ---- turns ----------------------------------------------------------------------------------
     def _first_turn(self, engine, trajs: list[_Trajectory], n: int, sampling: SamplingParams) -> None:
-        """Turn 0 as single_turn samples it: the n samples of each example from one prompt. An
-        example whose n resets gave different prompts fails the ones that differ from the first."""
+        """Turn 0 as single_turn samples it: the n samples of each example from one prompt, the
+        first successful reset's (a group compares responses to one prompt); a reset that gave
+        another first observation fails its trajectory."""
         prompts = []
         for i in range(0, len(trajs), n):
             group = trajs[i:i + n]
-            for t in group[1:]:
-                if t.prompt_ids != group[0].prompt_ids:
-                    t.fail("reset gave a different first observation than the rest of its group")
-                    t.prompt_text, t.prompt_ids = group[0].prompt_text, group[0].prompt_ids
-            prompts.append(group[0].prompt_ids)
+            ref = next((t for t in group if t.failure is None), group[0])
+            for t in group:
+                if t.prompt_ids != ref.prompt_ids:
+                    if t.failure is None:
+                        t.fail("reset gave a different first observation than the rest of its group")
+                    t.prompt_text, t.prompt_ids = ref.prompt_text, ref.prompt_ids
+            prompts.append(ref.prompt_ids)
         budget = min(sampling.max_tokens, self.env.max_tokens)
         groups = engine.generate(prompts, n, dataclasses.replace(sampling, max_tokens=budget))
         for t, s in zip(trajs, [s for g in groups for s in g], strict=True):
@@ -142,10 +146,9 @@ class MultiTurn:
         """Every trajectory that sampled turn `turn` shows it to its environment."""
         live = [t for t in trajs if len(t.turns) == turn + 1 and t.ended_by is None]
         calls = []
-        for t in live:
-            s = t.turns[-1].sample
-            calls.append(lambda t=t, s=s: t.env.step(self.tokenizer.decode(s.response_ids.tolist()),
-                                                     s.response_ids.tolist()))
+        for t in live:  # decoded here, on the calling thread: the threads run environment code only
+            ids = t.turns[-1].sample.response_ids.tolist()
+            calls.append(functools.partial(t.env.step, self.tokenizer.decode(ids), ids))
         results = call_all(calls, self.env.timeout_s)
         for t, r in zip(live, results, strict=True):
             self._take(t, r, turn, max_turns, max_len)

@@ -5,6 +5,7 @@ that ends after one turn gives exactly single_turn's samples; a hung environment
 event the test sets at the end (its deadline is short and nothing else waits on a clock)."""
 import dataclasses
 import logging
+import threading
 
 import pytest
 import torch
@@ -166,3 +167,22 @@ def test_the_config_names_the_environment_and_checks_its_settings():
     assert max_trained(cfg) == 30 and resolve_loss(LossSection(recipe="minirl"), max_trained(cfg)).agg_params == {
         "l_norm": 30.0}
     assert max_trained(load_config(None, ["rollout.max_tokens=10"])) == 10
+
+
+def test_a_group_shares_the_first_successful_reset_and_one_that_differs_fails(test_envs):
+    class Moody(OneShot):
+        made, lock = 0, threading.Lock()
+
+        def reset(self, example):
+            with Moody.lock:  # resets of one call run in threads: the count, not the order, is fixed
+                Moody.made += 1
+                odd = Moody.made % 2
+            return super().reset(example) + ("?" if odd else "")
+
+    register_env("moody")(Moody)
+    try:
+        gen = _multi("moody", {})(ScriptedEngine(lambda text: "1"), [Example("1+1=", "odd", "addition")], 4, SAMPLING)
+    finally:
+        ENVS.pop("moody")
+    prompts = {tuple(s.prompt_ids.tolist()) for s in gen.samples}
+    assert len(prompts) == 1 and gen.stats["env/failures"] == 2  # two of four resets differ from the first
