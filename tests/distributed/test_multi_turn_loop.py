@@ -3,12 +3,14 @@ test_toy_seams): trajectories with environment turns train, an environment that 
 that hangs end their trajectories with a recorded failure and the run goes on, and the per-turn
 mismatch and env/* metrics reach metrics.jsonl. The hang is an Event the run never sets (released
 once the run is over); its deadline is short and nothing else waits on a clock."""
+import pytest
+
 from tests.spawn import run_ranks
 
 MAX_TOKENS = 3
 
 
-def _run(rank, world, run_dir, backend="toy_replay", failing=True, steps=2):
+def _run(rank, world, run_dir, backend="toy_replay", failing=True, steps=2, schedule=()):
     import json
     import os
     import threading
@@ -58,7 +60,7 @@ def _run(rank, world, run_dir, backend="toy_replay", failing=True, steps=2):
                                  f"rollout.max_tokens={MAX_TOKENS}", "data.tasks=[sorting]", f"train.steps={steps}",
                                  "train.num_minibatches=1", "train.micro_batch_size=2", "train.eval_size=0",
                                  "train.resume=false", f"train.run_dir={run_dir}", "log.tensorboard=false",
-                                 "log.progress=false", "sft.steps=0"])
+                                 "log.progress=false", "sft.steps=0", *schedule])
         ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
         try:
             summary = train(ctx)
@@ -98,3 +100,16 @@ def test_the_trainer_scores_the_tokens_the_engine_sampled_in_every_turn(tmp_path
     for turn in ("0", "1"):
         assert row[f"mismatch/turn/{turn}/tokens"] > 0
         assert row[f"mismatch/turn/{turn}/kl_k3"] < 1e-8 and row[f"mismatch/turn/{turn}/abs_logprob_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("schedule", [["train.schedule=staged", "train.stages=1"],
+                                      ["train.schedule=async", "train.max_staleness=1"]], ids=["staged", "async"])
+def test_multi_turn_runs_under_the_off_policy_schedules(tmp_path, schedule):
+    """staged: both steps' trajectories from one rollout call (its env/* statistics on the first
+    step's row); async: generated in a background thread while the trainer updates."""
+    [(summary, rows)] = run_ranks(_run, world_size=1, timeout=240, run_dir=str(tmp_path), failing=False,
+                                  schedule=schedule)
+    assert summary["steps"] == 2 and len(rows) == 2
+    assert rows[0]["env/turns"] == 2 and rows[0]["env/failures"] == 0
+    for row in rows:
+        assert row["mismatch/turn/0/tokens"] == row["mismatch/turn/1/tokens"] == 4 * MAX_TOKENS
