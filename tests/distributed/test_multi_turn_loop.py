@@ -10,7 +10,7 @@ from tests.spawn import run_ranks
 MAX_TOKENS = 3
 
 
-def _run(rank, world, run_dir, backend="toy_replay", failing=True, steps=2, schedule=()):
+def _run(rank, world, run_dir, backend="toy_replay", failing=True, steps=2, schedule=(), resume=False):
     import json
     import os
     import threading
@@ -59,11 +59,13 @@ def _run(rank, world, run_dir, backend="toy_replay", failing=True, steps=2, sche
                                  "env.check_render=true", "rollout.prompts_per_step=2", "rollout.group_size=2",
                                  f"rollout.max_tokens={MAX_TOKENS}", "data.tasks=[sorting]", f"train.steps={steps}",
                                  "train.num_minibatches=1", "train.micro_batch_size=2", "train.eval_size=0",
-                                 "train.resume=false", f"train.run_dir={run_dir}", "log.tensorboard=false",
+                                 f"train.resume={str(resume).lower()}", f"train.run_dir={run_dir}",
+                                 "log.tensorboard=false",
                                  "log.progress=false", "sft.steps=0", *schedule])
         ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
         try:
             summary = train(ctx)
+            weights = dict(ctx.policy.export())
         finally:
             close(ctx)
     finally:
@@ -72,11 +74,11 @@ def _run(rank, world, run_dir, backend="toy_replay", failing=True, steps=2, sche
         ENVS.pop("chatty")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return summary, [r for r in rows if r.get("phase") == "rl"]
+    return summary, [r for r in rows if r.get("phase") == "rl"], weights
 
 
 def test_multi_turn_trajectories_train_and_a_failing_environment_does_not_stop_the_run(tmp_path):
-    [(summary, rows)] = run_ranks(_run, world_size=1, timeout=240, run_dir=str(tmp_path))
+    [(summary, rows, _)] = run_ranks(_run, world_size=1, timeout=240, run_dir=str(tmp_path))
     assert summary["steps"] == 2 and len(rows) == 2
     first, second = rows
     assert first["env/failures"] == 2 and first["env/timeouts"] == 1  # the raise and the hang, step 1
@@ -93,7 +95,7 @@ def test_the_trainer_scores_the_tokens_the_engine_sampled_in_every_turn(tmp_path
     turn's tokens, which holds only if the trainer's row holds the very ids each turn was sampled
     from and scores them at the positions the engine did (turn 2's μ shifted by one position
     gives a KL k3 of 1.5e-2)."""
-    [(summary, rows)] = run_ranks(_run, world_size=1, timeout=240, run_dir=str(tmp_path), backend="embedded",
+    [(summary, rows, _)] = run_ranks(_run, world_size=1, timeout=240, run_dir=str(tmp_path), backend="embedded",
                                   failing=False, steps=1)
     [row] = rows
     assert summary["steps"] == 1 and row["env/failures"] == 0
@@ -107,9 +109,27 @@ def test_the_trainer_scores_the_tokens_the_engine_sampled_in_every_turn(tmp_path
 def test_multi_turn_runs_under_the_off_policy_schedules(tmp_path, schedule):
     """staged: both steps' trajectories from one rollout call (its env/* statistics on the first
     step's row); async: generated in a background thread while the trainer updates."""
-    [(summary, rows)] = run_ranks(_run, world_size=1, timeout=240, run_dir=str(tmp_path), failing=False,
+    [(summary, rows, _)] = run_ranks(_run, world_size=1, timeout=240, run_dir=str(tmp_path), failing=False,
                                   schedule=schedule)
     assert summary["steps"] == 2 and len(rows) == 2
     assert rows[0]["env/turns"] == 2 and rows[0]["env/failures"] == 0
     for row in rows:
         assert row["mismatch/turn/0/tokens"] == row["mismatch/turn/1/tokens"] == 4 * MAX_TOKENS
+
+
+@pytest.mark.mcore_api  # the whole stack, as test_rl_loop's resume test
+def test_a_resumed_multi_turn_run_reproduces_the_uninterrupted_one(tmp_path):
+    """Embedded engine, two-turn trajectories: 3 steps in one go vs 2 steps, then a resume to 3."""
+    import torch
+
+    kw = {"backend": "embedded", "failing": False}
+    [(_, full, w_full)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "full"), steps=3, **kw)
+    run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "part"), steps=2, **kw)
+    [(_, part, w_res)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "part"), steps=3,
+                                   resume=True, **kw)
+    assert len(part) == 3 and part[2]["env/turns"] == full[2]["env/turns"] == 2
+    for k in ("loss/policy", "optim/grad_norm", "rollout/reward_mean", "mismatch/kl_k3", "mismatch/turn/1/kl_k3"):
+        assert part[2][k] == full[2][k], k
+    assert any(r["optim/grad_norm"] > 0 for r in full)  # the steps did update the policy
+    for k in w_full:
+        assert torch.equal(w_full[k], w_res[k]), k
