@@ -51,6 +51,11 @@ def bucket_labels(edges: Sequence[float] = BUCKET_EDGES) -> list[str]:
     return [f"{lo:g}-{hi:g}" for lo, hi in itertools.pairwise(bounds)]
 
 
+def turn_labels() -> list[str]:
+    """['0', '1', '2', '3_or_later']: the policy-turn buckets of the per-turn mismatch."""
+    return [str(k) for k in range(TURN_BUCKETS - 1)] + [f"{TURN_BUCKETS - 1}_or_later"]
+
+
 QUANTILES: tuple[tuple[str, float, str], ...] = (("p01", 0.01, "min"), ("p99", 0.99, "max"))
 
 
@@ -143,10 +148,9 @@ def mismatch_sums(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, 
     if turn_ids is not None:
         out.update(_kl_terms(d, m & (turn_ids == 0), "mismatch/turn/first"))
         out.update(_kl_terms(d, m & (turn_ids > 0), "mismatch/turn/later"))
-        for k in range(TURN_BUCKETS):
-            last = k == TURN_BUCKETS - 1
-            out.update(_kl_terms(d, m & ((turn_ids >= k) if last else (turn_ids == k)),
-                                 f"mismatch/turn/{k}_or_later" if last else f"mismatch/turn/{k}"))
+        for k, label in enumerate(turn_labels()):
+            sel = (turn_ids >= k) if k == TURN_BUCKETS - 1 else (turn_ids == k)
+            out.update(_kl_terms(d, m & sel, f"mismatch/turn/{label}"))
     if entropy is not None:
         out.update(ratio("mismatch/entropy", torch.where(m, entropy.detach().double(), z).sum(), n))
     if staleness is not None and max_staleness > 0:
