@@ -186,3 +186,21 @@ def test_a_group_shares_the_first_successful_reset_and_one_that_differs_fails(te
         ENVS.pop("moody")
     prompts = {tuple(s.prompt_ids.tolist()) for s in gen.samples}
     assert len(prompts) == 1 and gen.stats["env/failures"] == 2  # two of four resets differ from the first
+
+
+def test_with_the_embedded_engine_one_turn_reproduces_single_turn_routes_and_kept_sets_included(
+        test_envs, moe_checkpoint):
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    arch, _, ckpt = moe_checkpoint
+    engine = EmbeddedEngine(arch)
+    engine.update_weights(ckpt.items(), version=2)
+    sampling = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=5, seed=11, return_kept_ids=True,
+                              logprobs_mode="processed", stop_token_ids=TOK.stop_ids)
+    examples = [Example("12+3=", "15", "addition"), Example("7+8=", "15", "addition")]
+    single = SingleTurn(RolloutFnInputs(TOK, lambda items: [0.0] * len(items)))(engine, examples, 2, sampling)
+    multi = _multi("oneshot", {})(engine, examples, 2, sampling)
+    for a, b in zip(single.samples, multi.samples, strict=True):
+        for field in ("prompt_ids", "response_ids", "rollout_logprobs", "routed_experts", "kept_ids"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert len(b.routed_experts) == len(b.prompt_ids) + len(b.response_ids) - 1
