@@ -4,7 +4,8 @@
         ids = encode_prompt(env.reset(example))                         turn 0's prompt
         repeat: sample a turn from ids (token ids in) -> ids += sampled ids
                 env.step(decoded turn, sampled ids) -> observation, reward, done
-                ids += encode_prompt(prefix + observation + suffix)     tokenized alone
+                ids += encode(prefix + observation + suffix)            tokenized alone
+    (encode: the tokenizer's encode_prompt, less the BOS-like prefix it puts before every text)
     one Sample per trajectory (rollout/trajectory.py: assemble): the environment's ids are in the
     response as context with loss_mask False; reward = the sum of the environment's rewards
 
@@ -45,7 +46,7 @@ from megatron_rl.data.types import derive_seed
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.env_calls import CallResult, call_all
 from megatron_rl.rollout.function import Generated, RolloutFnInputs, RolloutFnSpec
-from megatron_rl.rollout.trajectory import Turn, assemble, drift, rerender
+from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender
 from megatron_rl.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class MultiTurn:
         if inputs.env is None or inputs.env.name is None:
             raise ValueError("rollout.function=multi_turn needs an environment: set env.name")
         self.tokenizer, self.env = inputs.tokenizer, inputs.env
+        self.encode_observation = continuation(self.tokenizer.encode_prompt)
 
     def __call__(self, engine: RolloutEngine, examples: Sequence, n: int, sampling: SamplingParams) -> Generated:
         cfg = self.env
@@ -169,7 +171,7 @@ class MultiTurn:
             return
         text = self.env.observation_prefix + step.observation + self.env.observation_suffix
         try:
-            obs = self.tokenizer.encode_prompt(text)
+            obs = self.encode_observation(text)
         except ValueError as e:
             t.fail(f"error: the observation cannot be encoded: {e}")
             return

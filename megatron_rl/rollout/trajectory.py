@@ -24,7 +24,7 @@ Cost: O(trajectory length) host memory and time.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,19 +111,31 @@ class Drift:
     rendered_len: int
 
 
-def rerender(prompt_text: str, turns: Sequence[tuple[str, Sequence[int], str]], encode,
-             stop_ids: Sequence[int]) -> list[int]:
+def continuation(encode_prompt: Callable[[str], list[int]]) -> Callable[[str], list[int]]:
+    """text -> ids as `encode_prompt` gives them, less what it puts before every text (a BOS:
+    encode_prompt("")): how an observation, or any text after the start, is tokenized alone."""
+    prefix = encode_prompt("")
+
+    def encode(text: str) -> list[int]:
+        ids = encode_prompt(text)
+        return ids[len(prefix):] if prefix and ids[:len(prefix)] == prefix else ids
+
+    return encode
+
+
+def rerender(prompt_text: str, turns: Sequence[tuple[str, Sequence[int], str]],
+             encode_prompt: Callable[[str], list[int]], stop_ids: Sequence[int]) -> list[int]:
     """The ids a text-keeping pipeline would train on: the conversation rendered as text and
     encoded again. turns: per policy turn (its decoded text, its sampled ids, its observation's
-    full text with the turn delimiters); encode: text -> ids (the tokenizer's encode_prompt).
-    A sampled stop id is kept as an id (text cannot spell it); the text between stop ids is
-    encoded in one piece, so a merge across a turn boundary shows."""
-    out, text = [], prompt_text
+    full text with the turn delimiters); encode_prompt: the tokenizer's. A sampled stop id is kept
+    as an id (text cannot spell it); the text between stop ids is encoded in one piece (the first
+    as a prompt, the others as continuations), so a merge across a turn boundary shows."""
+    out, text, encode = [], prompt_text, encode_prompt
     for decoded, ids, observation in turns:
         text += decoded
         if len(ids) and int(ids[-1]) in stop_ids:
             out += encode(text) + [int(ids[-1])]
-            text = ""
+            text, encode = "", continuation(encode_prompt)
         text += observation
     return out + (encode(text) if text else [])
 

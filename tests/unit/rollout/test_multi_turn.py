@@ -204,3 +204,18 @@ def test_with_the_embedded_engine_one_turn_reproduces_single_turn_routes_and_kep
         for field in ("prompt_ids", "response_ids", "rollout_logprobs", "routed_experts", "kept_ids"):
             assert torch.equal(getattr(a, field), getattr(b, field)), field
         assert len(b.routed_experts) == len(b.prompt_ids) + len(b.response_ids) - 1
+
+
+def test_a_tokenizer_that_starts_every_prompt_with_bos_puts_none_before_an_observation():
+    class WithBos(type(TOK)):
+        def encode_prompt(self, text):
+            return [self.bos_id] + self.encode(text)
+
+    tok = WithBos()
+    gen = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name="calculator", check_render=True, settings=TOY_CALC)))
+    out = gen(ScriptedEngine(_calculator_script), [Example("12*10=", "120", "multiplication")], 1, SAMPLING)
+    s = out.samples[0]
+    assert s.prompt_ids.tolist() == [tok.bos_id] + tok.encode("12*10=")
+    assert s.response_ids.tolist() == tok.encode("c:12*10") + [tok.eos_id] + tok.encode("r:120") + tok.encode("120") + [
+        tok.eos_id]
+    assert out.score() == [1.0] and out.stats["env/render_drift"] == 0  # the render encodes continuations alike
