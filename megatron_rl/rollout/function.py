@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from megatron_rl.registry import Registry
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.types import Sample, SamplingParams
@@ -65,16 +67,29 @@ def one_response(cfg) -> int:
     return cfg.rollout.max_tokens
 
 
+def label_samples(inputs: RolloutFnInputs, examples: Sequence[Any]) -> list[Sample]:
+    """A single-turn function's supervised samples: prompt -> label + eos (log-probs unused)."""
+    tok, out = inputs.tokenizer, []
+    for e in examples:
+        response = tok.encode(e.label) + [tok.eos_id]
+        out.append(Sample(prompt_ids=torch.tensor(tok.encode_prompt(e.prompt)), response_ids=torch.tensor(response),
+                          rollout_logprobs=torch.zeros(len(response)), finish_reason="stop", policy_version=0))
+    return out
+
+
 @dataclass(frozen=True)
 class RolloutFnSpec:
     """A registered rollout function: make(inputs) -> RolloutFn; check(run config) raises
     ValueError naming the field when the config cannot drive it (config/validate.py calls it);
     max_trained(run config) -> the most trained (sampled) tokens one of its samples holds (the
-    default L_norm of a constant-normaliser aggregation)."""
+    default L_norm of a constant-normaliser aggregation); supervised(inputs, examples) -> the
+    samples the SFT warm start trains on, shaped as this function's samples are (trainer/sft.py:
+    the tokens its loss_mask keeps)."""
 
     make: Callable[[RolloutFnInputs], RolloutFn]
     check: Callable[[Any], None] = no_rules
     max_trained: Callable[[Any], int] = one_response
+    supervised: Callable[[RolloutFnInputs, Sequence[Any]], list[Sample]] = label_samples
 
     def __post_init__(self):
         if not callable(self.make):

@@ -41,13 +41,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from megatron_rl.data.envs import Environment, Step, make_env
 from megatron_rl.data.types import derive_seed
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.env_calls import CallResult, call_all
 from megatron_rl.rollout.function import Generated, RolloutFnInputs, RolloutFnSpec
 from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender
-from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +184,33 @@ class MultiTurn:
         t.turns[-1] = Turn(s, obs)
         t.observations.append(text)
 
+    # ---- demonstrations (the SFT warm start) ------------------------------------------------------
+    def demonstration(self, example) -> Sample:
+        """One trajectory of the environment's demonstrated turns (Environment.demonstrate), as a
+        rollout would have recorded it: each turn's text encoded alone + the stop id (loss_mask
+        True), each observation as a rollout appends it (False); log-probs 0 (unused by SFT).
+        Raises ValueError when the environment has no demonstration."""
+        env = make_env(self.env.name, **self.env.settings)
+        prompt = self.tokenizer.encode_prompt(env.reset(example))
+        texts = env.demonstrate(example)
+        if not texts:
+            raise ValueError(f"environment {self.env.name!r} has no demonstration for {example.prompt!r}; the SFT warm "
+                             f"start of a multi_turn run trains on demonstrations (or set sft.steps=0)")
+        context, turns = list(prompt), []
+        for k, text in enumerate(texts):
+            ids = self.tokenizer.encode(text) + [self.tokenizer.eos_id]
+            sample = Sample(prompt_ids=torch.tensor(context), response_ids=torch.tensor(ids),
+                            rollout_logprobs=torch.zeros(len(ids)), finish_reason="stop", policy_version=0)
+            step = env.step(text, ids)
+            last = step.done or k == len(texts) - 1
+            obs = [] if last else self.encode_observation(
+                self.env.observation_prefix + step.observation + self.env.observation_suffix)
+            turns.append(Turn(sample, obs))
+            context += ids + obs
+            if last:
+                break
+        return assemble(prompt, turns)
+
     # ---- diagnostics ----------------------------------------------------------------------------
     def _stats(self, trajs: list[_Trajectory]) -> dict[str, float]:
         num = max(len(trajs), 1)
@@ -230,10 +259,16 @@ def check(cfg) -> None:
         raise ValueError("rollout.function=multi_turn needs an environment: set env.name (e.g. env.name=calculator)")
 
 
+def supervised(inputs: RolloutFnInputs, examples: Sequence) -> list[Sample]:
+    """The SFT warm start's samples: one demonstrated trajectory per example."""
+    fn = MultiTurn(inputs)
+    return [fn.demonstration(e) for e in examples]
+
+
 def max_trained(cfg) -> int:
     """The most sampled tokens of a trajectory: every turn at rollout.max_tokens, within the budget."""
     return min(cfg.env.max_tokens, cfg.env.max_turns * cfg.rollout.max_tokens)
 
 
-MULTI_TURN = RolloutFnSpec(make=MultiTurn, check=check, max_trained=max_trained)
+MULTI_TURN = RolloutFnSpec(make=MultiTurn, check=check, max_trained=max_trained, supervised=supervised)
 """A registered entry (rollout/registered.py)."""

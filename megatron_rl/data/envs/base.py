@@ -59,6 +59,12 @@ class Environment(ABC):
         """React to one policy turn: its decoded text (what a reward reads: up to the stop token)
         and the token ids the engine sampled (stop token included)."""
 
+    def demonstrate(self, example: Example) -> list[str] | None:
+        """The policy's turns (texts, without the stop token) of a trajectory that solves `example`,
+        for the SFT warm start (rollout/multi_turn.py: supervised); None when the environment has
+        none. Called on an instance that was just reset with `example`."""
+        return None
+
 
 def register_env(name: str) -> Callable[[T], T]:
     """Class decorator: make the environment constructible as make_env(name, **settings)."""

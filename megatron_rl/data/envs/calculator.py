@@ -58,3 +58,11 @@ class Calculator(Environment):
             inner = text[len(self.call_open):len(text) - len(self.call_close)]
             return Step(self.result_open + calculate(inner) + self.result_close, None, False)
         return Step("", 1.0 if text == self.label else 0.0, True)
+
+    def demonstrate(self, example: Example) -> list[str]:
+        """Call the tool on the prompt's expression ("123*45=" -> "123*45"), then answer its result;
+        a prompt that is no expression is answered directly."""
+        expression = example.prompt.removesuffix("=")
+        if calculate(expression) != example.label:
+            return [example.label]
+        return [self.call_open + expression + self.call_close, example.label]

@@ -42,3 +42,13 @@ class Guess(Environment):
         if guess == self.secret:
             return Step("", 1.0, True)
         return Step(self.higher if guess < self.secret else self.lower, None, False)
+
+    def demonstrate(self, example: Example) -> list[str]:
+        """Bisection over [0, 99] to the secret (at most 7 guesses)."""
+        lo, hi, guesses = 0, 99, []
+        while True:
+            mid = (lo + hi) // 2
+            guesses.append(str(mid))
+            if mid == self.secret:
+                return guesses
+            lo, hi = (mid + 1, hi) if mid < self.secret else (lo, mid - 1)

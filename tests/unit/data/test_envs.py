@@ -71,3 +71,14 @@ def test_the_guess_game_answers_higher_lower_and_ends_at_the_secret():
                 break
             lo, hi = (mid + 1, hi) if step.observation == "higher" else (lo, mid - 1)
         assert step.done and step.reward == 1.0, secret
+
+
+def test_the_demonstrations_solve_their_problems():
+    calc = make_env("calculator")
+    ex = Example("123*45=", "5535", "multiplication")
+    calc.reset(ex)
+    assert calc.demonstrate(ex) == ["<calc>123*45</calc>", "5535"]
+    assert calc.demonstrate(Example("what?", "7", "x")) == ["7"]  # no expression: the answer alone
+    guess = make_env("guess")
+    guess.reset(Example("g", "57", "guessing"))
+    assert guess.demonstrate(Example("g", "57", "guessing")) == ["49", "74", "61", "55", "58", "56", "57"]

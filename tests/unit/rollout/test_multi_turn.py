@@ -5,6 +5,7 @@ that ends after one turn gives exactly single_turn's samples; a hung environment
 event the test sets at the end (its deadline is short and nothing else waits on a clock)."""
 import dataclasses
 import logging
+import re
 import threading
 
 import pytest
@@ -219,3 +220,35 @@ def test_a_tokenizer_that_starts_every_prompt_with_bos_puts_none_before_an_obser
     assert s.response_ids.tolist() == tok.encode("c:12*10") + [tok.eos_id] + tok.encode("r:120") + tok.encode("120") + [
         tok.eos_id]
     assert out.score() == [1.0] and out.stats["env/render_drift"] == 0  # the render encodes continuations alike
+
+
+def _bisect_script(text: str) -> str:
+    """A guess player: bisection from the feedback so far in the context text."""
+    lo, hi = 0, 99
+    for guess, answer in re.findall(r"(\d+)(higher|lower)", text.split(":", 1)[1]):
+        lo, hi = (int(guess) + 1, hi) if answer == "higher" else (lo, int(guess) - 1)
+    return str((lo + hi) // 2)
+
+
+@pytest.mark.parametrize("env,example,script", [
+    ("calculator", Example("123*45=", "5535", "multiplication"), _calculator_script),
+    ("guess", Example("guess 0-99 n0001:", "57", "guessing"), _bisect_script)], ids=["calculator", "guess"])
+def test_a_demonstration_is_the_trajectory_a_rollout_of_its_turns_records(env, example, script):
+    from megatron_rl.rollout import ROLLOUT_FNS
+
+    settings = TOY_CALC if env == "calculator" else {}
+    inputs = RolloutFnInputs(TOK, None, EnvSection(name=env, settings=settings, max_turns=8, max_tokens=64))
+    [demo] = ROLLOUT_FNS.get("multi_turn").supervised(inputs, [example])
+    rolled = MultiTurn(inputs)(ScriptedEngine(script), [example], 1, SAMPLING)
+    [s] = rolled.samples
+    assert rolled.score() == [1.0]
+    for field in ("prompt_ids", "response_ids", "loss_mask"):
+        assert torch.equal(getattr(demo, field), getattr(s, field)), field
+    assert int((~demo.loss_mask).sum()) > 0  # the observations are in it, masked
+
+
+def test_an_environment_without_demonstrations_is_named(test_envs):
+    from megatron_rl.rollout.multi_turn import supervised
+
+    with pytest.raises(ValueError, match="'oneshot' has no demonstration for '1\\+1='.*sft.steps=0"):
+        supervised(RolloutFnInputs(TOK, None, EnvSection(name="oneshot")), [Example("1+1=", "2", "addition")])
