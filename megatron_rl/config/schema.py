@@ -411,7 +411,9 @@ class TrainSection:
 
 @dataclass
 class SFTSection:
-    """Supervised warm start on the task's (prompt, label) pairs before RL.
+    """Supervised warm start on the task's (prompt, label) pairs before RL (with
+    rollout.function=multi_turn: on the environment's demonstrated trajectories, the policy's turns
+    trained and the observations context).
 
     steps: max SFT steps (0 = skip). batch_size, lr. eval_every: held-out greedy accuracy
     cadence (0 = only at the end); target_accuracy: stop as soon as held-out accuracy reaches it
