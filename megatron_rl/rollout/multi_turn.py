@@ -93,10 +93,16 @@ class MultiTurn:
         max_turns = min(cfg.max_turns, trajs[0].env.max_turns) if trajs else cfg.max_turns
         resets = call_all([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)], cfg.timeout_s)
         for k, (t, r) in enumerate(zip(trajs, resets, strict=True)):
-            text = r.value if r.failure is None and isinstance(r.value, str) else examples[k // n].prompt
+            t.prompt_text = examples[k // n].prompt  # checked at start-up: the fallback of a failed reset
             if r.failure is not None or not isinstance(r.value, str):
                 t.fail(r.failure or f"reset returned {type(r.value).__name__}, not the prompt text")
-            t.prompt_text, t.prompt_ids = text, self.tokenizer.encode_prompt(text)
+            else:
+                try:
+                    t.prompt_ids, t.prompt_text = self.tokenizer.encode_prompt(r.value), r.value
+                except ValueError as e:
+                    t.fail(f"error: the first observation cannot be encoded: {e}")
+            if t.failure is not None:
+                t.prompt_ids = self.tokenizer.encode_prompt(t.prompt_text)
         self._first_turn(engine, trajs, n, sampling)
         turn = 0
         while True:

@@ -70,13 +70,16 @@ RELEASE = threading.Event()  # set by the test once it is done: the hung call's 
 
 class Flaky(Environment):
     """By the example's label: "raise" raises in step, "hang" blocks until RELEASE, "bad" returns
-    no Step, "noreset" raises in reset; anything else ends with reward 1."""
+    no Step, "noreset" raises in reset, "badreset" answers text the tokenizer cannot encode;
+    anything else ends with reward 1."""
 
     max_turns = 2
 
     def reset(self, example):
         if example.label == "noreset":
             raise RuntimeError("reset broke")
+        if example.label == "badreset":
+            return "<not in the toy vocabulary>"
         self.label = example.label
         return example.prompt
 
