@@ -170,6 +170,9 @@ class MultiTurn:
             t.fail(r.failure or f"step returned {type(r.value).__name__}, not a Step")
             return
         step = r.value
+        if not (isinstance(step.observation, str) and (step.reward is None or isinstance(step.reward, (int, float)))):
+            t.fail(f"step returned {step!r}: a text observation and a number or None reward")
+            return
         t.reward += 0.0 if step.reward is None else float(step.reward)
         if step.done:
             t.ended_by = "done"

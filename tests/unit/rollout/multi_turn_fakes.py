@@ -70,7 +70,7 @@ RELEASE = threading.Event()  # set by the test once it is done: the hung call's 
 
 class Flaky(Environment):
     """By the example's label: "raise" raises in step, "hang" blocks until RELEASE, "bad" returns
-    no Step, "noreset" raises in reset, "badreset" answers text the tokenizer cannot encode;
+    no Step, "badstep" a Step of wrong types, "noreset" raises in reset, "badreset" answers text the tokenizer cannot encode;
     anything else ends with reward 1."""
 
     max_turns = 2
@@ -91,4 +91,6 @@ class Flaky(Environment):
             return Step("", 1.0, True)
         if self.label == "bad":
             return "not a step"
+        if self.label == "badstep":
+            return Step(None, "one", False)
         return Step("", 1.0, True)

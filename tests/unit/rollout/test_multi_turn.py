@@ -107,20 +107,20 @@ def test_one_turn_without_observations_reproduces_single_turn(test_envs):
 
 
 def test_an_environment_that_raises_hangs_or_misbehaves_ends_its_trajectory_and_the_call_goes_on(test_envs, caplog):
-    labels = ["ok", "raise", "hang", "bad", "noreset", "badreset"]
+    labels = ["ok", "raise", "hang", "bad", "noreset", "badreset", "badstep"]
     examples = [Example(f"{i}+{i}=", label, "addition") for i, label in enumerate(labels)]
     try:
         with caplog.at_level(logging.WARNING):
             gen = _multi("flaky", {}, timeout_s=0.5)(ScriptedEngine(lambda text: "1"), examples, 2, SAMPLING)
     finally:
         RELEASE.set()
-    assert gen.score() == [1.0, 1.0] + [0.0] * 10
-    assert len(gen.samples) == 12 and all(s.response_ids.tolist() == TOK.encode("1") + [TOK.eos_id]
+    assert gen.score() == [1.0, 1.0] + [0.0] * 12
+    assert len(gen.samples) == 14 and all(s.response_ids.tolist() == TOK.encode("1") + [TOK.eos_id]
                                           for s in gen.samples)
     for k in (8, 10):  # a failed reset: the example's own prompt
         assert gen.samples[k].prompt_ids.tolist() == TOK.encode(f"{k // 2}+{k // 2}=")
-    assert gen.stats["env/failures"] == 10 and gen.stats["env/timeouts"] == 2
-    assert "10 of 12 trajectories ended by a failing environment" in caplog.text
+    assert gen.stats["env/failures"] == 12 and gen.stats["env/timeouts"] == 2
+    assert "12 of 14 trajectories ended by a failing environment" in caplog.text
 
 
 def test_the_render_check_reports_a_merge_across_a_turn_boundary():
