@@ -13,7 +13,7 @@ export PYTHONWARNINGS ?= ignore::UserWarning
 # each test run leaves a JUnit report here; `make ci-time` (tools/ci_time.py) reads them
 TIMES := build/test-times
 
-.PHONY: install install-vllm demo repro test test-fast test-repeat lint clean install-lane2 test-lane2 ci-time
+.PHONY: install install-vllm demo demo-agent repro test test-fast test-repeat lint clean install-lane2 test-lane2 ci-time
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) pretrain_rl.py --config examples/demo_cpu.yaml
+
+# multi-turn, tool-using RL: the calculator environment (examples/multiturn_cpu.yaml), about 8 minutes on 2 cores
+demo-agent: $(STAMP)
+	$(PY) pretrain_rl.py --config examples/multiturn_cpu.yaml
+	$(PY) tools/mismatch_report.py runs/multiturn_cpu
 
 # the papers' claims at toy scale (examples/repro/README.md), one after another, about 25 minutes on 2 cores
 repro: $(STAMP)

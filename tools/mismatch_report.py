@@ -6,7 +6,9 @@
     python tools/mismatch_report.py --compare runs/bf16 runs/fp16 runs/fp16_fp32head   # side by side
 
 Reads RUN_DIR/metrics.jsonl (written by pretrain_rl.py). Also prints the headline mismatch
-numbers (KL k3, k1, ESS of w = π_old/μ) averaged over the same steps. With --compare, one
+numbers (KL k3, k1, ESS of w = π_old/μ) averaged over the same steps, and for a multi-turn run
+(rollout.function=multi_turn) the same table by policy turn and the environment's averages
+(turns per trajectory, sampled tokens per turn, failures per step). With --compare, one
 column pair (mean |Δlogp|, KL k3) per run for every μ bucket, then the headline numbers.
 """
 from __future__ import annotations
@@ -17,10 +19,10 @@ import os
 import sys
 
 from megatron_rl.metrics.mismatch import bucket_labels
-from megatron_rl.metrics.report import format_bucket_table, merge_bucket_rows
+from megatron_rl.metrics.report import format_bucket_table, merge_bucket_rows, merge_turn_rows
 
 HEADLINE = ("mismatch/kl_k3", "mismatch/kl_k1", "mismatch/abs_logprob_diff", "mismatch/w/ess", "mismatch/w/max",
-            "mismatch/entropy")
+            "mismatch/entropy", "env/turns", "env/sampled_per_turn", "env/failures", "env/render_drift")
 
 
 def read_history(run_dir: str, last: int | None = None, step: int | None = None) -> list[dict]:
@@ -118,6 +120,10 @@ def main(argv=None) -> int:
         f"steps {history[0]['step']}-{history[-1]['step']} ({len(history)} steps)"
     print(format_bucket_table(merge_bucket_rows(history), f"mismatch by rollout probability μ, {steps}"))
     print()
+    turns = merge_turn_rows(history)
+    if turns:
+        print(format_bucket_table(turns, f"mismatch by policy turn, {steps}", first="turn"))
+        print()
     for key, value in headline(history).items():
         print(f"{key:>28} {value:.4e}")
     return 0

@@ -193,7 +193,8 @@ def _vllm_settings():
 class DataSection:
     """Prompts and rewards.
 
-    tasks: built-in verifiable toy tasks to mix ("addition", "sorting").
+    tasks: built-in verifiable toy tasks to mix ("addition", "sorting"; "multiplication" and
+        "guessing" are the multi-turn environments' tasks, with env.name calculator and guess).
     jsonl: a JSONL prompt file ({"prompt", "label", optional "task"} per line) instead of tasks.
     reward: reward function name for every prompt ("exact_match", "math"); null = each task's
         own reward (JSONL rows: exact_match).
@@ -411,7 +412,9 @@ class TrainSection:
 
 @dataclass
 class SFTSection:
-    """Supervised warm start on the task's (prompt, label) pairs before RL.
+    """Supervised warm start on the task's (prompt, label) pairs before RL (with
+    rollout.function=multi_turn: on the environment's demonstrated trajectories, the policy's turns
+    trained and the observations context).
 
     steps: max SFT steps (0 = skip). batch_size, lr. eval_every: held-out greedy accuracy
     cadence (0 = only at the end); target_accuracy: stop as soon as held-out accuracy reaches it
@@ -488,6 +491,56 @@ class MoESection:
 
 
 @dataclass
+class EnvSection:
+    """The environment of a multi-turn rollout (rollout.function=multi_turn; rollout/multi_turn.py).
+
+    name: a registered environment (megatron_rl.data.envs.ENVS: "calculator", "guess"), or null
+        when the rollout function needs none. settings: keyword settings of the environment's
+        class (e.g. {call_open: "c:"}), checked when the config loads.
+    max_turns: most policy turns per trajectory (the environment's own max_turns may end it
+        sooner). max_tokens: most response tokens per trajectory, sampled and environment ones
+        together (each turn samples at most rollout.max_tokens of them).
+    timeout_s: how long one environment call (reset or step) may take; a call that raises or takes
+        longer ends its trajectory with reward 0, counted in env/failures and env/timeouts.
+    observation_prefix / observation_suffix: text put around every observation before it is
+        tokenized, alone (a chat template's turn delimiters, e.g. "<|im_start|>user\\n" and
+        "<|im_end|>\\n<|im_start|>assistant\\n" for ChatML); "" for the character tokenizer.
+    check_render: also re-encode every trajectory's text and count the trajectories whose ids
+        differ from the kept ones (env/render_drift, of which env/render_unencodable could not be
+        encoded at all; never corrected: the kept ids are trained).
+    """
+
+    name: str | None = None
+    settings: dict = field(default_factory=dict)
+    max_turns: int = 4
+    max_tokens: int = 64
+    timeout_s: float = 10.0
+    observation_prefix: str = ""
+    observation_suffix: str = ""
+    check_render: bool = False
+
+    def __post_init__(self):
+        checks.integer("env.max_turns", self.max_turns, lo=1)
+        checks.integer("env.max_tokens", self.max_tokens, lo=1)
+        checks.number("env.timeout_s", self.timeout_s, lo=0, lo_open=True)
+        checks.boolean("env.check_render", self.check_render)
+        for key in ("observation_prefix", "observation_suffix"):
+            if not isinstance(getattr(self, key), str):
+                raise TypeError(f"env.{key}={getattr(self, key)!r}: a string")
+        if not isinstance(self.settings, dict):
+            raise TypeError(f"env.settings={self.settings!r}: a mapping of the environment's settings")
+        if self.name is not None:
+            from megatron_rl.data.envs import make_env
+
+            try:
+                make_env(self.name, **self.settings)
+            except KeyError as e:
+                raise ValueError(f"env.name: {e.args[0]}") from None
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"env.settings: {e}") from None
+
+
+@dataclass
 class LogSection:
     """Where metrics go. tensorboard / jsonl: write under run_dir.
     progress: tqdm bars; null (default) = bars only when stdout and stderr are both terminals (a
@@ -520,6 +573,7 @@ class RunConfig:
     moe: MoESection = field(default_factory=MoESection)
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     log: LogSection = field(default_factory=LogSection)
+    env: EnvSection = field(default_factory=EnvSection)
 
     def __post_init__(self):
         from megatron_rl.config.validate import validate

@@ -26,7 +26,7 @@ def check_loss(cfg) -> None:
     from megatron_rl.losses.setup import resolve_loss
 
     try:
-        resolve_loss(cfg.loss, cfg.rollout.max_tokens)
+        resolve_loss(cfg.loss, max_trained(cfg))
     except KeyError as e:  # a registry's unknown name
         raise ValueError(f"loss: {e.args[0]}") from None
 
@@ -73,6 +73,15 @@ def _engine_transport(spec, rollout) -> str:
     return spec.transport_for(rollout) or spec.transports[0]
 
 
+def max_trained(cfg) -> int:
+    """The most trained tokens a sample of the run's rollout function holds (the default L_norm);
+    rollout.max_tokens for an unknown function (check_rollout_function then names it)."""
+    from megatron_rl.rollout import ROLLOUT_FNS
+
+    return ROLLOUT_FNS.get(cfg.rollout.function).max_trained(cfg) if cfg.rollout.function in ROLLOUT_FNS \
+        else cfg.rollout.max_tokens
+
+
 def weight_transport(cfg) -> str:
     """The weight transport of the run: rollout.weight_transport, else the one the engine's
     settings call for, else the engine's default."""
@@ -86,6 +95,7 @@ def check_rollout_function(cfg) -> None:
 
     if cfg.rollout.function not in ROLLOUT_FNS:
         raise ValueError(f"rollout.function={cfg.rollout.function!r}: choose one of {', '.join(ROLLOUT_FNS.names())}")
+    ROLLOUT_FNS.get(cfg.rollout.function).check(cfg)
 
 
 def check_schedule(cfg) -> None:

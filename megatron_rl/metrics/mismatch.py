@@ -10,6 +10,8 @@ after `accumulate` over micro-batches, `reduce_metrics` over ranks and `finish` 
     mismatch/bucket/<lo>-<hi>/{count,abs_diff,kl_k3}   by μ_t (edges 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9 ->
         7 buckets, lower edge inclusive)
     mismatch/turn/{first,later}/{tokens,kl_k3,kl_k1,abs_logprob_diff}   (first assistant turn vs later)
+    mismatch/turn/{0,1,2,3_or_later}/{...the same}   by policy turn (multi-turn
+        trajectories: later turns sit on longer contexts and on environment text)
     mismatch/staleness_<s>/{tokens,kl_k3,kl_k1,abs_logprob_diff,w/mean,r/mean,rho/mean}   (off-policy
         schedules: the rows generated s trainer versions ago; staleness_<lo>-<hi> for the ranges
         2-3, 4-7, ... of `staleness_buckets`)
@@ -33,6 +35,7 @@ from megatron_rl.metrics.quantiles import global_quantiles
 from megatron_rl.metrics.reduce import ess, ratio
 
 BUCKET_EDGES: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9)
+TURN_BUCKETS = 4  # turns 0, 1, 2 each, then 3 and later together
 _LOG_CLAMP = 300.0  # |log ratio| clamp before exp in float64 sums (exp(2·300) is still finite)
 _F64 = torch.float64
 
@@ -46,6 +49,11 @@ def bucket_labels(edges: Sequence[float] = BUCKET_EDGES) -> list[str]:
     """['0-0.0001', '0.0001-0.001', ..., '0.9-1'] for len(edges) + 1 buckets of μ."""
     bounds = [0.0, *edges, 1.0]
     return [f"{lo:g}-{hi:g}" for lo, hi in itertools.pairwise(bounds)]
+
+
+def turn_labels() -> list[str]:
+    """['0', '1', '2', '3_or_later']: the policy-turn buckets of the per-turn mismatch."""
+    return [str(k) for k in range(TURN_BUCKETS - 1)] + [f"{TURN_BUCKETS - 1}_or_later"]
 
 
 QUANTILES: tuple[tuple[str, float, str], ...] = (("p01", 0.01, "min"), ("p99", 0.99, "max"))
@@ -140,6 +148,9 @@ def mismatch_sums(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, 
     if turn_ids is not None:
         out.update(_kl_terms(d, m & (turn_ids == 0), "mismatch/turn/first"))
         out.update(_kl_terms(d, m & (turn_ids > 0), "mismatch/turn/later"))
+        for k, label in enumerate(turn_labels()):
+            sel = (turn_ids >= k) if k == TURN_BUCKETS - 1 else (turn_ids == k)
+            out.update(_kl_terms(d, m & sel, f"mismatch/turn/{label}"))
     if entropy is not None:
         out.update(ratio("mismatch/entropy", torch.where(m, entropy.detach().double(), z).sum(), n))
     if staleness is not None and max_staleness > 0:

@@ -1,41 +1,64 @@
-"""Human-readable mismatch views: the bucket table (text) and its TensorBoard figure.
+"""Human-readable mismatch views: the bucket table (text) and its TensorBoard figure, and the
+per-turn table of multi-turn runs.
 
-The table answers "where does the engine disagree with the trainer?": tokens bucketed by the
-rollout probability μ_t, with the count, mean |log π_old − log μ| and the k3 KL per bucket.
+The bucket table answers "where does the engine disagree with the trainer?": tokens bucketed by
+the rollout probability μ_t, with the count, mean |log π_old − log μ| and the k3 KL per bucket.
+The turn table asks the same by policy turn (later turns sit on longer contexts and on
+environment text the policy never produced).
 """
 from __future__ import annotations
 
-from megatron_rl.metrics.mismatch import bucket_labels
+from collections.abc import Callable
+
+from megatron_rl.metrics.mismatch import bucket_labels, turn_labels
 
 COLUMNS = ("count", "abs_diff", "kl_k3")
+TURN_COLUMNS = ("tokens", "abs_logprob_diff", "kl_k3")
+
+Row = tuple[str, float, float, float]
 
 
-def bucket_rows(metrics: dict[str, float]) -> list[tuple[str, float, float, float]]:
+def _rows(metrics: dict[str, float], prefix: str, labels: list[str], columns: tuple[str, ...]) -> list[Row]:
+    return [(label, *(float(metrics[f"{prefix}/{label}/{c}"]) for c in columns)) for label in labels
+            if f"{prefix}/{label}/{columns[0]}" in metrics]
+
+
+def bucket_rows(metrics: dict[str, float]) -> list[Row]:
     """(bucket label, count, mean |Δ|, k3) for every μ bucket present in a finished metrics dict."""
-    rows = []
-    for label in bucket_labels():
-        key = f"mismatch/bucket/{label}"
-        if f"{key}/count" in metrics:
-            rows.append((label, *(float(metrics[f"{key}/{c}"]) for c in COLUMNS)))
-    return rows
+    return _rows(metrics, "mismatch/bucket", bucket_labels(), COLUMNS)
 
 
-def merge_bucket_rows(history: list[dict[str, float]]) -> list[tuple[str, float, float, float]]:
-    """Count-weighted aggregate of the bucket table over several steps."""
+def turn_rows(metrics: dict[str, float]) -> list[Row]:
+    """(turn label, tokens, mean |Δ|, k3) for every policy-turn bucket present (multi-turn runs)."""
+    return _rows(metrics, "mismatch/turn", turn_labels(), TURN_COLUMNS)
+
+
+def _merge(history: list[dict[str, float]], rows_of: Callable[[dict], list[Row]], labels: list[str]) -> list[Row]:
     acc: dict[str, list[float]] = {}
     for metrics in history:
-        for label, count, absd, k3 in bucket_rows(metrics):
+        for label, count, absd, k3 in rows_of(metrics):
             a = acc.setdefault(label, [0.0, 0.0, 0.0])
             a[0] += count
             a[1] += count * absd
             a[2] += count * k3
     return [(label, c, s1 / c if c else 0.0, s2 / c if c else 0.0)
-            for label in bucket_labels() if label in acc for c, s1, s2 in [acc[label]]]
+            for label in labels if label in acc for c, s1, s2 in [acc[label]]]
 
 
-def format_bucket_table(rows, title: str = "mismatch by rollout probability μ") -> str:
+def merge_bucket_rows(history: list[dict[str, float]]) -> list[Row]:
+    """Count-weighted aggregate of the bucket table over several steps."""
+    return _merge(history, bucket_rows, bucket_labels())
+
+
+def merge_turn_rows(history: list[dict[str, float]]) -> list[Row]:
+    """Token-weighted aggregate of the turn table over several steps."""
+    return _merge(history, turn_rows, turn_labels())
+
+
+def format_bucket_table(rows, title: str = "mismatch by rollout probability μ", first: str = "μ bucket") -> str:
+    """rows: (label, tokens, mean |Δlogp|, KL k3), as bucket_rows / turn_rows give them."""
     total = sum(r[1] for r in rows) or 1.0
-    lines = [title, f"{'μ bucket':>14} {'tokens':>10} {'share':>7} {'mean |Δlogp|':>13} {'KL k3':>11}"]
+    lines = [title, f"{first:>14} {'tokens':>10} {'share':>7} {'mean |Δlogp|':>13} {'KL k3':>11}"]
     for label, count, absd, k3 in rows:
         lines.append(f"{label:>14} {int(count):>10d} {100 * count / total:>6.1f}% {absd:>13.3e} {k3:>11.3e}")
     return "\n".join(lines)

@@ -22,8 +22,10 @@ Adding one: a module with the function and its `RolloutFnSpec`, one line in roll
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import torch
 
 from megatron_rl.registry import Registry
 from megatron_rl.rollout.engine import RolloutEngine
@@ -33,10 +35,12 @@ from megatron_rl.rollout.types import Sample, SamplingParams
 @dataclass(frozen=True)
 class Generated:
     """samples: flat [B·n], sample j of example i at index i·n + j; score: () -> one reward per
-    sample, in that order (call it on the main thread)."""
+    sample, in that order (call it on the main thread); stats: host floats the trainer logs with
+    the step's rollout metrics (namespaced: `env/failures`)."""
 
     samples: list[Sample]
     score: Callable[[], list[float]]
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutFn(Protocol):
@@ -46,18 +50,46 @@ class RolloutFn(Protocol):
 
 @dataclass(frozen=True)
 class RolloutFnInputs:
-    """What a rollout function's factory gets: the run's tokenizer (data/tokenizer.py's interface)
-    and reward runner (rewards/runner.py)."""
+    """What a rollout function's factory gets: the run's tokenizer (data/tokenizer.py's interface),
+    reward runner (rewards/runner.py) and environment settings (config's EnvSection, or None)."""
 
     tokenizer: Any
     rewards: Any
+    env: Any = None
+
+
+def no_rules(cfg) -> None:
+    """A rollout function that any run config can use."""
+
+
+def one_response(cfg) -> int:
+    """A response is one engine sample: at most rollout.max_tokens tokens."""
+    return cfg.rollout.max_tokens
+
+
+def label_samples(inputs: RolloutFnInputs, examples: Sequence[Any]) -> list[Sample]:
+    """A single-turn function's supervised samples: prompt -> label + eos (log-probs unused)."""
+    tok, out = inputs.tokenizer, []
+    for e in examples:
+        response = tok.encode(e.label) + [tok.eos_id]
+        out.append(Sample(prompt_ids=torch.tensor(tok.encode_prompt(e.prompt)), response_ids=torch.tensor(response),
+                          rollout_logprobs=torch.zeros(len(response)), finish_reason="stop", policy_version=0))
+    return out
 
 
 @dataclass(frozen=True)
 class RolloutFnSpec:
-    """A registered rollout function: make(inputs) -> RolloutFn."""
+    """A registered rollout function: make(inputs) -> RolloutFn; check(run config) raises
+    ValueError naming the field when the config cannot drive it (config/validate.py calls it);
+    max_trained(run config) -> the most trained (sampled) tokens one of its samples holds (the
+    default L_norm of a constant-normaliser aggregation); supervised(inputs, examples) -> the
+    samples the SFT warm start trains on, shaped as this function's samples are (trainer/sft.py:
+    the tokens its loss_mask keeps)."""
 
     make: Callable[[RolloutFnInputs], RolloutFn]
+    check: Callable[[Any], None] = no_rules
+    max_trained: Callable[[Any], int] = one_response
+    supervised: Callable[[RolloutFnInputs, Sequence[Any]], list[Sample]] = label_samples
 
     def __post_init__(self):
         if not callable(self.make):

@@ -4,6 +4,7 @@ functions (rollout/function.py). A new one is a module with its class and spec p
 from megatron_rl.rollout.embedded import EMBEDDED
 from megatron_rl.rollout.engine import ENGINES
 from megatron_rl.rollout.function import ROLLOUT_FNS
+from megatron_rl.rollout.multi_turn import MULTI_TURN
 from megatron_rl.rollout.single_turn import SINGLE_TURN
 from megatron_rl.rollout.vllm import VLLM
 
@@ -11,3 +12,4 @@ ENGINES.add("embedded", EMBEDDED)
 ENGINES.add("vllm", VLLM)
 
 ROLLOUT_FNS.add("single_turn", SINGLE_TURN)
+ROLLOUT_FNS.add("multi_turn", MULTI_TURN)

@@ -9,6 +9,9 @@ Layout (one row per response; rows right padded to a common length S; L = S - 1 
     loss_mask     [N, L]  1 at the response tokens' label positions (P-1 .. P+R-2) that the sample's
                           own loss_mask keeps (all of them by default), else 0
     rollout_logprobs, advantages, positions (index of the token inside its response): [N, L]
+    turns         [N, L]  the policy turn (0, 1, ...) of each trained label position, -1 elsewhere; only
+                          in a batch holding environment tokens (a sample whose loss_mask has a False),
+                          None otherwise (rollout/trajectory.py: turn_index)
 A sample with prompt length P and response length R has its response token r at row index P + r,
 i.e. it is labels[:, P - 1 + r], and its log-prob at label index P - 1 + r.
 
@@ -23,10 +26,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from megatron_rl.platform.mcore_api import cp_zigzag_shard
+from megatron_rl.rollout.trajectory import turn_index
 from megatron_rl.rollout.types import Sample
 
 _PER_TOKEN = ("input_ids", "labels", "position_ids", "loss_mask", "rollout_logprobs", "advantages", "positions",
-              "kept_ids")
+              "kept_ids", "turns")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class TrainBatch:
     rewards: torch.Tensor  # [N] fp32
     versions: torch.Tensor  # [N] int64: policy version that generated each sample
     kept_ids: torch.Tensor | None = None  # [N, L, K] int64, -1 padded: rollout's top-p/top-k sets
+    turns: torch.Tensor | None = None  # [N, L] int64: policy turn of each trained position, -1 elsewhere
     cp_size: int = 1  # > 1: the [N, L] tensors are this rank's zig-zag shard (1/cp_size of each row)
 
     @property
@@ -164,7 +169,20 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
                       position_ids=torch.arange(seq_len - 1).expand(n, -1).contiguous(),
                       loss_mask=mask, rollout_logprobs=logp, advantages=torch.zeros(n, seq_len - 1), positions=pos,
                       rewards=torch.tensor(rewards, dtype=torch.float32),
-                      versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long), kept_ids=kept)
+                      versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long), kept_ids=kept,
+                      turns=_turns(samples, seq_len))
+
+
+def _turns(samples: list[Sample], seq_len: int) -> torch.Tensor | None:
+    """[N, seq_len - 1] policy turn per label position (-1 off the trained tokens), or None when no
+    sample holds an environment token (single-turn batches pack as before)."""
+    if all(s.loss_mask is None or bool(s.loss_mask.all()) for s in samples):
+        return None
+    out = torch.full((len(samples), seq_len - 1), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        out[i, p - 1:p - 1 + r] = turn_index(s.trained())
+    return out
 
 
 def pack(samples: list[Sample], rewards: list[float], pad_id: int, parallel, with_kept_ids: bool = False) -> TrainBatch:

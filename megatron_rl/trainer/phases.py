@@ -123,7 +123,7 @@ def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
     if old is None:  # not the last pipeline stage: it holds no log-probs
         return OldPolicy(torch.zeros_like(local.rollout_logprobs), {})
     values = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy, seq=batch.seq,
-                           staleness=batch.staleness, max_staleness=ctx.schedule.max_staleness)
+                           turn_ids=local.turns, staleness=batch.staleness, max_staleness=ctx.schedule.max_staleness)
     w = valid_log_ratio(old, local.rollout_logprobs, local.loss_mask)
     values.update(ratio_quantiles({"w": w}, ctx.groups.dp_cp_group))  # over all DP x CP ranks' tokens
     return OldPolicy(old, values)

@@ -63,7 +63,7 @@ class Batches:
     def score(self, sampled: Sampled) -> dict[int, Rollout]:
         """Rank 0, main thread: rewards, split back per step."""
         samples, rewards = sampled.generated.samples, sampled.generated.score()
-        stats = self.rewards.stats()
+        stats = {**self.rewards.stats(), **sampled.generated.stats}
         n = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         return {step: Rollout(samples[i * n:(i + 1) * n],
                               torch.tensor(rewards[i * n:(i + 1) * n], dtype=torch.float32), stats if i == 0 else {})

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
-from megatron_rl.config.validate import weight_transport
+from megatron_rl.config.validate import max_trained, weight_transport
 from megatron_rl.data.hf_tokenizer import make_tokenizer
 from megatron_rl.losses.setup import resolve_loss
 from megatron_rl.metrics.sink import MetricsSink
@@ -159,13 +159,13 @@ def _assemble(cfg: RunConfig, groups: ParallelGroups, tokenizer, prompts, reward
     rank0 = dist.get_rank() == 0
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard, jsonl=cfg.log.jsonl,
                        stdout_keys=STDOUT_KEYS)
-    rollout_fn = ROLLOUT_FNS.get(cfg.rollout.function).make(RolloutFnInputs(tokenizer, rewards))
+    rollout_fn = ROLLOUT_FNS.get(cfg.rollout.function).make(RolloutFnInputs(tokenizer, rewards, cfg.env))
     transport = TRANSPORTS.get(weight_transport(cfg)).make(TransportInputs(groups, policy.arch, cfg.train.run_dir))
     batches = Batches(cfg, prompts, tokenizer, rollout_fn, rewards, engine)
     schedule = SCHEDULES.get(cfg.train.schedule).make(ScheduleInputs(cfg.train, batches,
                                                                      EngineWeights(policy, transport, engine)))
     return RunContext(cfg, groups, tokenizer, prompts, rewards, policy, engine, sink, resolve_loss(cfg.loss,
-                      cfg.rollout.max_tokens), rollout_fn, transport, make_replay(cfg.moe.router_replay, policy.model),
+                      max_trained(cfg)), rollout_fn, transport, make_replay(cfg.moe.router_replay, policy.model),
                       schedule, stop=stop, resuming=resuming, run_id=broadcast(uuid.uuid4().hex[:12] if rank0 else None))
 
 

@@ -1,4 +1,5 @@
-"""Supervised warm start: teacher-forced NLL of the label (+ eos) on fresh task problems.
+"""Supervised warm start: teacher-forced NLL of the label (+ eos) on fresh task problems, or of the
+policy's turns of a demonstrated trajectory (the rollout function's `supervised` samples).
 
 RL from a random policy sees reward 0 everywhere (no group has mixed rewards, so no signal).
 A short SFT phase on the same megatron stack brings held-out accuracy to a few tens of percent,
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_rl.losses import token_mean
 from megatron_rl.losses.token_local import NllTerms
-from megatron_rl.rollout.types import Sample
+from megatron_rl.rollout.function import ROLLOUT_FNS, RolloutFnInputs
 from megatron_rl.trainer.batch import local_shard, pack
 from megatron_rl.trainer.evaluation import accuracy, eval_sampling
 from megatron_rl.trainer.nonfinite import agreed_finite, check_parameters, count_in_a_row, guarded_step
@@ -28,17 +29,6 @@ from megatron_rl.trainer.passes import (
     train_pass,
 )
 from megatron_rl.trainer.stop import Stopped
-
-
-def sft_samples(tokenizer, examples) -> list[Sample]:
-    """(prompt, label) -> Samples whose response is label + eos (log-probs unused)."""
-    out = []
-    for e in examples:
-        response = tokenizer.encode(e.label) + [tokenizer.eos_id]
-        out.append(Sample(prompt_ids=torch.tensor(tokenizer.encode_prompt(e.prompt)),
-                          response_ids=torch.tensor(response), rollout_logprobs=torch.zeros(len(response)),
-                          finish_reason="stop", policy_version=0))
-    return out
 
 
 def sft_loss(n_tok: torch.Tensor, in_forward: bool) -> LossFn | TokenLocalLoss:
@@ -82,11 +72,12 @@ def _sft_steps(ctx, eval_examples, progress) -> dict:
     layout = cfg.sft_layout(groups.dp_size)
     [slices] = layout.minibatch_slices()
     settings = PassSettings(micro_batch_size=layout.micro_batch_size)
+    supervised = ROLLOUT_FNS.get(cfg.rollout.function).supervised  # label + eos, or a whole trajectory
     history, acc, t0 = [], 0.0, time.perf_counter()
     step, in_a_row = 0, 0
     for step in range(1, sft.steps + 1):
         examples = ctx.prompts.batch(10_000_000 + step, sft.batch_size)  # disjoint from RL steps' draws
-        samples = sft_samples(ctx.tokenizer, examples)
+        samples = supervised(RolloutFnInputs(ctx.tokenizer, ctx.rewards, cfg.env), examples)
         _, local = local_shard(pack(samples, [0.0] * len(samples), ctx.tokenizer.pad_id, groups.config), layout,
                                groups)
         n_tok = global_counts(local, slices, groups).num_tokens

@@ -104,9 +104,12 @@ def _np_reference(old, ro, lp, m, turns):
         out[f"mismatch/bucket/{label}/count"] = sel.sum()
         out[f"mismatch/bucket/{label}/abs_diff"] = np.abs(dd).mean() if len(dd) else 0.0
         out[f"mismatch/bucket/{label}/kl_k3"] = (np.exp(dd) - dd - 1).mean() if len(dd) else 0.0
-    for part, sel in (("first", m & (turns == 0)), ("later", m & (turns > 0))):
+    for part, sel in (("first", m & (turns == 0)), ("later", m & (turns > 0)), ("0", m & (turns == 0)),
+                      ("1", m & (turns == 1)), ("2", m & (turns == 2)), ("3_or_later", m & (turns >= 3))):
         dd = (old - ro)[sel]
         out[f"mismatch/turn/{part}/kl_k3"] = (np.exp(dd) - dd - 1).mean() if len(dd) else 0.0
+        out[f"mismatch/turn/{part}/abs_logprob_diff"] = np.abs(dd).mean() if len(dd) else 0.0
+        out[f"mismatch/turn/{part}/tokens"] = sel.sum()
     return out
 
 
@@ -120,7 +123,7 @@ def test_mismatch_metrics_match_numpy_reference(seed, B, T, sw):
     old = -rng.exponential(3.0, (B, T)).astype(np.float32)
     ro = np.minimum(old + rng.normal(0, sw, (B, T)), -1e-6).astype(np.float32)
     lp = (old + rng.normal(0, 0.2, (B, T))).astype(np.float32)
-    turns = rng.integers(-1, 3, (B, T))
+    turns = rng.integers(-1, 6, (B, T))
     got = mm.mismatch_metrics(torch.tensor(old), torch.tensor(ro), torch.tensor(m), logprobs=torch.tensor(lp),
                               turn_ids=torch.tensor(turns))
     want = _np_reference(old.astype(np.float64), ro.astype(np.float64), lp.astype(np.float64), m, turns)

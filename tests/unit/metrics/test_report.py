@@ -83,3 +83,26 @@ def test_a_row_nested_too_deeply_is_skipped_with_its_line(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n" + json.dumps(row) + "\n")
     assert len(read_history(str(tmp_path))) == 1
     assert "metrics.jsonl:1: skipped, a JSON row nested too deeply to read" in capsys.readouterr().err
+
+
+def test_the_turn_table_weights_each_step_by_its_tokens_and_the_tool_prints_it_for_multi_turn_runs(tmp_path, capsys):
+    from megatron_rl.metrics.report import merge_turn_rows, turn_rows
+    from tools.mismatch_report import main
+
+    def step(n, tokens, k3):
+        row = {"step": n, "mismatch/kl_k3": 0.1, "env/turns": 2.0}
+        for label, t, k in zip(("0", "1", "2", "3_or_later"), tokens, k3):
+            row.update({f"mismatch/turn/{label}/tokens": t, f"mismatch/turn/{label}/kl_k3": k,
+                        f"mismatch/turn/{label}/abs_logprob_diff": 2 * k})
+        return row
+
+    a, b = step(1, [30, 10, 0, 0], [1e-3, 4e-3, 0, 0]), step(2, [10, 30, 5, 0], [3e-3, 8e-3, 1e-2, 0])
+    assert turn_rows({"step": 1, "mismatch/kl_k3": 0.1}) == []  # single-turn rows have none
+    rows = {r[0]: r[1:] for r in merge_turn_rows([a, b])}
+    assert rows["1"] == (40, 2 * (10 * 4e-3 + 30 * 8e-3) / 40, (10 * 4e-3 + 30 * 8e-3) / 40)
+    assert rows["3_or_later"] == (0, 0.0, 0.0)
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps(a) + "\n" + json.dumps(b) + "\n")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "mismatch by policy turn" in out and "3_or_later" in out and "env/turns" in out

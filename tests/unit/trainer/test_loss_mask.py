@@ -97,3 +97,12 @@ def test_a_masked_token_changes_no_loss_gradient_or_diagnostic(recipe):
     assert torch.equal(l1, l2) and torch.equal(g1, g2)
     assert m1.keys() == m2.keys() and all(torch.equal(m1[k], m2[k]) for k in m1), recipe
     assert d1.keys() == d2.keys() and all(torch.equal(d1[k], d2[k]) for k in d1)
+
+
+def test_a_batch_with_environment_tokens_numbers_the_policy_turns_of_its_trained_positions():
+    mask = torch.tensor([True, True, False, True, True])
+    b = build_batch(_samples(mask), [1.0, 0.0], pad_id=0, seq_len=9)
+    # row 0: prompt 3, response label positions 2..6 with turn 0, 0, env, 1, 1; row 1 is one turn
+    assert b.turns.tolist() == [[-1, -1, 0, 0, -1, 1, 1, -1], [-1, 0, 0, 0, -1, -1, -1, -1]]
+    assert build_batch(_samples(), [1.0, 0.0], pad_id=0, seq_len=9).turns is None  # single-turn: as before
+    assert b.select(torch.tensor([1])).turns.tolist() == [[-1, 0, 0, 0, -1, -1, -1, -1]]

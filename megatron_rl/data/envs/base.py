@@ -1,0 +1,89 @@
+"""The environment contract and the environment registry: what a multi-turn rollout talks to.
+
+    env = make_env("calculator")            # a fresh instance per trajectory (it may keep state)
+    text = env.reset(example)               # the first observation: the prompt the policy reads
+    step = env.step(generated_text, ids)    # Step(observation, reward or None, done)
+
+An environment is plain Python run in the trainer's process on rank 0 (the multi-turn rollout
+function calls it from worker threads with a timeout, rollout/env_calls.py). It sees the decoded
+text of each policy turn and that turn's sampled token ids; it answers with the text of its next
+observation (the rollout tokenizes it alone and appends its ids: the trajectory is never
+re-tokenized), an optional reward, and whether the trajectory is over.
+
+Rewards: a trajectory's reward is the sum of the rewards its environment returned (None counts as
+0), so an environment that only scores the final answer returns None until then. `max_turns` is the
+environment's own cap on policy turns; the run's `env.max_turns` and token budget can end a
+trajectory earlier (rollout/multi_turn.py).
+
+A new environment subclasses `Environment` (a dataclass of its settings, which `env.settings` in
+the config sets) and registers itself with `@register_env("name")`. Building one must be cheap and
+do nothing else (the config check builds one to check the settings); work belongs in reset.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+from megatron_rl.data.types import Example
+
+T = TypeVar("T", bound=type)
+
+ENVS: dict[str, type[Environment]] = {}
+
+
+@dataclass(frozen=True)
+class Step:
+    """An environment's answer to one policy turn. observation: text appended to the trajectory
+    before the next turn ("" for none; ignored once done); reward: this turn's reward or None;
+    done: the trajectory is over."""
+
+    observation: str
+    reward: float | None
+    done: bool
+
+
+class Environment(ABC):
+    """Base class; one instance serves one trajectory (reset once, then step per policy turn)."""
+
+    name: ClassVar[str] = ""
+    max_turns: ClassVar[int] = 1
+
+    @abstractmethod
+    def reset(self, example: Example) -> str:
+        """The first observation for `example`: the text of the trajectory's prompt."""
+
+    @abstractmethod
+    def step(self, generated_text: str, generated_ids: Sequence[int]) -> Step:
+        """React to one policy turn: its decoded text (what a reward reads: up to the stop token)
+        and the token ids the engine sampled (stop token included)."""
+
+    def demonstrate(self, example: Example) -> list[str] | None:
+        """The policy's turns (texts, without the stop token) of a trajectory that solves `example`,
+        for the SFT warm start (rollout/multi_turn.py: supervised); None when the environment has
+        none. Called on an instance that was just reset with `example`."""
+        return None
+
+
+def register_env(name: str) -> Callable[[T], T]:
+    """Class decorator: make the environment constructible as make_env(name, **settings)."""
+
+    def deco(cls: T) -> T:
+        if name in ENVS:
+            raise ValueError(f"environment {name!r} is already registered")
+        cls.name = name
+        ENVS[name] = cls
+        return cls
+
+    return deco
+
+
+def make_env(name: str, **settings) -> Environment:
+    """A fresh instance of a registered environment; unknown names raise KeyError listing the
+    registered ones, unknown settings TypeError."""
+    try:
+        cls = ENVS[name]
+    except (KeyError, TypeError):
+        raise KeyError(f"unknown environment {name!r}; available: {', '.join(sorted(ENVS))}") from None
+    return cls(**settings)

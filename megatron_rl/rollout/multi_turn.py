@@ -1,0 +1,283 @@
+"""`multi_turn`: an agent loop; the policy and an environment take turns, one token sequence each.
+
+    trajectory k (example k // n): env = make_env(env.name, **env.settings)
+        ids = encode_prompt(env.reset(example))                         turn 0's prompt
+        repeat: sample a turn from ids (token ids in) -> ids += sampled ids
+                env.step(decoded turn, sampled ids) -> observation, reward, done
+                ids += encode(prefix + observation + suffix)            tokenized alone
+    (encode: the tokenizer's encode_prompt, less the BOS-like prefix it puts before every text)
+    one Sample per trajectory (rollout/trajectory.py: assemble): the environment's ids are in the
+    response as context with loss_mask False; reward = the sum of the environment's rewards
+
+Turn 0 is one engine call of the n samples of every example, exactly as `single_turn` calls it
+(same prompts, seed and streams): an environment that ends every trajectory after one turn
+reproduces the single-turn samples. A later turn is one call of all running trajectories, one
+sample each, with the sampling seed of its turn (a stream per (turn, position in the call)); each
+turn samples at most rollout.max_tokens, and fewer where the trajectory's budget
+(env.max_tokens, and the engine's maximum length) leaves less.
+
+A trajectory ends when its environment says done, after env.max_turns (or the environment's own
+max_turns) policy turns, when its next observation would leave no budget for a turn (that
+observation is dropped: nothing would be sampled after it), or when an environment call fails
+(raises, times out after env.timeout_s, or answers what is not a Step, or text the tokenizer
+cannot encode): a failed trajectory keeps its sampled turns and scores 0 (counted, as a failing
+reward is). A failed reset leaves the example's own prompt as the trajectory's prompt and ends
+after one turn.
+
+With env.check_render, every trajectory is also rendered as text and encoded again
+(trajectory.rerender); a difference from the kept ids is counted (env/render_drift) and warned
+about once per call, never corrected. Stats (Generated.stats): env/turns (mean policy turns per
+trajectory), env/sampled_per_turn (mean sampled tokens per turn), env/observation_tokens (mean per
+trajectory), env/failures, env/timeouts, env/budget_ends, env/render_drift, env/render_unencodable.
+
+Cost: one engine call per turn (turns <= env.max_turns), one environment call per trajectory and
+turn (threads, rollout/env_calls.py), O(trajectory length) host memory per trajectory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rl.data.envs import Environment, Step, make_env
+from megatron_rl.data.types import derive_seed
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.env_calls import CallResult, call_all
+from megatron_rl.rollout.function import Generated, RolloutFnInputs, RolloutFnSpec
+from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender
+from megatron_rl.rollout.types import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Trajectory:
+    """Rank 0's record of one trajectory while it runs."""
+
+    env: Environment
+    prompt_text: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)  # the text of each kept observation
+    reward: float = 0.0
+    failure: str | None = None
+    ended_by: str | None = None  # "done" | "max_turns" | "budget" | "failure"
+
+    def ids(self) -> list[int]:
+        out = list(self.prompt_ids)
+        for t in self.turns:
+            out += t.sample.response_ids.tolist() + list(t.observation_ids)
+        return out
+
+    def response_len(self) -> int:
+        return len(self.ids()) - len(self.prompt_ids)
+
+    def fail(self, why: str) -> None:
+        self.failure, self.reward, self.ended_by = why, 0.0, "failure"
+
+
+class MultiTurn:
+    def __init__(self, inputs: RolloutFnInputs):
+        if inputs.env is None or inputs.env.name is None:
+            raise ValueError("rollout.function=multi_turn needs an environment: set env.name")
+        self.tokenizer, self.env = inputs.tokenizer, inputs.env
+        self.encode_observation = continuation(self.tokenizer.encode_prompt)
+
+    def __call__(self, engine: RolloutEngine, examples: Sequence, n: int, sampling: SamplingParams) -> Generated:
+        cfg = self.env
+        trajs = [_Trajectory(make_env(cfg.name, **cfg.settings)) for _ in range(len(examples) * n)]
+        max_turns = min(cfg.max_turns, trajs[0].env.max_turns) if trajs else cfg.max_turns
+        resets = call_all([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)], cfg.timeout_s)
+        for k, (t, r) in enumerate(zip(trajs, resets, strict=True)):
+            t.prompt_text = examples[k // n].prompt  # checked at start-up: the fallback of a failed reset
+            if r.failure is not None or not isinstance(r.value, str):
+                t.fail(r.failure or f"reset returned {type(r.value).__name__}, not the prompt text")
+            else:
+                try:
+                    t.prompt_ids, t.prompt_text = self.tokenizer.encode_prompt(r.value), r.value
+                except ValueError as e:
+                    t.fail(f"error: the first observation cannot be encoded: {e}")
+            if t.failure is not None:
+                t.prompt_ids = self.tokenizer.encode_prompt(t.prompt_text)
+        self._first_turn(engine, trajs, n, sampling)
+        turn = 0
+        while True:
+            self._step(trajs, turn, max_turns, engine.max_len)
+            running = [t for t in trajs if t.ended_by is None]
+            if not running:
+                break
+            turn += 1
+            self._next_turn(engine, running, turn, sampling)
+        samples = [assemble(t.prompt_ids, t.turns) for t in trajs]
+        rewards = [t.reward for t in trajs]
+        return Generated(samples, lambda: rewards, self._stats(trajs))
+
+    # ---- turns ----------------------------------------------------------------------------------
+    def _first_turn(self, engine, trajs: list[_Trajectory], n: int, sampling: SamplingParams) -> None:
+        """Turn 0 as single_turn samples it: the n samples of each example from one prompt, the
+        first successful reset's (a group compares responses to one prompt); a reset that gave
+        another first observation fails its trajectory."""
+        prompts = []
+        for i in range(0, len(trajs), n):
+            group = trajs[i:i + n]
+            ref = next((t for t in group if t.failure is None), group[0])
+            for t in group:
+                if t.prompt_ids != ref.prompt_ids:
+                    if t.failure is None:
+                        t.fail("reset gave a different first observation than the rest of its group")
+                    t.prompt_text, t.prompt_ids = ref.prompt_text, ref.prompt_ids
+            prompts.append(ref.prompt_ids)
+        budget = min(sampling.max_tokens, self.env.max_tokens)
+        groups = engine.generate(prompts, n, dataclasses.replace(sampling, max_tokens=budget))
+        for t, s in zip(trajs, [s for g in groups for s in g], strict=True):
+            t.turns.append(Turn(s))
+
+    def _next_turn(self, engine, running: list[_Trajectory], turn: int, sampling: SamplingParams) -> None:
+        """One sample for each running trajectory from its ids so far; trajectories that may
+        sample different lengths (their budgets) go in separate engine calls."""
+        seed = derive_seed(sampling.seed, "turn", turn) % 2**31
+        by_len: dict[int, list[_Trajectory]] = {}
+        for t in running:
+            by_len.setdefault(self._room(t, engine.max_len, sampling.max_tokens), []).append(t)
+        for length, group in sorted(by_len.items()):
+            params = dataclasses.replace(sampling, max_tokens=length, seed=seed + length)
+            for t, [s] in zip(group, engine.generate([t.ids() for t in group], 1, params), strict=True):
+                t.turns.append(Turn(s))
+
+    def _room(self, t: _Trajectory, max_len: int, max_tokens: int) -> int:
+        """How many tokens trajectory t's next turn may sample."""
+        return min(max_tokens, self.env.max_tokens - t.response_len(), max_len - len(t.ids()))
+
+    def _step(self, trajs: list[_Trajectory], turn: int, max_turns: int, max_len: int) -> None:
+        """Every trajectory that sampled turn `turn` shows it to its environment."""
+        live = [t for t in trajs if len(t.turns) == turn + 1 and t.ended_by is None]
+        calls = []
+        for t in live:  # decoded here, on the calling thread: the threads run environment code only
+            ids = t.turns[-1].sample.response_ids.tolist()
+            calls.append(functools.partial(t.env.step, self.tokenizer.decode(ids), ids))
+        results = call_all(calls, self.env.timeout_s)
+        for t, r in zip(live, results, strict=True):
+            self._take(t, r, turn, max_turns, max_len)
+
+    def _take(self, t: _Trajectory, r: CallResult, turn: int, max_turns: int, max_len: int) -> None:
+        """Apply one environment answer to its trajectory."""
+        s = t.turns[-1].sample
+        if r.failure is not None or not isinstance(r.value, Step):
+            t.fail(r.failure or f"step returned {type(r.value).__name__}, not a Step")
+            return
+        step = r.value
+        if not (isinstance(step.observation, str) and (step.reward is None or isinstance(step.reward, (int, float)))):
+            t.fail(f"step returned {step!r}: a text observation and a number or None reward")
+            return
+        t.reward += 0.0 if step.reward is None else float(step.reward)
+        if step.done:
+            t.ended_by = "done"
+            return
+        if turn + 1 >= max_turns:
+            t.ended_by = "max_turns"
+            return
+        text = self.env.observation_prefix + step.observation + self.env.observation_suffix
+        try:
+            obs = self.encode_observation(text)
+        except ValueError as e:
+            t.fail(f"error: the observation cannot be encoded: {e}")
+            return
+        room = min(self.env.max_tokens - t.response_len(), max_len - len(t.ids())) - len(obs)
+        if room < 1:
+            t.ended_by = "budget"
+            return
+        t.turns[-1] = Turn(s, obs)
+        t.observations.append(text)
+
+    # ---- demonstrations (the SFT warm start) ------------------------------------------------------
+    def demonstration(self, example) -> Sample:
+        """One trajectory of the environment's demonstrated turns (Environment.demonstrate), as a
+        rollout would have recorded it: each turn's text encoded alone + the stop id (loss_mask
+        True), each observation as a rollout appends it (False); log-probs 0 (unused by SFT).
+        Raises ValueError when the environment has no demonstration."""
+        env = make_env(self.env.name, **self.env.settings)
+        prompt = self.tokenizer.encode_prompt(env.reset(example))
+        texts = env.demonstrate(example)
+        if not texts:
+            raise ValueError(f"environment {self.env.name!r} has no demonstration for {example.prompt!r}; the SFT warm "
+                             f"start of a multi_turn run trains on demonstrations (or set sft.steps=0)")
+        context, turns = list(prompt), []
+        for k, text in enumerate(texts):
+            ids = self.tokenizer.encode(text) + [self.tokenizer.eos_id]
+            sample = Sample(prompt_ids=torch.tensor(context), response_ids=torch.tensor(ids),
+                            rollout_logprobs=torch.zeros(len(ids)), finish_reason="stop", policy_version=0)
+            step = env.step(text, ids)
+            last = step.done or k == len(texts) - 1
+            obs = [] if last else self.encode_observation(
+                self.env.observation_prefix + step.observation + self.env.observation_suffix)
+            turns.append(Turn(sample, obs))
+            context += ids + obs
+            if last:
+                break
+        return assemble(prompt, turns)
+
+    # ---- diagnostics ----------------------------------------------------------------------------
+    def _stats(self, trajs: list[_Trajectory]) -> dict[str, float]:
+        num = max(len(trajs), 1)
+        turns = sum(len(t.turns) for t in trajs)
+        sampled = sum(len(x.sample.response_ids) for t in trajs for x in t.turns)
+        stats = {"env/turns": turns / num, "env/sampled_per_turn": sampled / max(turns, 1),
+                 "env/observation_tokens": sum(len(x.observation_ids) for t in trajs for x in t.turns) / num,
+                 "env/failures": float(sum(t.failure is not None for t in trajs)),
+                 "env/timeouts": float(sum(t.failure == "timeout" for t in trajs)),
+                 "env/budget_ends": float(sum(t.ended_by == "budget" for t in trajs))}
+        failed = [t.failure for t in trajs if t.failure is not None]
+        if failed:
+            log.warning("multi_turn: %d of %d trajectories ended by a failing environment (first: %s)",
+                        len(failed), len(trajs), failed[0])
+        if self.env.check_render:
+            stats.update(self._render_drift(trajs))
+        return stats
+
+    def _render_drift(self, trajs: list[_Trajectory]) -> dict[str, float]:
+        """How many trajectories a text-keeping pipeline would re-tokenize into other ids
+        (env/render_drift), and of those, how many it could not encode at all (a sampled special
+        or unused id decodes to U+FFFD: env/render_unencodable)."""
+        drifted, unencodable = [], 0
+        for k, t in enumerate(trajs):
+            turns = [(self.tokenizer.decode(x.sample.response_ids.tolist()), x.sample.response_ids.tolist(),
+                      t.observations[i] if i < len(t.observations) else "") for i, x in enumerate(t.turns)]
+            try:
+                rendered = rerender(t.prompt_text, turns, self.tokenizer.encode_prompt, self.tokenizer.stop_ids)
+            except ValueError:
+                unencodable += 1
+                continue
+            d = drift(t.ids(), rendered)
+            if d is not None:
+                drifted.append((k, d))
+        if drifted:
+            k, d = drifted[0]
+            log.warning("multi_turn: %d of %d trajectories re-encode to other ids than were sampled (first: "
+                        "trajectory %d at id %d; %d kept ids vs %d re-encoded); the kept ids are trained",
+                        len(drifted), len(trajs), k, d.index, d.kept_len, d.rendered_len)
+        return {"env/render_drift": float(len(drifted) + unencodable), "env/render_unencodable": float(unencodable)}
+
+
+def check(cfg) -> None:
+    """multi_turn needs env.name."""
+    if cfg.env.name is None:
+        raise ValueError("rollout.function=multi_turn needs an environment: set env.name (e.g. env.name=calculator)")
+
+
+def supervised(inputs: RolloutFnInputs, examples: Sequence) -> list[Sample]:
+    """The SFT warm start's samples: one demonstrated trajectory per example."""
+    fn = MultiTurn(inputs)
+    return [fn.demonstration(e) for e in examples]
+
+
+def max_trained(cfg) -> int:
+    """The most sampled tokens of a trajectory: every turn at rollout.max_tokens, within the budget."""
+    return min(cfg.env.max_tokens, cfg.env.max_turns * cfg.rollout.max_tokens)
+
+
+MULTI_TURN = RolloutFnSpec(make=MultiTurn, check=check, max_trained=max_trained, supervised=supervised)
+"""A registered entry (rollout/registered.py)."""

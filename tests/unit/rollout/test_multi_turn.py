@@ -1,0 +1,255 @@
+"""The multi-turn rollout function: one token sequence per trajectory, environments that fail.
+
+Trajectories are compared with sequences built by hand from the engine's script; an environment
+that ends after one turn gives exactly single_turn's samples; a hung environment is released by an
+event the test sets at the end (its deadline is short and nothing else waits on a clock)."""
+import dataclasses
+import logging
+import re
+import threading
+
+import pytest
+import torch
+
+from megatron_rl.config.schema import EnvSection
+from megatron_rl.data.envs import ENVS, register_env
+from megatron_rl.data.types import Example
+from megatron_rl.rollout.function import RolloutFnInputs
+from megatron_rl.rollout.multi_turn import MultiTurn
+from megatron_rl.rollout.single_turn import SingleTurn
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.trainer.batch import build_batch
+from tests.unit.rollout.multi_turn_fakes import RELEASE, TOK, Flaky, OneShot, ScriptedEngine, fake_logprob
+
+TOY_CALC = {"call_open": "c:", "call_close": "", "result_open": "r:", "result_close": ""}
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=12, stop_token_ids=TOK.stop_ids, seed=7)
+
+
+@pytest.fixture
+def test_envs():
+    for name, cls in (("oneshot", OneShot), ("flaky", Flaky)):
+        register_env(name)(cls)
+    yield
+    for name in ("oneshot", "flaky"):
+        ENVS.pop(name)
+
+
+def _multi(name="calculator", settings=None, **kw) -> MultiTurn:
+    env = EnvSection(name=name, settings=settings if settings is not None else dict(TOY_CALC), **kw)
+    return MultiTurn(RolloutFnInputs(TOK, rewards=None, env=env))
+
+
+def _calculator_script(text: str) -> str:
+    """The policy of a calculator user: call the tool, then copy its result."""
+    return text.split("r:")[1] if "r:" in text else "c:" + text.rstrip("=")
+
+
+def test_a_calculator_trajectory_is_the_hand_built_sequence():
+    engine = ScriptedEngine(_calculator_script)
+    gen = _multi(check_render=True)(engine, [Example("123*45=", "5535", "multiplication")], 1, SAMPLING)
+    [s] = gen.samples
+    prompt = TOK.encode("123*45=")
+    call, obs, answer = TOK.encode("c:123*45") + [TOK.eos_id], TOK.encode("r:5535"), TOK.encode("5535") + [TOK.eos_id]
+    assert s.prompt_ids.tolist() == prompt
+    assert s.response_ids.tolist() == call + obs + answer
+    assert s.loss_mask.tolist() == [True] * len(call) + [False] * len(obs) + [True] * len(answer)
+    mu = [fake_logprob(len(prompt) + r, t) for r, t in enumerate(call)] + [0.0] * len(obs) + \
+         [fake_logprob(len(prompt + call + obs) + r, t) for r, t in enumerate(answer)]
+    assert torch.allclose(s.rollout_logprobs, torch.tensor(mu), rtol=0, atol=0)
+    assert [c[0] for c in engine.calls] == [[prompt], [prompt + call + obs]]  # token ids in: never re-encoded
+    assert gen.score() == [1.0] and s.finish_reason == "stop" and s.policy_version == 3
+    assert gen.stats["env/turns"] == 2 and gen.stats["env/failures"] == 0 and gen.stats["env/render_drift"] == 0
+    assert gen.stats["env/observation_tokens"] == len(obs)
+    assert gen.stats["env/sampled_per_turn"] == (len(call) + len(answer)) / 2
+
+
+def test_a_wrong_answer_scores_0_and_max_turns_ends_a_trajectory_without_its_observation():
+    always_call = ScriptedEngine(lambda text: "c:1+1")
+    gen = _multi(max_turns=2)(always_call, [Example("123*45=", "5535", "multiplication")], 2, SAMPLING)
+    call = TOK.encode("c:1+1") + [TOK.eos_id]
+    for s in gen.samples:  # two calls; the second's result is not appended: no turn follows it
+        assert s.response_ids.tolist() == call + TOK.encode("r:2") + call
+    assert gen.score() == [0.0, 0.0]
+    wrong = _multi()(ScriptedEngine(lambda text: "5536"), [Example("123*45=", "5535", "multiplication")], 1, SAMPLING)
+    assert wrong.score() == [0.0] and wrong.stats["env/turns"] == 1
+
+
+def test_the_token_budget_caps_a_turn_and_ends_before_an_observation_that_leaves_no_room():
+    engine = ScriptedEngine(_calculator_script)
+    # prompt 7 ids; turn 1: 9 ids, obs 6 ids -> 15; a budget of 16 leaves 1 id for the answer
+    gen = _multi(max_tokens=16)(engine, [Example("123*45=", "5535", "multiplication")], 1, SAMPLING)
+    assert len(gen.samples[0].response_ids) == 16 and engine.calls[1][2].max_tokens == 1
+    assert gen.samples[0].finish_reason == "length"
+    gen = _multi(max_tokens=15)(ScriptedEngine(_calculator_script), [Example("123*45=", "5535", "m")], 1, SAMPLING)
+    assert len(gen.samples[0].response_ids) == 9 and gen.stats["env/budget_ends"] == 1
+
+
+def test_one_turn_without_observations_reproduces_single_turn(test_envs):
+    examples = [Example("12+3=", "15", "addition"), Example("7+8=", "15", "addition")]
+
+    def rewards(items):
+        return [float(response == label) for _, response, label, _ in items]
+
+    single = SingleTurn(RolloutFnInputs(TOK, rewards))(ScriptedEngine(random_ids=True), examples, 3, SAMPLING)
+    multi = _multi("oneshot", {})(ScriptedEngine(random_ids=True), examples, 3, SAMPLING)
+    assert len(single.samples) == len(multi.samples) == 6
+    for a, b in zip(single.samples, multi.samples):
+        for field in ("prompt_ids", "response_ids", "rollout_logprobs"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert (a.finish_reason, a.prompt_index, a.sample_index) == (b.finish_reason, b.prompt_index, b.sample_index)
+        assert b.loss_mask.all() and a.loss_mask is None
+    assert single.score() == multi.score()
+    # so the trainer's tensors, and every loss and gradient computed from them, are the same bit for bit
+    packed = [build_batch(g.samples, g.score(), pad_id=0, seq_len=20) for g in (single, multi)]
+    for f in dataclasses.fields(packed[0]):
+        x, y = getattr(packed[0], f.name), getattr(packed[1], f.name)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f.name
+
+
+def test_an_environment_that_raises_hangs_or_misbehaves_ends_its_trajectory_and_the_call_goes_on(test_envs, caplog):
+    labels = ["ok", "raise", "hang", "bad", "noreset", "badreset", "badstep"]
+    examples = [Example(f"{i}+{i}=", label, "addition") for i, label in enumerate(labels)]
+    try:
+        with caplog.at_level(logging.WARNING):
+            gen = _multi("flaky", {}, timeout_s=0.5)(ScriptedEngine(lambda text: "1"), examples, 2, SAMPLING)
+    finally:
+        RELEASE.set()
+    assert gen.score() == [1.0, 1.0] + [0.0] * 12
+    assert len(gen.samples) == 14 and all(s.response_ids.tolist() == TOK.encode("1") + [TOK.eos_id]
+                                          for s in gen.samples)
+    for k in (8, 10):  # a failed reset: the example's own prompt
+        assert gen.samples[k].prompt_ids.tolist() == TOK.encode(f"{k // 2}+{k // 2}=")
+    assert gen.stats["env/failures"] == 12 and gen.stats["env/timeouts"] == 2
+    assert "12 of 14 trajectories ended by a failing environment" in caplog.text
+
+
+def test_the_render_check_reports_a_merge_across_a_turn_boundary():
+    """A tokenizer that merges "r:" into one id (a BPE merge). The policy's turn ends with "r" (no
+    stop id) and the observation starts with ":": kept as two ids, while the rendered text encodes
+    "r:" to one; the drift is counted, and the kept ids are what the sample holds."""
+
+    class Merging(type(TOK)):
+        def encode_prompt(self, text):
+            ids = self.encode(text.replace("r:", "?"))
+            return [52 if i == self.encode("?")[0] else i for i in ids]
+
+    tok = Merging()
+    gen = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name="calculator", check_render=True, settings={
+        "call_open": "c", "call_close": "r", "result_open": ":", "result_close": ""})))
+    engine = ScriptedEngine(lambda text: "c1+1r", max_len=512)
+    out = gen(engine, [Example("1+1=", "2", "addition")], 1, SamplingParams(max_tokens=5, stop_token_ids=()))
+    kept = out.samples[0].response_ids.tolist()
+    assert kept[4:6] == tok.encode("r:")  # "r" sampled (no stop id ends the turn), ":" the environment's
+    assert out.stats["env/render_drift"] == 1
+    plain = _multi(check_render=True)(ScriptedEngine(_calculator_script), [Example("1*1=", "1", "m")], 1, SAMPLING)
+    assert plain.stats["env/render_drift"] == 0  # the same check, no merge: nothing reported
+    assert plain.stats["env/render_unencodable"] == 0
+    unused = _multi(check_render=True)(ScriptedEngine(lambda text: "7", tail=[52]), [Example("1*1=", "1", "m")], 1,
+                                       SAMPLING)  # a sampled unused id decodes to U+FFFD, which no text encodes
+    assert unused.stats["env/render_drift"] == unused.stats["env/render_unencodable"] == 1
+
+
+def test_the_config_names_the_environment_and_checks_its_settings():
+    from megatron_rl.config import load_config
+    from megatron_rl.config.loader import ConfigError
+    from megatron_rl.config.schema import LossSection
+    from megatron_rl.config.validate import max_trained
+    from megatron_rl.losses.setup import resolve_loss
+
+    with pytest.raises(ConfigError, match="set env.name"):
+        load_config(None, ["rollout.function=multi_turn"])
+    with pytest.raises(ConfigError, match="unknown environment 'nope'"):
+        load_config(None, ["env.name=nope"])
+    with pytest.raises(ConfigError, match="env.settings"):
+        load_config(None, ["env.name=calculator", "env.settings.bogus=1"])
+    cfg = load_config(None, ["rollout.function=multi_turn", "env.name=calculator", "data.tasks=[multiplication]",
+                             "rollout.max_tokens=10", "env.max_turns=3", "env.max_tokens=64"])
+    assert cfg.env.name == "calculator"
+    # a constant-normaliser loss divides by the most tokens a trajectory can sample: 3 turns of 10
+    assert max_trained(cfg) == 30 and resolve_loss(LossSection(recipe="minirl"), max_trained(cfg)).agg_params == {
+        "l_norm": 30.0}
+    assert max_trained(load_config(None, ["rollout.max_tokens=10"])) == 10
+
+
+def test_a_group_shares_the_first_successful_reset_and_one_that_differs_fails(test_envs):
+    class Moody(OneShot):
+        made, lock = 0, threading.Lock()
+
+        def reset(self, example):
+            with Moody.lock:  # resets of one call run in threads: the count, not the order, is fixed
+                Moody.made += 1
+                odd = Moody.made % 2
+            return super().reset(example) + ("?" if odd else "")
+
+    register_env("moody")(Moody)
+    try:
+        gen = _multi("moody", {})(ScriptedEngine(lambda text: "1"), [Example("1+1=", "odd", "addition")], 4, SAMPLING)
+    finally:
+        ENVS.pop("moody")
+    prompts = {tuple(s.prompt_ids.tolist()) for s in gen.samples}
+    assert len(prompts) == 1 and gen.stats["env/failures"] == 2  # two of four resets differ from the first
+
+
+def test_with_the_embedded_engine_one_turn_reproduces_single_turn_routes_and_kept_sets_included(
+        test_envs, moe_checkpoint):
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    arch, _, ckpt = moe_checkpoint
+    engine = EmbeddedEngine(arch)
+    engine.update_weights(ckpt.items(), version=2)
+    sampling = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=5, seed=11, return_kept_ids=True,
+                              logprobs_mode="processed", stop_token_ids=TOK.stop_ids)
+    examples = [Example("12+3=", "15", "addition"), Example("7+8=", "15", "addition")]
+    single = SingleTurn(RolloutFnInputs(TOK, lambda items: [0.0] * len(items)))(engine, examples, 2, sampling)
+    multi = _multi("oneshot", {})(engine, examples, 2, sampling)
+    for a, b in zip(single.samples, multi.samples, strict=True):
+        for field in ("prompt_ids", "response_ids", "rollout_logprobs", "routed_experts", "kept_ids"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert len(b.routed_experts) == len(b.prompt_ids) + len(b.response_ids) - 1
+
+
+def test_a_tokenizer_that_starts_every_prompt_with_bos_puts_none_before_an_observation():
+    class WithBos(type(TOK)):
+        def encode_prompt(self, text):
+            return [self.bos_id] + self.encode(text)
+
+    tok = WithBos()
+    gen = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name="calculator", check_render=True, settings=TOY_CALC)))
+    out = gen(ScriptedEngine(_calculator_script), [Example("12*10=", "120", "multiplication")], 1, SAMPLING)
+    s = out.samples[0]
+    assert s.prompt_ids.tolist() == [tok.bos_id] + tok.encode("12*10=")
+    assert s.response_ids.tolist() == tok.encode("c:12*10") + [tok.eos_id] + tok.encode("r:120") + tok.encode("120") + [
+        tok.eos_id]
+    assert out.score() == [1.0] and out.stats["env/render_drift"] == 0  # the render encodes continuations alike
+
+
+def _bisect_script(text: str) -> str:
+    """A guess player: bisection from the feedback so far in the context text."""
+    lo, hi = 0, 99
+    for guess, answer in re.findall(r"(\d+)(higher|lower)", text.split(":", 1)[1]):
+        lo, hi = (int(guess) + 1, hi) if answer == "higher" else (lo, int(guess) - 1)
+    return str((lo + hi) // 2)
+
+
+@pytest.mark.parametrize("env,example,script", [
+    ("calculator", Example("123*45=", "5535", "multiplication"), _calculator_script),
+    ("guess", Example("guess 0-99 n0001:", "57", "guessing"), _bisect_script)], ids=["calculator", "guess"])
+def test_a_demonstration_is_the_trajectory_a_rollout_of_its_turns_records(env, example, script):
+    from megatron_rl.rollout import ROLLOUT_FNS
+
+    settings = TOY_CALC if env == "calculator" else {}
+    inputs = RolloutFnInputs(TOK, None, EnvSection(name=env, settings=settings, max_turns=8, max_tokens=64))
+    [demo] = ROLLOUT_FNS.get("multi_turn").supervised(inputs, [example])
+    rolled = MultiTurn(inputs)(ScriptedEngine(script), [example], 1, SAMPLING)
+    [s] = rolled.samples
+    assert rolled.score() == [1.0]
+    for field in ("prompt_ids", "response_ids", "loss_mask"):
+        assert torch.equal(getattr(demo, field), getattr(s, field)), field
+    assert int((~demo.loss_mask).sum()) > 0  # the observations are in it, masked
+
+
+def test_an_environment_without_demonstrations_is_named(test_envs):
+    from megatron_rl.rollout.multi_turn import supervised
+
+    with pytest.raises(ValueError, match="'oneshot' has no demonstration for '1\\+1='.*sft.steps=0"):
+        supervised(RolloutFnInputs(TOK, None, EnvSection(name="oneshot")), [Example("1+1=", "2", "addition")])
