@@ -44,9 +44,9 @@ install-vllm:
 # the tiers (README, "Tests"): unit (in-process, starts no process), distributed (gloo ranks, fresh
 # interpreters), tools (scripts, benchmarks), e2e (pretrain_rl.py runs), vllm (a real server), gpu.
 # Two xdist workers: most tests run one thread (a drill's run, a gloo rank, a probe), so on 2 cores
-# two at a time take about half the time; a file's tests stay on one worker and the vLLM tier runs
-# one server at a time (tests/conftest.py). XDIST= (empty) runs one test at a time.
-XDIST ?= -n 2 --dist loadgroup
+# two at a time take about half the time; a file's tests stay on one worker (tests/conftest.py).
+# XDIST= (empty) runs one test at a time.
+XDIST ?= -n 2 --dist loadfile
 test: $(STAMP) install-vllm
 	$(VENV)/bin/ruff check megatron_rl tools tests benchmarks pretrain_rl.py
 	$(PY) -m pytest -q $(XDIST) tests --junitxml=$(TIMES)/lane1.xml

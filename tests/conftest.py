@@ -6,13 +6,14 @@ benchmarks), tests/e2e (runs of pretrain_rl.py), tests/vllm (a real vLLM server)
 Every test under tests/unit is marked `unit` here, so that one pytest call can select the unit tier
 plus marked tests of the others (lane 2: `-m "unit or mcore_api"`, see the Makefile).
 
-Parallel runs (`make test`: `pytest -n 2 --dist loadgroup`, pytest-xdist). Most tests here run one
+Parallel runs (`make test`: `pytest -n 2 --dist loadfile`, pytest-xdist). Most tests here run one
 thread: a drill's pretrain_rl.py, a single gloo rank, a probe. On 2 cores two workers then finish
-the tiers in about half the time. Each test is put in the xdist group of its file, so a file's tests
-share one worker and its module fixtures (a finished run, a random checkpoint) are made once; the
-whole vLLM tier is one group, so at most one real vLLM server runs at a time (a server takes every
-core it is given, and the tier's restart and hang detection are about the server, not about a
-machine shared with a second one).
+the tiers in about half the time. A file's tests share one worker, so its module fixtures (a
+finished run, a random checkpoint) are made once. Two vLLM servers may run at once, one per worker:
+the tier's restart and hang detection are triggered by events (a killed or stopped process), not by
+how fast a shared machine answers. (xdist's `loadgroup`, which could keep the whole tier on one
+worker, groups nothing under pytest 9: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer
+reads.)
 """
 import os
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 TESTS = Path(__file__).resolve().parent
-UNIT, VLLM = TESTS / "unit", TESTS / "vllm"
+UNIT = TESTS / "unit"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,5 +37,3 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.fspath).resolve()
         if UNIT in path.parents:
             item.add_marker(pytest.mark.unit)
-        group = "vllm" if VLLM in path.parents else str(path.relative_to(TESTS))
-        item.add_marker(pytest.mark.xdist_group(group))

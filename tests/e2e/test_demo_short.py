@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+from tests.cores import share
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -20,7 +22,7 @@ def test_short_demo_improves_reward(tmp_path):
            f"train.run_dir={tmp_path / 'run'}", "train.steps=40", "train.eval_every=40", "train.eval_size=200",
            "sft.eval_every=25", "sft.eval_size=100",
            "log.progress=false", "--summary-json", str(summary_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(min(2, share())), TORCHDYNAMO_DISABLE="1")
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(summary_path.read_text())

@@ -65,6 +65,9 @@ def blocked_modules() -> set[str]:
 CHILD = r"""
 import importlib, importlib.abc, pkgutil, sys
 BLOCKED = set(sys.argv[1].split(","))
+# modules that run inside the vLLM server's interpreter (its own environment, loaded there under
+# their own top-level names), never in the trainer's: the GPU check's trainer does not import them
+SERVER_SIDE = "megatron_rl.rollout.vllm.server_plugin."
 
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -83,7 +86,8 @@ def load(name):
 for top in sys.argv[2:]:
     mod = load(top)
     for m in pkgutil.walk_packages(getattr(mod, "__path__", []), top + "."):
-        load(m.name)
+        if not m.name.startswith(SERVER_SIDE):
+            load(m.name)
 print("\n".join(failed))
 sys.exit(1 if failed else 0)
 """

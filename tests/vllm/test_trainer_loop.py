@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.cores import share
 from tests.vllm.test_launcher import group
 
 pytestmark = pytest.mark.vllm
@@ -30,7 +31,7 @@ log: {{progress: false}}
 def _env(vllm_python):
     # MASTER_PORT=0: the one rank's store listens on a port the kernel picks when it binds (no port
     # chosen here and bound later, which a test running beside this one could take in between)
-    return dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1",
+    return dict(os.environ, OMP_NUM_THREADS=str(min(2, share())), TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1",
                 MASTER_PORT="0", MEGATRON_RL_VLLM_PYTHON=vllm_python)
 
 
