@@ -112,9 +112,11 @@ case "$1 $2" in
     "- ") cat > /dev/null; echo "python 3.12 (stand-in)" ;;
     "-m pytest")
         if [[ "$*" == *test_demo_short* ]]; then
+            # the trap first, so a SIGINT that comes before the sleep starts still gets the summary
+            trap 'kill $pid 2>/dev/null; echo "1 failed, 3 passed in 2.01s (interrupted)"; exit 2' INT
             sleep 30 &   # in the background (bash starts it with SIGINT ignored): the trap ends it
-            trap 'kill $!; echo "1 failed, 3 passed in 2.01s (interrupted)"; exit 2' INT
-            wait $!
+            pid=$!
+            wait $pid
         fi
         echo "4 passed in 0.01s" ;;
     *) echo "ran: $*"; echo "summary: stand-in $1" ;;
