@@ -72,7 +72,7 @@ def label_samples(inputs: RolloutFnInputs, examples: Sequence[Any]) -> list[Samp
     tok, out = inputs.tokenizer, []
     for e in examples:
         response = tok.encode(e.label) + [tok.eos_id]
-        out.append(Sample(prompt_ids=torch.tensor(tok.encode_prompt(e.prompt)), response_ids=torch.tensor(response),
+        out.append(Sample(prompt_ids=torch.tensor(tok.encode_prompt(e.prompt), dtype=torch.long), response_ids=torch.tensor(response, dtype=torch.long),
                           rollout_logprobs=torch.zeros(len(response)), finish_reason="stop", policy_version=0))
     return out
 

@@ -208,7 +208,7 @@ class MultiTurn:
         context, turns = list(prompt), []
         for k, text in enumerate(texts):
             ids = self.tokenizer.encode(text) + [self.tokenizer.eos_id]
-            sample = Sample(prompt_ids=torch.tensor(context), response_ids=torch.tensor(ids),
+            sample = Sample(prompt_ids=torch.tensor(context, dtype=torch.long), response_ids=torch.tensor(ids, dtype=torch.long),
                             rollout_logprobs=torch.zeros(len(ids)), finish_reason="stop", policy_version=0)
             step = env.step(text, ids)
             last = step.done or k == len(texts) - 1
