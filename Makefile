@@ -45,8 +45,9 @@ install-vllm:
 # interpreters), tools (scripts, benchmarks), e2e (pretrain_rl.py runs), vllm (a real server), gpu.
 # Two xdist workers: most tests run one thread (a drill's run, a gloo rank, a probe), so on 2 cores
 # two at a time take about half the time; a file's tests stay on one worker (tests/conftest.py).
+# Files go out longest first (tests/order.py), not by test count (xdist's default, off here).
 # XDIST= (empty) runs one test at a time.
-XDIST ?= -n 2 --dist loadfile
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: $(STAMP) install-vllm
 	$(VENV)/bin/ruff check megatron_rl tools tests benchmarks pretrain_rl.py
 	$(PY) -m pytest -q $(XDIST) tests --junitxml=$(TIMES)/lane1.xml

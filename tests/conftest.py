@@ -8,7 +8,8 @@ plus marked tests of the others (lane 2: `-m "unit or mcore_api"`, see the Makef
 
 Parallel runs (`make test`: `pytest -n 2 --dist loadfile`, pytest-xdist). Most tests here run one
 thread: a drill's pretrain_rl.py, a single gloo rank, a probe. On 2 cores two workers then finish
-the tiers in about half the time. A file's tests share one worker, so its module fixtures (a
+the tiers in about half the time. Files go to the workers longest first (tests/order.py). A file's
+tests share one worker, so its module fixtures (a
 finished run, a random checkpoint) are made once. Two vLLM servers may run at once, one per worker:
 the tier's restart and hang detection are triggered by events (a killed or stopped process), not by
 how fast a shared machine answers. (xdist's `loadgroup`, which could keep the whole tier on one
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.order import longest_first
 
 # megatron's jit_fuser is torch.compile: minutes of CPU compiles for the CPU-lane tests. The GPU
 # tests turn it back on where they run what a GPU run compiles (tests/gpu/runs.py, the log-prob tests).
@@ -37,3 +40,5 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.fspath).resolve()
         if UNIT in path.parents:
             item.add_marker(pytest.mark.unit)
+    order = longest_first([Path(item.fspath).resolve().relative_to(TESTS).as_posix() for item in items])
+    items[:] = [items[i] for i in order]

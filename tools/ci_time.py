@@ -7,7 +7,9 @@
 to build/test-times/ (lane1.xml, lane2.xml, fast.xml); this reads them. A test's time is setup +
 call + teardown, so a module- or session-scoped fixture (a shared finished run, a worker pool's
 start) is counted in the first test that uses it. The tier of a test is its folder under tests/
-(unit, distributed, tools, e2e, vllm, gpu). The README's CI line quotes these tables.
+(unit, distributed, tools, e2e, vllm, gpu). The README's CI line quotes these tables; the
+slowest files' seconds are what tests/order.py's LONG_FILES (the order files go to the xdist
+workers) is updated from.
 """
 from __future__ import annotations
 
@@ -58,6 +60,14 @@ def suite_seconds(path: str) -> float:
     return float(suite.get("time", 0.0)) if suite is not None else 0.0
 
 
+def file_seconds(cases: list[Case]) -> dict[str, float]:
+    """Seconds per test file (relative to tests/, as tests/order.py names them), slowest first."""
+    per: dict[str, float] = defaultdict(float)
+    for c in cases:
+        per[c.node.split("::")[0].removeprefix("tests/")] += c.seconds
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def minutes(seconds: float) -> str:
     return f"{int(seconds // 60)} min {seconds % 60:04.1f} s"
 
@@ -76,6 +86,9 @@ def report(path: str, top: int) -> str:
             n[c.outcome] += 1
         lines.append(f"{tier:<12} {len(cs):>6} {n['passed']:>7} {n['skipped']:>8} "
                      f"{n['failed'] + n['error']:>7} {minutes(sum(c.seconds for c in cs)):>14}")
+    files = file_seconds(cases)
+    lines += ["", f"slowest {min(top, len(files))} files (tests/order.py):"]
+    lines += [f"{s:8.1f} s  {f}" for f, s in list(files.items())[:top]]
     lines += ["", f"slowest {min(top, len(cases))}:"]
     for c in sorted(cases, key=lambda c: -c.seconds)[:top]:
         lines.append(f"{c.seconds:8.1f} s  {c.node}")

@@ -31,6 +31,10 @@ def test_tiers_times_and_slowest(tmp_path):
     tiers = [line.split()[0] for line in text.splitlines()[3:6]]
     assert tiers == ["distributed", "e2e", "unit"]  # by time, most first
     assert "distributed       2       1        0       1   0 min 42.0 s" in text
+    assert ci_time.file_seconds(cases) == {"distributed/test_rl_loop.py": 42.0, "e2e/test_drills.py": 30.0,
+                                           "unit/losses/test_surrogates.py": 1.0}
+    files = text.split("slowest 2 files (tests/order.py):\n")[1].splitlines()[:2]
+    assert files == ["    42.0 s  distributed/test_rl_loop.py", "    30.0 s  e2e/test_drills.py"]
     slowest = text.split("slowest 2:\n")[1].splitlines()
     assert slowest == ["    40.0 s  tests/distributed/test_rl_loop.py::test_loop",
                        "    30.0 s  tests/e2e/test_drills.py::test_drill"]
