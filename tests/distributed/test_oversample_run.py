@@ -6,13 +6,11 @@ reproduces the uninterrupted one bit for bit.
 The reward (first response character a digit) leaves about half of the random policy's groups of
 4 with equal rewards, so both the filled and the bounded cases happen in a step or two.
 """
-import json
-import os
-
 import pytest
 import torch
 
 from megatron_rl.rewards import register_reward
+from tests.distributed.test_schedules import _run as schedules_run
 from tests.spawn import run_ranks
 
 
@@ -30,36 +28,15 @@ OVER = ["rollout.oversample=true", "rollout.max_oversample=4"]
 
 
 def _run(rank, world, overrides, run_dir, stop_after_first=False):
-    import signal
-
-    from megatron_rl.config import load_config
-    from megatron_rl.parallel import init_parallel
-    from megatron_rl.platform import apply_platform_workarounds
-    from megatron_rl.trainer.loop import close, train
-    from megatron_rl.trainer.setup import setup
-    from megatron_rl.trainer.stop import Stopped
-
-    apply_platform_workarounds()
-    cfg = load_config(None, BASE + [f"train.run_dir={run_dir}"] + overrides)
-    ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
-    if stop_after_first:
-        ctx.stop.signum = signal.SIGTERM  # as if SIGTERM arrived during the first step
-    try:
-        train(ctx)
-    except Stopped:
-        pass
-    finally:
-        close(ctx)
-    weights = dict(ctx.policy.export())
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        steps = [row for row in map(json.loads, f) if row.get("phase") == "rl"]
-    return weights, steps
+    """test_schedules' run (SIGTERM after step 1 if asked), under this file's settings (later
+    overrides win); a function of this module, so the ranks import it and its reward registers."""
+    return schedules_run(rank, world, BASE + overrides, run_dir, stop_after_first)
 
 
 def _one(tmp_path, name, overrides, stop_after_first=False):
-    [out] = run_ranks(_run, world_size=1, timeout=300, overrides=overrides, run_dir=str(tmp_path / name),
-                      stop_after_first=stop_after_first)
-    return out
+    [(weights, rows)] = run_ranks(_run, world_size=1, timeout=300, overrides=overrides, run_dir=str(tmp_path / name),
+                                  stop_after_first=stop_after_first)
+    return weights, [row for row in rows if row.get("phase") == "rl"]
 
 
 @pytest.fixture(scope="module")
