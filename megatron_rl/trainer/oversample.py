@@ -4,10 +4,10 @@ With `rollout.oversample`, a step draws more prompts until it holds B = rollout.
 groups with reward variance (max R − min R > 0, the groups `loss.filter_zero_variance_groups`
 keeps), at most floor(rollout.max_oversample · B) prompts in all:
 
-    pool = GroupPool(wanted=B, group_size=G)
-    pool.add(samples, rewards)                        # the step's batch, then each extra round
-    k = round_size(pool.missing(), pool.drawn, pool.kept(), budget - pool.drawn)   # 0: stop
-    samples, rewards, stats = pool.take()             # exactly B groups, in draw order
+    pools = {step: GroupPool(wanted=B, group_size=G)}
+    pools[step].add(samples, rewards)                 # the step's batch
+    fill(pools, budget, draw)                         # extra rounds: draw(round, {step: prompts})
+    samples, rewards, stats = pools[step].take()      # exactly B groups, in draw order
 
 `round_size` asks for the prompts the keep rate seen so far says the missing groups need,
 ceil(missing · drawn / kept) (the drawn count again while none is kept), capped by the budget
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -95,3 +96,23 @@ class GroupPool:
                  "rollout/groups_padded": float(sum(not flags[g] for g in chosen)),
                  "rollout/oversample_rounds": float(self.rounds)}
         return samples, rewards, stats
+
+
+def fill(pools: dict[int, GroupPool], budget: int,
+         draw: Callable[[int, dict[int, int]], tuple[list[Sample], list[float]]]) -> None:
+    """Extra rounds until every pool holds its wanted groups with variance or has drawn `budget`
+    prompts. Round i (from 1) asks `draw(i, {step: prompts})` for every step still short (sizes
+    from round_size), which returns the round's samples and rewards, steps in that order, groups
+    contiguous: one rollout-function call for all of them."""
+    for round_ in range(1, budget + 1):  # every round draws >= 1 prompt: the budget ends the loop
+        sizes = {step: round_size(p.missing(), p.drawn, p.kept(), budget - p.drawn) for step, p in pools.items()}
+        sizes = {step: k for step, k in sizes.items() if k}
+        if not sizes:
+            return
+        samples, rewards = draw(round_, sizes)
+        at = 0
+        for step, k in sizes.items():
+            n = k * pools[step].group_size
+            pools[step].add(samples[at:at + n], rewards[at:at + n])
+            pools[step].rounds += 1
+            at += n

@@ -30,7 +30,7 @@ import torch
 from megatron_rl.data.types import derive_seed
 from megatron_rl.rollout.function import Generated
 from megatron_rl.rollout.types import Sample, SamplingParams
-from megatron_rl.trainer.oversample import GroupPool, round_size
+from megatron_rl.trainer.oversample import GroupPool, fill
 from megatron_rl.trainer.rollout_io import broadcast
 
 log = logging.getLogger(__name__)
@@ -96,24 +96,18 @@ class Batches:
         first: the steps' first call's sampling; extra round i samples with the seed derived from
         (its seed, i), so no round reuses another call's random streams."""
         r = self.cfg.rollout
-        budget = math.floor(r.max_oversample * r.prompts_per_step)
         pools = {step: GroupPool(r.prompts_per_step, r.group_size) for step in per_step}
         for step, (samples, rewards, _) in per_step.items():
             pools[step].add(samples, rewards)
-        for round_ in range(1, budget + 1):  # every round draws >= 1 prompt: the budget ends the loop
-            sizes = {step: round_size(p.missing(), p.drawn, p.kept(), budget - p.drawn) for step, p in pools.items()}
-            sizes = {step: k for step, k in sizes.items() if k}
-            if not sizes:
-                break
+
+        def draw(round_: int, sizes: dict[int, int]):
             examples = [e for step, k in sizes.items()
                         for e in self.prompts.reserve(step, pools[step].drawn - r.prompts_per_step, k)]
             sampling = dataclasses.replace(first, seed=derive_seed(first.seed, "oversample", round_) & (2**63 - 1))
             generated = self.rollout_fn(self.engine, examples, r.group_size, sampling)
-            samples, rewards, at = generated.samples, generated.score(), 0
-            for step, k in sizes.items():
-                pools[step].add(samples[at:at + k * r.group_size], rewards[at:at + k * r.group_size])
-                pools[step].rounds += 1
-                at += k * r.group_size
+            return generated.samples, generated.score()
+
+        fill(pools, math.floor(r.max_oversample * r.prompts_per_step), draw)
         out = {}
         for step, pool in pools.items():
             samples, rewards, counts = pool.take()

@@ -7,7 +7,7 @@ import torch
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import Generated
 from megatron_rl.rollout.types import Sample
-from megatron_rl.trainer.oversample import GroupPool, round_size, select_groups
+from megatron_rl.trainer.oversample import GroupPool, fill, round_size, select_groups
 
 # ---------------------------------------------------------------------------------- pure parts
 
@@ -64,6 +64,25 @@ def test_group_pool_pads_with_zero_variance_groups_when_short():
     assert [int(s.prompt_ids[0]) for s in samples[::2]] == [0, 2, 4]  # group 1, padded by groups 0 and 2
     assert rewards == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
     assert stats["rollout/groups_padded"] == 2.0 and stats["rollout/groups_dropped"] == 1.0
+
+
+def test_fill_asks_once_per_round_for_every_short_step():
+    """Step 0 is full from the start; step 1 (keep rate 1/2) gets ceil(1 * 2 / 1) = 2 prompts in
+    round 1, both without variance, then min(ceil(1 * 4 / 1), 5 - 4) = 1 in round 2: the bound."""
+    pools = {0: GroupPool(2, 2), 1: GroupPool(2, 2)}
+    pools[0].add([_sample(0)] * 4, [0.0, 1.0, 1.0, 0.0])
+    pools[1].add([_sample(1)] * 4, [0.0, 1.0, 1.0, 1.0])
+    asked = []
+
+    def draw(round_, sizes):
+        asked.append((round_, dict(sizes)))
+        n = 2 * sum(sizes.values())
+        return [_sample(9)] * n, [1.0] * n
+
+    fill(pools, 5, draw)
+    assert asked == [(1, {1: 2}), (2, {1: 1})]
+    assert (pools[0].drawn, pools[0].rounds, pools[1].drawn, pools[1].rounds) == (2, 0, 5, 2)
+    assert pools[1].take()[2]["rollout/groups_padded"] == 1.0
 
 
 # ---------------------------------------------------------------------- Batches over a fake engine
