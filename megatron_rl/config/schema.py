@@ -124,6 +124,14 @@ class RolloutSection:
         mismatch real on CPU.
     prompts_per_step: B prompts per RL step. group_size: G >= 2 responses per prompt (the
         advantages compare a response with its group).
+    oversample: DAPO dynamic sampling (default false): keep drawing prompts for a step until it
+        holds B groups whose rewards differ, and train on exactly those B (the first found, in
+        draw order); needs loss.filter_zero_variance_groups=true. The extra prompts come from each
+        step's own reserve stream, so no step's batch changes (trainer/oversample.py).
+    max_oversample: the bound (default 4, >= 1): at most floor(max_oversample x B) prompts drawn
+        per step; a step that reaches it trains on the groups with variance it has plus
+        zero-variance ones (masked by the filter) and says so in the log. Only read with
+        oversample=true.
     temperature (> 0), top_p (in (0, 1]), top_k (-1 = off, else >= 1), max_tokens (>= 1):
         sampling (vLLM names; see SamplingParams).
     max_batch_size: sequences the embedded engine decodes at once.
@@ -149,6 +157,8 @@ class RolloutSection:
     dtype: str = "bf16"
     prompts_per_step: int = 32
     group_size: int = 8
+    oversample: bool = False
+    max_oversample: float = 4.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -170,6 +180,9 @@ class RolloutSection:
         checks.integer("rollout.prompts_per_step", self.prompts_per_step, lo=1)
         checks.integer("rollout.group_size", self.group_size, lo=2,
                        hint="every advantage estimator is a group baseline: one response per prompt gets A = 0")
+        checks.boolean("rollout.oversample", self.oversample)
+        checks.number("rollout.max_oversample", self.max_oversample, lo=1,
+                      hint="at most max_oversample x prompts_per_step prompts are drawn per step; 1 draws none extra")
         checks.number("rollout.temperature", self.temperature, lo=0, lo_open=True,
                       hint="RL samples at a positive temperature; evaluation is greedy on its own")
         checks.number("rollout.top_p", self.top_p, lo=0, hi=1, lo_open=True, hint="1 = no nucleus truncation")

@@ -17,7 +17,7 @@ from megatron_rl.parallel.layout import BatchLayout
 
 def validate(cfg) -> None:
     """Raise ValueError on the first rule `cfg` (a RunConfig) breaks."""
-    for check in (check_loss, check_batch, check_router_replay, check_engine, check_rollout_function, check_schedule,
+    for check in (check_loss, check_batch, check_oversample, check_router_replay, check_engine, check_rollout_function, check_schedule,
                   check_precision, check_sampling, check_tokenizer, check_sft):
         check(cfg)
 
@@ -34,6 +34,24 @@ def check_loss(cfg) -> None:
 def check_batch(cfg) -> None:
     """The split into mini-batches (the world size is not known yet: check_layout completes it)."""
     BatchLayout(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.train.num_minibatches, 1, 1).check()
+
+
+def check_oversample(cfg) -> None:
+    """Over-sampling fills a step with groups that have reward variance; the filter is what masks
+    the zero-variance groups a step that reached rollout.max_oversample still trains on."""
+    r = cfg.rollout
+    if r.oversample and not cfg.loss.filter_zero_variance_groups:
+        raise ValueError("rollout.oversample=true fills each step with groups whose rewards differ and masks the "
+                         "rest with the zero-variance filter, which is off: set loss.filter_zero_variance_groups=true "
+                         "(or rollout.oversample=false)")
+    if r.oversample and r.max_oversample * r.prompts_per_step < r.prompts_per_step + 1:
+        raise ValueError(f"rollout.max_oversample={r.max_oversample:g} leaves no extra prompt to draw "
+                         f"(floor({r.max_oversample:g} x rollout.prompts_per_step={r.prompts_per_step}) = "
+                         f"{r.prompts_per_step}): raise it, e.g. to 4, or set rollout.oversample=false")
+    default = next(f.default for f in fields(r) if f.name == "max_oversample")
+    if not r.oversample and r.max_oversample != default:
+        raise ValueError(f"rollout.max_oversample={r.max_oversample:g} bounds over-sampling, which is off: set "
+                         f"rollout.oversample=true, or leave rollout.max_oversample out")
 
 
 def check_engine(cfg) -> None:

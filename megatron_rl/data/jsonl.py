@@ -175,6 +175,18 @@ class JsonlPrompts:
         n = len(self.examples)
         return [self.examples[self._order(k // n)[k % n]] for k in range(step * size, (step + 1) * size)]
 
+    def reserve(self, step: int, start: int, count: int) -> list[Example]:
+        """Examples start .. start + count - 1 of step `step`'s reserve (over-sampling's extra
+        prompts): rows drawn uniformly with replacement by a generator of their own (seeded by
+        (seed, "jsonl_reserve", step)), so the epoch order, and with it every step's batch, is
+        unchanged; a reserve row may repeat a row of any batch. Cost: start + count draws."""
+        if step < 0 or start < 0 or count < 0:
+            raise ValueError(f"JsonlPrompts.reserve: step, start and count must be >= 0, got step={step}, "
+                             f"start={start}, count={count}")
+        rng = random.Random(derive_seed(self.seed, "jsonl_reserve", step))
+        rows = [rng.randrange(len(self.examples)) for _ in range(start + count)]
+        return [self.examples[i] for i in rows[start:]]
+
     def heldout(self) -> list[Example]:
         """JSONL prompts have no held-out split (evaluations are skipped)."""
         return []

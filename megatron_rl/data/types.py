@@ -4,6 +4,9 @@ An `Example` is one prompt with the label its reward function checks against. A 
 (toy-task `PromptStream`, `JsonlPrompts`) answers `batch(step, size)` with a list of examples
 that depends only on (its seed, step, size): the trainer's step is the whole "data position",
 so a run resumed from a checkpoint at step k sees exactly the prompts it would have seen.
+`reserve(step, start, count)` is a step's own second stream, drawn only by over-sampling
+(`rollout.oversample`): a pure function of (seed, step, start, count), so the extra prompts of
+step k are the same in every run and no other step's batch changes.
 """
 from __future__ import annotations
 
@@ -25,11 +28,16 @@ class Example:
 class PromptSource(Protocol):
     """A deterministic source of prompts: the same (step, size) always gives the same list.
 
+    reserve: examples start .. start + count - 1 of step `step`'s reserve stream, which only
+    over-sampling draws (trainer/oversample.py); a pure function of (seed, step, start, count),
+    independent of `size` and of every step's batch.
     heldout: problems never drawn for training (evaluations), possibly none; rewards: task name ->
     reward name of its own tasks ({} = the run's data.reward decides); state_dict /
     load_state_dict: what identifies the source, checked (not restored) at resume."""
 
     def batch(self, step: int, size: int) -> list[Example]: ...
+
+    def reserve(self, step: int, start: int, count: int) -> list[Example]: ...
 
     def heldout(self) -> list[Example]: ...
 

@@ -9,16 +9,31 @@ weight pushes.
 
 `Rollout` is one step's batch as every rank sees it. Cost: the samples of the steps asked for, on
 rank 0 until the schedule broadcasts them.
+
+With `rollout.oversample` (DAPO dynamic sampling, trainer/oversample.py) `score` goes on drawing
+each step's reserve prompts (`prompts.reserve`) until the step holds rollout.prompts_per_step
+groups with reward variance or has drawn floor(rollout.max_oversample · prompts_per_step)
+prompts: each extra round is one rollout-function call for every step still short, sampled with
+the engine's current weights (the ones `sample` used: a schedule changes them only after
+`score`) and a seed of its own. Those rounds run on the main thread because each needs the
+previous round's rewards; under the async schedule they are not overlapped with the update.
+Cost: up to max_oversample times the samples and engine time of a step.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 
 import torch
 
+from megatron_rl.data.types import derive_seed
 from megatron_rl.rollout.function import Generated
 from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.trainer.oversample import GroupPool, fill
 from megatron_rl.trainer.rollout_io import broadcast
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -61,13 +76,49 @@ class Batches:
                                               sampling_for(cfg, self.tokenizer, steps[0])))
 
     def score(self, sampled: Sampled) -> dict[int, Rollout]:
-        """Rank 0, main thread: rewards, split back per step."""
+        """Rank 0, main thread: rewards, split back per step (over-sampled first when the run says
+        so). The first step's reward_stats carry the reward runner's and the rollout function's
+        stats (of the steps' first call); with over-sampling every step's carry its own counts."""
+        r = self.cfg.rollout
         samples, rewards = sampled.generated.samples, sampled.generated.score()
+        n = r.prompts_per_step * r.group_size
+        per_step = {step: (samples[i * n:(i + 1) * n], rewards[i * n:(i + 1) * n], {})
+                    for i, step in enumerate(sampled.steps)}
+        if r.oversample:
+            per_step = self._oversample(per_step, sampling_for(self.cfg, self.tokenizer, sampled.steps[0]))
         stats = {**self.rewards.stats(), **sampled.generated.stats}
-        n = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
-        return {step: Rollout(samples[i * n:(i + 1) * n],
-                              torch.tensor(rewards[i * n:(i + 1) * n], dtype=torch.float32), stats if i == 0 else {})
-                for i, step in enumerate(sampled.steps)}
+        return {step: Rollout(s, torch.tensor(rw, dtype=torch.float32), {**(stats if i == 0 else {}), **counts})
+                for i, (step, (s, rw, counts)) in enumerate(per_step.items())}
+
+    def _oversample(self, per_step: dict, first: SamplingParams) -> dict:
+        """{step: (samples, rewards, {})} -> the same with exactly prompts_per_step groups each (the
+        first with reward variance, in draw order) and each step's counts (GroupPool.take).
+        first: the steps' first call's sampling; extra round i samples with the seed derived from
+        (its seed, i), so no round reuses another call's random streams."""
+        r = self.cfg.rollout
+        pools = {step: GroupPool(r.prompts_per_step, r.group_size) for step in per_step}
+        for step, (samples, rewards, _) in per_step.items():
+            pools[step].add(samples, rewards)
+
+        def draw(round_: int, sizes: dict[int, int]):
+            examples = [e for step, k in sizes.items()
+                        for e in self.prompts.reserve(step, pools[step].drawn - r.prompts_per_step, k)]
+            sampling = dataclasses.replace(first, seed=derive_seed(first.seed, "oversample", round_) & (2**63 - 1))
+            generated = self.rollout_fn(self.engine, examples, r.group_size, sampling)
+            return generated.samples, generated.score()
+
+        fill(pools, math.floor(r.max_oversample * r.prompts_per_step), draw)
+        out = {}
+        for step, pool in pools.items():
+            samples, rewards, counts = pool.take()
+            if counts["rollout/groups_padded"]:
+                log.warning("step %d: rollout.max_oversample=%g reached after %d prompts with %d of %d groups "
+                            "having reward variance; training on %d zero-variance groups, which "
+                            "loss.filter_zero_variance_groups masks", step + 1, r.max_oversample, pool.drawn,
+                            r.prompts_per_step - int(counts["rollout/groups_padded"]), r.prompts_per_step,
+                            int(counts["rollout/groups_padded"]))
+            out[step] = (samples, rewards, counts)
+        return out
 
 
 class EngineWeights:

@@ -7,7 +7,9 @@
 Batch `step` is drawn from its own `random.Random(derive_seed(seed, "prompts", step))`: example i
 picks a task with probability weight / sum(weights), then the task samples a non-held-out problem.
 Nothing is carried between calls, so resuming at step k needs only k (the "data position"), and
-batches can be requested in any order. `state_dict()` records the seed and task settings so a
+batches can be requested in any order. Over-sampling's extra prompts of step k come from
+`reserve(k, start, count)`, a second generator of the same kind (seeded by (seed, "reserve", k)),
+so they change neither step k's batch nor any other step's. `state_dict()` records the seed and task settings so a
 resume can check that it is replaying the same stream.
 """
 from __future__ import annotations
@@ -44,7 +46,17 @@ class PromptStream:
         """`size` training examples for optimizer step `step`; a pure function of (seed, step, size)."""
         if step < 0 or size < 0:
             raise ValueError(f"PromptStream.batch: step and size must be >= 0, got step={step}, size={size}")
-        rng = random.Random(derive_seed(self.seed, "prompts", step))
+        return self._draw(random.Random(derive_seed(self.seed, "prompts", step)), size)
+
+    def reserve(self, step: int, start: int, count: int) -> list[Example]:
+        """Examples start .. start + count - 1 of step `step`'s reserve (over-sampling's extra
+        prompts); a pure function of (seed, step, start, count). Cost: start + count draws."""
+        if step < 0 or start < 0 or count < 0:
+            raise ValueError(f"PromptStream.reserve: step, start and count must be >= 0, got step={step}, "
+                             f"start={start}, count={count}")
+        return self._draw(random.Random(derive_seed(self.seed, "reserve", step)), start + count)[start:]
+
+    def _draw(self, rng: random.Random, size: int) -> list[Example]:
         out = []
         for _ in range(size):
             task = self.tasks[0] if len(self.tasks) == 1 else rng.choices(self.tasks, self.weights)[0]

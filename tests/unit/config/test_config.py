@@ -80,3 +80,19 @@ def test_printed_and_saved_configs_carry_no_secrets():
     assert "SECRET" not in text and '"HF_TOKEN": "<redacted>"' in text and '"api_key": "<redacted>"' in text
     assert cfg.rollout.vllm.api_key == "SECRET-KEY" and cfg.rollout.vllm.env == {"HF_TOKEN": "hf_SECRET"}
     assert config_to_dict(load_config(None, []))["rollout"]["vllm"]["api_key"] is None  # nothing to redact
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["rollout.oversample=true"], r"rollout.oversample=true .* set loss.filter_zero_variance_groups=true"),
+    (["rollout.max_oversample=2"], r"rollout.max_oversample=2 bounds over-sampling, which is off"),
+    (["rollout.oversample=true", "loss.filter_zero_variance_groups=true", "rollout.prompts_per_step=4",
+      "rollout.max_oversample=1.2"], r"rollout.max_oversample=1.2 leaves no extra prompt"),
+    (["rollout.max_oversample=0.5"], r"rollout.max_oversample=0.5: must be a number >= 1"),
+    (["rollout.oversample=1"], r"rollout.oversample=1: expected true or false"),
+])
+def test_oversampling_settings_are_consistent(overrides, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, overrides)
+    ok = load_config(None, ["rollout.oversample=true", "loss.filter_zero_variance_groups=true",
+                            "rollout.max_oversample=1.5", "rollout.prompts_per_step=2"])
+    assert ok.rollout.max_oversample == 1.5  # floor(1.5 x 2) = 3: one extra prompt

@@ -98,6 +98,16 @@ def test_jsonl_prompts_epochs_and_determinism(tmp_path):
     assert JsonlPrompts([Example("a", "b", "t")], seed=0).batch(3, 2) == [Example("a", "b", "t")] * 2
 
 
+def test_jsonl_reserve_draws_rows_without_moving_the_epochs(tmp_path):
+    rows = [json.dumps({"prompt": f"{i}+0=", "label": str(i)}) for i in range(10)]
+    src = JsonlPrompts(_write(tmp_path, rows), seed=1)
+    before = [src.batch(step, 3) for step in range(6)]
+    r = src.reserve(2, 0, 8)
+    assert [src.batch(step, 3) for step in range(6)] == before  # no batch changes
+    assert src.reserve(2, 3, 5) == r[3:] and JsonlPrompts(_write(tmp_path, rows), seed=1).reserve(2, 0, 8) == r
+    assert src.reserve(3, 0, 8) != r and all(e in src.examples for e in r)
+
+
 def test_a_checkpoints_source_must_have_the_same_rows(tmp_path):
     """Same rows in another file (moved, reformatted) pass; one edited row fails even at the same
     row count, since step k would map to other prompts."""

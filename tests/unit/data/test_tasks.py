@@ -125,6 +125,21 @@ def test_prompt_stream_reproducible_by_seed_and_step():
     assert not held & {e.prompt for step in range(50) for e in s1.batch(step, 64)}
 
 
+def test_prompt_stream_reserve_is_a_stream_of_its_own():
+    """Over-sampling's extra prompts: pure in (seed, step, start, count), contiguous slices of one
+    stream per step, and no step's batch changes (batch draws nothing from it)."""
+    tasks = [Addition(), Sorting()]
+    s = PromptStream(tasks, seed=3)
+    r = s.reserve(7, 0, 12)
+    assert PromptStream([Addition(), Sorting()], seed=3).reserve(7, 0, 12) == r
+    assert s.reserve(7, 4, 5) == r[4:9] and s.reserve(7, 12, 0) == []
+    assert s.reserve(8, 0, 12) != r and r[:8] != s.batch(7, 8)
+    held = {e.prompt for e in s.heldout()}
+    assert not held & {e.prompt for e in s.reserve(0, 0, 500)}
+    with pytest.raises(ValueError, match="start=-1"):
+        s.reserve(0, -1, 2)
+
+
 def test_prompt_stream_weights_and_resume_check():
     only_sort = PromptStream([Addition(), Sorting()], seed=0, weights=[0, 1])
     assert {e.task for e in only_sort.batch(0, 100)} == {"sorting"}
