@@ -35,6 +35,7 @@ per position (+ 8·K for kept ids) and, under router replay, M MoE layers x k ex
 """
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -169,6 +170,16 @@ def _coordinates(groups) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in t.tolist()) for t in every]
 
 
+def _picklable(error: Exception) -> Exception:
+    """`error` itself when it pickles (the other ranks raise the same type), else a RuntimeError
+    with its text: an error that cannot be sent must not leave rank 0 out of the broadcast."""
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:  # noqa: BLE001 - any failure to pickle
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 def _local(tensors: dict[str, Tensor], rows: Tensor, cp: int, metrics: dict, nbytes: int) -> LocalRollout:
     routing = {k[len(_ROUTING):]: v.cpu() for k, v in tensors.items() if k.startswith(_ROUTING)}
     batch = TrainBatch(**{k: v for k, v in tensors.items() if not k.startswith(_ROUTING)}, cp_size=cp)
@@ -192,7 +203,7 @@ def scatter_batch(prepare: Callable[[], Prepared], layout, groups) -> LocalRollo
             own = part_tensors(prepared.full, prepared.routing, plan[0], cp)
             header = {"spec": spec_of(own), "metrics": prepared.metrics}
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            header = {"error": e}
+            header = {"error": _picklable(e)}
     header = broadcast(header)
     if "error" in header:
         raise header["error"]

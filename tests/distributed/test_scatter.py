@@ -9,23 +9,6 @@ LAYOUTS = {"dp2": {}, "cp2": {"context_parallel_size": 2}, "tp2": {"tensor_model
            "pp2": {"pipeline_model_parallel_size": 2}, "ep2": {"expert_model_parallel_size": 2}}
 
 
-def _samples(n: int):
-    import torch
-
-    from megatron_rl.rollout.types import Sample
-
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for i in range(n):
-        p, r = 1 + i % 4, 1 + (i * 3) % 8
-        out.append(Sample(prompt_ids=torch.randint(1, 40, (p,), generator=g),
-                          response_ids=torch.randint(1, 40, (r,), generator=g),
-                          rollout_logprobs=-torch.rand(r, generator=g), finish_reason="stop", policy_version=i % 3,
-                          routed_experts=torch.randint(0, 4, (p + r - 1, 2, 2), generator=g).to(torch.int16),
-                          kept_ids=torch.randint(0, 40, (r, 3), generator=g)))
-    return out
-
-
 def _failing_prepare():
     raise ValueError("no kept ids")
 
@@ -42,6 +25,7 @@ def _scatter_every_layout(rank, world):
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.batch import build_batch, local_shard, padded_length, row_multiple
     from megatron_rl.trainer.scatter import Prepared, scatter_batch
+    from tests.unit.trainer.test_scatter import _samples  # routed experts and kept ids, uneven lengths
 
     apply_platform_workarounds()
     samples, out = _samples(16), {}
