@@ -424,14 +424,14 @@ def bench_preset(name: str, args, groups, info: dict | None = None) -> dict:
         times: dict[str, list[float]] = {}
         for _ in range(args.warmup + args.repeats):
             batch = timed(times, "make_batch", phases.make_batch, ctx, rollout)
-            old = timed(times, "old_logprobs", phases.old_logprobs, ctx, batch, rollout)
+            old = timed(times, "old_logprobs", phases.old_logprobs, ctx, batch)
             steps: list[float] = []
             with timed_optimizer_steps(policy.optimizer, steps):
                 updates = timed(times, "update", phases.update, ctx, batch, old)
             times.setdefault("optimizer", []).append(sum(steps))
             times.setdefault("train_pass", []).append(times["update"][-1] - sum(steps))
             timed(times, "sync", phases.sync, ctx)
-            metrics = timed(times, "step_metrics", phases.step_metrics, ctx, rollout, batch, old, updates)
+            metrics = timed(times, "step_metrics", phases.step_metrics, ctx, batch, old, updates)
             timed(times, "plain_lm", plain_lm_pass, ctx, batch, counts)
         per_step = {k: statistics.median(v[args.warmup:]) for k, v in times.items()}
         lm, update = per_step.pop("plain_lm"), per_step.pop("update")

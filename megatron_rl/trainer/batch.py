@@ -29,8 +29,9 @@ from megatron_rl.platform.mcore_api import cp_zigzag_shard
 from megatron_rl.rollout.trajectory import turn_index
 from megatron_rl.rollout.types import Sample
 
-_PER_TOKEN = ("input_ids", "labels", "position_ids", "loss_mask", "rollout_logprobs", "advantages", "positions",
-              "kept_ids", "turns")
+# the [N, L(, ...)] fields: context parallelism shards their columns; the others are per row
+PER_TOKEN = ("input_ids", "labels", "position_ids", "loss_mask", "rollout_logprobs", "advantages", "positions",
+             "kept_ids", "turns")
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def cp_shard(batch: TrainBatch, cp_group) -> TrainBatch:
     if length % (2 * cp):
         raise ValueError(f"rows have {length} inputs, not a multiple of 2*CP={2 * cp}; "
                          "pad them with padded_length(samples, row_multiple(tp, cp))")
-    tensors = {k: getattr(batch, k).contiguous() for k in _PER_TOKEN if getattr(batch, k) is not None}
+    tensors = {k: getattr(batch, k).contiguous() for k in PER_TOKEN if getattr(batch, k) is not None}
     return replace(batch, **cp_zigzag_shard(tensors, cp_group), cp_size=cp)
 
 

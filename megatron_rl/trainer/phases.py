@@ -1,11 +1,11 @@
 """The phases of one RL step, each a function with typed inputs and outputs (see rl_step.py).
 
-    rollout = generate(ctx, step)                  # the schedule's batch for the step, on every rank
-    batch = make_batch(ctx, rollout)               # advantages + this rank's rows of the training batch
-    old = old_logprobs(ctx, batch, rollout)        # π_old (trainer, rollout weights) + mismatch values
+    rollout = generate(ctx, step)                  # the schedule's batch for the step: rank 0's, None elsewhere
+    batch = make_batch(ctx, rollout)               # rank 0: advantages, packing; every rank: its rows (scatter)
+    old = old_logprobs(ctx, batch)                 # π_old (trainer, rollout weights) + mismatch values
     updates = update(ctx, batch, old)              # N optimizer steps over mini-batches
     version = sync(ctx)                            # the new version; new weights to the engine (schedule)
-    metrics = step_metrics(ctx, rollout, batch, old, updates)
+    metrics = step_metrics(ctx, batch, old, updates)
 
 Every reducible value follows the one metrics convention (megatron_rl/metrics/reduce.py) and is
 reduced once, in `step_metrics`. The ratio quantiles, which do not reduce like sums, are found over
@@ -34,8 +34,9 @@ from megatron_rl.losses import (
 from megatron_rl.losses.token_local import TokenTerms
 from megatron_rl.metrics.mismatch import mismatch_sums, ratio_quantiles, valid_log_ratio
 from megatron_rl.metrics.reduce import accumulate, finish, reduce_metrics
+from megatron_rl.moe import RolloutRouting
 from megatron_rl.parallel.layout import BatchLayout
-from megatron_rl.trainer.batch import TrainBatch, local_shard, pack
+from megatron_rl.trainer.batch import TrainBatch, pack
 from megatron_rl.trainer.nonfinite import agreed_finite, check_parameters, count_in_a_row, guarded_step
 from megatron_rl.trainer.passes import (
     PassSettings,
@@ -46,19 +47,22 @@ from megatron_rl.trainer.passes import (
     train_pass,
 )
 from megatron_rl.trainer.rollouts import Rollout
+from megatron_rl.trainer.scatter import Prepared, scatter_batch
 from megatron_rl.trainer.schedule import staleness
 
 
 @dataclass
 class StepBatch:
     """local: this rank's rows (its CP shard), on the model's device; rows: their global indices;
-    advantages: [B*G]; zero_var: [B] groups whose rewards are all equal; settings: pass settings;
-    staleness: see trainer/schedule.py."""
+    routing: the engine's routing of those rows for router replay (trainer/scatter.py), or None;
+    rollout_metrics: rank 0's values of the whole batch (`rollout_metrics`); bytes_received: the
+    bytes of this rank's part; settings: pass settings; staleness: see trainer/schedule.py."""
 
     local: TrainBatch
     rows: torch.Tensor
-    advantages: torch.Tensor
-    zero_var: torch.Tensor
+    routing: RolloutRouting | None
+    rollout_metrics: dict[str, float]
+    bytes_received: int
     settings: PassSettings
     seq: SeqOps
     staleness: torch.Tensor  # [local rows] int64: trainer versions since each row's sample was generated
@@ -93,33 +97,46 @@ class Updates:
 # ----------------------------------------------------------------------------- phases
 
 
-def generate(ctx, step: int) -> Rollout:
-    """This step's samples and rewards on every rank, as the run's schedule provides them (rank 0
-    generates; trainer/schedule.py). An engine failure reaches every rank as RolloutFailed."""
+def generate(ctx, step: int) -> Rollout | None:
+    """This step's samples and rewards on rank 0 (None elsewhere), as the run's schedule provides
+    them (trainer/schedule.py). An engine failure reaches every rank as RolloutFailed."""
     return ctx.schedule.rollout(step, ctx.policy_version)
 
 
-def make_batch(ctx, rollout: Rollout) -> StepBatch:
-    """Group advantages, then this rank's rows of the padded training batch (DP rows, CP shard)."""
+def make_batch(ctx, rollout: Rollout | None) -> StepBatch:
+    """This rank's rows of the padded training batch (DP rows, CP shard): rank 0 computes the group
+    advantages and packs the whole batch (`prepare`), then sends every rank its part as tensors
+    (trainer/scatter.py; no other rank sees the whole batch). `rollout`: rank 0's, None elsewhere."""
     cfg, groups = ctx.cfg, ctx.groups
-    adv, keep_rows, zero_var = group_advantages(rollout.rewards, cfg.rollout.group_size, ctx.loss.advantages,
-                                                ctx.loss.filter_zero_variance_groups, ctx.loss.advantage_params)
-    full = pack(rollout.samples, rollout.rewards.tolist(), ctx.tokenizer.pad_id, groups.config,
-                with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
-    if not keep_rows.all():
-        full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
     layout = cfg.layout(groups.dp_size)
-    rows, local = local_shard(full, layout, groups)
+    part = scatter_batch(lambda: prepare(ctx, rollout), layout, groups)
+    local = part.batch
     settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
-    return StepBatch(local, rows, adv, zero_var, settings, seq_ops(groups),
+    return StepBatch(local, part.rows, part.routing, part.metrics, part.bytes_received, settings, seq_ops(groups),
                      staleness(local.versions, ctx.policy_version).to(local.loss_mask.device), layout)
 
 
-def old_logprobs(ctx, batch: StepBatch, rollout: Rollout) -> OldPolicy:
+def prepare(ctx, rollout: Rollout) -> Prepared:
+    """Rank 0: group advantages, the packed batch (rows of filtered groups out of the loss mask),
+    the engine's routing of every row when router replay reads it, and the rollout's metrics.
+    Cost: O(B·G·S) host memory (and B·G·S·M·k routing under router replay)."""
+    cfg = ctx.cfg
+    adv, keep_rows, zero_var = group_advantages(rollout.rewards, cfg.rollout.group_size, ctx.loss.advantages,
+                                                ctx.loss.filter_zero_variance_groups, ctx.loss.advantage_params)
+    full = pack(rollout.samples, rollout.rewards.tolist(), ctx.tokenizer.pad_id, ctx.groups.config,
+                with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
+    if not keep_rows.all():
+        full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
+    routing = (RolloutRouting.from_samples(rollout.samples, full.input_len + 1) if ctx.replay.mode != "none"
+               else None)
+    return Prepared(full, routing, rollout_metrics(rollout, adv, zero_var))
+
+
+def old_logprobs(ctx, batch: StepBatch) -> OldPolicy:
     """π_old log-probs and entropy of the local rows (under the replay strategy), and the mismatch
     diagnostics against the engine's μ: reducible values plus w's quantiles over all DP x CP ranks."""
     local = batch.local
-    old, entropy = ctx.replay.old_pass(ctx.policy, ctx.groups, local, rollout.samples, batch.rows, batch.settings)
+    old, entropy = ctx.replay.old_pass(ctx.policy, ctx.groups, local, batch.routing, batch.settings)
     if old is None:  # not the last pipeline stage: it holds no log-probs
         return OldPolicy(torch.zeros_like(local.rollout_logprobs), {})
     values = mismatch_sums(old, local.rollout_logprobs, local.loss_mask, entropy=entropy, seq=batch.seq,
@@ -184,9 +201,10 @@ def sync(ctx) -> int:
     return ctx.schedule.after_update(ctx.policy_version)
 
 
-def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, updates: Updates) -> dict[str, float]:
+def step_metrics(ctx, batch: StepBatch, old: OldPolicy, updates: Updates) -> dict[str, float]:
     """Every logged value of the step: one reduction over DP x CP (loss and mismatch values), one
-    over the world (routing agreement), then host-side rollout and optimizer numbers."""
+    over the world (routing agreement, the bytes each rank received of the batch: max and sum over
+    ranks), then host-side rollout (rank 0's, trainer/scatter.py) and optimizer numbers."""
     cfg = ctx.cfg
     m: dict[str, float] = {}
     for key, value in finish(reduce_dp(accumulate(old.values, updates.values), ctx.groups)).items():
@@ -196,21 +214,16 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
             m[key] = value
         else:
             m[f"loss/{key}"] = value
-    m.update(finish(reduce_metrics(ctx.replay.metrics())))
+    received = torch.tensor(float(batch.bytes_received), dtype=torch.float64)
+    m.update(finish(reduce_metrics({**ctx.replay.metrics(), "rollout/bytes_received/max/max": received,
+                                    "rollout/bytes_received/sum/sum": received})))
     m["optim/grad_norm"] = sum(updates.grad_norms) / len(updates.grad_norms)
     m["optim/skipped_steps"] = updates.skipped
     m["optim/nonfinite_updates"] = updates.nonfinite
     if updates.loss_scale is not None:
         m["optim/loss_scale"] = updates.loss_scale
     m["optim/lr"] = ctx.policy.optimizer.param_groups[0]["lr"]
-    r, samples = rollout.rewards, rollout.samples
-    m["rollout/reward_mean"] = float(r.mean())
-    m["rollout/accuracy"] = float((r >= 1.0).float().mean())
-    m["rollout/response_length"] = sum(s.num_trained() for s in samples) / len(samples)  # sampled tokens
-    m["rollout/truncated_fraction"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
-    m["rollout/zero_variance_groups"] = float(batch.zero_var.float().mean())
-    m["rollout/advantage_abs_mean"] = float(batch.advantages.abs().mean())
-    m.update({k: float(v) for k, v in rollout.reward_stats.items()})
+    m.update(batch.rollout_metrics)
     m["schedule/staleness_mean"] = float(batch.staleness.float().mean()) if batch.staleness.numel() else 0.0
     m["schedule/staleness_max"] = float(batch.staleness.max()) if batch.staleness.numel() else 0.0
     # in optimizer updates since the rollout policy, as the papers count it: a sample s versions old
@@ -226,6 +239,20 @@ def step_metrics(ctx, rollout: Rollout, batch: StepBatch, old: OldPolicy, update
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def rollout_metrics(rollout: Rollout, advantages: torch.Tensor, zero_var: torch.Tensor) -> dict[str, float]:
+    """Rank 0: the logged values of the whole batch. advantages: [B*G]; zero_var: [B] groups whose
+    rewards are all equal."""
+    r, samples = rollout.rewards, rollout.samples
+    m = {"rollout/reward_mean": float(r.mean()),
+         "rollout/accuracy": float((r >= 1.0).float().mean()),
+         "rollout/response_length": sum(s.num_trained() for s in samples) / len(samples),  # sampled tokens
+         "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+         "rollout/zero_variance_groups": float(zero_var.float().mean()),
+         "rollout/advantage_abs_mean": float(advantages.abs().mean())}
+    m.update({k: float(v) for k, v in rollout.reward_stats.items()})
+    return m
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str, filter_zero_var: bool,

@@ -1,7 +1,7 @@
 """MoE router replay in the RL step as one strategy object: none, R2 or R3 (docs/router_replay.md).
 
     replay = make_replay(cfg.moe.router_replay, policy.model)
-    old, entropy = replay.old_pass(policy, groups, local, samples, rows, settings)   # π_old
+    old, entropy = replay.old_pass(policy, groups, local, routing, settings)   # π_old
     with replay.update(slices, mbs):            # every update pass (and per-step statistics)
         train_pass(..., wrap_step=replay.wrap)
     values = replay.metrics()                   # routing agreement, metrics convention (world-reduced)
@@ -23,7 +23,6 @@ import torch
 
 from megatron_rl.metrics.reduce import accumulate, reduce_metrics
 from megatron_rl.moe import (
-    RolloutRouting,
     RouterReplayController,
     TokenLayout,
     live_routing_needed,
@@ -43,8 +42,10 @@ class Replay(Protocol):
     mode: str
     wrap: Callable | None
 
-    def old_pass(self, policy, groups, local, samples, rows, settings):
-        """π_old log-probs [N, L] and entropy of the local rows, or (None, None) off the last stage."""
+    def old_pass(self, policy, groups, local, routing, settings):
+        """π_old log-probs [N, L] and entropy of the local rows, or (None, None) off the last stage.
+        routing: the engine's RolloutRouting of the local rows (whole rows; trainer/scatter.py), None
+        when the strategy reads none."""
 
     def update(self, slices, micro_batch_size: int, probe: bool = False) -> AbstractContextManager: ...
 
@@ -57,7 +58,7 @@ class NoReplay:
     mode = "none"
     wrap = None
 
-    def old_pass(self, policy, groups, local, samples, rows, settings):
+    def old_pass(self, policy, groups, local, routing, settings):
         return logprob_pass(policy.model, groups, local, settings)
 
     def update(self, slices, micro_batch_size: int, probe: bool = False):
@@ -107,9 +108,8 @@ class R2Replay(_Replay):
     mode = "r2"
     probe_updates = True
 
-    def old_pass(self, policy, groups, local, samples, rows, settings):
+    def old_pass(self, policy, groups, local, routing, settings):
         ctl, layout = self.controller, self._layout(groups)
-        routing = RolloutRouting.from_samples(samples, local.input_len + 1).select(rows)
         with ctl.record() as recorded:
             old, entropy = logprob_pass(policy.model, groups, local, settings, wrap_step=self.wrap)
         slices = self._slices(local, settings)
@@ -129,9 +129,8 @@ class R3Replay(_Replay):
 
     mode = "r3"
 
-    def old_pass(self, policy, groups, local, samples, rows, settings):
+    def old_pass(self, policy, groups, local, routing, settings):
         ctl, layout = self.controller, self._layout(groups)
-        routing = RolloutRouting.from_samples(samples, local.input_len + 1).select(rows)
         slices = self._slices(local, settings)
         live = [None] * len(slices)
         # positions without engine routing take θ_old's live choice; every rank decides alike (the

@@ -48,7 +48,7 @@ def rl_step(ctx, step: int) -> StepResult:
         rollout = phases.generate(ctx, step)
     batch = phases.make_batch(ctx, rollout)
     with timed(times, "old_logprobs"):
-        old = phases.old_logprobs(ctx, batch, rollout)
+        old = phases.old_logprobs(ctx, batch)
     with timed(times, "train"):
         updates = phases.update(ctx, batch, old)
     failed, version = None, ctx.policy_version + 1
@@ -57,7 +57,7 @@ def rl_step(ctx, step: int) -> StepResult:
             version = phases.sync(ctx)
         except RolloutFailed as e:  # every rank alike
             failed = e
-    metrics = phases.step_metrics(ctx, rollout, batch, old, updates)
+    metrics = phases.step_metrics(ctx, batch, old, updates)
     metrics.update(times)
     metrics["timing/step"] = time.perf_counter() - t_step
     return StepResult(metrics, version, failed)

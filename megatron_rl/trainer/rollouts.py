@@ -7,8 +7,8 @@ weight pushes.
     weights = EngineWeights(policy, transport, engine)
     weights.push(version); weights.engine_version()   # collective
 
-`Rollout` is one step's batch as every rank sees it. Cost: the samples of the steps asked for, on
-rank 0 until the schedule broadcasts them.
+`Rollout` is one step's whole batch, on rank 0 only: the other ranks get their rows of it as
+tensors (trainer/scatter.py). Cost: the samples of the steps asked for, on rank 0.
 
 With `rollout.oversample` (DAPO dynamic sampling, trainer/oversample.py) `score` goes on drawing
 each step's reserve prompts (`prompts.reserve`) until the step holds rollout.prompts_per_step
@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Rollout:
-    """samples: B*G, groups contiguous; rewards: [B*G] float32 (CPU); reward_stats: host floats."""
+    """Rank 0's batch of one step. samples: B*G, groups contiguous; rewards: [B*G] float32 (CPU);
+    reward_stats: host floats."""
 
     samples: list[Sample]
     rewards: torch.Tensor

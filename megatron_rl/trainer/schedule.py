@@ -2,7 +2,7 @@
 batch is made and how weights travel is trainer/rollouts.py's and trainer/transport.py's).
 
     schedule = SCHEDULES.get(cfg.train.schedule).make(ScheduleInputs(cfg.train, batches, weights))
-    rollout = schedule.rollout(step, version)  # this step's samples and rewards, on every rank
+    rollout = schedule.rollout(step, version)  # this step's samples and rewards: rank 0's, None elsewhere
     ...update...
     version = schedule.after_update(version)   # the trainer's new version; weights pushed if it says so
 
@@ -59,8 +59,10 @@ class Schedule(Protocol):
 
     max_staleness: int
 
-    def rollout(self, step: int, version: int) -> Rollout:
-        """Step `step`'s batch on every rank; `version`: the trainer's version now (collective)."""
+    def rollout(self, step: int, version: int) -> Rollout | None:
+        """Step `step`'s batch on rank 0, None on the other ranks (they get their rows from it as
+        tensors: trainer/scatter.py); `version`: the trainer's version now (collective: a failure
+        is RolloutFailed on every rank)."""
 
     def after_update(self, version: int) -> int:
         """The step's update is done: returns the trainer's new version (version + 1), after pushing
@@ -112,8 +114,8 @@ class SyncSchedule:
         self.generate_calls = 0
         self.weight_syncs = 0
 
-    def rollout(self, step: int, version: int) -> Rollout:
-        return on_rank0(f"at step {step + 1}", lambda: self._take(step))
+    def rollout(self, step: int, version: int) -> Rollout | None:
+        return on_rank0(f"at step {step + 1}", lambda: self._take(step), share=False)
 
     def _take(self, step: int) -> Rollout:
         if step not in self.pending:
@@ -177,7 +179,7 @@ class StagedSchedule(SyncSchedule):
         end = (step // self.steps_per_stage + 1) * self.steps_per_stage
         return list(range(step, end))
 
-    def rollout(self, step: int, version: int) -> Rollout:
+    def rollout(self, step: int, version: int) -> Rollout | None:
         if step % self.steps_per_stage == 0:
             self.ensure_synced(version)  # a new stage samples from the newest weights
         return super().rollout(step, version)

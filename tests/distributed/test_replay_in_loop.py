@@ -1,4 +1,5 @@
-"""Router replay inside the RL step: R3 with a bf16 engine, R2's first mini-batch identity."""
+"""Router replay inside the RL step: R3 with a bf16 engine (one rank, and EP=2 x DP=2 where each
+rank receives the engine's routing of its own rows only), R2's first mini-batch identity."""
 import pytest
 
 from tests.distributed.test_rl_loop import _run, hf_dir  # noqa: F401 - fixture
@@ -13,9 +14,13 @@ def _step(tmp_path, name, hf, extra):
     return steps[0]
 
 
-def test_r3_replays_engine_routing_and_lowers_mismatch(tmp_path, hf_dir):  # noqa: F811
-    free = _step(tmp_path, "none", hf_dir, [])
-    r3 = _step(tmp_path, "r3", hf_dir, ["--router-replay", "r3"])
+@pytest.fixture(scope="module")
+def r3_single(tmp_path_factory, hf_dir):  # noqa: F811
+    return _step(tmp_path_factory.mktemp("r3"), "r3", hf_dir, ["--router-replay", "r3"])
+
+
+def test_r3_replays_engine_routing_and_lowers_mismatch(tmp_path, hf_dir, r3_single):  # noqa: F811
+    free, r3 = _step(tmp_path, "none", hf_dir, []), r3_single
     # the probe: how often θ_old's live router picks the engine's experts (the flips R3 prevents;
     # that the replayed routing maps equal the engine's is asserted in test_router_replay.py)
     assert 0.9 < r3["moe/route_agree_rollout_train"] < 1.0
@@ -24,6 +29,19 @@ def test_r3_replays_engine_routing_and_lowers_mismatch(tmp_path, hf_dir):  # noq
     # part of the training-inference mismatch
     assert r3["rollout/reward_mean"] == free["rollout/reward_mean"]
     assert r3["mismatch/kl_k3"] < free["mismatch/kl_k3"], (r3["mismatch/kl_k3"], free["mismatch/kl_k3"])
+
+
+def test_r3_under_expert_and_data_parallelism_matches_one_rank(tmp_path, hf_dir, r3_single):  # noqa: F811
+    """EP=2 on two ranks is DP=2 of the dense layout: rank 0 sends each rank its rows with their
+    engine routing (trainer/scatter.py), and the step is the single rank's."""
+    outs = run_ranks(_run, world_size=2, timeout=400, run_dir=str(tmp_path),
+                     overrides=BF16 + [f"model.hf_dir={hf_dir}", "--router-replay", "r3",
+                                       "--expert-model-parallel-size", "2"])
+    two = outs[0][2][0]
+    for k in ("loss/policy", "optim/grad_norm", "mismatch/kl_k3", "moe/route_agree_rollout_train"):
+        assert two[k] == pytest.approx(r3_single[k], rel=1e-4, abs=1e-7), k
+    assert two["moe/replayed_token_fraction"] == r3_single["moe/replayed_token_fraction"]
+    assert two["rollout/bytes_received/max"] == r3_single["rollout/bytes_received/max"] / 2
 
 
 @pytest.mark.mcore_api  # routing recorded under no_grad (unsorted top-k on 0.19) replayed in training

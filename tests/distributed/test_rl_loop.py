@@ -94,6 +94,13 @@ def test_two_ranks_match_single_rank(single, hf_dir, layout, tmp_path):
               "mismatch/rho/p01", "mismatch/rho/p99"):
         assert steps[0][k] == pytest.approx(ref_steps[0][k], rel=1e-4, abs=1e-6), k
     assert torch.equal(outs[0][1]["model.norm.weight"], outs[1][1]["model.norm.weight"])  # ranks agree
+    # rank 0 sent each rank its part of the batch (trainer/scatter.py), the same size on both ranks:
+    # under DP=2 (EP=2) half of it, under TP=2 the whole of it (rows padded to an even length for
+    # sequence parallelism: a little more than one rank's); one rank keeps the whole batch
+    whole, got = ref_steps[0]["rollout/bytes_received/max"], steps[0]["rollout/bytes_received/max"]
+    assert whole == ref_steps[0]["rollout/bytes_received/sum"] > 0
+    assert steps[0]["rollout/bytes_received/sum"] == 2 * got
+    assert got == whole / 2 if "--expert-model-parallel-size" in layout else whole <= got < 1.2 * whole
     assert weights.keys() == ref_weights.keys()
     # after two steps the policies agree up to float reordering (step 2 samples may differ if a
     # tiny difference flips a sampled token, hence the loose tolerance)

@@ -230,7 +230,8 @@ try:
     batch = phases.make_batch(ctx, mod.synthetic_rollout(ctx.policy.arch.vocab_size, 4, 5, 7, seed=0))
     local = batch.local
     print(json.dumps({"shape": list(local.input_ids.shape), "masked": int(local.loss_mask.sum()),
-                      "rows": batch.rows.tolist(), "adv": batch.advantages.tolist(), "mbs": batch.settings.micro_batch_size,
+                      "rows": batch.rows.tolist(), "adv": local.advantages.abs().sum(1).tolist(),
+                      "mbs": batch.settings.micro_batch_size,
                       "engine": type(ctx.engine).__name__}))
 finally:
     close(ctx)
@@ -245,7 +246,7 @@ def test_make_batch_on_the_synthetic_rollout(tmp_path):
     out = _one_gloo_process(_MAKE_BATCH, tmp_path)
     assert out["shape"] == [4, 11] and out["masked"] == 4 * 7  # 5 + 7 tokens -> 11 inputs per row
     assert out["rows"] == [0, 1, 2, 3] and out["mbs"] == 2 and out["engine"] == "EmbeddedEngine"
-    assert all(a != 0 for a in out["adv"])  # a mixed group: every sample has an advantage
+    assert all(a != 0 for a in out["adv"])  # a mixed group: every sample's tokens have an advantage
 
 
 _BENCH_FLOW = """
