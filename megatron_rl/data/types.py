@@ -8,18 +8,22 @@ so a run resumed from a checkpoint at step k sees exactly the prompts it would h
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
 @dataclass(frozen=True)
 class Example:
     """One prompt. prompt: the text the policy continues; label: what the reward checks the
-    response against (e.g. "975"); task: the task name, which selects the reward function."""
+    response against (e.g. "975"); task: the task name, which selects the reward function.
+    env / env_settings: the environment a multi-turn rollout runs this example in and its settings
+    (a JSONL record's "env" and "env_settings"); None: the run's env.name and env.settings."""
 
     prompt: str
     label: str
     task: str
+    env: str | None = None
+    env_settings: dict | None = field(default=None, hash=False)
 
 
 class PromptSource(Protocol):

@@ -1,6 +1,6 @@
 """`multi_turn`: an agent loop; the policy and an environment take turns, one token sequence each.
 
-    trajectory k (example k // n): env = make_env(env.name, **env.settings)
+    trajectory k (example k // n): env = make_env(name, **settings)   the example's env, else env.name
         ids = encode_prompt(env.reset(example))                         turn 0's prompt
         repeat: sample a turn from ids (token ids in) -> ids += sampled ids
                 env.step(decoded turn, sampled ids) -> observation, reward, done
@@ -16,9 +16,11 @@ sample each, with the sampling seed of its turn (a stream per (turn, position in
 turn samples at most rollout.max_tokens, and fewer where the trajectory's budget
 (env.max_tokens, and the engine's maximum length) leaves less.
 
-A trajectory ends when its environment says done, after env.max_turns (or the environment's own
-max_turns) policy turns, when its next observation would leave no budget for a turn (that
-observation is dropped: nothing would be sampled after it), or when an environment call fails
+An example may name its own environment (a JSONL record's "env" and "env_settings", data/jsonl.py);
+the others run in env.name with env.settings. A trajectory ends when its environment says done,
+after env.max_turns (or its environment's own max_turns, whichever is fewer) policy turns, when
+its next observation would leave no budget for a turn (that observation is dropped: nothing would
+be sampled after it), or when an environment call fails
 (raises, times out after env.timeout_s, or answers what is not a Step, or text the tokenizer
 cannot encode): a failed trajectory keeps its sampled turns and scores 0 (counted, as a failing
 reward is). A failed reset leaves the example's own prompt as the trajectory's prompt and ends
@@ -59,6 +61,7 @@ class _Trajectory:
     """Rank 0's record of one trajectory while it runs."""
 
     env: Environment
+    max_turns: int
     prompt_text: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
@@ -89,8 +92,11 @@ class MultiTurn:
 
     def __call__(self, engine: RolloutEngine, examples: Sequence, n: int, sampling: SamplingParams) -> Generated:
         cfg = self.env
-        trajs = [_Trajectory(make_env(cfg.name, **cfg.settings)) for _ in range(len(examples) * n)]
-        max_turns = min(cfg.max_turns, trajs[0].env.max_turns) if trajs else cfg.max_turns
+        trajs = []
+        for k in range(len(examples) * n):
+            name, settings = env_of(examples[k // n], cfg)
+            env = make_env(name, **settings)
+            trajs.append(_Trajectory(env, min(cfg.max_turns, env.max_turns)))
         resets = call_all([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)], cfg.timeout_s)
         for k, (t, r) in enumerate(zip(trajs, resets, strict=True)):
             t.prompt_text = examples[k // n].prompt  # checked at start-up: the fallback of a failed reset
@@ -106,7 +112,7 @@ class MultiTurn:
         self._first_turn(engine, trajs, n, sampling)
         turn = 0
         while True:
-            self._step(trajs, turn, max_turns, engine.max_len)
+            self._step(trajs, turn, engine.max_len)
             running = [t for t in trajs if t.ended_by is None]
             if not running:
                 break
@@ -152,7 +158,7 @@ class MultiTurn:
         """How many tokens trajectory t's next turn may sample."""
         return min(max_tokens, self.env.max_tokens - t.response_len(), max_len - len(t.ids()))
 
-    def _step(self, trajs: list[_Trajectory], turn: int, max_turns: int, max_len: int) -> None:
+    def _step(self, trajs: list[_Trajectory], turn: int, max_len: int) -> None:
         """Every trajectory that sampled turn `turn` shows it to its environment."""
         live = [t for t in trajs if len(t.turns) == turn + 1 and t.ended_by is None]
         calls = []
@@ -161,9 +167,9 @@ class MultiTurn:
             calls.append(functools.partial(t.env.step, self.tokenizer.decode(ids), ids))
         results = call_all(calls, self.env.timeout_s)
         for t, r in zip(live, results, strict=True):
-            self._take(t, r, turn, max_turns, max_len)
+            self._take(t, r, turn, max_len)
 
-    def _take(self, t: _Trajectory, r: CallResult, turn: int, max_turns: int, max_len: int) -> None:
+    def _take(self, t: _Trajectory, r: CallResult, turn: int, max_len: int) -> None:
         """Apply one environment answer to its trajectory."""
         s = t.turns[-1].sample
         if r.failure is not None or not isinstance(r.value, Step):
@@ -177,7 +183,7 @@ class MultiTurn:
         if step.done:
             t.ended_by = "done"
             return
-        if turn + 1 >= max_turns:
+        if turn + 1 >= t.max_turns:
             t.ended_by = "max_turns"
             return
         text = self.env.observation_prefix + step.observation + self.env.observation_suffix
@@ -199,11 +205,12 @@ class MultiTurn:
         rollout would have recorded it: each turn's text encoded alone + the stop id (loss_mask
         True), each observation as a rollout appends it (False); log-probs 0 (unused by SFT).
         Raises ValueError when the environment has no demonstration."""
-        env = make_env(self.env.name, **self.env.settings)
+        name, settings = env_of(example, self.env)
+        env = make_env(name, **settings)
         prompt = self.tokenizer.encode_prompt(env.reset(example))
         texts = env.demonstrate(example)
         if not texts:
-            raise ValueError(f"environment {self.env.name!r} has no demonstration for {example.prompt!r}; the SFT warm "
+            raise ValueError(f"environment {name!r} has no demonstration for {example.prompt!r}; the SFT warm "
                              f"start of a multi_turn run trains on demonstrations (or set sft.steps=0)")
         context, turns = list(prompt), []
         for k, text in enumerate(texts):
@@ -260,6 +267,17 @@ class MultiTurn:
                         "trajectory %d at id %d; %d kept ids vs %d re-encoded); the kept ids are trained",
                         len(drifted), len(trajs), k, d.index, d.kept_len, d.rendered_len)
         return {"env/render_drift": float(len(drifted) + unencodable), "env/render_unencodable": float(unencodable)}
+
+
+def env_of(example, cfg) -> tuple[str, dict]:
+    """(name, settings) of the environment `example` runs in: its own (Example.env, with its
+    env_settings, else the run's env.settings when it is env.name, else none), or the run's."""
+    name = example.env
+    if name is None:
+        return cfg.name, dict(cfg.settings)
+    if example.env_settings is not None:
+        return name, dict(example.env_settings)
+    return name, dict(cfg.settings) if name == cfg.name else {}
 
 
 def check(cfg) -> None:

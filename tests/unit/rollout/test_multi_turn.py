@@ -253,3 +253,31 @@ def test_an_environment_without_demonstrations_is_named(test_envs):
 
     with pytest.raises(ValueError, match="'oneshot' has no demonstration for '1\\+1='.*sft.steps=0"):
         supervised(RolloutFnInputs(TOK, None, EnvSection(name="oneshot")), [Example("1+1=", "2", "addition")])
+
+
+def test_an_example_may_name_its_own_environment():
+    """A calculator example (the run's env.name) beside a guess example (its own env): each runs
+    its environment's game under its own turn cap (guess: env.max_turns=4 < its 7)."""
+
+    def script(text):
+        return "50" if text.startswith("guess") else _calculator_script(text)
+
+    examples = [Example("123*45=", "5535", "multiplication"), Example("guess 0-99 n0042:", "57", "guessing", env="guess")]
+    gen = _multi(max_turns=4)(ScriptedEngine(script), examples, 1, SAMPLING)
+    calc, guess = gen.samples
+    assert calc.response_ids.tolist() == (TOK.encode("c:123*45") + [TOK.eos_id] + TOK.encode("r:5535") +
+                                          TOK.encode("5535") + [TOK.eos_id])
+    turn = TOK.encode("50") + [TOK.eos_id]
+    assert guess.response_ids.tolist() == (turn + TOK.encode("higher")) * 3 + turn  # the 4th's feedback dropped
+    assert gen.score() == [1.0, 0.0]
+
+
+def test_which_settings_an_examples_environment_gets():
+    from megatron_rl.rollout.multi_turn import env_of
+
+    cfg = EnvSection(name="calculator", settings=dict(TOY_CALC))
+    assert env_of(Example("1=", "1", "t"), cfg) == ("calculator", TOY_CALC)
+    assert env_of(Example("1=", "1", "t", env="calculator"), cfg) == ("calculator", TOY_CALC)  # the run's own
+    assert env_of(Example("1=", "1", "t", env="guess"), cfg) == ("guess", {})  # another's: its defaults
+    mine = {"call_open": "x"}
+    assert env_of(Example("1=", "1", "t", env="calculator", env_settings=mine), cfg) == ("calculator", mine)
