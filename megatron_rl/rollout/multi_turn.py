@@ -8,6 +8,7 @@
     (encode: the tokenizer's encode_prompt, less the BOS-like prefix it puts before every text)
     one Sample per trajectory (rollout/trajectory.py: assemble): the environment's ids are in the
     response as context with loss_mask False; reward = the sum of the environment's rewards
+    (advantages stay per trajectory); each turn's own reward is kept and logged by turn
 
 Turn 0 is one engine call of the n samples of every example, exactly as `single_turn` calls it
 (same prompts, seed and streams): an environment that ends every trajectory after one turn
@@ -30,7 +31,11 @@ With env.check_render, every trajectory is also rendered as text and encoded aga
 (trajectory.rerender); a difference from the kept ids is counted (env/render_drift) and warned
 about once per call, never corrected. Stats (Generated.stats): env/turns (mean policy turns per
 trajectory), env/sampled_per_turn (mean sampled tokens per turn), env/observation_tokens (mean per
-trajectory), env/failures, env/timeouts, env/budget_ends, env/render_drift, env/render_unencodable.
+trajectory), env/failures, env/timeouts, env/budget_ends, env/render_drift, env/render_unencodable,
+and by policy turn (labels as mismatch/turn/*: 0, 1, 2, 3_or_later) env/turn/{k}/turns (policy
+turns sampled) and env/turn/{k}/reward (their mean reward: the environment's reward for that turn,
+None as 0, every turn of a failed trajectory 0), so the rewards by turn of a call sum to its
+trajectories' rewards.
 
 Cost: one engine call per turn (turns <= env.max_turns), one environment call per trajectory and
 turn (threads, rollout/env_calls.py), O(trajectory length) host memory per trajectory.
@@ -47,6 +52,7 @@ import torch
 
 from megatron_rl.data.envs import Environment, Step, make_env
 from megatron_rl.data.types import derive_seed
+from megatron_rl.metrics.mismatch import turn_labels
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.env_calls import CallResult, call_all
 from megatron_rl.rollout.function import Generated, RolloutFnInputs, RolloutFnSpec
@@ -66,7 +72,7 @@ class _Trajectory:
     prompt_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)  # the text of each kept observation
-    reward: float = 0.0
+    rewards: list[float] = field(default_factory=list)  # per policy turn shown to the environment
     failure: str | None = None
     ended_by: str | None = None  # "done" | "max_turns" | "budget" | "failure"
 
@@ -79,8 +85,17 @@ class _Trajectory:
     def response_len(self) -> int:
         return len(self.ids()) - len(self.prompt_ids)
 
+    @property
+    def reward(self) -> float:
+        """The trajectory's reward: the sum of its turns' rewards."""
+        return sum(self.rewards)
+
+    def turn_rewards(self) -> list[float]:
+        """One reward per sampled policy turn (0 for a turn the environment did not score)."""
+        return self.rewards + [0.0] * (len(self.turns) - len(self.rewards))
+
     def fail(self, why: str) -> None:
-        self.failure, self.reward, self.ended_by = why, 0.0, "failure"
+        self.failure, self.rewards, self.ended_by = why, [], "failure"
 
 
 class MultiTurn:
@@ -179,7 +194,7 @@ class MultiTurn:
         if not (isinstance(step.observation, str) and (step.reward is None or isinstance(step.reward, (int, float)))):
             t.fail(f"step returned {step!r}: a text observation and a number or None reward")
             return
-        t.reward += 0.0 if step.reward is None else float(step.reward)
+        t.rewards.append(0.0 if step.reward is None else float(step.reward))  # turn `turn`: every turn is shown
         if step.done:
             t.ended_by = "done"
             return
@@ -236,7 +251,8 @@ class MultiTurn:
                  "env/observation_tokens": sum(len(x.observation_ids) for t in trajs for x in t.turns) / num,
                  "env/failures": float(sum(t.failure is not None for t in trajs)),
                  "env/timeouts": float(sum(t.failure == "timeout" for t in trajs)),
-                 "env/budget_ends": float(sum(t.ended_by == "budget" for t in trajs))}
+                 "env/budget_ends": float(sum(t.ended_by == "budget" for t in trajs)),
+                 **turn_reward_stats([t.turn_rewards() for t in trajs])}
         failed = [t.failure for t in trajs if t.failure is not None]
         if failed:
             log.warning("multi_turn: %d of %d trajectories ended by a failing environment (first: %s)",
@@ -267,6 +283,24 @@ class MultiTurn:
                         "trajectory %d at id %d; %d kept ids vs %d re-encoded); the kept ids are trained",
                         len(drifted), len(trajs), k, d.index, d.kept_len, d.rendered_len)
         return {"env/render_drift": float(len(drifted) + unencodable), "env/render_unencodable": float(unencodable)}
+
+
+def turn_reward_stats(rewards: Sequence[Sequence[float]]) -> dict[str, float]:
+    """env/turn/{label}/{turns,reward} from each trajectory's per-turn rewards (rewards[i][k]: turn
+    k of trajectory i). Turns 0, 1, 2 each, then 3 and later together (metrics.mismatch.turn_labels);
+    reward: the mean over the turns in the bucket; a bucket no trajectory reached is left out."""
+    labels = turn_labels()
+    count, total = [0] * len(labels), [0.0] * len(labels)
+    for per_turn in rewards:
+        for k, r in enumerate(per_turn):
+            b = min(k, len(labels) - 1)
+            count[b] += 1
+            total[b] += r
+    out = {}
+    for label, c, s in zip(labels, count, total, strict=True):
+        if c:
+            out[f"env/turn/{label}/turns"], out[f"env/turn/{label}/reward"] = float(c), s / c
+    return out
 
 
 def env_of(example, cfg) -> tuple[str, dict]:

@@ -106,3 +106,19 @@ def test_the_turn_table_weights_each_step_by_its_tokens_and_the_tool_prints_it_f
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "mismatch by policy turn" in out and "3_or_later" in out and "env/turns" in out
+
+
+def test_the_environment_reward_table_weights_each_step_by_its_turns(tmp_path, capsys):
+    from megatron_rl.metrics.report import env_turn_rows, merge_env_turn_rows
+    from tools.mismatch_report import main
+
+    a = {"step": 1, "mismatch/kl_k3": 0.1, "env/turn/0/turns": 8.0, "env/turn/0/reward": 0.25,
+         "env/turn/1/turns": 2.0, "env/turn/1/reward": 1.0}
+    b = {"step": 2, "mismatch/kl_k3": 0.1, "env/turn/0/turns": 8.0, "env/turn/0/reward": 0.5}
+    assert env_turn_rows({"step": 1}) == [] and env_turn_rows(b) == [("0", 8.0, 0.5)]
+    assert merge_env_turn_rows([a, b]) == [("0", 16.0, (8 * 0.25 + 8 * 0.5) / 16), ("1", 2.0, 1.0)]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps(a) + "\n" + json.dumps(b) + "\n")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "environment reward by policy turn, steps 1-2" in out and "0.3750" in out

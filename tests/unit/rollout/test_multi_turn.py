@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import EnvSection
-from megatron_rl.data.envs import ENVS, register_env
+from megatron_rl.data.envs import ENVS, Step, register_env
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
@@ -281,3 +281,42 @@ def test_which_settings_an_examples_environment_gets():
     assert env_of(Example("1=", "1", "t", env="guess"), cfg) == ("guess", {})  # another's: its defaults
     mine = {"call_open": "x"}
     assert env_of(Example("1=", "1", "t", env="calculator", env_settings=mine), cfg) == ("calculator", mine)
+
+
+def test_per_turn_rewards_sum_to_the_trajectory_reward_and_are_logged_by_turn():
+    """An environment that rewards turn k with k + 1 for 5 turns; a second trajectory's environment
+    raises at its third turn (a failure: every turn scores 0). By hand: trajectory rewards 15 and 0;
+    by turn (2 trajectories at turns 0-2, 1 at 3 and 4): (1+0)/2, (2+0)/2, (3+0)/2, (4+5)/2."""
+
+    class Counting(OneShot):
+        max_turns = 5
+
+        def reset(self, example):
+            self.k, self.label = 0, example.label
+            return example.prompt
+
+        def step(self, generated_text, generated_ids):
+            self.k += 1
+            if self.label == "raise" and self.k == 3:
+                raise ValueError("broke at turn 2")
+            return Step("x", float(self.k), False)
+
+    register_env("counting")(Counting)
+    try:
+        examples = [Example("1+1=", "ok", "t"), Example("2+2=", "raise", "t")]
+        gen = _multi("counting", {}, max_turns=5)(ScriptedEngine(lambda text: "1"), examples, 1, SAMPLING)
+    finally:
+        ENVS.pop("counting")
+    assert gen.score() == [15.0, 0.0]
+    want = {"0": (2, 0.5), "1": (2, 1.0), "2": (2, 1.5), "3_or_later": (2, 4.5)}
+    for label, (turns, reward) in want.items():
+        assert gen.stats[f"env/turn/{label}/turns"] == turns and gen.stats[f"env/turn/{label}/reward"] == reward
+    assert gen.stats["env/failures"] == 1
+
+
+def test_turn_reward_stats_leaves_out_turns_no_trajectory_reached():
+    from megatron_rl.rollout.multi_turn import turn_reward_stats
+
+    assert turn_reward_stats([[1.0], [0.0, 2.0]]) == {"env/turn/0/turns": 2.0, "env/turn/0/reward": 0.5,
+                                                      "env/turn/1/turns": 1.0, "env/turn/1/reward": 2.0}
+    assert turn_reward_stats([]) == {}
