@@ -1,5 +1,5 @@
 """Human-readable mismatch views: the bucket table (text) and its TensorBoard figure, and the
-per-turn tables of multi-turn runs (mismatch, and the environment's reward).
+per-turn tables of multi-turn runs (mismatch, the environment's reward, and MoE routing agreement).
 
 The bucket table answers "where does the engine disagree with the trainer?": tokens bucketed by
 the rollout probability μ_t, with the count, mean |log π_old − log μ| and the k3 KL per bucket.
@@ -72,6 +72,35 @@ def merge_env_turn_rows(history: list[dict[str, float]]) -> list[tuple[str, floa
             a[0] += turns
             a[1] += turns * reward
     return [(label, c, s / c if c else 0.0) for label in turn_labels() if label in acc for c, s in [acc[label]]]
+
+
+AGREEMENT = "moe/route_agree_rollout_train"
+
+
+def merge_agreement_turn_rows(history: list[dict[str, float]]) -> list[tuple[str, float, float]]:
+    """(turn label, trained tokens, engine-vs-trainer routing agreement) per turn bucket, over the
+    steps that logged `moe/route_agree_rollout_train/turn/<t>` (R2 / R3 runs with turns). Steps are
+    weighted by the bucket's trained tokens (mismatch/turn/<t>/tokens): the agreement counts those
+    positions' (token, layer) pairs, so this is the pooled ratio wherever the engine routed every
+    position."""
+    acc: dict[str, list[float]] = {}
+    for metrics in history:
+        for label in turn_labels():
+            key = f"{AGREEMENT}/turn/{label}"
+            if key in metrics:
+                tokens = float(metrics.get(f"mismatch/turn/{label}/tokens", 1.0))
+                a = acc.setdefault(label, [0.0, 0.0])
+                a[0] += tokens
+                a[1] += tokens * float(metrics[key])
+    return [(label, c, s / c if c else 0.0) for label in turn_labels() if label in acc for c, s in [acc[label]]
+            if c]
+
+
+def format_agreement_turn_table(rows, title: str = "MoE routing agreement (engine vs trainer) by policy turn") -> str:
+    """rows: (label, tokens, agreement), as merge_agreement_turn_rows gives them."""
+    lines = [title, f"{'turn':>14} {'tokens':>10} {'agreement':>13}"]
+    lines += [f"{label:>14} {int(tokens):>10d} {value:>13.4f}" for label, tokens, value in rows]
+    return "\n".join(lines)
 
 
 def format_env_turn_table(rows, title: str = "environment reward by policy turn") -> str:

@@ -1,4 +1,5 @@
-"""Router replay inside the RL step: R3 with a bf16 engine, R2's first mini-batch identity."""
+"""Router replay inside the RL step: R3 with a bf16 engine (multi-turn trajectories: agreement by
+turn too), R2's first mini-batch identity."""
 import pytest
 
 from tests.distributed.test_rl_loop import _run, hf_dir  # noqa: F401 - fixture
@@ -13,12 +14,21 @@ def _step(tmp_path, name, hf, extra):
     return steps[0]
 
 
+# multi-turn trajectories: guess answers a random model's non-numbers with "?" and goes on, so the
+# batch has turns (and the agreement is also logged by turn)
+TURNS = ["rollout.function=multi_turn", "env.name=guess", "env.max_turns=2", "data.tasks=[guessing]"]
+
+
 def test_r3_replays_engine_routing_and_lowers_mismatch(tmp_path, hf_dir):  # noqa: F811
-    free = _step(tmp_path, "none", hf_dir, [])
-    r3 = _step(tmp_path, "r3", hf_dir, ["--router-replay", "r3"])
+    free = _step(tmp_path, "none", hf_dir, TURNS)
+    r3 = _step(tmp_path, "r3", hf_dir, TURNS + ["--router-replay", "r3"])
     # the probe: how often θ_old's live router picks the engine's experts (the flips R3 prevents;
     # that the replayed routing maps equal the engine's is asserted in test_router_replay.py)
     assert 0.9 < r3["moe/route_agree_rollout_train"] < 1.0
+    assert r3["env/turns"] > 1.5  # most trajectories took both turns
+    for t in ("0", "1"):
+        assert 0.9 < r3[f"moe/route_agree_rollout_train/turn/{t}"] <= 1.0
+    assert r3["moe/route_agree_rollout_train/turn/3_or_later"] == 0.0  # no such turn: an empty bucket
     assert r3["moe/replayed_token_fraction"] > 0.5
     # same samples (same engine, same seeds); replaying the engine's experts removes the routing
     # part of the training-inference mismatch
@@ -28,7 +38,7 @@ def test_r3_replays_engine_routing_and_lowers_mismatch(tmp_path, hf_dir):  # noq
 
 @pytest.mark.mcore_api  # routing recorded under no_grad (unsorted top-k on 0.19) replayed in training
 def test_r2_keeps_the_first_minibatch_and_reports_routing(tmp_path, hf_dir):  # noqa: F811
-    one = ["train.num_minibatches=1", "rollout.dtype=fp32"]
+    one = ["train.num_minibatches=1", "rollout.dtype=fp32"] + TURNS
     free = _step(tmp_path, "none", hf_dir, one)
     r2 = _step(tmp_path, "r2", hf_dir, one + ["--router-replay", "r2"])
     # θ = θ_old in the first mini-batch: replaying θ_old's own routing changes nothing
@@ -36,6 +46,7 @@ def test_r2_keeps_the_first_minibatch_and_reports_routing(tmp_path, hf_dir):  # 
     assert r2["optim/grad_norm"] == pytest.approx(free["optim/grad_norm"], rel=1e-5)
     assert r2["moe/route_agree_old_new"] == 1.0
     assert 0.9 < r2["moe/route_agree_rollout_train"] <= 1.0  # fp32 engine vs fp32 trainer
+    assert all(0.9 < r2[f"moe/route_agree_rollout_train/turn/{t}"] <= 1.0 for t in ("0", "1"))
 
 
 def test_r2_with_two_minibatches_replays_after_an_update(tmp_path, hf_dir):  # noqa: F811
@@ -43,3 +54,4 @@ def test_r2_with_two_minibatches_replays_after_an_update(tmp_path, hf_dir):  # n
     # after the first optimizer step the live router would choose differently on some tokens;
     # replay keeps θ_old's choice (the probe measures the disagreement it prevents)
     assert r2["moe/route_agree_old_new"] < 1.0
+
