@@ -50,13 +50,15 @@ class Tokenizer(Protocol):
     encode_prompt: a prompt's ids as the policy reads it (chat template, BOS); encode: plain text;
     decode: a response's ids -> the text its reward reads (stops at a stop id); token_bound: the
     most tokens `num_chars` characters can take; fingerprint: names the ids and end tokens, so a
-    resume under other ones is refused."""
+    resume under other ones is refused; chat_template: the tokenizer's chat template or None (with
+    one, a `render_chat(messages, add_generation_prompt)` method writes a conversation with it)."""
 
     pad_id: int
     eos_id: int
     vocab_size: int
     stop_ids: tuple[int, ...]
     fingerprint: str
+    chat_template: str | None
 
     def encode_prompt(self, text: str) -> list[int]: ...
 

@@ -28,8 +28,10 @@ reward is). A failed reset leaves the example's own prompt as the trajectory's p
 after one turn.
 
 With env.check_render, every trajectory is also rendered as text and encoded again
-(trajectory.rerender); a difference from the kept ids is counted (env/render_drift) and warned
-about once per call, never corrected. Stats (Generated.stats): env/turns (mean policy turns per
+(trajectory.rerender; with a tokenizer that has a chat template, the conversation after the prompt
+as that template writes it: trajectory.rerender_chat, so a template that rewrites earlier turns,
+as Qwen3's drops their <think> blocks, shows); a difference from the kept ids is counted
+(env/render_drift) and warned about once per call, never corrected. Stats (Generated.stats): env/turns (mean policy turns per
 trajectory), env/sampled_per_turn (mean sampled tokens per turn), env/observation_tokens (mean per
 trajectory), env/failures, env/timeouts, env/budget_ends, env/render_drift, env/render_unencodable,
 and by policy turn (labels as mismatch/turn/*: 0, 1, 2, 3_or_later) env/turn/{k}/turns (policy
@@ -56,7 +58,7 @@ from megatron_rl.metrics.mismatch import turn_labels
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.env_calls import CallResult, call_all
 from megatron_rl.rollout.function import Generated, RolloutFnInputs, RolloutFnSpec
-from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender
+from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender, rerender_chat
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ class _Trajectory:
     prompt_text: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
-    observations: list[str] = field(default_factory=list)  # the text of each kept observation
+    observations: list[str] = field(default_factory=list)  # each kept observation's text, no delimiters
     rewards: list[float] = field(default_factory=list)  # per policy turn shown to the environment
     failure: str | None = None
     ended_by: str | None = None  # "done" | "max_turns" | "budget" | "failure"
@@ -212,7 +214,7 @@ class MultiTurn:
             t.ended_by = "budget"
             return
         t.turns[-1] = Turn(s, obs)
-        t.observations.append(text)
+        t.observations.append(step.observation)
 
     # ---- demonstrations (the SFT warm start) ------------------------------------------------------
     def demonstration(self, example) -> Sample:
@@ -242,6 +244,21 @@ class MultiTurn:
                 break
         return assemble(prompt, turns)
 
+    def _rendered_text(self, t: _Trajectory) -> list[int]:
+        """t's conversation as plain text (its delimiters: env.observation_prefix/suffix), encoded."""
+        cfg, tok = self.env, self.tokenizer
+        turns = [(tok.decode(x.sample.response_ids.tolist()), x.sample.response_ids.tolist(),
+                  cfg.observation_prefix + t.observations[i] + cfg.observation_suffix if i < len(t.observations)
+                  else "") for i, x in enumerate(t.turns)]
+        return rerender(t.prompt_text, turns, tok.encode_prompt, tok.stop_ids)
+
+    def _rendered_chat(self, t: _Trajectory) -> list[int]:
+        """t's conversation as the tokenizer's chat template writes it, encoded."""
+        tok = self.tokenizer
+        turns = [(tok.decode(x.sample.response_ids.tolist()), t.observations[i] if i < len(t.observations) else "",
+                  t.env.observation_role) for i, x in enumerate(t.turns)]
+        return rerender_chat(t.prompt_text, turns, tok.render_chat, tok.encode_prompt)
+
     # ---- diagnostics ----------------------------------------------------------------------------
     def _stats(self, trajs: list[_Trajectory]) -> dict[str, float]:
         num = max(len(trajs), 1)
@@ -264,24 +281,27 @@ class MultiTurn:
     def _render_drift(self, trajs: list[_Trajectory]) -> dict[str, float]:
         """How many trajectories a text-keeping pipeline would re-tokenize into other ids
         (env/render_drift), and of those, how many it could not encode at all (a sampled special
-        or unused id decodes to U+FFFD: env/render_unencodable)."""
+        or unused id decodes to U+FFFD; or the chat template failed: env/render_unencodable). With
+        a tokenizer that has a chat template, the pipeline renders the conversation with it
+        (trajectory.rerender_chat: turns as assistant messages, observations as the environment's
+        observation_role), else as plain text (trajectory.rerender)."""
+        chat = self.tokenizer.chat_template is not None
         drifted, unencodable = [], 0
         for k, t in enumerate(trajs):
-            turns = [(self.tokenizer.decode(x.sample.response_ids.tolist()), x.sample.response_ids.tolist(),
-                      t.observations[i] if i < len(t.observations) else "") for i, x in enumerate(t.turns)]
             try:
-                rendered = rerender(t.prompt_text, turns, self.tokenizer.encode_prompt, self.tokenizer.stop_ids)
+                rendered = self._rendered_chat(t) if chat else self._rendered_text(t)
             except ValueError:
                 unencodable += 1
                 continue
-            d = drift(t.ids(), rendered)
+            d = drift(t.ids(), rendered, closing_ok=chat)
             if d is not None:
                 drifted.append((k, d))
         if drifted:
             k, d = drifted[0]
-            log.warning("multi_turn: %d of %d trajectories re-encode to other ids than were sampled (first: "
+            log.warning("multi_turn: %d of %d trajectories re-%s to other ids than were sampled (first: "
                         "trajectory %d at id %d; %d kept ids vs %d re-encoded); the kept ids are trained",
-                        len(drifted), len(trajs), k, d.index, d.kept_len, d.rendered_len)
+                        len(drifted), len(trajs), "render with the chat template" if chat else "encode", k,
+                        d.index, d.kept_len, d.rendered_len)
         return {"env/render_drift": float(len(drifted) + unencodable), "env/render_unencodable": float(unencodable)}
 
 

@@ -50,6 +50,7 @@ class Environment(ABC):
 
     name: ClassVar[str] = ""
     max_turns: ClassVar[int] = 1
+    observation_role: ClassVar[str] = "user"  # its observations' chat role ("tool" for a tool's results)
 
     @abstractmethod
     def reset(self, example: Example) -> str:
