@@ -31,13 +31,14 @@ With env.check_render, every trajectory is also rendered as text and encoded aga
 (trajectory.rerender; with a tokenizer that has a chat template, the conversation after the prompt
 as that template writes it: trajectory.rerender_chat, so a template that rewrites earlier turns,
 as Qwen3's drops their <think> blocks, shows); a difference from the kept ids is counted
-(env/render_drift) and warned about once per call, never corrected. Stats (Generated.stats): env/turns (mean policy turns per
-trajectory), env/sampled_per_turn (mean sampled tokens per turn), env/observation_tokens (mean per
-trajectory), env/failures, env/timeouts, env/budget_ends, env/render_drift, env/render_unencodable,
-and by policy turn (labels as mismatch/turn/*: 0, 1, 2, 3_or_later) env/turn/{k}/turns (policy
-turns sampled) and env/turn/{k}/reward (their mean reward: the environment's reward for that turn,
-None as 0, every turn of a failed trajectory 0), so the rewards by turn of a call sum to its
-trajectories' rewards.
+(env/render_drift) and warned about once per call, never corrected.
+
+Stats (Generated.stats): env/turns (mean policy turns per trajectory), env/sampled_per_turn (mean
+sampled tokens per turn), env/observation_tokens (mean per trajectory), env/failures, env/timeouts,
+env/budget_ends, env/render_drift, env/render_unencodable, and by policy turn (labels as
+mismatch/turn/*: 0, 1, 2, 3_or_later) env/turn/{k}/turns (policy turns sampled) and
+env/turn/{k}/reward (their mean reward: the environment's reward for that turn, None as 0, every
+turn of a failed trajectory 0), so the rewards by turn of a call sum to its trajectories' rewards.
 
 Cost: one engine call per turn (turns <= env.max_turns), one environment call per trajectory and
 turn (threads, rollout/env_calls.py), O(trajectory length) host memory per trajectory.
@@ -244,21 +245,6 @@ class MultiTurn:
                 break
         return assemble(prompt, turns)
 
-    def _rendered_text(self, t: _Trajectory) -> list[int]:
-        """t's conversation as plain text (its delimiters: env.observation_prefix/suffix), encoded."""
-        cfg, tok = self.env, self.tokenizer
-        turns = [(tok.decode(x.sample.response_ids.tolist()), x.sample.response_ids.tolist(),
-                  cfg.observation_prefix + t.observations[i] + cfg.observation_suffix if i < len(t.observations)
-                  else "") for i, x in enumerate(t.turns)]
-        return rerender(t.prompt_text, turns, tok.encode_prompt, tok.stop_ids)
-
-    def _rendered_chat(self, t: _Trajectory) -> list[int]:
-        """t's conversation as the tokenizer's chat template writes it, encoded."""
-        tok = self.tokenizer
-        turns = [(tok.decode(x.sample.response_ids.tolist()), t.observations[i] if i < len(t.observations) else "",
-                  t.env.observation_role) for i, x in enumerate(t.turns)]
-        return rerender_chat(t.prompt_text, turns, tok.render_chat, tok.encode_prompt)
-
     # ---- diagnostics ----------------------------------------------------------------------------
     def _stats(self, trajs: list[_Trajectory]) -> dict[str, float]:
         num = max(len(trajs), 1)
@@ -303,6 +289,21 @@ class MultiTurn:
                         len(drifted), len(trajs), "render with the chat template" if chat else "encode", k,
                         d.index, d.kept_len, d.rendered_len)
         return {"env/render_drift": float(len(drifted) + unencodable), "env/render_unencodable": float(unencodable)}
+
+    def _rendered_text(self, t: _Trajectory) -> list[int]:
+        """t's conversation as plain text (its delimiters: env.observation_prefix/suffix), encoded."""
+        cfg, tok = self.env, self.tokenizer
+        turns = [(tok.decode(x.sample.response_ids.tolist()), x.sample.response_ids.tolist(),
+                  cfg.observation_prefix + t.observations[i] + cfg.observation_suffix if i < len(t.observations)
+                  else "") for i, x in enumerate(t.turns)]
+        return rerender(t.prompt_text, turns, tok.encode_prompt, tok.stop_ids)
+
+    def _rendered_chat(self, t: _Trajectory) -> list[int]:
+        """t's conversation as the tokenizer's chat template writes it, encoded."""
+        tok = self.tokenizer
+        turns = [(tok.decode(x.sample.response_ids.tolist()), t.observations[i] if i < len(t.observations) else "",
+                  t.env.observation_role) for i, x in enumerate(t.turns)]
+        return rerender_chat(t.prompt_text, turns, tok.render_chat, tok.encode_prompt)
 
 
 def turn_reward_stats(rewards: Sequence[Sequence[float]]) -> dict[str, float]:
