@@ -7,8 +7,9 @@
 
 Reads RUN_DIR/metrics.jsonl (written by pretrain_rl.py). Also prints the headline mismatch
 numbers (KL k3, k1, ESS of w = π_old/μ) averaged over the same steps, and for a multi-turn run
-(rollout.function=multi_turn) the same table by policy turn and the environment's averages
-(turns per trajectory, sampled tokens per turn, failures per step). With --compare, one
+(rollout.function=multi_turn) the same table by policy turn, the environment's mean reward by
+policy turn, with router replay (R2 / R3) the engine-vs-trainer routing agreement by policy turn,
+and the environment's averages (turns per trajectory, sampled tokens per turn, failures per step). With --compare, one
 column pair (mean |Δlogp|, KL k3) per run for every μ bucket, then the headline numbers.
 """
 from __future__ import annotations
@@ -19,7 +20,15 @@ import os
 import sys
 
 from megatron_rl.metrics.mismatch import bucket_labels
-from megatron_rl.metrics.report import format_bucket_table, merge_bucket_rows, merge_turn_rows
+from megatron_rl.metrics.report import (
+    format_agreement_turn_table,
+    format_bucket_table,
+    format_env_turn_table,
+    merge_agreement_turn_rows,
+    merge_bucket_rows,
+    merge_env_turn_rows,
+    merge_turn_rows,
+)
 
 HEADLINE = ("mismatch/kl_k3", "mismatch/kl_k1", "mismatch/abs_logprob_diff", "mismatch/w/ess", "mismatch/w/max",
             "mismatch/entropy", "env/turns", "env/sampled_per_turn", "env/failures", "env/render_drift")
@@ -123,6 +132,15 @@ def main(argv=None) -> int:
     turns = merge_turn_rows(history)
     if turns:
         print(format_bucket_table(turns, f"mismatch by policy turn, {steps}", first="turn"))
+        print()
+    rewards = merge_env_turn_rows(history)
+    if rewards:
+        print(format_env_turn_table(rewards, f"environment reward by policy turn, {steps}"))
+        print()
+    agreement = merge_agreement_turn_rows(history)
+    if agreement:
+        print(format_agreement_turn_table(agreement, f"MoE routing agreement (engine vs trainer) by policy turn, "
+                                                     f"{steps}"))
         print()
     for key, value in headline(history).items():
         print(f"{key:>28} {value:.4e}")

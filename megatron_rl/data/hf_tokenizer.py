@@ -20,6 +20,13 @@ writes it) gets no second one. A continuation (an SFT label) gets no added token
 spell a special token. Text the vocabulary cannot represent (an `<unk>` in the ids) raises
 ValueError, so JSONL loading names the line at start-up.
 
+Chat template. `chat_template` is the folder's (tokenizer_config.json's "chat_template", a string
+or the "default" of a list of named ones, else chat_template.jinja), or None; `render_chat` writes a
+conversation with it through transformers' `apply_chat_template`. The rollouts never use it (a
+prompt carries its template, observations their delimiters: env.observation_prefix/suffix); the
+multi-turn render check does, to report where a chat-template pipeline would train other ids
+(rollout/trajectory.py: rerender_chat).
+
 Decoding follows the character tokenizer's rules, which are the ones that matter for a reward:
 leading pad/bos are skipped, decoding stops at the first end token, trailing pads are dropped,
 and any other special token, or an id the tokenizer does not have (a model's padded vocabulary is
@@ -68,6 +75,20 @@ def _canonical(spec: dict) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def _chat_template(folder: str, config: dict) -> str | None:
+    """The folder's chat template (module docstring), or None."""
+    value = config.get("chat_template")
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
+    if isinstance(value, str) and value:
+        return value
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read() or None
+    return None
+
+
 def _added_prefix(tok) -> list[int]:
     """The ids the post-processor puts before a text's own (BOS-like), not those it appends."""
     full = tok.encode("0", add_special_tokens=True).ids
@@ -86,6 +107,7 @@ class HfTokenizer:
     stop_ids: eos_id and every generation_config eos_token_id; pad_id (the pad token, else eos);
     bos_id (tokenizer_config's, else the post-processor's first token, else None);
     prompt_overhead: the tokens the post-processor adds to a prompt;
+    chat_template: the folder's chat template or None (render_chat);
     fingerprint: "hf:" + a hash of tokenizer.json's content (`_canonical`) and the special ids (a
         checkpoint records it).
     """
@@ -139,6 +161,10 @@ class HfTokenizer:
             self.bos_id = self._prefix[0]   # the post-processor's leading token (Llama 3's begin-of-text)
         self.fingerprint = fingerprint("hf", _canonical(spec).encode(), json.dumps(
             [self.eos_id, self.pad_id, self.bos_id, sorted(self.stop_ids)]).encode())
+        self.chat_template = _chat_template(folder, config)  # decides no id: not in the fingerprint
+        self._special_names = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                               if (t := _token_text(config.get(k))) is not None}
+        self._chat = None  # the transformers tokenizer render_chat builds once
 
     def _ids(self, text: str, added: bool) -> list[int]:
         enc = self._tok.encode(text, add_special_tokens=added)
@@ -164,6 +190,25 @@ class HfTokenizer:
                 raise ValueError(f"the text contains the special token {s!r}, which only a prompt may hold")
         ids = self._ids(text, added=False)
         return [*ids, self.eos_id] if add_eos else ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """`messages` ([{"role": ..., "content": ...}]) as the chat template writes them, with the
+        tokenizer's special tokens as its variables (transformers' apply_chat_template, which runs
+        the template in a sandboxed Jinja environment). ValueError without a template, or when the
+        template fails (it may raise on a conversation it does not take)."""
+        if self.chat_template is None:
+            raise ValueError(f"the tokenizer of {self.folder} has no chat template")
+        if self._chat is None:
+            from tokenizers import Tokenizer
+            from transformers import PreTrainedTokenizerFast
+
+            copy = Tokenizer.from_str(self._tok.to_str())  # transformers may set options on the one it gets
+            self._chat = PreTrainedTokenizerFast(tokenizer_object=copy, **self._special_names)
+        try:
+            return self._chat.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - jinja2's errors, and the template's own raise_exception
+            raise ValueError(f"the chat template of {self.folder} failed: {type(e).__name__}: {e}") from None
 
     def token_bound(self, num_chars: int) -> int:
         """At most this many prompt tokens for an ASCII text of `num_chars` characters (the built-in

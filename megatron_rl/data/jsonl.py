@@ -8,7 +8,18 @@ Format: UTF-8, one JSON object per line; blank lines are skipped (line numbers s
     prompt  str, required, not blank      the text the policy continues
     label   str, required (may be empty)  what the reward checks the response against
     task    str, optional                 selects the reward; rows without it get `default_task`
+    env     str, optional                 a registered environment (data/envs/) this row's
+                                          multi-turn trajectories run in, instead of env.name
+    env_settings  object, optional        that environment's settings (only with "env"); without
+                                          it, env.settings when "env" is env.name, else none
     other keys are allowed and ignored.
+
+    {"prompt": "guess 0-99 n0042:", "label": "57", "task": "guessing", "env": "guess"}
+    {"prompt": "123*45=", "label": "5535", "env": "calculator", "env_settings": {"call_open": "c:"}}
+
+An unknown environment or settings it does not take are refused while loading, naming the line
+(building an environment is cheap by contract: data/envs/base.py). Only rollout.function=multi_turn
+reads "env"; single_turn ignores it.
 
 Every problem raises `DataError` with `file:line: what is wrong; how to fix it`, e.g.
 
@@ -68,6 +79,7 @@ def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | N
                 f'{where}: field "{field}" must be a string, got {_type_name(value)} ({json.dumps(value)}); '
                 f"quote it, e.g. {json.dumps(json.dumps(value))}"
             )
+    env, env_settings = _parse_env(where, row)
     if not row["prompt"].strip():
         raise DataError(f'{where}: field "prompt" is empty; every row needs a non-blank prompt')
     task = row.get("task", default_task)
@@ -82,7 +94,32 @@ def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | N
                     f'{where}: field "{field}" cannot be tokenized: {e}; '
                     "remove the character or use a tokenizer that covers it"
                 ) from None
-    return Example(prompt=row["prompt"], label=row["label"], task=task)
+    return Example(prompt=row["prompt"], label=row["label"], task=task, env=env, env_settings=env_settings)
+
+
+def _parse_env(where: str, row: dict) -> tuple[str | None, dict | None]:
+    """A row's "env" and "env_settings", checked by building the environment once."""
+    from megatron_rl.data.envs import ENVS, make_env  # envs import this package's types
+
+    env, settings = row.get("env"), row.get("env_settings")
+    if env is None:
+        if settings is not None:
+            raise DataError(f'{where}: field "env_settings" without "env"; name the environment they are for')
+        return None, None
+    if not isinstance(env, str) or not env:
+        raise DataError(f'{where}: field "env" must name an environment, got {json.dumps(env)}; '
+                        f"available: {', '.join(sorted(ENVS))}")
+    if env not in ENVS:
+        raise DataError(f'{where}: field "env" names an unknown environment {env!r}; available: '
+                        f"{', '.join(sorted(ENVS))} (or register one with data.envs.register_env)")
+    if settings is not None and not isinstance(settings, dict):
+        raise DataError(f'{where}: field "env_settings" must be an object of {env!r}\'s settings, got '
+                        f"{_type_name(settings)}")
+    try:
+        make_env(env, **(settings or {}))
+    except (TypeError, ValueError) as e:
+        raise DataError(f'{where}: field "env_settings" does not fit environment {env!r}: {e}') from None
+    return env, settings
 
 
 def load_jsonl(
@@ -206,8 +243,10 @@ class JsonlPrompts:
 
     def state_dict(self) -> dict:
         """What identifies the source: rows, seed, shuffle and a sha256 of the rows' content
-        (prompt, label, task, in order; the file's path and formatting do not count)."""
-        content = hashlib.sha256(json.dumps([[e.prompt, e.label, e.task] for e in self.examples]).encode())
+        (prompt, label, task and, where a row names one, its environment, in order; the file's path
+        and formatting do not count)."""
+        rows = [[e.prompt, e.label, e.task] + ([e.env, e.env_settings] if e.env else []) for e in self.examples]
+        content = hashlib.sha256(json.dumps(rows, sort_keys=True).encode())
         return {"kind": "JsonlPrompts", "path": self.path, "rows": len(self.examples),
                 "seed": self.seed, "shuffle": self.shuffle, "sha256": content.hexdigest()}
 

@@ -64,6 +64,7 @@ class CharTokenizer:
     vocab_size = VOCAB_SIZE
     stop_ids = (eos_id,)
     prompt_overhead = 0
+    chat_template = None  # no chat template (hf_tokenizer.py has render_chat)
 
     def __init__(self):
         tokens = list(SPECIALS) + list(CHARS)

@@ -11,18 +11,22 @@ step k are the same in every run and no other step's batch changes.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
 @dataclass(frozen=True)
 class Example:
     """One prompt. prompt: the text the policy continues; label: what the reward checks the
-    response against (e.g. "975"); task: the task name, which selects the reward function."""
+    response against (e.g. "975"); task: the task name, which selects the reward function.
+    env / env_settings: the environment a multi-turn rollout runs this example in and its settings
+    (a JSONL record's "env" and "env_settings"); None: the run's env.name and env.settings."""
 
     prompt: str
     label: str
     task: str
+    env: str | None = None
+    env_settings: dict | None = field(default=None, hash=False)
 
 
 class PromptSource(Protocol):
@@ -54,13 +58,15 @@ class Tokenizer(Protocol):
     encode_prompt: a prompt's ids as the policy reads it (chat template, BOS); encode: plain text;
     decode: a response's ids -> the text its reward reads (stops at a stop id); token_bound: the
     most tokens `num_chars` characters can take; fingerprint: names the ids and end tokens, so a
-    resume under other ones is refused."""
+    resume under other ones is refused; chat_template: the tokenizer's chat template or None (with
+    one, a `render_chat(messages, add_generation_prompt)` method writes a conversation with it)."""
 
     pad_id: int
     eos_id: int
     vocab_size: int
     stop_ids: tuple[int, ...]
     fingerprint: str
+    chat_template: str | None
 
     def encode_prompt(self, text: str) -> list[int]: ...
 

@@ -1,5 +1,5 @@
 """Human-readable mismatch views: the bucket table (text) and its TensorBoard figure, and the
-per-turn table of multi-turn runs.
+per-turn tables of multi-turn runs (mismatch, the environment's reward, and MoE routing agreement).
 
 The bucket table answers "where does the engine disagree with the trainer?": tokens bucketed by
 the rollout probability μ_t, with the count, mean |log π_old − log μ| and the k3 KL per bucket.
@@ -53,6 +53,61 @@ def merge_bucket_rows(history: list[dict[str, float]]) -> list[Row]:
 def merge_turn_rows(history: list[dict[str, float]]) -> list[Row]:
     """Token-weighted aggregate of the turn table over several steps."""
     return _merge(history, turn_rows, turn_labels())
+
+
+def env_turn_rows(metrics: dict[str, float]) -> list[tuple[str, float, float]]:
+    """(turn label, policy turns, mean environment reward) for every turn bucket present in one
+    step's metrics (env/turn/{label}/{turns,reward}: rollout/multi_turn.py)."""
+    return [(label, float(metrics[f"env/turn/{label}/turns"]), float(metrics[f"env/turn/{label}/reward"]))
+            for label in turn_labels() if f"env/turn/{label}/turns" in metrics]
+
+
+def merge_env_turn_rows(history: list[dict[str, float]]) -> list[tuple[str, float, float]]:
+    """Turn-weighted aggregate of env_turn_rows over several steps: a bucket's reward is the mean
+    over all its turns, Σ_steps turns·reward / Σ_steps turns."""
+    acc: dict[str, list[float]] = {}
+    for metrics in history:
+        for label, turns, reward in env_turn_rows(metrics):
+            a = acc.setdefault(label, [0.0, 0.0])
+            a[0] += turns
+            a[1] += turns * reward
+    return [(label, c, s / c if c else 0.0) for label in turn_labels() if label in acc for c, s in [acc[label]]]
+
+
+AGREEMENT = "moe/route_agree_rollout_train"
+
+
+def merge_agreement_turn_rows(history: list[dict[str, float]]) -> list[tuple[str, float, float]]:
+    """(turn label, trained tokens, engine-vs-trainer routing agreement) per turn bucket, over the
+    steps that logged `moe/route_agree_rollout_train/turn/<t>` (R2 / R3 runs with turns). Steps are
+    weighted by the bucket's trained tokens (mismatch/turn/<t>/tokens): the agreement counts those
+    positions' (token, layer) pairs, so this is the pooled ratio wherever the engine routed every
+    position."""
+    acc: dict[str, list[float]] = {}
+    for metrics in history:
+        for label in turn_labels():
+            key = f"{AGREEMENT}/turn/{label}"
+            if key in metrics:
+                tokens = float(metrics.get(f"mismatch/turn/{label}/tokens", 1.0))
+                a = acc.setdefault(label, [0.0, 0.0])
+                a[0] += tokens
+                a[1] += tokens * float(metrics[key])
+    return [(label, c, s / c if c else 0.0) for label in turn_labels() if label in acc for c, s in [acc[label]]
+            if c]
+
+
+def format_agreement_turn_table(rows, title: str = "MoE routing agreement (engine vs trainer) by policy turn") -> str:
+    """rows: (label, tokens, agreement), as merge_agreement_turn_rows gives them."""
+    lines = [title, f"{'turn':>14} {'tokens':>10} {'agreement':>13}"]
+    lines += [f"{label:>14} {int(tokens):>10d} {value:>13.4f}" for label, tokens, value in rows]
+    return "\n".join(lines)
+
+
+def format_env_turn_table(rows, title: str = "environment reward by policy turn") -> str:
+    """rows: (label, turns, mean reward), as env_turn_rows / merge_env_turn_rows give them."""
+    lines = [title, f"{'turn':>14} {'turns':>10} {'mean reward':>13}"]
+    lines += [f"{label:>14} {int(turns):>10d} {reward:>13.4f}" for label, turns, reward in rows]
+    return "\n".join(lines)
 
 
 def format_bucket_table(rows, title: str = "mismatch by rollout probability μ", first: str = "μ bucket") -> str:

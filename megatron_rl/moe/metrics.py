@@ -3,6 +3,10 @@
     moe/<name>              fraction of (token, layer) whose top-k expert SET is equal in a and b
     moe/<name>/layer_<l>    the same for MoE layer l (index among all MoE layers of the model)
 
+    moe/<name>/turn/<t>     the same over the (token, layer) pairs of policy turn t (t in 0, 1, 2,
+                            3_or_later; multi-turn batches only, TrainBatch.turns): a token counts
+                            in the turn of the label its position predicts
+
 with name `route_agree_rollout_train` (engine vs trainer) or `route_agree_old_new` (θ_old vs θ).
 
 Every rank produces values for *every* MoE layer of the model (zeros for layers of other pipeline
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from megatron_rl.metrics.mismatch import TURN_BUCKETS, turn_labels
 from megatron_rl.metrics.reduce import ratio
 
 _F64 = torch.float64
@@ -62,3 +67,40 @@ def routing_agreement_sums(a: Sequence[Tensor], b: Sequence[Tensor], mask: Tenso
         agree[i] = (same & m).sum(dtype=_F64)
         total[i] = m.sum(dtype=_F64)
     return layer_agreement_sums(agree, total, layer_ids, num_moe_layers, name)
+
+
+def turn_counts(same: Tensor, mask: Tensor | None, turns: Tensor) -> tuple[Tensor, Tensor]:
+    """Agreeing and counted tokens per policy-turn bucket.
+
+    same: `[T]` bool, a token's two routings agree; mask: `[T]` bool tokens to count (None = all);
+    turns: `[T]` int policy turn of each token (-1: none, never counted). Returns (agree, total),
+    `[TURN_BUCKETS]` float64 on same's device: turns 0, 1, 2 each, then 3 and later together.
+    Cost O(T · TURN_BUCKETS), no host sync.
+    """
+    turns = turns.to(same.device)
+    bucket = torch.where(turns < 0, -1, turns.clamp(max=TURN_BUCKETS - 1))
+    keep = bucket >= 0 if mask is None else (bucket >= 0) & mask.to(same.device).bool()
+    sel = (bucket[:, None] == torch.arange(TURN_BUCKETS, device=same.device)[None, :]) & keep[:, None]
+    return (sel & same.bool()[:, None]).sum(0, dtype=_F64), sel.sum(0, dtype=_F64)
+
+
+def turn_agreement_sums(agree: Tensor, total: Tensor, name: str) -> dict[str, Tensor]:
+    """`[TURN_BUCKETS]` counts (summed over this rank's layers) -> ratios `moe/<name>/turn/<t>`,
+    every bucket present on every rank (zeros where none), so a SUM over the world combines them."""
+    out = {}
+    for k, label in enumerate(turn_labels()):
+        out.update(ratio(f"moe/{name}/turn/{label}", agree[k], total[k]))
+    return out
+
+
+def routing_agreement_by_turn(a: Sequence[Tensor], b: Sequence[Tensor], mask: Tensor | None, turns: Tensor,
+                              name: str) -> dict[str, Tensor]:
+    """`routing_agreement_sums`' (token, layer) agreement split by policy turn: a, b per local layer
+    `[T, k]` expert ids, mask `[T]` bool (None = all), turns `[T]` int (-1 = no turn)."""
+    device = a[0].device if len(a) else turns.device
+    agree = torch.zeros(TURN_BUCKETS, dtype=_F64, device=device)
+    total = torch.zeros(TURN_BUCKETS, dtype=_F64, device=device)
+    for x, y in zip(a, b, strict=True):
+        n, d = turn_counts(same_expert_set(x, y), mask, turns)
+        agree, total = agree + n, total + d
+    return turn_agreement_sums(agree, total, name)

@@ -28,7 +28,7 @@ Fallback (megatron replays a whole layer or nothing, never per token):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -77,6 +77,11 @@ class TokenLayout:
         """`[b, S, *rest]` per-position values -> `[S_local * b, *rest]` in megatron's local token order."""
         pos = self.positions(x.shape[1]).to(x.device)
         return x[:, pos].transpose(0, 1).reshape(-1, *x.shape[2:])
+
+    def cp_shard_to_local(self, x: Tensor) -> Tensor:
+        """`[b, S / CP, *rest]` values already in this rank's CP shard (a TrainBatch tensor after
+        trainer.batch.cp_shard, whose zig-zag chunks are `positions`') -> local token order."""
+        return replace(self, cp_size=1, cp_rank=0).to_local(x)
 
 
 def stage_layer_ids(moe_pattern: Sequence[int], pp_size: int, pp_rank: int) -> list[int]:

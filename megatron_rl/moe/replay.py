@@ -55,13 +55,19 @@ class MicroBatchRouting:
     indices: one `[local_tokens, topk]` int64 tensor per local MoE layer (stage order), tokens in
         megatron's local order (sequence-first `[s, b]` flattened, after CP / SP sharding).
     mask: `[local_tokens]` bool, the tokens that count in agreement metrics (None = all of them).
+    turns: `[local_tokens]` int64 policy turn of each token (-1: none), or None; when given, the
+        probe also counts agreement by turn (moe/metrics.py: turn_counts).
     """
 
     indices: list[Tensor]
     mask: Tensor | None = None
+    turns: Tensor | None = None
 
     def with_mask(self, mask: Tensor | None) -> MicroBatchRouting:
-        return MicroBatchRouting(self.indices, mask)
+        return MicroBatchRouting(self.indices, mask, self.turns)
+
+    def with_turns(self, turns: Tensor | None) -> MicroBatchRouting:
+        return MicroBatchRouting(self.indices, self.mask, turns)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -134,18 +140,26 @@ def moe_routers(model) -> list[torch.nn.Module]:
 
 
 class ReplaySession:
-    """What one `replay()` context observed: per-local-layer agreement counts of the probe."""
+    """What one `replay()` context observed: per-local-layer agreement counts of the probe, and
+    with `by_turn` (the replayed routing carries turns) the same by policy turn, over all layers."""
 
-    def __init__(self, num_layers: int, layer_ids: Sequence[int], num_moe_layers: int):
+    def __init__(self, num_layers: int, layer_ids: Sequence[int], num_moe_layers: int, by_turn: bool = False):
         self._agree: list[Tensor | int] = [0] * num_layers  # device tensors: no host sync per forward
         self._total: list[Tensor | int] = [0] * num_layers
+        self._turn_agree: Tensor | int = 0
+        self._turn_total: Tensor | int = 0
         self.layer_ids = tuple(layer_ids)
         self.num_moe_layers = num_moe_layers
+        self.by_turn = by_turn
         self.micro_batches = 0
 
     def add(self, layer: int, agree: Tensor, total: Tensor) -> None:
         self._agree[layer] = self._agree[layer] + agree
         self._total[layer] = self._total[layer] + total
+
+    def add_turns(self, agree: Tensor, total: Tensor) -> None:
+        self._turn_agree = self._turn_agree + agree
+        self._turn_total = self._turn_total + total
 
     def agreement_sums(self, name: str) -> dict[str, Tensor]:
         """Ratios `moe/<name>...` (see megatron_rl.moe.metrics) of replayed vs live top-k, on the
@@ -158,8 +172,16 @@ class ReplaySession:
             return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]) \
                 if values else torch.zeros(0, dtype=torch.float64, device=device)
 
-        return layer_agreement_sums(stacked(self._agree), stacked(self._total), self.layer_ids,
-                                    self.num_moe_layers, name)
+        out = layer_agreement_sums(stacked(self._agree), stacked(self._total), self.layer_ids,
+                                   self.num_moe_layers, name)
+        if self.by_turn:  # keys on every rank, counts or not (a stage may have no MoE layer)
+            from megatron_rl.metrics.mismatch import TURN_BUCKETS
+            from megatron_rl.moe.metrics import turn_agreement_sums
+
+            zero = torch.zeros(TURN_BUCKETS, dtype=torch.float64)
+            agree, total = (v if torch.is_tensor(v) else zero for v in (self._turn_agree, self._turn_total))
+            out.update(turn_agreement_sums(agree, total, name))
+        return out
 
 
 class RouterReplayController:
@@ -266,7 +288,8 @@ class RouterReplayController:
         routing = [self._checked(mb, i) for i, mb in enumerate(routing)]  # int64 only at each forward
         self._enter("replay")
         self._queue = list(routing)
-        session = ReplaySession(self.num_local_layers, self.layer_ids, self.num_moe_layers)
+        session = ReplaySession(self.num_local_layers, self.layer_ids, self.num_moe_layers,
+                                by_turn=any(mb.turns is not None for mb in routing))
         self._session = session
         self._hooks = [r.register_forward_pre_hook(self._check_tokens_hook(i)) for i, r in enumerate(self._routers)]
         if probe:
@@ -378,6 +401,10 @@ class RouterReplayController:
             live = live_routing_map(module, args[0])
             same = (live == output[1]).all(dim=-1)
             mask = self._current.mask if self._current is not None else None
+            if self._current is not None and self._current.turns is not None:
+                from megatron_rl.moe.metrics import turn_counts
+
+                self._session.add_turns(*turn_counts(same, mask, self._current.turns))
             if mask is not None:
                 mask = mask.to(same.device, non_blocking=True)
                 same = same & mask

@@ -1,6 +1,6 @@
 """`multi_turn`: an agent loop; the policy and an environment take turns, one token sequence each.
 
-    trajectory k (example k // n): env = make_env(env.name, **env.settings)
+    trajectory k (example k // n): env = make_env(name, **settings)   the example's env, else env.name
         ids = encode_prompt(env.reset(example))                         turn 0's prompt
         repeat: sample a turn from ids (token ids in) -> ids += sampled ids
                 env.step(decoded turn, sampled ids) -> observation, reward, done
@@ -8,6 +8,7 @@
     (encode: the tokenizer's encode_prompt, less the BOS-like prefix it puts before every text)
     one Sample per trajectory (rollout/trajectory.py: assemble): the environment's ids are in the
     response as context with loss_mask False; reward = the sum of the environment's rewards
+    (advantages stay per trajectory); each turn's own reward is kept and logged by turn
 
 Turn 0 is one engine call of the n samples of every example, exactly as `single_turn` calls it
 (same prompts, seed and streams): an environment that ends every trajectory after one turn
@@ -16,19 +17,28 @@ sample each, with the sampling seed of its turn (a stream per (turn, position in
 turn samples at most rollout.max_tokens, and fewer where the trajectory's budget
 (env.max_tokens, and the engine's maximum length) leaves less.
 
-A trajectory ends when its environment says done, after env.max_turns (or the environment's own
-max_turns) policy turns, when its next observation would leave no budget for a turn (that
-observation is dropped: nothing would be sampled after it), or when an environment call fails
+An example may name its own environment (a JSONL record's "env" and "env_settings", data/jsonl.py);
+the others run in env.name with env.settings. A trajectory ends when its environment says done,
+after env.max_turns (or its environment's own max_turns, whichever is fewer) policy turns, when
+its next observation would leave no budget for a turn (that observation is dropped: nothing would
+be sampled after it), or when an environment call fails
 (raises, times out after env.timeout_s, or answers what is not a Step, or text the tokenizer
 cannot encode): a failed trajectory keeps its sampled turns and scores 0 (counted, as a failing
 reward is). A failed reset leaves the example's own prompt as the trajectory's prompt and ends
 after one turn.
 
 With env.check_render, every trajectory is also rendered as text and encoded again
-(trajectory.rerender); a difference from the kept ids is counted (env/render_drift) and warned
-about once per call, never corrected. Stats (Generated.stats): env/turns (mean policy turns per
-trajectory), env/sampled_per_turn (mean sampled tokens per turn), env/observation_tokens (mean per
-trajectory), env/failures, env/timeouts, env/budget_ends, env/render_drift, env/render_unencodable.
+(trajectory.rerender; with a tokenizer that has a chat template, the conversation after the prompt
+as that template writes it: trajectory.rerender_chat, so a template that rewrites earlier turns,
+as Qwen3's drops their <think> blocks, shows); a difference from the kept ids is counted
+(env/render_drift) and warned about once per call, never corrected.
+
+Stats (Generated.stats): env/turns (mean policy turns per trajectory), env/sampled_per_turn (mean
+sampled tokens per turn), env/observation_tokens (mean per trajectory), env/failures, env/timeouts,
+env/budget_ends, env/render_drift, env/render_unencodable, and by policy turn (labels as
+mismatch/turn/*: 0, 1, 2, 3_or_later) env/turn/{k}/turns (policy turns sampled) and
+env/turn/{k}/reward (their mean reward: the environment's reward for that turn, None as 0, every
+turn of a failed trajectory 0), so the rewards by turn of a call sum to its trajectories' rewards.
 
 Cost: one engine call per turn (turns <= env.max_turns), one environment call per trajectory and
 turn (threads, rollout/env_calls.py), O(trajectory length) host memory per trajectory.
@@ -45,10 +55,11 @@ import torch
 
 from megatron_rl.data.envs import Environment, Step, make_env
 from megatron_rl.data.types import derive_seed
+from megatron_rl.metrics.mismatch import turn_labels
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.env_calls import CallResult, call_all
 from megatron_rl.rollout.function import Generated, RolloutFnInputs, RolloutFnSpec
-from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender
+from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender, rerender_chat
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -59,11 +70,12 @@ class _Trajectory:
     """Rank 0's record of one trajectory while it runs."""
 
     env: Environment
+    max_turns: int
     prompt_text: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
-    observations: list[str] = field(default_factory=list)  # the text of each kept observation
-    reward: float = 0.0
+    observations: list[str] = field(default_factory=list)  # each kept observation's text, no delimiters
+    rewards: list[float] = field(default_factory=list)  # per policy turn shown to the environment
     failure: str | None = None
     ended_by: str | None = None  # "done" | "max_turns" | "budget" | "failure"
 
@@ -76,8 +88,17 @@ class _Trajectory:
     def response_len(self) -> int:
         return len(self.ids()) - len(self.prompt_ids)
 
+    @property
+    def reward(self) -> float:
+        """The trajectory's reward: the sum of its turns' rewards."""
+        return sum(self.rewards)
+
+    def turn_rewards(self) -> list[float]:
+        """One reward per sampled policy turn (0 for a turn the environment did not score)."""
+        return self.rewards + [0.0] * (len(self.turns) - len(self.rewards))
+
     def fail(self, why: str) -> None:
-        self.failure, self.reward, self.ended_by = why, 0.0, "failure"
+        self.failure, self.rewards, self.ended_by = why, [], "failure"
 
 
 class MultiTurn:
@@ -89,8 +110,11 @@ class MultiTurn:
 
     def __call__(self, engine: RolloutEngine, examples: Sequence, n: int, sampling: SamplingParams) -> Generated:
         cfg = self.env
-        trajs = [_Trajectory(make_env(cfg.name, **cfg.settings)) for _ in range(len(examples) * n)]
-        max_turns = min(cfg.max_turns, trajs[0].env.max_turns) if trajs else cfg.max_turns
+        trajs = []
+        for k in range(len(examples) * n):
+            name, settings = env_of(examples[k // n], cfg)
+            env = make_env(name, **settings)
+            trajs.append(_Trajectory(env, min(cfg.max_turns, env.max_turns)))
         resets = call_all([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)], cfg.timeout_s)
         for k, (t, r) in enumerate(zip(trajs, resets, strict=True)):
             t.prompt_text = examples[k // n].prompt  # checked at start-up: the fallback of a failed reset
@@ -106,7 +130,7 @@ class MultiTurn:
         self._first_turn(engine, trajs, n, sampling)
         turn = 0
         while True:
-            self._step(trajs, turn, max_turns, engine.max_len)
+            self._step(trajs, turn, engine.max_len)
             running = [t for t in trajs if t.ended_by is None]
             if not running:
                 break
@@ -152,7 +176,7 @@ class MultiTurn:
         """How many tokens trajectory t's next turn may sample."""
         return min(max_tokens, self.env.max_tokens - t.response_len(), max_len - len(t.ids()))
 
-    def _step(self, trajs: list[_Trajectory], turn: int, max_turns: int, max_len: int) -> None:
+    def _step(self, trajs: list[_Trajectory], turn: int, max_len: int) -> None:
         """Every trajectory that sampled turn `turn` shows it to its environment."""
         live = [t for t in trajs if len(t.turns) == turn + 1 and t.ended_by is None]
         calls = []
@@ -161,9 +185,9 @@ class MultiTurn:
             calls.append(functools.partial(t.env.step, self.tokenizer.decode(ids), ids))
         results = call_all(calls, self.env.timeout_s)
         for t, r in zip(live, results, strict=True):
-            self._take(t, r, turn, max_turns, max_len)
+            self._take(t, r, turn, max_len)
 
-    def _take(self, t: _Trajectory, r: CallResult, turn: int, max_turns: int, max_len: int) -> None:
+    def _take(self, t: _Trajectory, r: CallResult, turn: int, max_len: int) -> None:
         """Apply one environment answer to its trajectory."""
         s = t.turns[-1].sample
         if r.failure is not None or not isinstance(r.value, Step):
@@ -173,11 +197,11 @@ class MultiTurn:
         if not (isinstance(step.observation, str) and (step.reward is None or isinstance(step.reward, (int, float)))):
             t.fail(f"step returned {step!r}: a text observation and a number or None reward")
             return
-        t.reward += 0.0 if step.reward is None else float(step.reward)
+        t.rewards.append(0.0 if step.reward is None else float(step.reward))  # turn `turn`: every turn is shown
         if step.done:
             t.ended_by = "done"
             return
-        if turn + 1 >= max_turns:
+        if turn + 1 >= t.max_turns:
             t.ended_by = "max_turns"
             return
         text = self.env.observation_prefix + step.observation + self.env.observation_suffix
@@ -191,7 +215,7 @@ class MultiTurn:
             t.ended_by = "budget"
             return
         t.turns[-1] = Turn(s, obs)
-        t.observations.append(text)
+        t.observations.append(step.observation)
 
     # ---- demonstrations (the SFT warm start) ------------------------------------------------------
     def demonstration(self, example) -> Sample:
@@ -199,11 +223,12 @@ class MultiTurn:
         rollout would have recorded it: each turn's text encoded alone + the stop id (loss_mask
         True), each observation as a rollout appends it (False); log-probs 0 (unused by SFT).
         Raises ValueError when the environment has no demonstration."""
-        env = make_env(self.env.name, **self.env.settings)
+        name, settings = env_of(example, self.env)
+        env = make_env(name, **settings)
         prompt = self.tokenizer.encode_prompt(env.reset(example))
         texts = env.demonstrate(example)
         if not texts:
-            raise ValueError(f"environment {self.env.name!r} has no demonstration for {example.prompt!r}; the SFT warm "
+            raise ValueError(f"environment {name!r} has no demonstration for {example.prompt!r}; the SFT warm "
                              f"start of a multi_turn run trains on demonstrations (or set sft.steps=0)")
         context, turns = list(prompt), []
         for k, text in enumerate(texts):
@@ -229,7 +254,8 @@ class MultiTurn:
                  "env/observation_tokens": sum(len(x.observation_ids) for t in trajs for x in t.turns) / num,
                  "env/failures": float(sum(t.failure is not None for t in trajs)),
                  "env/timeouts": float(sum(t.failure == "timeout" for t in trajs)),
-                 "env/budget_ends": float(sum(t.ended_by == "budget" for t in trajs))}
+                 "env/budget_ends": float(sum(t.ended_by == "budget" for t in trajs)),
+                 **turn_reward_stats([t.turn_rewards() for t in trajs])}
         failed = [t.failure for t in trajs if t.failure is not None]
         if failed:
             log.warning("multi_turn: %d of %d trajectories ended by a failing environment (first: %s)",
@@ -241,25 +267,72 @@ class MultiTurn:
     def _render_drift(self, trajs: list[_Trajectory]) -> dict[str, float]:
         """How many trajectories a text-keeping pipeline would re-tokenize into other ids
         (env/render_drift), and of those, how many it could not encode at all (a sampled special
-        or unused id decodes to U+FFFD: env/render_unencodable)."""
+        or unused id decodes to U+FFFD; or the chat template failed: env/render_unencodable). With
+        a tokenizer that has a chat template, the pipeline renders the conversation with it
+        (trajectory.rerender_chat: turns as assistant messages, observations as the environment's
+        observation_role), else as plain text (trajectory.rerender)."""
+        chat = self.tokenizer.chat_template is not None
         drifted, unencodable = [], 0
         for k, t in enumerate(trajs):
-            turns = [(self.tokenizer.decode(x.sample.response_ids.tolist()), x.sample.response_ids.tolist(),
-                      t.observations[i] if i < len(t.observations) else "") for i, x in enumerate(t.turns)]
             try:
-                rendered = rerender(t.prompt_text, turns, self.tokenizer.encode_prompt, self.tokenizer.stop_ids)
+                rendered = self._rendered_chat(t) if chat else self._rendered_text(t)
             except ValueError:
                 unencodable += 1
                 continue
-            d = drift(t.ids(), rendered)
+            d = drift(t.ids(), rendered, closing_ok=chat)
             if d is not None:
                 drifted.append((k, d))
         if drifted:
             k, d = drifted[0]
-            log.warning("multi_turn: %d of %d trajectories re-encode to other ids than were sampled (first: "
+            log.warning("multi_turn: %d of %d trajectories re-%s to other ids than were sampled (first: "
                         "trajectory %d at id %d; %d kept ids vs %d re-encoded); the kept ids are trained",
-                        len(drifted), len(trajs), k, d.index, d.kept_len, d.rendered_len)
+                        len(drifted), len(trajs), "render with the chat template" if chat else "encode", k,
+                        d.index, d.kept_len, d.rendered_len)
         return {"env/render_drift": float(len(drifted) + unencodable), "env/render_unencodable": float(unencodable)}
+
+    def _rendered_text(self, t: _Trajectory) -> list[int]:
+        """t's conversation as plain text (its delimiters: env.observation_prefix/suffix), encoded."""
+        cfg, tok = self.env, self.tokenizer
+        turns = [(tok.decode(x.sample.response_ids.tolist()), x.sample.response_ids.tolist(),
+                  cfg.observation_prefix + t.observations[i] + cfg.observation_suffix if i < len(t.observations)
+                  else "") for i, x in enumerate(t.turns)]
+        return rerender(t.prompt_text, turns, tok.encode_prompt, tok.stop_ids)
+
+    def _rendered_chat(self, t: _Trajectory) -> list[int]:
+        """t's conversation as the tokenizer's chat template writes it, encoded."""
+        tok = self.tokenizer
+        turns = [(tok.decode(x.sample.response_ids.tolist()), t.observations[i] if i < len(t.observations) else "",
+                  t.env.observation_role) for i, x in enumerate(t.turns)]
+        return rerender_chat(t.prompt_text, turns, tok.render_chat, tok.encode_prompt)
+
+
+def turn_reward_stats(rewards: Sequence[Sequence[float]]) -> dict[str, float]:
+    """env/turn/{label}/{turns,reward} from each trajectory's per-turn rewards (rewards[i][k]: turn
+    k of trajectory i). Turns 0, 1, 2 each, then 3 and later together (metrics.mismatch.turn_labels);
+    reward: the mean over the turns in the bucket; a bucket no trajectory reached is left out."""
+    labels = turn_labels()
+    count, total = [0] * len(labels), [0.0] * len(labels)
+    for per_turn in rewards:
+        for k, r in enumerate(per_turn):
+            b = min(k, len(labels) - 1)
+            count[b] += 1
+            total[b] += r
+    out = {}
+    for label, c, s in zip(labels, count, total, strict=True):
+        if c:
+            out[f"env/turn/{label}/turns"], out[f"env/turn/{label}/reward"] = float(c), s / c
+    return out
+
+
+def env_of(example, cfg) -> tuple[str, dict]:
+    """(name, settings) of the environment `example` runs in: its own (Example.env, with its
+    env_settings, else the run's env.settings when it is env.name, else none), or the run's."""
+    name = example.env
+    if name is None:
+        return cfg.name, dict(cfg.settings)
+    if example.env_settings is not None:
+        return name, dict(example.env_settings)
+    return name, dict(cfg.settings) if name == cfg.name else {}
 
 
 def check(cfg) -> None:

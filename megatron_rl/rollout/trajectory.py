@@ -140,9 +140,41 @@ def rerender(prompt_text: str, turns: Sequence[tuple[str, Sequence[int], str]],
     return out + (encode(text) if text else [])
 
 
-def drift(kept: Sequence[int], rendered: Sequence[int]) -> Drift | None:
-    """None when the ids agree, else where they first differ."""
+PLACEHOLDER = "\x00prompt\x00"  # the first user message's content when the template renders the turns
+
+
+def rerender_chat(prompt_text: str, turns: Sequence[tuple[str, str, str]],
+                  render: Callable[[list[dict], bool], str], encode_prompt: Callable[[str], list[int]]) -> list[int]:
+    """The ids a chat-template pipeline would train on: the conversation after the prompt as the
+    template writes it, after the prompt's own text, encoded again.
+
+    turns: per policy turn (its decoded text, the observation that followed it: raw text, no
+    delimiters, "" for none, and that observation's role, "user" or "tool"); render(messages,
+    add_generation_prompt): the tokenizer's chat template. The prompt already holds its template
+    (its text is the first observation as the policy read it), so the template renders the turns
+    after a placeholder user message: rendered = encode_prompt(prompt_text + T[len(H):]) with
+    H = render([user], True) and T = render([user, assistant, observation, ..., assistant], False).
+    A template that writes the conversation's start otherwise than H raises ValueError.
+    """
+    messages = [{"role": "user", "content": PLACEHOLDER}]
+    head = render(messages, True)
+    for k, (decoded, observation, role) in enumerate(turns):
+        messages.append({"role": "assistant", "content": decoded})
+        if observation:
+            messages.append({"role": role, "content": observation})
+    full = render(messages, False)
+    if not full.startswith(head):
+        raise ValueError("the chat template writes a conversation's first user message otherwise with assistant "
+                         "turns after it than alone with the generation prompt")
+    return encode_prompt(prompt_text + full[len(head):])
+
+
+def drift(kept: Sequence[int], rendered: Sequence[int], closing_ok: bool = False) -> Drift | None:
+    """None when the ids agree, else where they first differ. closing_ok: rendered may go on past
+    the kept ids' end (a chat template closing the last message: no policy turn follows it)."""
     kept, rendered = list(kept), list(rendered)
+    if closing_ok and len(rendered) > len(kept) and rendered[:len(kept)] == kept:
+        return None
     if kept == rendered:
         return None
     index = next((i for i, (a, b) in enumerate(zip(kept, rendered)) if a != b), min(len(kept), len(rendered)))

@@ -6,6 +6,9 @@
         train_pass(..., wrap_step=replay.wrap)
     values = replay.metrics()                   # routing agreement, metrics convention (world-reduced)
 
+Engine-vs-trainer agreement is also reported by policy turn when the batch has turns
+(TrainBatch.turns, multi-turn trajectories): moe/route_agree_rollout_train/turn/<t>.
+
     R2: the π_old pass records each MoE layer's top-k per token; every update pass replays it.
     R3: the rollout engine's routing is replayed in the π_old pass and every update pass.
 
@@ -31,6 +34,7 @@ from megatron_rl.moe import (
     replayed_token_sums,
     routing_agreement_sums,
 )
+from megatron_rl.moe.metrics import routing_agreement_by_turn
 from megatron_rl.moe.plumbing import local_mask
 from megatron_rl.trainer.passes import logprob_pass
 
@@ -88,6 +92,11 @@ class _Replay:
     def _layout(self, groups) -> TokenLayout:
         return TokenLayout.from_groups(groups, self.controller.config.sequence_parallel)
 
+    @staticmethod
+    def _turns(local, sl: slice, layout: TokenLayout):
+        """`[local_tokens]` policy turn of each token of micro-batch `sl` (None: no turns)."""
+        return None if local.turns is None else layout.cp_shard_to_local(local.turns[sl])
+
     @contextmanager
     def update(self, slices, micro_batch_size: int, probe: bool = True):
         """Replay the recorded routing of `slices` in the passes run inside; with `probe` (and a
@@ -121,6 +130,10 @@ class R2Replay(_Replay):
                 self._values = accumulate(self._values, routing_agreement_sums(
                     r.indices, engine.indices, engine.mask, ctl.layer_ids, ctl.num_moe_layers,
                     "route_agree_rollout_train"))
+                turns = self._turns(local, sl, layout)
+                if turns is not None:
+                    self._values = accumulate(self._values, routing_agreement_by_turn(
+                        r.indices, engine.indices, engine.mask, turns, "route_agree_rollout_train"))
         return old, entropy
 
 
@@ -140,7 +153,7 @@ class R3Replay(_Replay):
             with ctl.record() as live:
                 logprob_pass(policy.model, groups, local, settings, need_entropy=False, wrap_step=self.wrap)
         self._routing = [replay_routing(routing.select(sl), layout, ctl.layer_ids, ctl.num_experts, live=live[j])
-                         for j, sl in enumerate(slices)]
+                         .with_turns(self._turns(local, sl, layout)) for j, sl in enumerate(slices)]
         with ctl.replay(self._routing, probe=True) as session:
             old, entropy = logprob_pass(policy.model, groups, local, settings, wrap_step=self.wrap)
         self._values = accumulate(replayed_token_sums(routing), session.agreement_sums("route_agree_rollout_train"))

@@ -194,12 +194,17 @@ def _child(rank, world, sizes, recompute=None, engine_routes=None):
     dist.all_reduce(changed)
     out["changed_fraction"] = float(changed[0] / changed[1])
 
-    with ctl.replay(rec, probe=True) as session:
+    # every token in a policy turn (0..4, by position and row): the probe also counts by turn
+    turn_rows = ((torch.arange(SEQ)[None, :] + torch.arange(BATCH)[:, None]) % 5)[rows]
+    with ctl.replay([mb.with_turns(layout.to_local(turn_rows[sl])) for mb, sl in zip(rec, slices, strict=True)],
+                    probe=True) as session:
         run()
     out["maps_match"] = maps_match(rec)
     out["router_grads_nonzero"] = all(bool(r.weight.main_grad.abs().sum() > 0) for r in routers)
     out["router_grads"] = {i: r.weight.main_grad.clone() for i, r in zip(ctl.layer_ids, routers, strict=True)}
-    out["probe"] = finish(reduce_metrics(session.agreement_sums("route_agree_old_new")))
+    sums = reduce_metrics(session.agreement_sums("route_agree_old_new"))
+    out["probe_sums"] = {k: float(v) for k, v in sums.items()}
+    out["probe"] = finish(sums)
 
     if r3 is not None:
         with ctl.replay(r3):
@@ -246,6 +251,12 @@ def _check(out, recompute):
     assert out["maps_match"] and out["router_grads_nonzero"]
     assert out["changed_fraction"] > 0.05  # the perturbation does change the live routing
     assert 0.0 < out["probe"]["moe/route_agree_old_new"] < 1.0
+    # by turn: the turns partition the (token, layer) pairs, over every rank's layers and tokens
+    sums, turns = out["probe_sums"], ("0", "1", "2", "3_or_later")
+    for part in ("num", "den"):
+        by_turn = sum(sums[f"moe/route_agree_old_new/turn/{t}/{part}/sum"] for t in turns)
+        assert by_turn == sums[f"moe/route_agree_old_new/{part}/sum"], part
+    assert all(sums[f"moe/route_agree_old_new/turn/{t}/den/sum"] > 0 for t in turns)
     if out.get("loss_free") is not None:
         assert out["loss_replay"] == pytest.approx(out["loss_free"], rel=1e-7)
 

@@ -1,6 +1,6 @@
 """examples/multiturn_cpu.yaml runs through pretrain_rl.py, shortened: 2 SFT steps on the calculator's
-demonstrations, 2 RL steps of multi-turn rollouts, the env/* statistics and the render check in
-metrics.jsonl."""
+demonstrations, 2 RL steps of multi-turn rollouts, the env/* statistics (per-turn rewards included) and the render
+check in metrics.jsonl."""
 import json
 import os
 import subprocess
@@ -25,4 +25,5 @@ def test_the_multiturn_example_runs(tmp_path):
         assert r["env/failures"] == 0 and 1 <= r["env/turns"] <= 3
         assert 0 <= r["env/render_unencodable"] <= r["env/render_drift"] <= 16  # 4 prompts x 4 samples
         assert r["mismatch/tokens"] > 0
+        assert r["env/turn/0/turns"] == 16 and 0 <= r["env/turn/0/reward"] <= 1  # every trajectory's first turn
     assert "eval/heldout_accuracy" in rl[-1]

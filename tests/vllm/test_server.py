@@ -1,11 +1,19 @@
 """A real vLLM server (CPU lane, tiny dense Qwen3, fp32): log-prob parity, sampling semantics,
-weight sync with the parity probe, and that it serves no one without its key. One server for the
-module (a start costs ~30-80 s)."""
+weight sync with the parity probe, multi-turn trajectories equal to the embedded engine's, and that
+it serves no one without its key. One server for the module (a start costs ~30-80 s)."""
 import os
+from collections.abc import Sequence
 
 import pytest
 import torch
 
+from megatron_rl.config.schema import EnvSection
+from megatron_rl.data.envs import ENVS, Environment, Step, register_env
+from megatron_rl.data.tokenizer import CharTokenizer
+from megatron_rl.data.types import Example
+from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rollout.function import RolloutFnInputs
+from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.http import HttpStatusError, request, request_json
@@ -114,6 +122,54 @@ def test_parity_probe_catches_a_server_on_other_weights(engine, models, tmp_path
         engine.reference = None
     push(engine, weights_a, 4)
     assert engine.policy_version == 4
+
+
+class Echo(Environment):
+    """Answers every turn with the same observation and reward 1, for max_turns turns: a random
+    model's turns then really continue (it would never write a calculator's tool call)."""
+
+    max_turns = 3
+
+    def reset(self, example: Example) -> str:
+        return example.prompt
+
+    def step(self, generated_text: str, generated_ids: Sequence[int]) -> Step:
+        return Step(" ok:", 1.0, False)
+
+
+@pytest.fixture
+def echo_env():
+    register_env("echo_parity")(Echo)
+    yield
+    ENVS.pop("echo_parity")
+
+
+def test_multi_turn_trajectories_equal_the_embedded_engines(engine, models, echo_env):
+    """fp32 greedy multi_turn over the server and over the embedded engine on the same weights:
+    the same ids turn by turn (each later turn's prompt is the token ids so far, never re-encoded
+    text), the same loss masks, and log-probs that agree to 1e-4."""
+    (_, weights_a), _ = models
+    push(engine, weights_a, 5)  # whatever an earlier test left on the server
+    embedded = EmbeddedEngine(ARCH, dtype="fp32")
+    embedded.update_weights(weights_a, version=5)
+    tok = CharTokenizer()
+    fn = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name="echo_parity", max_turns=3, max_tokens=40)))
+    examples = [Example(p, "", "echo") for p in ("12+3=", "7*8=", "guess 0-99:", "abc")]
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=tok.stop_ids)
+    served, local = fn(engine, examples, 2, sampling), fn(embedded, examples, 2, sampling)
+    assert served.stats["env/turns"] == local.stats["env/turns"] == 3  # every trajectory took 3 turns
+    observation = tok.encode(" ok:")
+    for a, b in zip(served.samples, local.samples, strict=True):
+        assert a.prompt_ids.tolist() == b.prompt_ids.tolist()
+        assert a.response_ids.tolist() == b.response_ids.tolist()
+        assert a.loss_mask.tolist() == b.loss_mask.tolist()
+        assert int((~a.loss_mask).sum()) == 2 * len(observation)
+        torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=1e-4, rtol=0)  # seen: ~1e-6
+        assert a.policy_version == b.policy_version == 5
+    assert served.score() == local.score() == [3.0] * 8
+    diff = max(float((a.rollout_logprobs - b.rollout_logprobs).abs().max())
+               for a, b in zip(served.samples, local.samples))
+    print(f"\nmulti_turn, 8 trajectories of 3 turns: max |vLLM - embedded| log-prob {diff:.2e}")
 
 
 def _group_pids(pgid: int) -> list[int]:

@@ -11,7 +11,8 @@ observation (the rollout tokenizes it alone and appends its ids: the trajectory 
 re-tokenized), an optional reward, and whether the trajectory is over.
 
 Rewards: a trajectory's reward is the sum of the rewards its environment returned (None counts as
-0), so an environment that only scores the final answer returns None until then. `max_turns` is the
+0), so an environment that only scores the final answer returns None until then; each turn's reward
+is also logged by turn (env/turn/{k}/reward). `max_turns` is the
 environment's own cap on policy turns; the run's `env.max_turns` and token budget can end a
 trajectory earlier (rollout/multi_turn.py).
 
@@ -49,6 +50,7 @@ class Environment(ABC):
 
     name: ClassVar[str] = ""
     max_turns: ClassVar[int] = 1
+    observation_role: ClassVar[str] = "user"  # its observations' chat role ("tool" for a tool's results)
 
     @abstractmethod
     def reset(self, example: Example) -> str:

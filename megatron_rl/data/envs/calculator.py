@@ -37,6 +37,7 @@ class Calculator(Environment):
     ends with call_close is a call); result_open / result_close: around the answer."""
 
     max_turns = 3  # a call, maybe a second one, the answer
+    observation_role = "tool"
 
     call_open: str = "<calc>"
     call_close: str = "</calc>"

@@ -144,3 +144,31 @@ def test_overlong_prompts_error_or_skip(tmp_path):
     assert len(src) == 2 and src.skipped_overlong == 2
     with pytest.raises(DataError, match="no rows that fit"):
         load_jsonl(path, fits=lambda e: "too long", overlong="skip")
+
+
+def test_a_row_may_name_its_environment_and_its_settings(tmp_path):
+    rows = [GOOD, json.dumps({"prompt": "guess 0-99 n0042:", "label": "57", "env": "guess"}),
+            json.dumps({"prompt": "1*2=", "label": "2", "env": "calculator", "env_settings": {"call_open": "c:"}})]
+    examples, _ = load_jsonl(_write(tmp_path, rows))
+    assert [(e.env, e.env_settings) for e in examples] == [(None, None), ("guess", None),
+                                                         ("calculator", {"call_open": "c:"})]
+    # rows without an environment hash as before (a checkpoint's source check still passes)
+    plain = JsonlPrompts([Example("1+2=", "3", "jsonl")], seed=0).state_dict()["sha256"]
+    import hashlib
+    assert plain == hashlib.sha256(json.dumps([["1+2=", "3", "jsonl"]]).encode()).hexdigest()
+    other = JsonlPrompts([Example("1+2=", "3", "jsonl", env="guess")], seed=0).state_dict()["sha256"]
+    assert other != plain
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"env": "nope"}, "field \"env\" names an unknown environment 'nope'; available: calculator, guess"),
+    ({"env": ""}, 'field "env" must name an environment, got ""'),
+    ({"env": 3}, 'field "env" must name an environment, got 3'),
+    ({"env_settings": {"call_open": "c:"}}, 'field "env_settings" without "env"'),
+    ({"env": "guess", "env_settings": [1]}, "field \"env_settings\" must be an object of 'guess''s settings, got array"),
+    ({"env": "guess", "env_settings": {"bogus": 1}}, "field \"env_settings\" does not fit environment 'guess'"),
+    ({"env": "calculator", "env_settings": {"call_open": ""}}, "call_open must not be empty"),
+], ids=["unknown", "empty", "number", "settings_alone", "settings_array", "unknown_setting", "bad_setting"])
+def test_a_rows_environment_is_checked_at_load_naming_the_row(tmp_path, extra, message):
+    msg = _error(tmp_path, json.dumps({**json.loads(GOOD), **extra}), line=5)
+    assert message in msg, msg

@@ -106,3 +106,40 @@ def test_the_turn_table_weights_each_step_by_its_tokens_and_the_tool_prints_it_f
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "mismatch by policy turn" in out and "3_or_later" in out and "env/turns" in out
+
+
+def test_the_environment_reward_table_weights_each_step_by_its_turns(tmp_path, capsys):
+    from megatron_rl.metrics.report import env_turn_rows, merge_env_turn_rows
+    from tools.mismatch_report import main
+
+    a = {"step": 1, "mismatch/kl_k3": 0.1, "env/turn/0/turns": 8.0, "env/turn/0/reward": 0.25,
+         "env/turn/1/turns": 2.0, "env/turn/1/reward": 1.0}
+    b = {"step": 2, "mismatch/kl_k3": 0.1, "env/turn/0/turns": 8.0, "env/turn/0/reward": 0.5}
+    assert env_turn_rows({"step": 1}) == [] and env_turn_rows(b) == [("0", 8.0, 0.5)]
+    assert merge_env_turn_rows([a, b]) == [("0", 16.0, (8 * 0.25 + 8 * 0.5) / 16), ("1", 2.0, 1.0)]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps(a) + "\n" + json.dumps(b) + "\n")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "environment reward by policy turn, steps 1-2" in out and "0.3750" in out
+
+
+def test_the_routing_agreement_by_turn_weights_each_step_by_the_turns_tokens(tmp_path, capsys):
+    from megatron_rl.metrics.report import merge_agreement_turn_rows
+    from tools.mismatch_report import main
+
+    a = {"step": 1, "mismatch/kl_k3": 0.1, "mismatch/turn/0/tokens": 30.0, "mismatch/turn/1/tokens": 10.0,
+         "moe/route_agree_rollout_train/turn/0": 0.9, "moe/route_agree_rollout_train/turn/1": 0.5}
+    b = {"step": 2, "mismatch/kl_k3": 0.1, "mismatch/turn/0/tokens": 10.0, "mismatch/turn/1/tokens": 0.0,
+         "moe/route_agree_rollout_train/turn/0": 0.7, "moe/route_agree_rollout_train/turn/1": 0.0}
+    for row in (a, b):  # the rest of a per-turn mismatch row
+        row.update({f"mismatch/turn/{t}/{c}": 0.01 for t in ("0", "1") for c in ("abs_logprob_diff", "kl_k3")})
+    rows = merge_agreement_turn_rows([a, b])
+    assert rows[0][:2] == ("0", 40.0) and abs(rows[0][2] - (30 * 0.9 + 10 * 0.7) / 40) < 1e-12
+    assert rows[1] == ("1", 10.0, 0.5)  # a step without turn-1 tokens does not dilute it
+    assert merge_agreement_turn_rows([{"step": 1, "mismatch/kl_k3": 0.1}]) == []  # no replay: no table
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps(a) + "\n" + json.dumps(b) + "\n")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "MoE routing agreement (engine vs trainer) by policy turn, steps 1-2" in out and "0.8500" in out

@@ -141,3 +141,14 @@ def test_replay_routing_rejects_bad_expert_ids():
     rr = RolloutRouting.from_samples([_sample(2, 2, torch.full((3, 1, 2), 9, dtype=torch.int16))], seq_len=4)
     with pytest.raises(ValueError, match="outside"):
         replay_routing(rr, TokenLayout(), [0], num_experts=4)
+
+
+def test_a_cp_shard_goes_to_the_same_local_order_as_its_full_rows():
+    """TrainBatch tensors arrive CP-sharded (rank 0 of CP=2 holds positions 0, 1, 6, 7 of 8); the
+    local token order of that shard equals to_local of the full rows, SP split included."""
+    full = _pos_rows(2, 8)
+    shard = full[:, [0, 1, 6, 7]]
+    lay = TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True, cp_size=2, cp_rank=0)
+    assert lay.cp_shard_to_local(shard).tolist() == lay.to_local(full).tolist() == [6, 106, 7, 107]
+    assert TokenLayout(cp_size=2, cp_rank=1).cp_shard_to_local(full[:, [2, 3, 4, 5]]).tolist() == \
+        TokenLayout(cp_size=2, cp_rank=1).to_local(full).tolist()

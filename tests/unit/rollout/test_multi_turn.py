@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import EnvSection
-from megatron_rl.data.envs import ENVS, register_env
+from megatron_rl.data.envs import ENVS, Step, register_env
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
@@ -253,3 +253,70 @@ def test_an_environment_without_demonstrations_is_named(test_envs):
 
     with pytest.raises(ValueError, match="'oneshot' has no demonstration for '1\\+1='.*sft.steps=0"):
         supervised(RolloutFnInputs(TOK, None, EnvSection(name="oneshot")), [Example("1+1=", "2", "addition")])
+
+
+def test_an_example_may_name_its_own_environment():
+    """A calculator example (the run's env.name) beside a guess example (its own env): each runs
+    its environment's game under its own turn cap (guess: env.max_turns=4 < its 7)."""
+
+    def script(text):
+        return "50" if text.startswith("guess") else _calculator_script(text)
+
+    examples = [Example("123*45=", "5535", "multiplication"), Example("guess 0-99 n0042:", "57", "guessing", env="guess")]
+    gen = _multi(max_turns=4)(ScriptedEngine(script), examples, 1, SAMPLING)
+    calc, guess = gen.samples
+    assert calc.response_ids.tolist() == (TOK.encode("c:123*45") + [TOK.eos_id] + TOK.encode("r:5535") +
+                                          TOK.encode("5535") + [TOK.eos_id])
+    turn = TOK.encode("50") + [TOK.eos_id]
+    assert guess.response_ids.tolist() == (turn + TOK.encode("higher")) * 3 + turn  # the 4th's feedback dropped
+    assert gen.score() == [1.0, 0.0]
+
+
+def test_which_settings_an_examples_environment_gets():
+    from megatron_rl.rollout.multi_turn import env_of
+
+    cfg = EnvSection(name="calculator", settings=dict(TOY_CALC))
+    assert env_of(Example("1=", "1", "t"), cfg) == ("calculator", TOY_CALC)
+    assert env_of(Example("1=", "1", "t", env="calculator"), cfg) == ("calculator", TOY_CALC)  # the run's own
+    assert env_of(Example("1=", "1", "t", env="guess"), cfg) == ("guess", {})  # another's: its defaults
+    mine = {"call_open": "x"}
+    assert env_of(Example("1=", "1", "t", env="calculator", env_settings=mine), cfg) == ("calculator", mine)
+
+
+def test_per_turn_rewards_sum_to_the_trajectory_reward_and_are_logged_by_turn():
+    """An environment that rewards turn k with k + 1 for 5 turns; a second trajectory's environment
+    raises at its third turn (a failure: every turn scores 0). By hand: trajectory rewards 15 and 0;
+    by turn (2 trajectories at turns 0-2, 1 at 3 and 4): (1+0)/2, (2+0)/2, (3+0)/2, (4+5)/2."""
+
+    class Counting(OneShot):
+        max_turns = 5
+
+        def reset(self, example):
+            self.k, self.label = 0, example.label
+            return example.prompt
+
+        def step(self, generated_text, generated_ids):
+            self.k += 1
+            if self.label == "raise" and self.k == 3:
+                raise ValueError("broke at turn 2")
+            return Step("x", float(self.k), False)
+
+    register_env("counting")(Counting)
+    try:
+        examples = [Example("1+1=", "ok", "t"), Example("2+2=", "raise", "t")]
+        gen = _multi("counting", {}, max_turns=5)(ScriptedEngine(lambda text: "1"), examples, 1, SAMPLING)
+    finally:
+        ENVS.pop("counting")
+    assert gen.score() == [15.0, 0.0]
+    want = {"0": (2, 0.5), "1": (2, 1.0), "2": (2, 1.5), "3_or_later": (2, 4.5)}
+    for label, (turns, reward) in want.items():
+        assert gen.stats[f"env/turn/{label}/turns"] == turns and gen.stats[f"env/turn/{label}/reward"] == reward
+    assert gen.stats["env/failures"] == 1
+
+
+def test_turn_reward_stats_leaves_out_turns_no_trajectory_reached():
+    from megatron_rl.rollout.multi_turn import turn_reward_stats
+
+    assert turn_reward_stats([[1.0], [0.0, 2.0]]) == {"env/turn/0/turns": 2.0, "env/turn/0/reward": 0.5,
+                                                      "env/turn/1/turns": 1.0, "env/turn/1/reward": 2.0}
+    assert turn_reward_stats([]) == {}
