@@ -509,7 +509,8 @@ class EnvSection:
 
     name: a registered environment (megatron_rl.data.envs.ENVS: "calculator", "guess"), or null
         when the rollout function needs none. settings: keyword settings of the environment's
-        class (e.g. {call_open: "c:"}), checked when the config loads.
+        class (e.g. {call_open: "c:"}), checked when the config loads. A data.jsonl row may name
+        its own ("env", "env_settings"), which wins for that row's trajectories.
     max_turns: most policy turns per trajectory (the environment's own max_turns may end it
         sooner). max_tokens: most response tokens per trajectory, sampled and environment ones
         together (each turn samples at most rollout.max_tokens of them).
@@ -520,7 +521,10 @@ class EnvSection:
         "<|im_end|>\\n<|im_start|>assistant\\n" for ChatML); "" for the character tokenizer.
     check_render: also re-encode every trajectory's text and count the trajectories whose ids
         differ from the kept ones (env/render_drift, of which env/render_unencodable could not be
-        encoded at all; never corrected: the kept ids are trained).
+        encoded at all; never corrected: the kept ids are trained). With an HF tokenizer that has
+        a chat template, the conversation is rendered by that template (policy turns as assistant
+        messages, observations in the environment's observation_role), as a text-keeping
+        pipeline would re-render it.
     """
 
     name: str | None = None

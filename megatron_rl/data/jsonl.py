@@ -18,8 +18,9 @@ Format: UTF-8, one JSON object per line; blank lines are skipped (line numbers s
     {"prompt": "123*45=", "label": "5535", "env": "calculator", "env_settings": {"call_open": "c:"}}
 
 An unknown environment or settings it does not take are refused while loading, naming the line
-(building an environment is cheap by contract: data/envs/base.py). Only rollout.function=multi_turn
-reads "env"; single_turn ignores it.
+(building an environment is cheap by contract: data/envs/base.py). Only a rollout function that
+runs environments (multi_turn) reads "env"; with another, the run refuses such rows at start-up
+(trainer/startup.py: check_row_envs).
 
 Every problem raises `DataError` with `file:line: what is wrong; how to fix it`, e.g.
 

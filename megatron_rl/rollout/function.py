@@ -84,12 +84,15 @@ class RolloutFnSpec:
     max_trained(run config) -> the most trained (sampled) tokens one of its samples holds (the
     default L_norm of a constant-normaliser aggregation); supervised(inputs, examples) -> the
     samples the SFT warm start trains on, shaped as this function's samples are (trainer/sft.py:
-    the tokens its loss_mask keeps)."""
+    the tokens its loss_mask keeps); runs_envs: it runs environments, so an example's own
+    environment (a JSONL row's "env") means something to it (trainer/startup.py refuses such rows
+    for a function that would ignore them)."""
 
     make: Callable[[RolloutFnInputs], RolloutFn]
     check: Callable[[Any], None] = no_rules
     max_trained: Callable[[Any], int] = one_response
     supervised: Callable[[RolloutFnInputs, Sequence[Any]], list[Sample]] = label_samples
+    runs_envs: bool = False
 
     def __post_init__(self):
         if not callable(self.make):

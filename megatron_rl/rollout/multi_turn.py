@@ -352,5 +352,5 @@ def max_trained(cfg) -> int:
     return min(cfg.env.max_tokens, cfg.env.max_turns * cfg.rollout.max_tokens)
 
 
-MULTI_TURN = RolloutFnSpec(make=MultiTurn, check=check, max_trained=max_trained, supervised=supervised)
+MULTI_TURN = RolloutFnSpec(make=MultiTurn, check=check, max_trained=max_trained, supervised=supervised, runs_envs=True)
 """A registered entry (rollout/registered.py)."""

@@ -20,7 +20,7 @@ from megatron_rl.data import CharTokenizer, JsonlPrompts, PromptStream, make_tas
 from megatron_rl.data.hf_tokenizer import padded_vocab
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelGroups
-from megatron_rl.rollout import ENGINES
+from megatron_rl.rollout import ENGINES, ROLLOUT_FNS
 from megatron_rl.trainer import run_dir as run_files
 from megatron_rl.trainer.checkpoint import folder_bytes, latest_checkpoint, partial_saves, sweep_partial_saves
 from megatron_rl.trainer.policy import Policy
@@ -52,6 +52,7 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
 
         prompts = JsonlPrompts(cfg.data.jsonl, seed=cfg.data.seed, tokenizer=tokenizer, fits=fits,
                                overlong=cfg.data.overlong_prompts)
+        check_row_envs(prompts.examples, cfg)
         if prompts.skipped_overlong and dist.get_rank() == 0:
             print(f"data.overlong_prompts=skip: dropped {prompts.skipped_overlong} prompt(s) of {cfg.data.jsonl} "
                   f"longer than the model takes ({max_len} tokens with rollout.max_tokens={cfg.rollout.max_tokens})",
@@ -67,6 +68,16 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
                          f"rollout.max_tokens={cfg.rollout.max_tokens} exceed the model's maximum length {max_len}; "
                          f"lower rollout.max_tokens or raise model.overrides.max_position_embeddings")
     return stream
+
+
+def check_row_envs(examples, cfg: RunConfig) -> None:
+    """Rows that name their own environment ("env") need a rollout function that runs
+    environments: another would silently train them as single-turn prompts."""
+    named = next((e for e in examples if e.env is not None), None)
+    if named is not None and not ROLLOUT_FNS.get(cfg.rollout.function).runs_envs:
+        raise ValueError(f"data.jsonl={cfg.data.jsonl}: rows name an environment (e.g. \"env\": {named.env!r} for "
+                         f"{named.prompt!r}) but rollout.function={cfg.rollout.function} runs none; set "
+                         f"rollout.function=multi_turn, or drop the rows' \"env\"")
 
 
 def preset_vocab(model_section, tokenizer) -> int | None:
