@@ -167,7 +167,7 @@ class VllmEngine:
         self._restarting: list[Future] = []
         self._lock = threading.Lock()  # the counters and restart decisions, shared with the request threads
         self._call_restarts = 0
-        self._started = False
+        self._started = self._closed = False
         self._syncs = 0
         self._stats: dict[str, float] = {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0,
                                          "vllm/requests": 0, "vllm/weight_syncs": 0}
@@ -589,8 +589,11 @@ class VllmEngine:
         try:
             self._restart(replica, self.dirs.latest or self._config_dir(), reason)
         except Exception as e:  # noqa: BLE001 - the server stays out; the pool fails when none is left
-            log.error("vLLM %s could not be restarted: %s", replica.name(), e)
+            if not self._closed:  # else close() stopped it under the restart
+                log.error("vLLM %s could not be restarted: %s", replica.name(), e)
             self.pool.set_state(replica, FAILED, f"restart failed: {e}")
+        if self._closed:  # closed while it started: stop what the restart left running
+            replica.server.stop(graceful=False)
 
     def _one(self, prompt: list[int], i: int, j: int, sampling: SamplingParams) -> Sample:
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
@@ -636,6 +639,7 @@ class VllmEngine:
 
     def close(self) -> None:
         """Stop the servers (if ours), the request threads, and delete the weight folders it was given."""
+        self._closed = True
         for r in self.replicas:
             if r.memory is not None:
                 r.memory.close()

@@ -105,8 +105,9 @@ class VllmConfig:
               A server at `url` must run with VLLM_SERVER_DEV_MODE=1 and, without CUDA, the
               flags weight_transfer_args() gives (--weight-transfer-config '{"backend": "gloo"}'
               --worker-extension-cls megatron_rl_vllm_gloo.RegistersGlooEngine, the server_plugin
-              directory on its PYTHONPATH). A server that dies is not restarted: the engine holds
-              no copy of the weights to start it on (the run stops and resumes).
+              directory on its PYTHONPATH). A server that dies restarts on random weights and
+              serves again once the next sync has reached it; a lone one is not restarted (the
+              engine holds no copy of the weights to start it on: the run stops and resumes).
           "reload": write an HF folder, /collective_rpc reload_weights (dense models only on CPU).
           "restart": write an HF folder, start a fresh server on it (about a minute on a CPU).
           Both take the `disk` weight transport; the launched server of "restart" runs without
@@ -128,7 +129,8 @@ class VllmConfig:
       health_interval_s: how often a running generate() checks that the server is alive.
       max_retries: bad responses / transient errors retried per sample before raising.
       retry_backoff_s: first backoff (doubles per retry round).
-      max_restarts: server restarts allowed within one generate() / load_weights_from() call.
+      max_restarts: server restarts allowed within one generate() call (all servers of a pool
+          together) and per server within one load_weights_from() call.
       warmup: send one short request after start (vLLM compiles an op on the first log-prob
           request: ~30 s on CPU) so the first generate() is not charged for it.
     """
