@@ -15,15 +15,13 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 
-import megatron_rl.rollout.vllm.client as client_module
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from tests.vllm.conftest import hf_weights, tiny_arch
+from tests.vllm.conftest import fault_after_first_answer, hf_weights, tiny_arch
 from tests.vllm.test_trainer_loop import CONFIG, ROOT, _env
 
 pytestmark = pytest.mark.vllm
@@ -31,7 +29,6 @@ pytestmark = pytest.mark.vllm
 ARCH = tiny_arch()
 PROMPTS = [[4 + i % 40, 5 + i % 7, 14, 8 + i % 5] for i in range(24)]
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=48, seed=7)
-HOLD_GUARD_S = 600.0  # the held-back request waits at most this long for the kill (a hang guard)
 
 
 @pytest.fixture(scope="module")
@@ -85,36 +82,9 @@ def _kill_server_during_generate(engine, k, monkeypatch):
     """engine.generate(PROMPTS, 2, SAMPLING) with server k's process group SIGKILLed once it has
     answered a request of the call; the first request sent to it is held back until then."""
     server = engine.replicas[k].server
-    url, pid = server.url + "/v1/completions", server.pid
-    real = client_module.request_json
-    lock = threading.Lock()
-    state = {"calls": 0}
-    struck = threading.Event()
-
-    def strike():
-        with lock:
-            if not struck.is_set():
-                os.killpg(pid, signal.SIGKILL)
-                struck.set()
-
-    def request_json(where, *args, **kwargs):
-        if where != url:
-            return real(where, *args, **kwargs)
-        with lock:
-            state["calls"] += 1
-            held = state["calls"] == 1 and not struck.is_set()
-        if held:
-            assert struck.wait(HOLD_GUARD_S), f"server {k} answered no request"
-            return real(where, *args, **kwargs)  # to a dead server now: fails, and is resent
-        try:
-            out = real(where, *args, **kwargs)
-        except BaseException:
-            strike()  # no answer at all: never leave the held one waiting
-            raise
-        strike()  # the event: server k has answered a request of this call
-        return out
-
-    monkeypatch.setattr(client_module, "request_json", request_json)
+    pid = server.pid
+    struck = fault_after_first_answer(monkeypatch, lambda: os.killpg(pid, signal.SIGKILL),
+                                      url=server.url + "/v1/completions")
     out = engine.generate(PROMPTS, 2, SAMPLING)
     monkeypatch.undo()
     assert struck.is_set()
@@ -128,11 +98,11 @@ def test_a_server_killed_mid_generate_loses_no_sample_and_rejoins_after_the_next
     after = engine.stats()
     assert _keys(out) == _keys(unkilled[0])  # every (i, j) once
     assert _same(out, unkilled[0])  # the other server finished them: the same samples
-    assert after["vllm/restarts"] == before["vllm/restarts"] + 1
     assert after["vllm/retries"] > before["vllm/retries"]
     assert engine.replicas[1].state in ("down", "stale")  # restarting, or up on random weights: out of the pool
     # the next sync waits for the restart and reaches both; then both serve again, the same samples
     engine.update_weights(weights, 1)
+    assert engine.stats()["vllm/restarts"] == before["vllm/restarts"] + 1
     assert [r.state for r in engine.replicas] == ["ready", "ready"]
     assert engine.stats()["vllm/server1/probe_max_abs_diff"] < 1e-5
     requests = engine.replicas[1].requests
