@@ -97,8 +97,6 @@ log = logging.getLogger("megatron_rl.rollout.vllm")
 Key = tuple[int, int]
 
 
-
-
 class _Failed(Exception):
     """A request that failed on `replica` while it ran its start number `epoch`."""
 
