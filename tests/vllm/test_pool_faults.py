@@ -2,16 +2,19 @@
 config errors of rollout.vllm.num_servers / urls, and the client's pool fault handling against
 fake servers (tests/vllm/fake_server.py): a server that dies mid-call has its samples finished by
 the others and comes back after a restart; one that may not be restarted stays out; a sync
-reaches every server, and one that was down is started on the new weights."""
+reaches every server, and one that was down is started on the new weights; an in-memory sync
+packs the stream once and sends each bucket to every server."""
 import threading
 
 import pytest
+import torch
 
 from megatron_rl.rollout.types import SamplingParams, stream_seed
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError
 from megatron_rl.rollout.vllm.client import server_devices
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, Replica, ServerPool
+from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, packed_buckets, push_all
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm, good_answer
 
@@ -149,3 +152,48 @@ def test_every_server_takes_each_sync_and_one_found_dead_is_started_on_it(tmp_pa
     assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 8
     assert all(r.requests > 0 for r in engine.replicas)
     engine.close()
+
+
+class _Recorder:
+    """A MemorySync's channel and control plane, recorded (what each server would receive)."""
+
+    device = "cpu"
+
+    def __init__(self):
+        self.posts, self.received = [], []
+
+    def broadcast(self, data):
+        self.received.append(data.clone())
+
+    def close(self):
+        pass
+
+
+def test_one_sync_packs_the_stream_once_and_sends_every_bucket_to_every_server():
+    syncs, recorders = [], []
+    for _ in range(2):
+        rec = _Recorder()
+        sync = MemorySync(_Handle(), BACKENDS["gloo"], bucket_bytes=160, host="127.0.0.1")
+        sync.channel = rec
+        sync._post = lambda path, body, timeout, rec=rec: rec.posts.append((path, body))
+        syncs.append(sync)
+        recorders.append(rec)
+    tensors = [(f"t{i}", torch.arange(n, dtype=torch.float32) + 1000 * i) for i, n in enumerate([10, 20, 5, 30, 100])]
+    read = []
+
+    def stream():
+        for pair in tensors:
+            read.append(pair[0])
+            yield pair
+
+    push_all(syncs, stream(), version=7, timeout=60.0)
+    assert read == [n for n, _ in tensors]  # one pass over the export for all servers
+    want = [data.clone() for _, data in packed_buckets(tensors, 160)]
+    for rec in recorders:
+        assert len(rec.received) == len(want) and all(torch.equal(a, b) for a, b in zip(rec.received, want))
+        paths = [p for p, _ in rec.posts]
+        assert paths == ["/pause?mode=wait", "/start_weight_update", *["/update_weights"] * len(want),
+                         "/finish_weight_update", "/resume"]
+        assert rec.posts[-2][1] == {"weight_version": "7"}
+    for s in syncs:
+        s._rpc.shutdown()
