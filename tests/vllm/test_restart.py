@@ -6,16 +6,14 @@ first request of the generate() call, while one request of that call is held bac
 has struck, so the call can never finish before the fault, however fast or slow the machine."""
 import os
 import signal
-import threading
 import time
 
 import pytest
 import torch
 
-import megatron_rl.rollout.vllm.client as client_module
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from tests.vllm.conftest import hf_weights, push, tiny_arch
+from tests.vllm.conftest import fault_after_first_answer, hf_weights, push, tiny_arch
 
 pytestmark = pytest.mark.vllm
 
@@ -47,42 +45,11 @@ def synced(engine):
     return engine.generate(PROMPTS, 2, LONG)
 
 
-HOLD_GUARD_S = 600.0  # the held-back request waits at most this long for the fault (a hang guard)
-
-
 def _fault_during_generate(engine, sig, monkeypatch):
     """engine.generate(PROMPTS, 2, LONG) with `sig` sent to the server's process group as soon as
-    the server has answered one request of the call. The first request the client makes is held
-    back (not sent) until then, so the call is unfinished when the fault strikes."""
+    the server has answered one request of the call (the first request is held back until then)."""
     pid = engine.server.pid
-    real = client_module.request_json
-    lock = threading.Lock()
-    state = {"calls": 0}
-    struck = threading.Event()
-
-    def strike():
-        with lock:
-            if struck.is_set():
-                return
-            os.killpg(pid, sig)
-            struck.set()
-
-    def request_json(url, *args, **kwargs):
-        with lock:
-            state["calls"] += 1
-            held = state["calls"] == 1 and not struck.is_set()
-        if held:
-            assert struck.wait(HOLD_GUARD_S), "the server answered no request"
-            return real(url, *args, **kwargs)
-        try:
-            out = real(url, *args, **kwargs)
-        except BaseException:
-            strike()  # no answer at all (cannot happen on a healthy server): never leave the held one waiting
-            raise
-        strike()  # the event: the server has answered a request of this call
-        return out
-
-    monkeypatch.setattr(client_module, "request_json", request_json)
+    struck = fault_after_first_answer(monkeypatch, lambda: os.killpg(pid, sig))
     t0 = time.perf_counter()
     out = engine.generate(PROMPTS, 2, LONG)
     seconds = time.perf_counter() - t0

@@ -10,6 +10,7 @@ talks to it over HTTP on 127.0.0.1:
     http.py         stdlib JSON over HTTP, failures sorted for the client
     protocol.py     request bodies, strict answer validation, log-prob mode semantics
     client.py       VllmEngine: the RolloutEngine contract, retries, restarts, stats
+    pool.py         ServerPool: several servers, least-loaded placement, each one's state
     transfer.py     MemorySync: in-memory weight sync over vLLM's weight-transfer API (default)
     weight_sync.py  WeightSync (DiskReloadSync, RestartSync) of a weights folder, the refusals
     server_plugin/  code the server imports: the bearer-key middleware, the gloo transfer engine
@@ -93,7 +94,7 @@ def _no_routing(rollout) -> str | None:
 
 # where the server runs and how it is reached, restarted and probed: not its dtype, quantization,
 # log-prob mode, seed, lengths or extra arguments, which change the samples (trainer/resume_check.py)
-MAY_CHANGE = ("url", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization",
+MAY_CHANGE = ("url", "urls", "num_servers", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization",
               "max_num_seqs", "kv_cache_space_gb", "weight_sync", "bucket_bytes", "transfer_host", "enforce_eager", "probe_every", "probe_tokens",
               "probe_tolerance", "keep_weight_dirs", "max_concurrency", "request_timeout_s", "startup_timeout_s",
               "health_timeout_s", "health_interval_s", "max_retries", "retry_backoff_s", "max_restarts", "warmup")

@@ -54,6 +54,12 @@ class VllmConfig:
           one. It must have been started with VLLM_SERVER_DEV_MODE=1 (weight sync uses
           /collective_rpc) and --skip-tokenizer-init is not required. A connected server is
           never restarted by us: a crash there is an error.
+      urls: a pool of running servers to connect to (e.g. one per rollout node), each as `url`
+          above and all with the same key; requests spread over them (pool.py). Not with `url`.
+      num_servers: how many servers to launch (a pool, pool.py), each its own process with
+          `tensor_parallel_size` devices of its own: on CUDA, server k gets the k-th slice of
+          tensor_parallel_size devices of CUDA_VISIBLE_DEVICES (`env`'s, else the trainer's,
+          else 0..). With `urls`: 1 (the default) or len(urls).
       api_key: the key of the `url` server, sent as `Authorization: Bearer <key>` with every
           request; None = $MEGATRON_RL_VLLM_API_KEY (preferred: a key in the config file is
           copied wherever the config is), else no key. vLLM's own --api-key guards only /v1/...,
@@ -99,8 +105,9 @@ class VllmConfig:
               A server at `url` must run with VLLM_SERVER_DEV_MODE=1 and, without CUDA, the
               flags weight_transfer_args() gives (--weight-transfer-config '{"backend": "gloo"}'
               --worker-extension-cls megatron_rl_vllm_gloo.RegistersGlooEngine, the server_plugin
-              directory on its PYTHONPATH). A server that dies is not restarted: the engine holds
-              no copy of the weights to start it on (the run stops and resumes).
+              directory on its PYTHONPATH). A server that dies restarts on random weights and
+              serves again once the next sync has reached it; a lone one is not restarted (the
+              engine holds no copy of the weights to start it on: the run stops and resumes).
           "reload": write an HF folder, /collective_rpc reload_weights (dense models only on CPU).
           "restart": write an HF folder, start a fresh server on it (about a minute on a CPU).
           Both take the `disk` weight transport; the launched server of "restart" runs without
@@ -122,12 +129,15 @@ class VllmConfig:
       health_interval_s: how often a running generate() checks that the server is alive.
       max_retries: bad responses / transient errors retried per sample before raising.
       retry_backoff_s: first backoff (doubles per retry round).
-      max_restarts: server restarts allowed within one generate() / load_weights_from() call.
+      max_restarts: server restarts allowed within one generate() call (all servers of a pool
+          together) and per server within one load_weights_from() call.
       warmup: send one short request after start (vLLM compiles an op on the first log-prob
           request: ~30 s on CPU) so the first generate() is not charged for it.
     """
 
     url: str | None = None
+    urls: list = field(default_factory=list)
+    num_servers: int = 1
     api_key: str | None = field(default=None, repr=False)
     python: str | None = None
     device: str = "auto"
@@ -175,6 +185,7 @@ class VllmConfig:
             raise ValueError(f"rollout.vllm.weight_sync={self.weight_sync!r}; choose one of {WEIGHT_SYNCS}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"rollout.vllm.url={self.url!r} must start with http:// or https://")
+        self._check_pool()
         for name in ("tensor_parallel_size", "max_concurrency", "keep_weight_dirs", "probe_tokens", "bucket_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.vllm.{name} must be >= 1, got {getattr(self, name)}")
@@ -211,6 +222,31 @@ class VllmConfig:
                                  f"rollout.vllm.env instead (e.g. HF_TOKEN for --hf-token): the environment is not "
                                  f"visible to `ps` and is redacted from the config a checkpoint keeps")
         self.env = {str(k): str(v) for k, v in self.env.items()}
+
+    def _check_pool(self) -> None:
+        checks.integer("rollout.vllm.num_servers", self.num_servers, lo=1)
+        self.urls = [str(u) for u in self.urls]
+        if self.urls and self.url is not None:
+            raise ValueError("rollout.vllm.url and rollout.vllm.urls are both set; put every server in urls "
+                             "(url is the one-server spelling of urls: [url])")
+        for u in self.urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"rollout.vllm.urls: {u!r} must start with http:// or https://")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"rollout.vllm.urls lists a server twice: {self.urls}")
+        if self.server_urls and self.num_servers not in (1, len(self.server_urls)):
+            raise ValueError(f"rollout.vllm.num_servers={self.num_servers} with {len(self.server_urls)} server URLs "
+                             f"(rollout.vllm.url/urls): servers at URLs are not launched; drop num_servers or make "
+                             f"it len(urls)")
+
+    @property
+    def server_urls(self) -> list[str]:
+        """The servers to connect to ([] = launch num_servers of them)."""
+        return list(self.urls) or ([self.url] if self.url else [])
+
+    @property
+    def pool_size(self) -> int:
+        return len(self.server_urls) or self.num_servers
 
     def _check_types(self) -> None:
         """Each field holds its annotated type (an int field no text, `env` and `extra_args` only

@@ -37,8 +37,14 @@ Cost per sync: the model's bytes once through the sender per server worker (a gl
 send per peer; NCCL's is a ring), ceil(model bytes / bucket_bytes) + (tensors larger than a bucket)
 round trips of HTTP, and the sender's extra host memory is the buffer (`bucket_bytes`, on the
 GPU for nccl) plus the tensor the export holds; nothing grows with the model beyond that.
-Several servers would be one group with a rank offset each (each /init_weight_transfer_engine
-names its first rank), receiving every bucket from one broadcast; this module drives one.
+Several servers (a pool, pool.py): one group per server, each bucket packed once and broadcast on
+every group at once (push_all, a thread per server). The sender's traffic is the model's bytes
+times the workers of all servers, the same as one gloo group over all of them (gloo's broadcast
+is a send per peer); with NCCL one group with a rank offset per server would send each bucket
+once down a ring, N times less for N servers. Separate groups are kept for what a pool is for:
+a server that dies and restarts joins a group of its own again (/init_weight_transfer_engine with
+a fresh rendezvous), while one shared group would have to be torn down and rebuilt by every
+server, each pausing, and a member dying mid-broadcast would break the transfer to all.
 """
 from __future__ import annotations
 
@@ -260,20 +266,44 @@ class MemorySync:
     def push(self, named: Named, version: int, timeout: float) -> float:
         """Send the whole stream as the server's weights `version`; seconds it took. The server
         stays paused when a bucket fails (its weights are half updated): the caller stops."""
+        return push_all([self], named, version, timeout)
+
+    def begin(self, timeout: float) -> None:
         if self.channel is None:
             raise VllmError("in-memory weight sync is not open: call open() once the server is up")
-        t0 = time.perf_counter()
         self._post("/pause?mode=wait", None, timeout)
         self._post("/start_weight_update", None, timeout)
-        for metas, data in packed_buckets(named, self.bucket_bytes, self.channel.device):
-            received = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
-            self.channel.broadcast(data)
-            received.result()  # loaded before the buffer is refilled
+
+    def send(self, metas: list[Meta], data: torch.Tensor, timeout: float) -> None:
+        """One bucket: its /update_weights and its broadcast, which the server loads before this returns."""
+        received = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
+        self.channel.broadcast(data)
+        received.result()  # loaded before the buffer is refilled
+
+    def end(self, version: int, timeout: float) -> None:
         self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
         self._post("/resume", None, timeout)
-        return time.perf_counter() - t0
 
     def close(self) -> None:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+
+
+def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float) -> float:
+    """Send the stream to every server of `syncs` (each over its own group) as weights `version`;
+    seconds it took. The stream is read and packed once; each bucket goes to all servers at once
+    (one thread per server) before the next is packed. Any failure propagates, leaving the servers
+    paused and half updated (the caller stops the run)."""
+    t0 = time.perf_counter()
+    device = syncs[0].channel.device if syncs[0].channel is not None else "cpu"
+    with ThreadPoolExecutor(len(syncs), thread_name_prefix="vllm-push") as pool:
+        def each(fn, *args):
+            for f in [pool.submit(fn, s, *args) for s in syncs]:
+                f.result()
+
+        each(MemorySync.begin, timeout)
+        for metas, data in packed_buckets(named, syncs[0].bucket_bytes, device):
+            each(MemorySync.send, metas, data, timeout)
+        each(MemorySync.end, version, timeout)
+    return time.perf_counter() - t0

@@ -162,6 +162,7 @@ def test_a_dead_server_is_not_restarted_on_random_weights(tmp_path):
     engine = VllmEngine(tiny_arch(), VllmConfig(device="cpu"), str(tmp_path), server=_LaunchedServer(), device="cpu")
     try:
         with pytest.raises(VllmError, match="weight_sync=memory it is not restarted: the engine holds no copy"):
-            engine._restart("unused", "died")
+            engine.replicas[0].state = "ready"
+            engine._lose(engine.replicas[0], 0, "died")
     finally:
         engine.close()

@@ -1,0 +1,126 @@
+"""A pool of vLLM servers behind one VllmEngine: which server takes the next request, and each
+server's state and counters.
+
+    pool = ServerPool([Replica(0, server0, memory0), Replica(1, server1, memory1)])
+    with pool.serving(work) as replica:      # the ready server with the least work in flight
+        request_json(replica.server.url + "/v1/completions", ...)
+    pool.set_state(replica, DOWN)            # excluded until it is ready again
+
+Placement. A request is placed when a request thread is free to send it (not when generate()
+queues it), on the READY server with the least work in flight, work = prompt tokens + max_tokens
+(the KV cache it may need); ties go to the lower index. A slow server (fewer devices, a longer
+queue) so gets fewer requests, and a server that dies is simply not picked any more. Placement
+never changes a sample: request (i, j) carries its own seed (client.py), so any server gives the
+same sample from the same weights.
+
+States. READY serves. DOWN: found dead or hung, being stopped / restarted (not picked). STALE:
+restarted with `weight_sync=memory`, so it runs random weights until the next in-memory sync
+reaches it (the engine keeps no copy of the streamed weights to push them at once); not picked.
+FAILED: its restart failed, or it cannot be restarted (a server at a URL); not picked again.
+When no server is READY, a request waits for one (a restart in progress) and fails with
+VllmServerDiedError once none can become READY.
+
+Cost: placement is O(servers) under one lock per request; nothing grows with model or batch.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from megatron_rl.rollout.vllm.errors import VllmServerDiedError
+from megatron_rl.rollout.vllm.launcher import ServerHandle
+from megatron_rl.rollout.vllm.transfer import MemorySync
+
+READY, DOWN, STALE, FAILED = "ready", "down", "stale", "failed"
+
+
+@dataclass(eq=False)
+class Replica:
+    """Server k of the pool. `epoch` counts its starts: a failure seen on an older epoch is a
+    request that was in flight when it went down, not a new fault. `memory`: its in-memory sync
+    (one weight-transfer group per server, transfer.py), None for disk syncs."""
+
+    index: int
+    server: ServerHandle
+    memory: MemorySync | None = None
+    state: str = DOWN
+    epoch: int = 0
+    in_flight: int = 0
+    requests: int = 0
+    tokens: int = 0
+    restarts: int = 0
+    why: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def name(self) -> str:
+        return f"server{self.index} ({self.server.url})"
+
+
+class ServerPool:
+    """The replicas and the lock that guards their state and load (module docstring)."""
+
+    def __init__(self, replicas: list[Replica]):
+        self.replicas = replicas
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def ready(self) -> list[Replica]:
+        with self._cond:
+            return [r for r in self.replicas if r.state == READY]
+
+    def set_state(self, replica: Replica, state: str, why: str = "") -> None:
+        with self._cond:
+            replica.state, replica.why = state, why
+            self._cond.notify_all()
+
+    def hopeless(self) -> bool:
+        """No server is READY and none is on its way back (DOWN = a restart in progress)."""
+        with self._cond:
+            return not any(r.state in (READY, DOWN) for r in self.replicas)
+
+    def _pick(self, timeout: float) -> Replica:
+        with self._cond:
+            while True:
+                ready = [r for r in self.replicas if r.state == READY]
+                if ready:
+                    return min(ready, key=lambda r: (r.in_flight, r.index))
+                if not any(r.state == DOWN for r in self.replicas):
+                    raise VllmServerDiedError("no vLLM server of the pool can serve: " + "; ".join(
+                        f"{r.name()} {r.state}: {r.why or '-'}" for r in self.replicas))
+                if not self._cond.wait(timeout):
+                    raise VllmServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
+
+    @contextmanager
+    def serving(self, work: int, timeout: float) -> Iterator[Replica]:
+        """The replica a request of `work` goes to, counted in flight while the block runs."""
+        with self._cond:
+            replica = self._pick(timeout)
+            replica.in_flight += work
+            replica.requests += 1
+        try:
+            yield replica
+        finally:
+            with self._cond:
+                replica.in_flight -= work
+
+    def add_tokens(self, replica: Replica, tokens: int) -> None:
+        with self._cond:
+            replica.tokens += tokens
+
+    def stats(self) -> dict[str, float]:
+        """vllm/server{k}/{requests,tokens,restarts,ready} per server (only for a pool of 2 or more:
+        the pool totals are the engine's vllm/requests, vllm/restarts)."""
+        if len(self.replicas) < 2:
+            return {}
+        with self._cond:
+            out: dict[str, float] = {}
+            for r in self.replicas:
+                p = f"vllm/server{r.index}/"
+                out.update({p + "requests": r.requests, p + "tokens": r.tokens, p + "restarts": r.restarts,
+                            p + "ready": float(r.state == READY)})
+                out.update({p + k: v for k, v in r.extra.items()})
+            return out

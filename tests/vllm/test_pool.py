@@ -1,0 +1,135 @@
+"""A pool of two real CPU vLLM servers (rollout.vllm.num_servers=2, in-memory weight sync): the
+requests spread over both; one server killed mid-generate loses no sample and duplicates none,
+and the samples are those of the unkilled call (seeded sampling: a sample depends on its seed,
+not on the server); the killed server restarts on random weights, stays out until the next sync
+reaches it, then serves again; and pretrain_rl.py completes RL steps on the same two servers as
+a pool of URLs (rollout.vllm.urls).
+
+Two server starts for the module (one pool, module-scoped) plus the killed one's restart. The
+kill is triggered by an event, never a timer: server 1 is killed once it has answered a request
+of the call, while the first request sent to it is held back until then, so the call cannot end
+before the kill however fast or slow the machine."""
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
+from tests.vllm.conftest import fault_after_first_answer, hf_weights, tiny_arch
+from tests.vllm.test_trainer_loop import CONFIG, ROOT, _env
+
+pytestmark = pytest.mark.vllm
+
+ARCH = tiny_arch()
+PROMPTS = [[4 + i % 40, 5 + i % 7, 14, 8 + i % 5] for i in range(24)]
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=48, seed=7)
+
+
+@pytest.fixture(scope="module")
+def pool(vllm_python, tmp_path_factory):
+    """Two launched servers sharing one key (so that a trainer in another process can reach both
+    as URLs, given the key), on the weights of seed 0."""
+    cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, num_servers=2, health_interval_s=2.0,
+                     health_timeout_s=30.0, max_restarts=1)
+    engine = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_pool")))
+    key = secrets.token_urlsafe(16)
+    for r in engine.replicas:
+        r.server.api_key = key
+    weights = hf_weights(ARCH, seed=0)[1]
+    try:
+        engine.update_weights(weights, 0)
+        yield engine, weights, key
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def unkilled(pool):
+    engine = pool[0]
+    before = [r.requests for r in engine.replicas]
+    out = engine.generate(PROMPTS, 2, SAMPLING)
+    served = [r.requests - b for r, b in zip(engine.replicas, before)]
+    return out, served
+
+
+def _keys(out):
+    return [[(s.prompt_index, s.sample_index) for s in g] for g in out]
+
+
+def _same(a, b):
+    return all(torch.equal(x.response_ids, y.response_ids) and torch.equal(x.rollout_logprobs, y.rollout_logprobs)
+               for g, h in zip(a, b) for x, y in zip(g, h))
+
+
+def test_requests_spread_over_both_servers(pool, unkilled):
+    engine = pool[0]
+    out, served = unkilled
+    assert _keys(out) == [[(i, 0), (i, 1)] for i in range(len(PROMPTS))]
+    assert all(n > 0 for n in served) and sum(served) == 2 * len(PROMPTS), served
+    stats = engine.stats()
+    assert stats["vllm/probe_max_abs_diff"] < 1e-5  # the larger of the two servers' probes
+    assert all(stats[f"vllm/server{k}/probe_max_abs_diff"] < 1e-5 for k in (0, 1))
+    assert all(stats[f"vllm/server{k}/tokens"] > 0 and stats[f"vllm/server{k}/tokens_per_s"] > 0 for k in (0, 1))
+
+
+def _kill_server_during_generate(engine, k, monkeypatch):
+    """engine.generate(PROMPTS, 2, SAMPLING) with server k's process group SIGKILLed once it has
+    answered a request of the call; the first request sent to it is held back until then."""
+    server = engine.replicas[k].server
+    pid = server.pid
+    struck = fault_after_first_answer(monkeypatch, lambda: os.killpg(pid, signal.SIGKILL),
+                                      url=server.url + "/v1/completions")
+    out = engine.generate(PROMPTS, 2, SAMPLING)
+    monkeypatch.undo()
+    assert struck.is_set()
+    return out
+
+
+def test_a_server_killed_mid_generate_loses_no_sample_and_rejoins_after_the_next_sync(pool, unkilled, monkeypatch):
+    engine, weights, _ = pool
+    before = engine.stats()
+    out = _kill_server_during_generate(engine, 1, monkeypatch)
+    after = engine.stats()
+    assert _keys(out) == _keys(unkilled[0])  # every (i, j) once
+    assert _same(out, unkilled[0])  # the other server finished them: the same samples
+    assert after["vllm/retries"] > before["vllm/retries"]
+    assert engine.replicas[1].state in ("down", "stale")  # restarting, or up on random weights: out of the pool
+    # the next sync waits for the restart and reaches both; then both serve again, the same samples
+    engine.update_weights(weights, 1)
+    assert engine.stats()["vllm/restarts"] == before["vllm/restarts"] + 1
+    assert [r.state for r in engine.replicas] == ["ready", "ready"]
+    assert engine.stats()["vllm/server1/probe_max_abs_diff"] < 1e-5
+    requests = engine.replicas[1].requests
+    again = engine.generate(PROMPTS, 2, SAMPLING)
+    assert _same(again, unkilled[0]) and engine.replicas[1].requests > requests
+    assert engine.stats()["vllm/server1/restarts"] == 1
+
+
+def test_rl_steps_on_a_pool_of_server_urls(pool, tmp_path, vllm_python):
+    """pretrain_rl.py for two steps against the pool's two servers as rollout.vllm.urls (their
+    shared key in the environment): the trainer streams its weights into both (the mismatch is
+    ~0 in fp32) and both served its rollouts."""
+    engine, _, key = pool
+    urls = ", ".join(f'"{r.server.url}"' for r in engine.replicas)
+    config = tmp_path / "vllm_pool.yaml"
+    config.write_text(CONFIG.format(run_dir=tmp_path / "run").replace(
+        "max_tokens: 8}", f"max_tokens: 8, vllm: {{urls: [{urls}]}}}}"))
+    env = dict(_env(vllm_python), MEGATRON_RL_VLLM_API_KEY=key)
+    summary_path = tmp_path / "summary.json"
+    run = subprocess.run([sys.executable, "pretrain_rl.py", "--config", str(config), "--summary-json",
+                          str(summary_path), "train.eval_size=0"], check=False, cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 2
+    assert summary["last"]["mismatch/abs_logprob_diff"] < 1e-4, summary["last"]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if json.loads(line).get("phase") == "rl"]
+    assert all(rows[-1][f"vllm/server{k}/requests"] > 0 for k in (0, 1)), rows[-1]
+    assert rows[-1]["vllm/restarts"] == 0

@@ -1,0 +1,199 @@
+"""A pool of servers without vLLM: placement by least work in flight (ServerPool alone), the
+config errors of rollout.vllm.num_servers / urls, and the client's pool fault handling against
+fake servers (tests/vllm/fake_server.py): a server that dies mid-call has its samples finished by
+the others and comes back after a restart; one that may not be restarted stays out; a sync
+reaches every server, and one that was down is started on the new weights; an in-memory sync
+packs the stream once and sends each bucket to every server."""
+import threading
+
+import pytest
+import torch
+
+from megatron_rl.rollout.types import SamplingParams, stream_seed
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError
+from megatron_rl.rollout.vllm.client import server_devices
+from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
+from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, Replica, ServerPool
+from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, packed_buckets, push_all
+from tests.vllm.conftest import hf_weights, push, tiny_arch
+from tests.vllm.fake_server import FakeVllm, good_answer
+
+pytestmark = pytest.mark.vllm
+
+ARCH = tiny_arch()
+SAMPLING = SamplingParams(max_tokens=6, stop_token_ids=(1,), seed=5)
+PROMPTS = [[4 + i, 5, 6] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return hf_weights(ARCH, seed=0)[1]
+
+
+class _Handle:
+    url, can_restart = "http://nowhere", True
+
+
+def test_placement_takes_the_ready_server_with_least_work_in_flight():
+    pool = ServerPool([Replica(k, _Handle(), state=READY) for k in range(3)])
+    with pool.serving(10, 1.0) as a, pool.serving(4, 1.0) as b, pool.serving(4, 1.0) as c:
+        assert (a.index, b.index, c.index) == (0, 1, 2)  # ties: the lower index
+        with pool.serving(1, 1.0) as d:
+            assert d.index == 1  # 4 < 10, and server 1 before server 2
+            pool.set_state(pool.replicas[2], DOWN)
+            with pool.serving(1, 1.0) as e:
+                assert e.index == 1  # 5 < 10; server 2 is out
+    assert [r.in_flight for r in pool.replicas] == [0, 0, 0]
+    assert [r.requests for r in pool.replicas] == [1, 3, 1]
+
+
+def test_placement_waits_for_a_server_coming_back_and_fails_when_none_can():
+    pool = ServerPool([Replica(0, _Handle(), state=DOWN), Replica(1, _Handle(), state=FAILED, why="gone")])
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.serving(1, 600.0).__enter__().index))
+    waiter.start()
+    pool.set_state(pool.replicas[0], READY)  # the event the waiter waits for: no timer
+    waiter.join(600.0)
+    assert got == [0]
+    pool.set_state(pool.replicas[0], FAILED, "restart failed")
+    with pytest.raises(VllmServerDiedError, match="no vLLM server of the pool can serve.*restart failed"):
+        pool.serving(1, 600.0).__enter__()
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"url": "http://a:1", "urls": ["http://b:1"]}, "rollout.vllm.url and rollout.vllm.urls are both set"),
+    ({"urls": ["ftp://b:1"]}, "rollout.vllm.urls: 'ftp://b:1' must start with http"),
+    ({"urls": ["http://b:1", "http://b:1"]}, "rollout.vllm.urls lists a server twice"),
+    ({"urls": ["http://b:1", "http://c:1"], "num_servers": 3}, "rollout.vllm.num_servers=3 with 2 server URLs"),
+    ({"num_servers": 0}, "rollout.vllm.num_servers"),
+])
+def test_pool_config_errors_name_the_field(fields, error):
+    with pytest.raises(ValueError, match=error):
+        VllmConfig(**fields)
+
+
+def test_each_launched_server_gets_devices_of_its_own():
+    assert [server_devices(None, k, 2, 3) for k in range(3)] == ["0,1", "2,3", "4,5"]
+    assert server_devices("4,5,6,7", 1, 2, 2) == "6,7"
+    with pytest.raises(VllmUnsupportedError, match="num_servers=3 x tensor_parallel_size=2 needs 6 GPUs"):
+        server_devices("0,1,2,3", 0, 2, 3)
+
+
+def make_pool(tmp_path, weights, behaviours, **cfg):
+    fakes = [FakeVllm(ARCH.vocab_size, b) for b in behaviours]
+    options = {"warmup": False, "probe_every": 0, "retry_backoff_s": 0.01, "health_interval_s": 0.5,
+               "health_timeout_s": 120.0, "weight_sync": "reload", "max_concurrency": 4}
+    options.update(cfg)
+    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), server=fakes, device="cpu")
+    push(engine, weights, 3)
+    return engine, fakes
+
+
+def _keys(out):
+    return [(s.prompt_index, s.sample_index) for g in out for s in g]
+
+
+def dies_once_after(n: int):
+    """Answers `n` requests, then drops one, which marks the fake dead: it drops every request
+    until it is restarted, and answers from then on."""
+    state = {"seen": 0}
+    lock = threading.Lock()
+
+    def behaviour(body, answer):
+        with lock:
+            state["seen"] += 1
+            return "drop" if state["seen"] == n + 1 else answer
+
+    return behaviour
+
+
+def _from_its_own_seed(out) -> bool:
+    """Each sample is the fake's answer to the seed of its (i, j), whichever server gave it."""
+    body = {"max_tokens": SAMPLING.max_tokens, "stop_token_ids": list(SAMPLING.stop_token_ids)}
+    return all(s.response_ids.tolist() == good_answer({**body, "seed": stream_seed(SAMPLING.seed, i, j)},
+                                                      ARCH.vocab_size)["choices"][0]["token_ids"]
+               for i, g in enumerate(out) for j, s in enumerate(g))
+
+
+def test_a_dead_server_s_samples_go_to_the_others_and_it_restarts(tmp_path, weights):
+    engine, (_, b) = make_pool(tmp_path, weights, [None, dies_once_after(1)])
+    out = engine.generate(PROMPTS, 2, SAMPLING)
+    assert _keys(out) == [(i, j) for i in range(8) for j in range(2)]  # each once
+    assert _from_its_own_seed(out)
+    engine._await_restarts()
+    stats = engine.stats()
+    assert b.restarts == 1 and stats["vllm/restarts"] == 1 and stats["vllm/server1/restarts"] == 1
+    assert stats["vllm/server0/requests"] > 0 and stats["vllm/server1/requests"] >= 2
+    assert [r.state for r in engine.replicas] == [READY, READY]  # a disk sync: back on the newest folder
+    served = engine.replicas[1].requests
+    assert _from_its_own_seed(engine.generate(PROMPTS, 2, SAMPLING)) and engine.replicas[1].requests > served
+    engine.close()
+
+
+def test_a_server_that_may_not_restart_stays_out_and_the_pool_fails_when_none_is_left(tmp_path, weights):
+    engine, (a, b) = make_pool(tmp_path, weights, [None, dies_once_after(1)])
+    b.can_restart = False  # as a server at a URL
+    assert _from_its_own_seed(engine.generate(PROMPTS, 2, SAMPLING))
+    assert b.restarts == 0 and [r.state for r in engine.replicas] == [READY, FAILED]
+    assert "cannot be restarted by us" in engine.replicas[1].why
+    a.can_restart = False
+    a.behaviour = lambda body, answer: "drop"
+    with pytest.raises(VllmServerDiedError, match="cannot be restarted by us"):
+        engine.generate(PROMPTS, 1, SAMPLING)
+    engine.close()
+
+
+def test_every_server_takes_each_sync_and_one_found_dead_is_started_on_it(tmp_path, weights):
+    engine, (a, b) = make_pool(tmp_path, weights, [None, None], max_restarts=1)
+    b.stop()  # dead between two syncs: its reload request finds no server
+    push(engine, weights, 4)
+    assert b.restarts == 1 and a.restarts == 0 and engine.policy_version == 4
+    assert [r.state for r in engine.replicas] == [READY, READY]
+    assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 8
+    assert all(r.requests > 0 for r in engine.replicas)
+    engine.close()
+
+
+class _Recorder:
+    """A MemorySync's channel and control plane, recorded (what each server would receive)."""
+
+    device = "cpu"
+
+    def __init__(self):
+        self.posts, self.received = [], []
+
+    def broadcast(self, data):
+        self.received.append(data.clone())
+
+    def close(self):
+        pass
+
+
+def test_one_sync_packs_the_stream_once_and_sends_every_bucket_to_every_server():
+    syncs, recorders = [], []
+    for _ in range(2):
+        rec = _Recorder()
+        sync = MemorySync(_Handle(), BACKENDS["gloo"], bucket_bytes=160, host="127.0.0.1")
+        sync.channel = rec
+        sync._post = lambda path, body, timeout, rec=rec: rec.posts.append((path, body))
+        syncs.append(sync)
+        recorders.append(rec)
+    tensors = [(f"t{i}", torch.arange(n, dtype=torch.float32) + 1000 * i) for i, n in enumerate([10, 20, 5, 30, 100])]
+    read = []
+
+    def stream():
+        for pair in tensors:
+            read.append(pair[0])
+            yield pair
+
+    push_all(syncs, stream(), version=7, timeout=60.0)
+    assert read == [n for n, _ in tensors]  # one pass over the export for all servers
+    want = [data.clone() for _, data in packed_buckets(tensors, 160)]
+    for rec in recorders:
+        assert len(rec.received) == len(want) and all(torch.equal(a, b) for a, b in zip(rec.received, want))
+        paths = [p for p, _ in rec.posts]
+        assert paths == ["/pause?mode=wait", "/start_weight_update", *["/update_weights"] * len(want),
+                         "/finish_weight_update", "/resume"]
+        assert rec.posts[-2][1] == {"weight_version": "7"}
+    for s in syncs:
+        s._rpc.shutdown()
