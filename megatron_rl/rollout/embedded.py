@@ -397,4 +397,4 @@ def make_embedded_engine(request: EngineRequest) -> EmbeddedEngine:
                           fp32_lm_head=request.needs.fp32_lm_head)
 
 
-EMBEDDED = EngineSpec(make=make_embedded_engine)
+EMBEDDED = EngineSpec(make=make_embedded_engine, in_flight_updates=("wait", "pause", "abort"))
