@@ -4,8 +4,9 @@ registry of engines are in engine.py).
 A sample carries everything the losses and
 diagnostics need: the engine's log-prob of every sampled token (`rollout_logprobs`, i.e. log μ),
 the routed experts when the engine can report them (router replay R3), the kept top-p/top-k set
-when asked (keep_sampling_mask), and the policy version whose weights produced it (off-policy
-and async schedules drop or weight samples by staleness).
+when asked (keep_sampling_mask), and the policy version whose weights produced it, per token
+when a weight update fell inside its generation (partial rollouts: off-policy schedules count
+staleness per token).
 """
 from __future__ import annotations
 

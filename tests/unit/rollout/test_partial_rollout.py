@@ -95,7 +95,7 @@ def test_a_pause_that_does_not_change_the_weights_changes_nothing(two_checkpoint
     engine.pause()
     engine.resume()
     thread.join(60)
-    for a, b in zip(sum(want, []), sum(box["out"], []), strict=True):
+    for a, b in zip([s for row in want for s in row], [s for row in box["out"] for s in row], strict=True):
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
         assert b.token_versions is None and b.versions().tolist() == [0] * len(b.response_ids)
 
