@@ -310,12 +310,12 @@ class EmbeddedEngine:
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (running rows, their keep masks) per step
         alive = torch.arange(num, device=dev)  # sequence index of each row of the running batch
         version = self.policy_version  # of the weights that computed `logits`
-        versions = torch.full((num, steps), version, dtype=torch.int32)
+        versions = torch.full((num, steps), version, dtype=torch.int32, device=dev)
 
         for t in range(steps):
             tok, lp, keep = sample_step(logits, uniforms[alive, t], sampling)
             tokens[alive, t], logprobs[alive, t] = tok, lp
-            versions[alive.cpu(), t] = version
+            versions[alive, t] = version
             length[alive] = t + 1
             if sampling.return_kept_ids:
                 kept.append((alive, keep))
@@ -345,7 +345,8 @@ class EmbeddedEngine:
 
         kept_ids = self._kept_ids(kept, num) if sampling.return_kept_ids else [None] * num
         # samples are broadcast to every rank: host tensors
-        tokens, logprobs, length, stopped = tokens.cpu(), logprobs.cpu(), length.cpu(), stopped.cpu()
+        tokens, logprobs, length, stopped, versions = (tokens.cpu(), logprobs.cpu(), length.cpu(), stopped.cpu(),
+                                                       versions.cpu())
         if routes is not None:
             routes, prompt_routes = routes.cpu(), prompt_routes.cpu()
         samples = []

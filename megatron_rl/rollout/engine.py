@@ -24,7 +24,9 @@ the config and what it can do, so the trainer and the config check handle every 
     may_change        fields of its section a resume may change (where it runs, how it is reached)
     in_flight_updates the train.in_flight_update modes it supports: "wait" always; "pause" and
                       "abort" when it implements `Pausable` (parks its generation at a step
-                      boundary and reports each token's version)
+                      boundary and reports each token's version). vLLM: wait only; its
+                      /pause?mode=keep keeps requests across an update, but a non-streaming
+                      request does not say which of its tokens came after it
 
 What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
 top-p/top-k sets, routed experts, an fp32 head), never by the engine reading the loss or MoE

@@ -5,15 +5,12 @@ the generation goes on with them. Checked: per-token staleness (tokens before th
 max_staleness versions old, after it one less, so the max stays max_staleness), μ = π_old on the
 tokens after the split (fp32 engine and trainer: the re-prefilled continuation is the new
 policy's), and a resumed run that reproduces the uninterrupted one bit for bit."""
-import json
-import os
-import signal
 import threading
 
 import pytest
 import torch
 
-from tests.distributed.test_rl_loop import BASE
+from tests.distributed.test_schedules import _run as run_schedule
 from tests.spawn import run_ranks
 
 K = 1  # tokens 0..K of a background batch come from version t, the rest from t + 1
@@ -58,31 +55,9 @@ def _register_parking_engine():
 
 
 def _run(rank, world, overrides, run_dir, stop_after_first=False):
+    """tests/distributed/test_schedules.py's run, with the parking engine registered in this process."""
     _register_parking_engine()
-    from megatron_rl.config import load_config
-    from megatron_rl.parallel import init_parallel
-    from megatron_rl.platform import apply_platform_workarounds
-    from megatron_rl.trainer.loop import close, train
-    from megatron_rl.trainer.setup import setup
-    from megatron_rl.trainer.stop import Stopped
-
-    apply_platform_workarounds()
-    cfg = load_config(None, BASE + [f"train.run_dir={run_dir}"] + overrides)
-    ctx = setup(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
-    if stop_after_first:
-        ctx.stop.signum = signal.SIGTERM  # as if SIGTERM arrived during the first step
-    try:
-        train(ctx)
-    except Stopped:
-        pass
-    finally:
-        close(ctx)
-    weights = dict(ctx.policy.export())
-    steps = []
-    if rank == 0:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            steps = [json.loads(line) for line in f]
-    return weights, steps
+    return run_schedule(rank, world, overrides, run_dir, stop_after_first)
 
 
 def test_partial_rollouts_train_count_staleness_per_token_and_resume_bit_exactly(tmp_path):
@@ -121,3 +96,17 @@ def test_abort_regenerates_the_batch_from_the_new_weights(tmp_path, mode):
     for s in steps[1:]:  # every background batch was dropped at step K and sampled again from t + 1
         assert s["schedule/staleness_max"] == 0 and s["mismatch/abs_logprob_diff"] < 1e-5, s["step"]
     assert steps[-1]["schedule/generate_calls"] == 1 + 2 * 2  # the first batch, then two tries of each other
+
+
+def test_two_data_parallel_ranks_match_one(tmp_path):
+    """The per-token versions reach each rank with its rows (trainer/scatter.py): the per-token
+    staleness split of the mismatch values over 2 DP ranks is the one-rank value."""
+    overrides = [o.replace("train.steps=4", "train.steps=3") for o in OVERRIDES]
+    [(_, s1)] = run_ranks(_run, world_size=1, timeout=300, overrides=overrides, run_dir=str(tmp_path / "one"))
+    (_, s2), _ = run_ranks(_run, world_size=2, timeout=600, overrides=overrides, run_dir=str(tmp_path / "two"))
+    for a, b in zip(s1, s2, strict=True):
+        assert a["schedule/staleness_mean"] == b["schedule/staleness_mean"]
+        for k in ("mismatch/staleness_0/tokens", "mismatch/staleness_1/tokens"):
+            assert a.get(k) == b.get(k), (a["step"], k)
+        for k in ("loss/policy", "mismatch/staleness_1/kl_k3", "mismatch/staleness_0/kl_k3"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), (a["step"], k)
