@@ -110,3 +110,14 @@ def test_two_data_parallel_ranks_match_one(tmp_path):
             assert a.get(k) == b.get(k), (a["step"], k)
         for k in ("loss/policy", "mismatch/staleness_1/kl_k3", "mismatch/staleness_0/kl_k3"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), (a["step"], k)
+
+
+def test_the_staleness_bound_holds_for_two_versions_ahead(tmp_path):
+    """max_staleness=2: batch t + 2 starts from version t and takes version t + 1 at the split, so
+    its tokens are 2 or 1 versions old at step t + 2: the max stays max_staleness."""
+    overrides = [o.replace("train.max_staleness=1", "train.max_staleness=2") for o in OVERRIDES]
+    [(_, steps)] = run_ranks(_run, world_size=1, timeout=300, overrides=overrides, run_dir=str(tmp_path))
+    # steps 1 and 2 train the two batches generated up front from version 0
+    assert [s["schedule/staleness_max"] for s in steps] == [0, 1, 2, 2]
+    assert [s["schedule/staleness_mean"] for s in steps[:2]] == [0, 1]
+    assert all(1 < s["schedule/staleness_mean"] < 2 for s in steps[2:])
