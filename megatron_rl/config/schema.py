@@ -379,6 +379,13 @@ class TrainSection:
         one trains, each exactly `max_staleness` versions old).
     stages: K for schedule=staged (train.steps must be a multiple of it). max_staleness: s >= 1
         for schedule=async.
+    in_flight_update: what a weight update does to the async schedule's generation in flight:
+        "wait" (default: the update waits until it has finished; every sample comes from one
+        version) | "pause" (partial rollouts: the engine parks at its next decode step, takes
+        the new weights and goes on, so a sample's later tokens come from the newer version;
+        Sample.token_versions, staleness per token) | "abort" (the generation in flight is
+        dropped and done again with the new weights). pause / abort need schedule=async and an
+        engine that can park (rollout.backend=embedded).
     max_nonfinite_updates: optimizer updates in a row whose loss or gradient norm is inf or NaN
         before the run stops (>= 1; default 3). Each such update is skipped: the weights and the
         optimizer state stay as they were, `optim/nonfinite_updates` counts it and stderr names the
@@ -400,6 +407,7 @@ class TrainSection:
     schedule: str = "sync"
     stages: int = 4
     max_staleness: int = 1
+    in_flight_update: str = "wait"
     max_nonfinite_updates: int = 3
 
     def __post_init__(self):
@@ -419,6 +427,7 @@ class TrainSection:
             raise TypeError(f"train.schedule={self.schedule!r}: name a schedule, e.g. sync, staged or async")
         checks.integer("train.stages", self.stages, lo=1)
         checks.integer("train.max_staleness", self.max_staleness, lo=1)
+        checks.choice("train.in_flight_update", self.in_flight_update, ("wait", "pause", "abort"))
         checks.integer("train.max_nonfinite_updates", self.max_nonfinite_updates, lo=1,
                        hint="1 = stop at the first non-finite loss or gradient norm")
 

@@ -18,6 +18,7 @@ from megatron_rl.parallel.layout import BatchLayout
 def validate(cfg) -> None:
     """Raise ValueError on the first rule `cfg` (a RunConfig) breaks."""
     for check in (check_loss, check_batch, check_oversample, check_router_replay, check_engine, check_rollout_function, check_schedule,
+                  check_in_flight_update,
                   check_precision, check_sampling, check_tokenizer, check_sft):
         check(cfg)
 
@@ -123,6 +124,29 @@ def check_schedule(cfg) -> None:
     if cfg.train.schedule not in SCHEDULES:
         raise ValueError(f"train.schedule={cfg.train.schedule!r}: choose one of {', '.join(SCHEDULES.names())}")
     SCHEDULES.get(cfg.train.schedule).check(cfg.train)
+
+
+def check_in_flight_update(cfg) -> None:
+    """train.in_flight_update=pause|abort: the async schedule (the only one that generates while
+    it updates), an engine whose spec says it can park its generation, and for pause no router
+    replay r3 (a position's routing would differ before and after the update)."""
+    from megatron_rl.rollout import ENGINES
+
+    mode = cfg.train.in_flight_update
+    if mode == "wait":
+        return
+    if cfg.train.schedule != "async":
+        raise ValueError(f"train.in_flight_update={mode} acts on a generation that overlaps an update, which only "
+                         f"train.schedule=async has (it is {cfg.train.schedule!r}): set train.schedule=async or "
+                         f"train.in_flight_update=wait")
+    spec = ENGINES.get(cfg.rollout.backend)
+    if mode not in spec.in_flight_updates:
+        raise ValueError(f"train.in_flight_update={mode}: rollout.backend={cfg.rollout.backend} supports "
+                         f"{', '.join(spec.in_flight_updates)}; use one of them, or rollout.backend=embedded")
+    if mode == "pause" and cfg.moe.router_replay == "r3":
+        raise ValueError("train.in_flight_update=pause with moe.router_replay=r3: a sample resumed on new weights "
+                         "was routed by two versions, which one replayed routing cannot hold; use "
+                         "train.in_flight_update=abort (or wait), or moe.router_replay=r2")
 
 
 def check_router_replay(cfg) -> None:

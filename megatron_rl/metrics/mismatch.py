@@ -13,7 +13,7 @@ after `accumulate` over micro-batches, `reduce_metrics` over ranks and `finish` 
     mismatch/turn/{0,1,2,3_or_later}/{...the same}   by policy turn (multi-turn
         trajectories: later turns sit on longer contexts and on environment text)
     mismatch/staleness_<s>/{tokens,kl_k3,kl_k1,abs_logprob_diff,w/mean,r/mean,rho/mean}   (off-policy
-        schedules: the rows generated s trainer versions ago; staleness_<lo>-<hi> for the ranges
+        schedules: the tokens generated s trainer versions ago; staleness_<lo>-<hi> for the ranges
         2-3, 4-7, ... of `staleness_buckets`)
 
 Quantiles do not reduce like sums: `ratio_quantiles` finds them over all ranks' tokens at once
@@ -119,7 +119,7 @@ def mismatch_sums(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, 
 
     old_logprobs, rollout_logprobs, mask: [B, T]. Optional: logprobs [B, T] (π_θ: adds r and ρ stats),
     turn_ids [B, T] int (0 = first assistant turn, > 0 later turns, < 0 ignored), entropy [B, T] (H of
-    π_θ per token), staleness [B] int (versions since each row was generated: adds the KL and the
+    π_θ per token), staleness [B, T] int, or [B] for whole rows (versions since each token was generated: adds the KL and the
     w (and r, ρ) means per `staleness_buckets(max_staleness)` as mismatch/staleness_<s>/... or
     mismatch/staleness_<lo>-<hi>/...; off when max_staleness is 0). Buckets by μ_t = exp(log μ_t): bucket k holds edges[k-1] ≤ μ < edges[k].
     """
@@ -158,7 +158,8 @@ def mismatch_sums(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, 
         if logprobs is not None:
             ratios["r"] = _delta(logprobs, old_logprobs, m)
             ratios["rho"] = _delta(logprobs, rollout_logprobs, m)
-        stale = staleness.to(d.device)[:, None]
+        stale = staleness.to(d.device)
+        stale = stale[:, None] if stale.dim() == 1 else stale
         for lo, hi in staleness_buckets(max_staleness):
             ms = m & (stale >= lo) & (stale <= hi)
             prefix = f"mismatch/staleness_{lo}" if lo == hi else f"mismatch/staleness_{lo}-{hi}"

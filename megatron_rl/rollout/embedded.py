@@ -23,9 +23,21 @@ never on batching, chunking or which rows finished first. In fp32 the logits are
 to ~1e-6; in bf16/fp16 the kernels' batch-shape dependence can move log-probs by ~1e-2 (and, at
 a near-tie, a token) between max_batch_size settings, as in any batched inference server.
 
+Partial rollouts (train.in_flight_update=pause; rollout/pausing.py): `pause()` parks the decode
+loop after its current step (between sampling token t and the forward that gives token t + 1's
+logits), `update_weights` loads the new version, `resume()` goes on. When the weights changed while
+parked, the running rows' prompt + tokens 0..t are prefilled again with the new weights (a fresh
+KV cache: no position keeps old-weight keys and values), so tokens t + 1, ... are exactly what the
+new policy samples after that prefix, and each token records the version that computed its
+logits (Sample.token_versions). Cost of a resume: one prefill of the running rows. `abort()`
+makes the generation raise GenerationAborted at the boundary instead.
+
 Routing (Qwen3-MoE): forward hooks on every MoE layer's router record the top-k experts of
 each processed position in the engine's own dtype; a Sample gets them as
-`routed_experts [P + R - 1, num_moe_layers, top_k]` int16, sorted ascending per position.
+`routed_experts [P + R - 1, num_moe_layers, top_k]` int16, sorted ascending per position. A
+position's routing is the one of the first forward that processed it (after a partial-rollout
+resume, the re-prefill's routing of the earlier positions is not kept: router replay r3 refuses
+partial rollouts, config/validate.py).
 """
 from __future__ import annotations
 
@@ -36,6 +48,7 @@ import torch
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.engine import EngineRequest, EngineSpec
 from megatron_rl.rollout.hf_state import load_checkpoint_tensors, rules_for
+from megatron_rl.rollout.pausing import DecodeGate
 from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -150,6 +163,7 @@ class EmbeddedEngine:
             arch.to_hf_config(), attn_implementation=attn_implementation, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self._check_expert_layout()
+        self.gate = DecodeGate()
         self._routes: dict[int, torch.Tensor] = {}
         self._hooks = [self._router(i).register_forward_hook(self._record_route(k))
                        for k, i in enumerate(self.moe_layers)]
@@ -201,15 +215,32 @@ class EmbeddedEngine:
         self.policy_version = version
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
-        """n samples per prompt; result[i][j] is sample j of prompt i (see the module docstring)."""
+        """n samples per prompt; result[i][j] is sample j of prompt i (see the module docstring).
+        Parks between decode steps and between chunks while `pause()` holds it."""
         check_prompts(prompts, n, self.arch.vocab_size, self.arch.max_position_embeddings, sampling.max_tokens)
         seqs = [(i, j) for i in range(len(prompts)) for j in range(n)]
         out: list[list[Sample | None]] = [[None] * n for _ in prompts]
-        for start in range(0, len(seqs), self.max_batch_size):
-            chunk = seqs[start:start + self.max_batch_size]
-            for (i, j), sample in zip(chunk, self._generate_chunk(prompts, chunk, sampling)):
-                out[i][j] = sample
+        with self.gate.generating():
+            for start in range(0, len(seqs), self.max_batch_size):
+                self.gate.boundary(-1)  # a chunk's prefill never runs while the weights change
+                chunk = seqs[start:start + self.max_batch_size]
+                for (i, j), sample in zip(chunk, self._generate_chunk(prompts, chunk, sampling)):
+                    out[i][j] = sample
         return out
+
+    # ---- Pausable (partial rollouts: rollout/pausing.py) ---------------------------------------
+    def pause(self) -> None:
+        """Park the generation in flight at its next decode-step boundary; returns once it is parked
+        (or at once when none runs). update_weights may then run; resume() lets it go on."""
+        self.gate.pause()
+
+    def abort(self) -> None:
+        """Make the generation in flight raise GenerationAborted at its next step boundary; returns
+        once it has ended. Generations wait for resume() before starting."""
+        self.gate.abort()
+
+    def resume(self) -> None:
+        self.gate.resume()
 
     def stats(self) -> dict[str, float]:
         """Nothing to count: generation runs in this process and cannot fail over."""
@@ -278,10 +309,13 @@ class EmbeddedEngine:
             routes = torch.zeros(num, max(steps - 1, 1), *prompt_routes.shape[2:], dtype=torch.int16, device=dev)
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (running rows, their keep masks) per step
         alive = torch.arange(num, device=dev)  # sequence index of each row of the running batch
+        version = self.policy_version  # of the weights that computed `logits`
+        versions = torch.full((num, steps), version, dtype=torch.int32, device=dev)
 
         for t in range(steps):
             tok, lp, keep = sample_step(logits, uniforms[alive, t], sampling)
             tokens[alive, t], logprobs[alive, t] = tok, lp
+            versions[alive, t] = version
             length[alive] = t + 1
             if sampling.return_kept_ids:
                 kept.append((alive, keep))
@@ -294,6 +328,15 @@ class EmbeddedEngine:
                 idx = go.nonzero().squeeze(-1)
                 cache.batch_select_indices(idx)
                 alive, tok, mask, next_pos = alive[idx], tok[idx], mask[idx], next_pos[idx]
+            if self.gate.boundary(t) and self.policy_version != version:  # new weights while parked
+                version = self.policy_version
+                cache = DynamicCache(config=self.model.config)
+                rows_ids = [prompts[seqs[s][0]] + tokens[s, :t + 1].tolist() for s in alive.tolist()]
+                logits, mask, new_routes = self._prefill(rows_ids, cache)
+                next_pos = mask.sum(-1)
+                if routes is not None:  # the one position no earlier forward processed: token t's
+                    routes[alive, t] = new_routes[:, -1]
+                continue
             mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=dev)], dim=-1)
             logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
@@ -302,7 +345,8 @@ class EmbeddedEngine:
 
         kept_ids = self._kept_ids(kept, num) if sampling.return_kept_ids else [None] * num
         # samples are broadcast to every rank: host tensors
-        tokens, logprobs, length, stopped = tokens.cpu(), logprobs.cpu(), length.cpu(), stopped.cpu()
+        tokens, logprobs, length, stopped, versions = (tokens.cpu(), logprobs.cpu(), length.cpu(), stopped.cpu(),
+                                                       versions.cpu())
         if routes is not None:
             routes, prompt_routes = routes.cpu(), prompt_routes.cpu()
         samples = []
@@ -315,8 +359,8 @@ class EmbeddedEngine:
             samples.append(Sample(
                 prompt_ids=torch.tensor(prompts[i], dtype=torch.long), response_ids=tokens[s, :r].clone(),
                 rollout_logprobs=logprobs[s, :r].clone(), finish_reason="stop" if stopped[s] else "length",
-                policy_version=self.policy_version, prompt_index=i, sample_index=j,
-                routed_experts=routed, kept_ids=kept_ids[s]))
+                policy_version=int(versions[s, 0]), prompt_index=i, sample_index=j,
+                routed_experts=routed, kept_ids=kept_ids[s], token_versions=_mixed(versions[s, :r])))
         return samples
 
     @staticmethod
@@ -337,6 +381,11 @@ class EmbeddedEngine:
         return out
 
 
+def _mixed(versions: torch.Tensor) -> torch.Tensor | None:
+    """A sample's [R] int32 token versions when they differ (it crossed a weight update), else None."""
+    return versions.clone() if bool((versions != versions[0]).any()) else None
+
+
 def make_embedded_engine(request: EngineRequest) -> EmbeddedEngine:
     """The `embedded` engine of a run: rollout.dtype, rollout.max_batch_size, on rollout.device
     (null: beside the trainer's model, where its weights are synced on-device)."""
@@ -349,4 +398,4 @@ def make_embedded_engine(request: EngineRequest) -> EmbeddedEngine:
                           fp32_lm_head=request.needs.fp32_lm_head)
 
 
-EMBEDDED = EngineSpec(make=make_embedded_engine)
+EMBEDDED = EngineSpec(make=make_embedded_engine, in_flight_updates=("wait", "pause", "abort"))

@@ -22,6 +22,11 @@ the config and what it can do, so the trainer and the config check handle every 
     transport_for     (rollout section) -> the transport its own settings call for (vLLM: memory
                       for weight_sync=memory, disk for reload / restart), or None: transports[0]
     may_change        fields of its section a resume may change (where it runs, how it is reached)
+    in_flight_updates the train.in_flight_update modes it supports: "wait" always; "pause" and
+                      "abort" when it implements `Pausable` (parks its generation at a step
+                      boundary and reports each token's version). vLLM: wait only; its
+                      /pause?mode=keep keeps requests across an update, but a non-streaming
+                      request does not say which of its tokens came after it
 
 What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
 top-p/top-k sets, routed experts, an fp32 head), never by the engine reading the loss or MoE
@@ -81,6 +86,22 @@ class TakesDirectory(Protocol):
     def load_weights_from(self, model_dir: str, version: int) -> None:
         """Serve the weights in `model_dir` (config.json + safetensors); set policy_version. The
         engine owns the folder from then on and deletes it once it no longer needs it."""
+
+
+class Pausable(Protocol):
+    """An engine whose generation can be parked mid-way for a weight update (partial rollouts,
+    train.in_flight_update=pause|abort; rollout/pausing.py). Called from the trainer's thread while
+    another thread generates."""
+
+    def pause(self) -> None:
+        """Return once the generation in flight is parked (at once when none runs); none starts
+        until resume()."""
+
+    def abort(self) -> None:
+        """Make the generation in flight raise GenerationAborted; return once it has ended."""
+
+    def resume(self) -> None:
+        """Let the parked generation go on (its later tokens carry the version it holds now)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +167,7 @@ class EngineSpec:
     transports: tuple[str, ...] = ("memory",)
     transport_for: Callable[[Any], str | None] = no_transport_setting
     may_change: tuple[str, ...] = ()
+    in_flight_updates: tuple[str, ...] = ("wait",)
 
     def __post_init__(self):
         if not callable(self.make):

@@ -18,6 +18,8 @@ the very tokens μ was reported for, and nothing is ever re-tokenized. The traje
                       observation positions thus carry the engine's prefill routing of them
                       (R3 replays the engine's routing everywhere; R2 ignores this field)
     policy_version    the oldest of its turns' (a weight push between turns makes it older)
+    token_versions    each sampled id's version (an observation's ids take the version of the turn
+                      before them), when they are not all the same; else None
     finish_reason     its last turn's
 
 Cost: O(trajectory length) host memory and time.
@@ -49,7 +51,7 @@ def assemble(prompt_ids: Sequence[int], turns: Sequence[Turn]) -> Sample:
     if len(turns[-1].observation_ids):
         raise ValueError("the last turn of a trajectory has no observation (nothing is sampled after it)")
     context = list(prompt_ids)
-    ids, logp, mask, kept, routes, routed = [], [], [], [], [], 0
+    ids, logp, mask, kept, routes, routed, versions = [], [], [], [], [], 0, []
     for t, turn in enumerate(turns):
         s, obs = turn.sample, torch.tensor(list(turn.observation_ids), dtype=torch.long)
         if s.prompt_ids.tolist() != context:
@@ -59,6 +61,8 @@ def assemble(prompt_ids: Sequence[int], turns: Sequence[Turn]) -> Sample:
         ids += [s.response_ids, obs]
         logp += [s.rollout_logprobs.float(), torch.zeros(o)]
         mask += [torch.ones(r, dtype=torch.bool), torch.zeros(o, dtype=torch.bool)]
+        v = s.versions().int()
+        versions += [v, torch.full((o,), int(v[-1]) if r else s.policy_version, dtype=torch.int32)]
         if s.kept_ids is not None:
             kept.append((s.kept_ids, o))
         if s.routed_experts is not None:  # the positions no earlier turn processed
@@ -70,7 +74,12 @@ def assemble(prompt_ids: Sequence[int], turns: Sequence[Turn]) -> Sample:
                   rollout_logprobs=torch.cat(logp), finish_reason=last.finish_reason,
                   policy_version=min(t.sample.policy_version for t in turns), prompt_index=first.prompt_index,
                   sample_index=first.sample_index, routed_experts=_all_or_none(routes, turns, torch.cat),
-                  kept_ids=_all_or_none(kept, turns, _stack_kept), loss_mask=torch.cat(mask))
+                  kept_ids=_all_or_none(kept, turns, _stack_kept), loss_mask=torch.cat(mask),
+                  token_versions=_mixed(torch.cat(versions)))
+
+
+def _mixed(versions: torch.Tensor) -> torch.Tensor | None:
+    return versions if len(versions) and bool((versions != versions[0]).any()) else None
 
 
 def _all_or_none(parts: list, turns: Sequence[Turn], join):

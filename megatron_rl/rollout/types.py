@@ -4,8 +4,9 @@ registry of engines are in engine.py).
 A sample carries everything the losses and
 diagnostics need: the engine's log-prob of every sampled token (`rollout_logprobs`, i.e. log μ),
 the routed experts when the engine can report them (router replay R3), the kept top-p/top-k set
-when asked (keep_sampling_mask), and the policy version whose weights produced it (off-policy
-and async schedules drop or weight samples by staleness).
+when asked (keep_sampling_mask), and the policy version whose weights produced it, per token
+when a weight update fell inside its generation (partial rollouts: off-policy schedules count
+staleness per token).
 """
 from __future__ import annotations
 
@@ -65,7 +66,11 @@ class Sample:
         processed input position was routed to, for every MoE layer (position i is the token
         at index i of prompt+response; the last sampled token is never an input).
     kept_ids: [R, K] int64 padded with -1, or None: the token ids top-p/top-k kept.
-    policy_version: version of the weights that generated the sample.
+    policy_version: version of the weights that generated the sample's first token (the version
+        it started with; the oldest of its tokens').
+    token_versions: [R] int32, or None (= every token policy_version): the version of the weights
+        that computed each response token's distribution, when they differ: a generation that a
+        weight update paused and resumed (partial rollouts, train.in_flight_update=pause).
     prompt_index: index of the prompt in the generate() call; sample_index: j of n.
     loss_mask: [R] bool, or None (= all true): which response tokens the policy sampled and is
         trained on. A multi-turn rollout puts the environment's tokens (tool output, the next user
@@ -83,6 +88,13 @@ class Sample:
     routed_experts: torch.Tensor | None = None
     kept_ids: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
+
+    def versions(self) -> torch.Tensor:
+        """[R] int64: the policy version of each response token (`token_versions`, or policy_version)."""
+        if self.token_versions is None:
+            return torch.full((len(self.response_ids),), self.policy_version, dtype=torch.long)
+        return self.token_versions.long()
 
     def trained(self) -> torch.Tensor:
         """[R] bool: the response tokens trained on (`loss_mask`, all true when it is None)."""

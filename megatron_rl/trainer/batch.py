@@ -12,6 +12,9 @@ Layout (one row per response; rows right padded to a common length S; L = S - 1 
     turns         [N, L]  the policy turn (0, 1, ...) of each trained label position, -1 elsewhere; only
                           in a batch holding environment tokens (a sample whose loss_mask has a False),
                           None otherwise (rollout/trajectory.py: turn_index)
+    token_versions [N, L] the policy version of each response token's label position (the row's version
+                          elsewhere); only in a batch holding a sample that crossed a weight update
+                          (partial rollouts: Sample.token_versions), None otherwise
 A sample with prompt length P and response length R has its response token r at row index P + r,
 i.e. it is labels[:, P - 1 + r], and its log-prob at label index P - 1 + r.
 
@@ -31,7 +34,7 @@ from megatron_rl.rollout.types import Sample
 
 # the [N, L(, ...)] fields: context parallelism shards their columns; the others are per row
 PER_TOKEN = ("input_ids", "labels", "position_ids", "loss_mask", "rollout_logprobs", "advantages", "positions",
-             "kept_ids", "turns")
+             "kept_ids", "turns", "token_versions")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class TrainBatch:
     versions: torch.Tensor  # [N] int64: policy version that generated each sample
     kept_ids: torch.Tensor | None = None  # [N, L, K] int64, -1 padded: rollout's top-p/top-k sets
     turns: torch.Tensor | None = None  # [N, L] int64: policy turn of each trained position, -1 elsewhere
+    token_versions: torch.Tensor | None = None  # [N, L] int64: policy version of each response token
     cp_size: int = 1  # > 1: the [N, L] tensors are this rank's zig-zag shard (1/cp_size of each row)
 
     @property
@@ -171,7 +175,19 @@ def build_batch(samples: list[Sample], rewards: list[float], pad_id: int, seq_le
                       loss_mask=mask, rollout_logprobs=logp, advantages=torch.zeros(n, seq_len - 1), positions=pos,
                       rewards=torch.tensor(rewards, dtype=torch.float32),
                       versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long), kept_ids=kept,
-                      turns=_turns(samples, seq_len))
+                      turns=_turns(samples, seq_len), token_versions=_token_versions(samples, seq_len))
+
+
+def _token_versions(samples: list[Sample], seq_len: int) -> torch.Tensor | None:
+    """[N, seq_len - 1] policy version per label position (the row's policy_version off the response),
+    or None when no sample crossed a weight update (the per-row `versions` say it all)."""
+    if all(s.token_versions is None for s in samples):
+        return None
+    out = torch.tensor([s.policy_version for s in samples], dtype=torch.long)[:, None].repeat(1, seq_len - 1)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        out[i, p - 1:p - 1 + r] = s.versions()
+    return out
 
 
 def _turns(samples: list[Sample], seq_len: int) -> torch.Tensor | None:

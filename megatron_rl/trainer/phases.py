@@ -48,7 +48,7 @@ from megatron_rl.trainer.passes import (
 )
 from megatron_rl.trainer.rollouts import Rollout
 from megatron_rl.trainer.scatter import Prepared, scatter_batch
-from megatron_rl.trainer.schedule import staleness
+from megatron_rl.trainer.schedule import staleness, token_staleness
 
 
 @dataclass
@@ -65,7 +65,7 @@ class StepBatch:
     bytes_received: int
     settings: PassSettings
     seq: SeqOps
-    staleness: torch.Tensor  # [local rows] int64: trainer versions since each row's sample was generated
+    staleness: torch.Tensor  # [local rows, L] int64: trainer versions since each token was generated
     layout: BatchLayout  # how the step's rows split into mini-batches, DP ranks and micro-batches
 
 
@@ -113,7 +113,8 @@ def make_batch(ctx, rollout: Rollout | None) -> StepBatch:
     local = part.batch
     settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
     return StepBatch(local, part.rows, part.routing, part.metrics, part.bytes_received, settings, seq_ops(groups),
-                     staleness(local.versions, ctx.policy_version).to(local.loss_mask.device), layout)
+                     staleness(local.versions, ctx.policy_version, local.token_versions,
+                               local.loss_mask.shape[1]).to(local.loss_mask.device), layout)
 
 
 def prepare(ctx, rollout: Rollout) -> Prepared:
@@ -129,7 +130,10 @@ def prepare(ctx, rollout: Rollout) -> Prepared:
         full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
     routing = (RolloutRouting.from_samples(rollout.samples, full.input_len + 1) if ctx.replay.mode != "none"
                else None)
-    return Prepared(full, routing, rollout_metrics(rollout, adv, zero_var))
+    metrics = rollout_metrics(rollout, adv, zero_var)
+    metrics["schedule/staleness_mean"], metrics["schedule/staleness_max"] = token_staleness(rollout.samples,
+                                                                                          ctx.policy_version)
+    return Prepared(full, routing, metrics)
 
 
 def old_logprobs(ctx, batch: StepBatch) -> OldPolicy:
@@ -223,9 +227,7 @@ def step_metrics(ctx, batch: StepBatch, old: OldPolicy, updates: Updates) -> dic
     if updates.loss_scale is not None:
         m["optim/loss_scale"] = updates.loss_scale
     m["optim/lr"] = ctx.policy.optimizer.param_groups[0]["lr"]
-    m.update(batch.rollout_metrics)
-    m["schedule/staleness_mean"] = float(batch.staleness.float().mean()) if batch.staleness.numel() else 0.0
-    m["schedule/staleness_max"] = float(batch.staleness.max()) if batch.staleness.numel() else 0.0
+    m.update(batch.rollout_metrics)  # with schedule/staleness_{mean,max}: per sampled token, whole batch
     # in optimizer updates since the rollout policy, as the papers count it: a sample s versions old
     # in mini-batch j (of N equal ones) is trained s N + j updates after its policy
     n = cfg.train.num_minibatches
@@ -298,7 +300,7 @@ def policy_loss_fn(loss_kw: dict, counts: GlobalCounts, old: torch.Tensor, seq: 
     old: [N, L] log-probs the ratio r is taken against (π_old, or μ with loss.ratio_reference=rollout)
     for the rank's rows (indexed by the micro-batch's "rows"), in the same (CP-local) layout as the
     micro-batch; counts: the mini-batch's global normalisers;
-    staleness: [N] per row, for the ratio statistics split by staleness (max_staleness > 0);
+    staleness: [N, L] per token, for the ratio statistics split by staleness (max_staleness > 0);
     ratio_log: {"r": [...], "rho": [...]} that each call appends its valid log r and log ρ to (float64
     [n]), for the step's quantiles, which do not reduce like the values (metrics/quantiles.py).
     """

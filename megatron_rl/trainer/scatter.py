@@ -27,7 +27,7 @@ exception, so no rank is left waiting in a collective):
      device for NCCL (`metrics.reduce.group_device`).
 
 Cost, for N = B·G rows of L inputs, DP x CP x MP ranks (MP = TP·PP), c bytes of per-token fields
-per position (+ 8·K for kept ids) and, under router replay, M MoE layers x k experts (int16):
+per position (+ 8·K for kept ids, + 8 for token versions when a sample crossed a weight update) and, under router replay, M MoE layers x k experts (int16):
     received per rank   N/DP · (L/CP · c + L · (2 + 2·M·k))        (+ N/DP · 12 per-row bytes)
     sent by rank 0      each (DP, CP) part once: the whole batch, its routing CP times
     rank 0's memory     the packed batch plus one part being sent

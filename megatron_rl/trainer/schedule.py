@@ -19,7 +19,15 @@ a new one is a class and one registry line at the end of this file.
                    version t: every batch is exactly s versions old when it is trained on (the
                    first s batches come from the initial weights). The embedded engine runs in a
                    background thread on rank 0; the weights are synced after each update, once that
-                   generation has finished, so the engine is never written while it samples.
+                   generation has finished, so the engine is never written while it samples
+                   (train.in_flight_update=wait).
+  partial rollouts (train.in_flight_update=pause): the push parks the generation at the engine's
+                   next decode step instead, loads the weights and lets it go on: the tokens after
+                   the split come from version t + 1 (Sample.token_versions), and staleness is
+                   counted per token (s or s - 1). `abort` drops the generation and samples the
+                   batch again from version t + 1 (s - 1 versions old). Where the split falls
+                   depends on timing, so two such runs differ; a resume still trains on exactly
+                   the saved batches (the one in flight is finished and saved with its versions).
 
 Which log-probs the losses see, in every schedule (docs/algorithms.md, decoupled PPO):
     μ       rollout_logprobs: the engine, with the weights that generated the sample (version v_i)
@@ -46,12 +54,13 @@ from typing import Protocol
 import torch
 
 from megatron_rl.registry import Registry
+from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer.rollout_io import broadcast, on_rank0
 from megatron_rl.trainer.rollouts import Batches, EngineWeights, Rollout, Sampled
 
 __all__ = ["SCHEDULES", "AsyncSchedule", "Schedule", "ScheduleInputs", "ScheduleSpec", "StagedSchedule",
-           "SyncSchedule", "staleness"]
+           "SyncSchedule", "staleness", "token_staleness"]
 
 
 class Schedule(Protocol):
@@ -190,16 +199,27 @@ class StagedSchedule(SyncSchedule):
 
 class AsyncSchedule(SyncSchedule):
     """Batch t + s is sampled in the background while step t trains, from version t; it is scored
-    on the main thread once sampling is done (the math reward's time limit needs the main thread)."""
+    on the main thread once sampling is done (the math reward's time limit needs the main thread).
 
-    def __init__(self, batches: Batches | None, weights: EngineWeights | None, max_staleness: int, steps: int):
+    in_flight: what the weight push after step t's update does to that generation (train.
+    in_flight_update): "wait" for it to finish; "pause" it at the engine's next decode step, push,
+    resume (partial rollouts: its later tokens come from version t + 1); "abort" it, push, and
+    generate the batch again from version t + 1. The generation of batch t + s starts at step t's
+    rollout() and is finished by step t + 1's, so at most one push falls inside it: a token of
+    it is s (before the push) or s - 1 (after) versions old when trained on, never more than s."""
+
+    def __init__(self, batches: Batches | None, weights: EngineWeights | None, max_staleness: int, steps: int,
+                 in_flight: str = "wait"):
         super().__init__(batches, weights)
-        self.max_staleness, self.steps = max_staleness, steps
+        self.max_staleness, self.steps, self.in_flight = max_staleness, steps, in_flight
         self._worker: threading.Thread | None = None
+        self._worker_step: int | None = None
         self._sampled: Sampled | None = None
         self._error: BaseException | None = None
+        self._aborted = False
 
     def _take(self, step: int) -> Rollout:
+        self.wait()  # pause / abort: the generation a push did not wait for
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -209,15 +229,20 @@ class AsyncSchedule(SyncSchedule):
             self._generate(missing)
         ahead = step + self.max_staleness
         if ahead < self.steps and ahead not in self.pending:
-            self.generate_calls += 1
-            self._worker = threading.Thread(target=self._background, args=(ahead,), daemon=True,
-                                            name="rollout-generation")
-            self._worker.start()
+            self._launch(ahead)
         return self.pending.pop(step)
+
+    def _launch(self, step: int) -> None:
+        self.generate_calls += 1
+        self._worker_step = step
+        self._worker = threading.Thread(target=self._background, args=(step,), daemon=True, name="rollout-generation")
+        self._worker.start()
 
     def _background(self, step: int) -> None:
         try:
             self._sampled = self.batches.sample([step])
+        except GenerationAborted:  # in_flight=abort: generated again once the new weights are in
+            self._aborted = True
         except Exception as e:  # noqa: BLE001 - reported on rank 0's next rollout()
             self._error = e
 
@@ -236,11 +261,41 @@ class AsyncSchedule(SyncSchedule):
                 self._error = e
 
     def after_update(self, version: int) -> int:
-        self.wait()  # the engine must be idle before its weights change
+        if self.in_flight == "wait":
+            self.wait()  # the engine must be idle before its weights change
         if broadcast(self._error is not None if self.batches is not None and self.batches.engine is not None
                      else None):
             return version + 1  # the engine failed: the next rollout() reports it on every rank
         return super().after_update(version)
+
+    def sync(self, version: int) -> None:
+        """Push `version` (collective); on rank 0, a generation in flight is first parked (pause)
+        or ended (abort) per `in_flight`, and goes on (is started again) after the push."""
+        engine = self.batches.engine if self.batches is not None else None
+        held = self.in_flight != "wait" and engine is not None and self._worker is not None
+        if held:
+            (engine.abort if self.in_flight == "abort" else engine.pause)()
+        try:
+            super().sync(version)
+        finally:
+            if held:
+                engine.resume()
+        if held and self.in_flight == "abort":
+            self._worker.join()  # it has left the engine (abort returned): only the thread's end
+            self._worker = None
+            if self._aborted:
+                self._aborted = False
+                self._launch(self._worker_step)
+
+    def ensure_synced(self, version: int) -> None:
+        self.wait()  # an evaluation uses the engine: the background generation finishes first
+        super().ensure_synced(version)
+
+    def state_dict(self) -> dict:
+        """The batches generated ahead, the one in flight included once it has finished (pause /
+        abort: a push did not wait for it), with their per-token versions."""
+        self.wait()
+        return super().state_dict()
 
     def close(self) -> None:
         self.wait(timeout=10.0)  # on the way out after an error: do not wait for a long generation
@@ -257,12 +312,29 @@ SCHEDULES.add("sync", ScheduleSpec(lambda i: SyncSchedule(i.batches, i.weights))
 SCHEDULES.add("staged", ScheduleSpec(lambda i: StagedSchedule(i.batches, i.weights, i.train.stages, i.train.steps),
                                      check=_check_staged))
 SCHEDULES.add("async", ScheduleSpec(lambda i: AsyncSchedule(i.batches, i.weights, i.train.max_staleness,
-                                                            i.train.steps)))
+                                                            i.train.steps, i.train.in_flight_update)))
 
 
-def staleness(batch_versions: torch.Tensor, trainer_version: int) -> torch.Tensor:
-    """[N] versions each row was generated with -> [N] int64 staleness t - v_i (>= 0)."""
-    return trainer_version - batch_versions.long()
+def staleness(row_versions: torch.Tensor, trainer_version: int, token_versions: torch.Tensor | None = None,
+              length: int = 1) -> torch.Tensor:
+    """Per-token staleness t - v_{i,k} (>= 0), [N, length] int64: from token_versions [N, length]
+    (a batch with partial rollouts: trainer/batch.py) or, when None, each row's version
+    row_versions [N] for all its tokens."""
+    if token_versions is not None:
+        return trainer_version - token_versions.long()
+    return (trainer_version - row_versions.long())[:, None].expand(-1, length)
+
+
+def token_staleness(samples: list[Sample], trainer_version: int) -> tuple[float, float]:
+    """(token-weighted mean, max) of t - v over every sampled (trained) response token of
+    `samples`; (0, 0) when there is none. A sample that crossed a weight update counts each token
+    at its own version. Cost: O(tokens) on the host."""
+    total, count, most = 0, 0, 0
+    for s in samples:
+        stale = trainer_version - s.versions()[s.trained()]
+        if stale.numel():
+            total, count, most = total + int(stale.sum()), count + stale.numel(), max(most, int(stale.max()))
+    return (total / count if count else 0.0), float(most)
 
 
 def _rollout_state(r: Rollout) -> dict:
