@@ -9,8 +9,10 @@ positions; position t of a row is token t of prompt+response). A megatron rank's
                              ->  contiguous 1/TP of the (local) sequence (sequence parallel)
                              ->  flattened s * b + row                       = local token order
 
-and a pipeline stage holds only its own MoE layers. `TokenLayout.to_local` applies the token part,
-`replay_routing` the layer part and the fallback below.
+and a pipeline stage holds only its own MoE layers. Each cut is made once: `RolloutRouting.rank_part`
+takes a rank's rows, CP columns and MoE layers (trainer/scatter.py cuts on rank 0 and sends each
+rank that part only); `TokenLayout.to_local` lays the CP-local columns out in megatron's token
+order (the sequence-parallel cut included) and `replay_routing` applies the fallback below.
 
 Fallback (megatron replays a whole layer or nothing, never per token):
 - padding (positions at or after the row's last token, whose outputs are masked and, causal
@@ -40,48 +42,39 @@ from megatron_rl.moe.replay import MicroBatchRouting
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """Where a micro-batch's positions land on this rank's routers.
+    """Where a micro-batch's CP-local positions land on this rank's routers.
 
     sequence_parallel: megatron's `config.sequence_parallel` (on for MoE with TP > 1); without it
-    every TP rank routes the whole (CP-local) sequence.
+    every TP rank routes the whole (CP-local) sequence. The context-parallel cut is not here: the
+    values it lays out are already this rank's CP shard (`RolloutRouting.rank_part`, or a TrainBatch
+    tensor after trainer.batch.cp_shard), so no path cuts CP twice.
     """
 
     tp_size: int = 1
     tp_rank: int = 0
     sequence_parallel: bool = False
-    cp_size: int = 1
-    cp_rank: int = 0
 
     @classmethod
     def from_groups(cls, groups, sequence_parallel: bool) -> TokenLayout:
         """From a megatron_rl ParallelGroups and the model config's sequence_parallel."""
-        import torch.distributed as dist
-
-        cp = groups.config.cp
-        return cls(tp_size=groups.config.tp, tp_rank=groups.tp_rank, sequence_parallel=sequence_parallel,
-                   cp_size=cp, cp_rank=dist.get_rank(groups.cp_group) if cp > 1 else 0)
+        return cls(tp_size=groups.config.tp, tp_rank=groups.tp_rank, sequence_parallel=sequence_parallel)
 
     def positions(self, seq_len: int) -> Tensor:
-        """`[seq_len / (CP·TP_sp)]` int64: the sequence positions this rank routes, in local order."""
-        pos = (zigzag_indices(self.cp_rank, self.cp_size, total_len=seq_len) if self.cp_size > 1
-               else torch.arange(seq_len))
+        """`[seq_len / TP_sp]` int64: which of `seq_len` CP-local positions this rank routes, in order."""
+        pos = torch.arange(seq_len)
         if self.sequence_parallel and self.tp_size > 1:
-            if len(pos) % self.tp_size:
-                raise ValueError(f"{len(pos)} (CP-local) positions do not split over TP={self.tp_size} "
+            if seq_len % self.tp_size:
+                raise ValueError(f"{seq_len} (CP-local) positions do not split over TP={self.tp_size} "
                                  "under sequence parallelism; pad the rows (trainer.batch.padded_length)")
-            size = len(pos) // self.tp_size
+            size = seq_len // self.tp_size
             pos = pos[self.tp_rank * size:(self.tp_rank + 1) * size]
         return pos
 
     def to_local(self, x: Tensor) -> Tensor:
-        """`[b, S, *rest]` per-position values -> `[S_local * b, *rest]` in megatron's local token order."""
+        """`[b, S / CP, *rest]` values of this rank's CP shard -> `[S_local * b, *rest]` in megatron's
+        local token order."""
         pos = self.positions(x.shape[1]).to(x.device)
         return x[:, pos].transpose(0, 1).reshape(-1, *x.shape[2:])
-
-    def cp_shard_to_local(self, x: Tensor) -> Tensor:
-        """`[b, S / CP, *rest]` values already in this rank's CP shard (a TrainBatch tensor after
-        trainer.batch.cp_shard, whose zig-zag chunks are `positions`') -> local token order."""
-        return replace(self, cp_size=1, cp_rank=0).to_local(x)
 
 
 def stage_layer_ids(moe_pattern: Sequence[int], pp_size: int, pp_rank: int) -> list[int]:
@@ -143,6 +136,22 @@ class RolloutRouting:
             known[i, length - r.shape[0]:length] = True
         return cls(experts, known, real)
 
+    def rank_part(self, rows: Tensor | slice, cp_rank: int = 0, cp: int = 1,
+                  layer_ids: Sequence[int] | None = None) -> RolloutRouting:
+        """What one rank's replay reads: rows `rows`, the zig-zag columns of CP rank `cp_rank` (the
+        columns trainer.batch.cp_shard keeps of every per-token field: chunks r and 2·CP−1−r of
+        2·CP) and, of `experts`, the MoE layers `layer_ids` in that order (its pipeline stage's,
+        `RouterReplayController.layer_ids`; None: all). Pure; O(rows · S/CP · len(layer_ids) · k)."""
+        part = self.select(rows)
+        if cp > 1:
+            cols = zigzag_indices(cp_rank, cp, total_len=part.known.shape[1], device=part.known.device)
+            part = RolloutRouting(**{f.name: None if getattr(part, f.name) is None else getattr(part, f.name)[:, cols]
+                                     for f in fields(part)})
+        if layer_ids is not None and part.experts is not None:
+            index = torch.tensor(list(layer_ids), dtype=torch.long, device=part.experts.device)
+            part = replace(part, experts=part.experts.index_select(2, index))
+        return part
+
     def select(self, index) -> RolloutRouting:
         """Rows `index` (slice or index tensor), like TrainBatch.select."""
         return RolloutRouting(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
@@ -169,7 +178,8 @@ def replay_routing(routing: RolloutRouting, layout: TokenLayout, layer_ids: Sequ
                    live: MicroBatchRouting | None = None) -> MicroBatchRouting:
     """This rank's replay indices for one micro-batch of rows.
 
-    routing: the micro-batch's rows (`RolloutRouting.select(slice)`), b rows of S-1 positions.
+    routing: the micro-batch's rows of this rank's part (`RolloutRouting.rank_part`: its CP columns
+        and its stage's MoE layers `layer_ids`, in that order), b rows of (S-1)/CP positions.
     layout: this rank's TokenLayout. layer_ids: the stage's MoE layers (controller.layer_ids).
     live: the same micro-batch's RECORD-pass routing on this rank (needed when
         `live_routing_needed(routing)`; optional otherwise, then it also fills padding).
@@ -189,7 +199,11 @@ def replay_routing(routing: RolloutRouting, layout: TokenLayout, layer_ids: Sequ
         if live is None:
             raise ValueError("no engine routing in this micro-batch and no live record to fall back to")
         return MicroBatchRouting([t.long() for t in live.indices], known & real)
-    experts = layout.to_local(routing.experts[:, :, list(layer_ids)]).long()  # [T, L', k]
+    if routing.experts.shape[2] != len(layer_ids):
+        raise ValueError(f"the routing holds {routing.experts.shape[2]} MoE layers, this stage replays "
+                         f"{len(layer_ids)} ({tuple(layer_ids)}): give it the stage's part "
+                         "(RolloutRouting.rank_part with the controller's layer_ids)")
+    experts = layout.to_local(routing.experts).long()  # [T, L', k]
     if experts.numel() and (int(experts.max()) >= num_experts or int(experts.min()) < 0):
         raise ValueError(f"engine routing has expert ids outside [0, {num_experts})")
     topk = experts.shape[-1]
@@ -207,7 +221,8 @@ def replay_routing(routing: RolloutRouting, layout: TokenLayout, layer_ids: Sequ
 
 
 def local_mask(rows_mask: Tensor, layout: TokenLayout) -> Tensor:
-    """`[b, S-1]` per-position bool (e.g. RolloutRouting.real) -> `[S_local*b]` in local token order."""
+    """`[b, (S-1)/CP]` per-position bool of this rank's CP shard (e.g. the `real` of a rank's
+    RolloutRouting part) -> `[S_local*b]` in local token order."""
     return layout.to_local(rows_mask.bool())
 
 
@@ -215,8 +230,8 @@ def replayed_token_sums(routing: RolloutRouting) -> dict[str, Tensor]:
     """`moe/replayed_token_fraction`: real tokens replayed from the engine / real tokens, as a
     ratio in the metrics convention (megatron_rl/metrics/reduce.py).
 
-    Row-level counts (the same on every TP / PP / CP rank of a data-parallel rank): any uniform
-    duplication over ranks cancels in the fraction.
+    Counts of this rank's part (its rows and CP columns; the same on every TP / PP rank of a DP x CP
+    cell): summed over the world, each position counts TP·PP times, which cancels in the fraction.
     """
     real = routing.real
     return ratio("moe/replayed_token_fraction", (real & routing.known).sum(dtype=torch.float64),

@@ -54,7 +54,8 @@ from megatron_rl.trainer.schedule import staleness, token_staleness
 @dataclass
 class StepBatch:
     """local: this rank's rows (its CP shard), on the model's device; rows: their global indices;
-    routing: the engine's routing of those rows for router replay (trainer/scatter.py), or None;
+    routing: this rank's part of the engine's routing for router replay (its rows, CP columns and
+    stage's MoE layers; trainer/scatter.py), or None;
     rollout_metrics: rank 0's values of the whole batch (`rollout_metrics`); bytes_received: the
     bytes of this rank's part; settings: pass settings; staleness: see trainer/schedule.py."""
 
@@ -109,7 +110,7 @@ def make_batch(ctx, rollout: Rollout | None) -> StepBatch:
     (trainer/scatter.py; no other rank sees the whole batch). `rollout`: rank 0's, None elsewhere."""
     cfg, groups = ctx.cfg, ctx.groups
     layout = cfg.layout(groups.dp_size)
-    part = scatter_batch(lambda: prepare(ctx, rollout), layout, groups)
+    part = scatter_batch(lambda: prepare(ctx, rollout), layout, groups, ctx.replay.layer_ids)
     local = part.batch
     settings = PassSettings(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
     return StepBatch(local, part.rows, part.routing, part.metrics, part.bytes_received, settings, seq_ops(groups),

@@ -41,15 +41,18 @@ from megatron_rl.trainer.passes import logprob_pass
 
 class Replay(Protocol):
     """A router replay strategy (the module docstring shows its use). wrap: wraps the update pass's
-    forward step (or None)."""
+    forward step (or None); layer_ids: the MoE layers (indices among all of the model's) whose
+    engine routing this rank reads, its pipeline stage's (trainer/scatter.py sends it only those),
+    or None when it reads no routing."""
 
     mode: str
     wrap: Callable | None
+    layer_ids: tuple[int, ...] | None
 
     def old_pass(self, policy, groups, local, routing, settings):
         """π_old log-probs [N, L] and entropy of the local rows, or (None, None) off the last stage.
-        routing: the engine's RolloutRouting of the local rows (whole rows; trainer/scatter.py), None
-        when the strategy reads none."""
+        routing: this rank's part of the engine's RolloutRouting (its rows, CP columns and
+        `layer_ids`; trainer/scatter.py), None when the strategy reads none."""
 
     def update(self, slices, micro_batch_size: int, probe: bool = False) -> AbstractContextManager: ...
 
@@ -61,6 +64,7 @@ class NoReplay:
 
     mode = "none"
     wrap = None
+    layer_ids = None
 
     def old_pass(self, policy, groups, local, routing, settings):
         return logprob_pass(policy.model, groups, local, settings)
@@ -82,6 +86,7 @@ class _Replay:
     def __init__(self, model):
         self.controller = RouterReplayController(model)
         self.wrap = self.controller.wrap_forward_step
+        self.layer_ids = self.controller.layer_ids
         self._routing: list | None = None
         self._values: dict[str, torch.Tensor] = {}
 
@@ -95,7 +100,7 @@ class _Replay:
     @staticmethod
     def _turns(local, sl: slice, layout: TokenLayout):
         """`[local_tokens]` policy turn of each token of micro-batch `sl` (None: no turns)."""
-        return None if local.turns is None else layout.cp_shard_to_local(local.turns[sl])
+        return None if local.turns is None else layout.to_local(local.turns[sl])
 
     @contextmanager
     def update(self, slices, micro_batch_size: int, probe: bool = True):

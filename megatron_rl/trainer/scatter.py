@@ -4,34 +4,42 @@ Rank 0 holds the engine and the step's whole batch (it generated it). It compute
 advantages (a group's statistics need the whole group) and packs the padded batch once
 (trainer/phases.py `prepare`); every other rank receives only its part:
 
-    plan = row_plan(layout, coords, cp)                # pure: the rows and CP shard of every rank
+    plan = row_plan(layout, coords, layers)             # pure: rows, CP shard, MoE layers of every rank
     tensors = part_tensors(full, routing, plan[r], cp)  # pure: rank r's tensors, by field name
-    local = scatter_batch(prepare, layout, groups)      # collective: LocalRollout on every rank
+    local = scatter_batch(prepare, layout, groups, layer_ids)  # collective: LocalRollout on every rank
 
 A rank's part is what `batch.local_shard` keeps of the whole batch: its DP rows (`BatchLayout.
 local_rows`, mini-batch by mini-batch) and, under context parallelism, the zig-zag columns of its
 CP rank of every per-token field (`batch.PER_TOKEN`); per-row fields (rewards, versions) whole.
-The engine's routing for router replay (R2/R3) comes with it as whole rows: the replay's
-`TokenLayout` cuts them for its CP and TP ranks itself.
+The engine's routing for router replay (R2/R3) comes with it cut the same way, and to the MoE
+layers of the rank's pipeline stage (`RolloutRouting.rank_part`; the replay reads it as it is and
+only lays it out for its TP rank, moe/plumbing.py `TokenLayout`).
 
 Protocol (every rank alike; an error of rank 0's `prepare` reaches every rank as the same
 exception, so no rank is left waiting in a collective):
-  1. coordinates: one all-gather of three integers per rank (DP rank, CP rank, rank in its
-     model-parallel group), so rank 0 knows whom to send what whatever megatron's rank order;
+  1. coordinates: one small object all-gather (DP rank, CP rank, rank in its model-parallel group,
+     TP rank, the MoE layer ids it replays), so rank 0 knows whom to send what whatever
+     megatron's rank order and pipeline split (the layer ids come from the built model:
+     `RouterReplayController.layer_ids`);
   2. header: one small pickled broadcast from rank 0: the part's fields (name, dtype, shape; the
-     same on every rank, DP shares and CP shards being equal), rank 0's host metrics of the whole
-     batch (rewards, lengths, advantages), or the error;
-  3. body: rank 0 sends the first rank of each model-parallel group (TP x PP ranks share their DP
-     rows and CP shard) its part as one flat byte buffer, point to point; that rank broadcasts it
-     in its model-parallel group. Both on the group's device: the CPU for gloo, the current CUDA
-     device for NCCL (`metrics.reduce.group_device`).
+     same on every rank, DP shares and CP shards being equal, but for the routing's layer count,
+     which each rank reads off its own layer ids), rank 0's host metrics of the whole batch
+     (rewards, lengths, advantages), or the error;
+  3. body, two flat byte buffers, point to point from rank 0: the batch fields to the first rank
+     of each model-parallel group (its TP x PP ranks share the DP rows and CP shard), which
+     broadcasts them in that group; the routing to the first rank of each TP group (a pipeline
+     stage of a model-parallel group: its TP ranks share the stage's layers), which broadcasts it
+     in that group. Both on the group's device: the CPU for gloo, the current CUDA device for NCCL
+     (`metrics.reduce.group_device`).
 
-Cost, for N = B·G rows of L inputs, DP x CP x MP ranks (MP = TP·PP), c bytes of per-token fields
-per position (+ 8·K for kept ids, + 8 for token versions when a sample crossed a weight update) and, under router replay, M MoE layers x k experts (int16):
-    received per rank   N/DP · (L/CP · c + L · (2 + 2·M·k))        (+ N/DP · 12 per-row bytes)
-    sent by rank 0      each (DP, CP) part once: the whole batch, its routing CP times
+Cost, for N = B·G rows of L inputs, DP x CP x TP x PP ranks, c bytes of per-token fields per
+position (+ 8·K for kept ids, + 8 for token versions when a sample crossed a weight update) and,
+under router replay, M MoE layers (M_s on stage s) x k experts (int16):
+    received per rank   N/DP · L/CP · (c + 2 + 2·M_s·k)          (+ N/DP · 12 per-row bytes)
+    sent by rank 0      each (DP, CP) part once and each (DP, CP, stage) routing part once: the
+                        whole batch and the whole routing, once
     rank 0's memory     the packed batch plus one part being sent
-    each MP group       one broadcast of its part
+    each group          one broadcast of its part: batch fields over TP·PP ranks, routing over TP
 """
 from __future__ import annotations
 
@@ -67,8 +75,8 @@ class Prepared:
 @dataclass(frozen=True)
 class LocalRollout:
     """This rank's part of the step. batch: its rows (its CP shard), on the model's device;
-    rows: [local_size] their global indices; routing: the engine's routing of those rows (whole
-    rows, host), or None; metrics: rank 0's values of the whole batch; bytes_received: the bytes
+    rows: [local_size] their global indices; routing: this rank's part of the engine's routing (those
+    rows, its CP columns, its stage's MoE layers; host), or None; metrics: rank 0's values of the whole batch; bytes_received: the bytes
     of the part (rank 0 counts its own part, which it keeps)."""
 
     batch: TrainBatch
@@ -81,23 +89,29 @@ class LocalRollout:
 @dataclass(frozen=True)
 class RankRows:
     """One rank's share: rows [local_size] int64 global row indices; cp_rank: which zig-zag shard
-    of each row's per-token values it trains on."""
+    of each row's per-token values it trains on; layers: the MoE layers (indices among all of the
+    model's) whose routing it reads, or None for all."""
 
     rows: Tensor
     cp_rank: int
+    layers: tuple[int, ...] | None = None
 
 
-def row_plan(layout, coords: Sequence[tuple[int, int]]) -> list[RankRows]:
-    """Every rank's share of a step: coords[g] = (DP rank, CP rank) of global rank g; `layout` a
-    parallel.layout.BatchLayout. Pure; O(world · rows) integers."""
-    return [RankRows(layout.local_rows(dp), cp) for dp, cp in coords]
+def row_plan(layout, coords: Sequence[tuple[int, int]],
+             layers: Sequence[Sequence[int] | None] | None = None) -> list[RankRows]:
+    """Every rank's share of a step: coords[g] = (DP rank, CP rank) of global rank g, layers[g] its
+    MoE layers (None: every rank reads all); `layout` a parallel.layout.BatchLayout. Pure;
+    O(world · (rows + layers)) integers."""
+    layers = layers if layers is not None else [None] * len(coords)
+    return [RankRows(layout.local_rows(dp), cp, None if ids is None else tuple(ids))
+            for (dp, cp), ids in zip(coords, layers, strict=True)]
 
 
 def part_tensors(full: TrainBatch, routing: RolloutRouting | None, share: RankRows, cp: int) -> dict[str, Tensor]:
     """The tensors of `share` by field name (routing fields as "routing.<name>"), contiguous, on
     `full`'s device: `full.select(rows)` with every per-token field cut to the CP rank's zig-zag
     columns, as `batch.cp_shard` cuts them (megatron-core's split: 2·CP chunks per row, rank r
-    keeps chunks r and 2·CP−1−r); routing rows whole. Pure."""
+    keeps chunks r and 2·CP−1−r), then `routing_tensors`. Pure."""
     length = full.input_ids.shape[1]
     if cp > 1 and length % (2 * cp):
         raise ValueError(f"rows have {length} inputs, not a multiple of 2*CP={2 * cp}; "
@@ -110,11 +124,24 @@ def part_tensors(full: TrainBatch, routing: RolloutRouting | None, share: RankRo
         if isinstance(t, Tensor):
             t = t[rows]
             out[f.name] = (t[:, cols] if cols is not None and f.name in PER_TOKEN else t).contiguous()
-    for f in fields(RolloutRouting) if routing is not None else ():
-        t = getattr(routing, f.name)
-        if t is not None:
-            out[_ROUTING + f.name] = t[rows.to(t.device)].contiguous()
-    return out
+    return out | routing_tensors(routing, share, cp)
+
+
+def routing_tensors(routing: RolloutRouting | None, share: RankRows, cp: int) -> dict[str, Tensor]:
+    """The routing fields of `share` ("routing.<name>"), contiguous: its rows, its CP rank's
+    zig-zag columns and its MoE layers (`RolloutRouting.rank_part`); empty without routing. Pure."""
+    if routing is None:
+        return {}
+    part = routing.rank_part(share.rows.to(routing.known.device), share.cp_rank, cp, share.layers)
+    return {_ROUTING + f.name: getattr(part, f.name).contiguous() for f in fields(part)
+            if getattr(part, f.name) is not None}
+
+
+def stage_spec(spec, layers: Sequence[int] | None):
+    """`spec` (rank 0's routing fields) as a rank reading MoE `layers` receives them: the layer
+    dimension of the experts is len(layers) (None: unchanged, every rank reads all layers)."""
+    return [(name, dtype, shape[:2] + (len(layers),) + shape[3:]
+             if layers is not None and name == _ROUTING + "experts" else shape) for name, dtype, shape in spec]
 
 
 def _padded(nbytes: int) -> int:
@@ -161,13 +188,25 @@ def from_buffer(buf: Tensor, spec) -> dict[str, Tensor]:
     return out
 
 
-def _coordinates(groups) -> list[tuple[int, int, int]]:
-    """(DP rank, CP rank, model-parallel rank) of every global rank (one small all-gather)."""
-    mine = torch.tensor([dist.get_rank(groups.dp_group), dist.get_rank(groups.cp_group),
-                         dist.get_rank(groups.pgs.mp)], dtype=torch.long, device=group_device())
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [tuple(int(x) for x in t.tolist()) for t in every]
+@dataclass(frozen=True)
+class _Coord:
+    """Where a global rank sits: what it receives (its DP rows, CP shard, MoE layers) and from whom
+    (the first rank of its model-parallel group for the batch fields, of its TP group for the routing)."""
+
+    dp: int
+    cp: int
+    mp: int  # rank in its model-parallel (TP x PP) group
+    tp: int  # rank in its TP group
+    layers: tuple[int, ...] | None
+
+
+def _coordinates(groups, layers) -> list[_Coord]:
+    """Every global rank's `_Coord` (one small object all-gather)."""
+    mine = _Coord(dist.get_rank(groups.dp_group), dist.get_rank(groups.cp_group), dist.get_rank(groups.pgs.mp),
+                  dist.get_rank(groups.tp_group), None if layers is None else tuple(int(i) for i in layers))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def _picklable(error: Exception) -> Exception:
@@ -187,19 +226,41 @@ def _local(tensors: dict[str, Tensor], rows: Tensor, cp: int, metrics: dict, nby
                         else None, metrics, nbytes)
 
 
-def scatter_batch(prepare: Callable[[], Prepared], layout, groups) -> LocalRollout:
+def _deliver(spec, own: dict[str, Tensor] | None, part: Callable[[int], dict[str, Tensor]], leaders: list[bool],
+             group) -> dict[str, Tensor]:
+    """One buffer per `group`: rank 0 sends `part(dst)` to every other rank whose `leaders[dst]`
+    (the first rank of its group), which broadcasts it in `group`; rank 0 keeps `own`. The tensors
+    of this rank's part, by name."""
+    device, rank = group_device(), dist.get_rank()
+    if rank == 0:
+        for dst, lead in enumerate(leaders):
+            if dst != 0 and lead:
+                dist.send(to_buffer(part(dst), device), dst=dst)
+        buf = to_buffer(own, device) if dist.get_world_size(group) > 1 else None
+    else:
+        buf = torch.empty(buffer_size(spec), dtype=torch.uint8, device=device)
+        if leaders[rank]:
+            dist.recv(buf, src=0)
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+    return own if rank == 0 else from_buffer(buf, spec)
+
+
+def scatter_batch(prepare: Callable[[], Prepared], layout, groups,
+                  layer_ids: Sequence[int] | None = None) -> LocalRollout:
     """Every rank's part of the step's batch (collective; the module docstring gives the protocol
     and its cost). `prepare` runs on global rank 0 only; `layout`: the step's BatchLayout;
-    `groups`: the run's ParallelGroups."""
+    `groups`: the run's ParallelGroups; layer_ids: the MoE layers whose routing this rank reads
+    (its stage's, `RouterReplayController.layer_ids`; None on every rank: all layers)."""
     cp = groups.config.cp
-    coords = _coordinates(groups)
-    mine = coords[dist.get_rank()]
-    rows = layout.local_rows(mine[0])
-    header, prepared, plan = None, None, None
+    coords = _coordinates(groups, layer_ids)
+    me = coords[dist.get_rank()]
+    rows = layout.local_rows(me.dp)
+    header, prepared, plan, own = None, None, None, None
     if dist.get_rank() == 0:
         try:
             prepared = prepare()
-            plan = row_plan(layout, [c[:2] for c in coords])
+            plan = row_plan(layout, [(c.dp, c.cp) for c in coords], [c.layers for c in coords])
             own = part_tensors(prepared.full, prepared.routing, plan[0], cp)
             header = {"spec": spec_of(own), "metrics": prepared.metrics}
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
@@ -207,17 +268,13 @@ def scatter_batch(prepare: Callable[[], Prepared], layout, groups) -> LocalRollo
     header = broadcast(header)
     if "error" in header:
         raise header["error"]
-    spec, mp, device = header["spec"], groups.pgs.mp, group_device()
-    if dist.get_rank() == 0:
-        for dst, (_, _, mp_rank) in enumerate(coords):
-            if dst != 0 and mp_rank == 0:  # the first rank of another model-parallel group
-                dist.send(to_buffer(part_tensors(prepared.full, prepared.routing, plan[dst], cp), device), dst=dst)
-        buf = to_buffer(own, device) if dist.get_world_size(mp) > 1 else None
-    else:
-        buf = torch.empty(buffer_size(spec), dtype=torch.uint8, device=device)
-        if mine[2] == 0:
-            dist.recv(buf, src=0)
-    if dist.get_world_size(mp) > 1:
-        dist.broadcast(buf, src=dist.get_global_rank(mp, 0), group=mp)
-    tensors = own if dist.get_rank() == 0 else from_buffer(buf, spec)
-    return _local(tensors, rows, cp, header["metrics"], part_bytes(spec))
+    spec = [f for f in header["spec"] if not f[0].startswith(_ROUTING)]
+    routing_spec = stage_spec([f for f in header["spec"] if f[0].startswith(_ROUTING)], me.layers)
+    mine = {k: v for k, v in own.items() if not k.startswith(_ROUTING)} if own is not None else None
+    tensors = _deliver(spec, mine, lambda dst: part_tensors(prepared.full, None, plan[dst], cp),
+                       [c.mp == 0 for c in coords], groups.pgs.mp)
+    if routing_spec:
+        mine = {k: v for k, v in own.items() if k.startswith(_ROUTING)} if own is not None else None
+        tensors = tensors | _deliver(routing_spec, mine, lambda dst: routing_tensors(prepared.routing, plan[dst], cp),
+                                     [c.tp == 0 for c in coords], groups.tp_group)
+    return _local(tensors, rows, cp, header["metrics"], part_bytes(spec) + part_bytes(routing_spec))

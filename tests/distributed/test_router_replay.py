@@ -9,7 +9,9 @@ Every rank loads the same random HF model, records the live routing (R2), and ch
   and the router weights still get gradients;
 - R3: the world-size-1 routing, handed over in the engine's per-sample format, goes through
   megatron_rl.moe.plumbing into this layout and matches what this layout's router records itself
-  (the single-rank reference), then replays exactly, padding and missing routing included.
+  (the single-rank reference), then replays exactly, padding and missing routing included; each
+  rank reads only its part (RolloutRouting.rank_part: its rows and its stage's MoE layers), and
+  the loss and router gradients under R3 equal the single rank's.
 """
 import pytest
 import torch
@@ -163,21 +165,28 @@ def _child(rank, world, sizes, recompute=None, engine_routes=None):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
     assert maps_match(rec)
 
-    # ---- R3 plumbing: the single-rank routing in engine format -> this layout == own record
+    # ---- R3 plumbing: the single-rank routing in engine format -> this layout == own record. At
+    # world size 1 the run's own record plays the engine (the reference of the other layouts).
+    reference = engine_routes is None
+    if reference:
+        engine_routes = _engine_routes(rec, slices, mbs)
     layout = TokenLayout.from_groups(groups, model.config.sequence_parallel)
-    r3 = None
-    if engine_routes is not None:
-        routing = RolloutRouting.from_samples(_samples(tokens, engine_routes), SEQ + 1).select(rows)
-        sums = replayed_token_sums(routing)
-        r3 = []
-        for k, sl in enumerate(slices):
-            sub = routing.select(sl)
-            live = rec[k] if live_routing_needed(sub) else None
-            mb = replay_routing(sub, layout, ctl.layer_ids, E, live=live)
-            r3.append(mb)
-            sums = accumulate(sums, routing_agreement_sums(rec[k].indices, mb.indices, mb.mask, ctl.layer_ids,
-                                                         ctl.num_moe_layers, "route_agree_rollout_train"))
-        out["r3_before"] = finish(reduce_metrics(sums))
+    # this rank's part: its rows and its stage's MoE layers, as rank 0 cuts it (trainer/scatter.py)
+    routing = RolloutRouting.from_samples(_samples(tokens, engine_routes), SEQ + 1).rank_part(
+        rows, layer_ids=ctl.layer_ids)
+    sums = replayed_token_sums(routing)
+    r3, r3_live = [], []
+    for k, sl in enumerate(slices):
+        sub = routing.select(sl)
+        live = rec[k] if live_routing_needed(sub) else None
+        mb = replay_routing(sub, layout, ctl.layer_ids, E, live=live)
+        r3.append(mb)
+        # padding from the own record too (not spread by local token index): the whole loss, padding
+        # included, is then the single rank's
+        r3_live.append(replay_routing(sub, layout, ctl.layer_ids, E, live=rec[k]))
+        sums = accumulate(sums, routing_agreement_sums(rec[k].indices, mb.indices, mb.mask, ctl.layer_ids,
+                                                     ctl.num_moe_layers, "route_agree_rollout_train"))
+    out["r3_before"] = finish(reduce_metrics(sums))
 
     # ---- perturb the routers: live routing changes, replay still reproduces the record
     with torch.no_grad():  # the same perturbation of each MoE layer in every layout
@@ -206,12 +215,18 @@ def _child(rank, world, sizes, recompute=None, engine_routes=None):
     out["probe_sums"] = {k: float(v) for k, v in sums.items()}
     out["probe"] = finish(sums)
 
-    if r3 is not None:
-        with ctl.replay(r3):
-            run()
-        out["r3_maps_match"] = maps_match(r3)
-    if engine_routes is None:  # world size 1: export the routing in the engine's format, check row independence
-        out["engine_routes"] = _engine_routes(rec, slices, mbs)
+    with ctl.replay(r3):
+        run()
+    out["r3_maps_match"] = maps_match(r3)
+    with ctl.replay(r3_live):  # R3 with the perturbed routers: loss and router gradients vs one rank
+        r3_loss, r3_grads = run()
+    out["r3_router_grads"] = dict(zip(ctl.layer_ids, r3_grads, strict=True))
+    if groups.is_last_stage:
+        total = torch.tensor(r3_loss, dtype=torch.float64)
+        dist.all_reduce(total, group=groups.dp_group)
+        out["r3_loss_total"] = float(total)
+    if reference:  # world size 1: export the routing in the engine's format, check row independence
+        out["engine_routes"] = engine_routes
         out["row_independent"] = _row_independent(ctl, ddp, step, local, forward_backward, rec_free, mbs)
         out["refuses_plain_model"] = _refuses_plain_model(arch, groups)
     return out
@@ -278,6 +293,7 @@ def test_replay_world_size_1(reference):
     assert reference["row_independent"]
     assert reference["refuses_plain_model"]
     assert reference["layer_ids"] == (0, 1)
+    assert reference["r3_maps_match"]
 
 
 @pytest.mark.parametrize("recompute", ["full", pytest.param("selective", marks=pytest.mark.mcore_api)])  # MoE recompute: training only (0.19)
@@ -312,3 +328,9 @@ def test_replay_two_ranks(reference, layout, recompute):
         assert [o["layer_ids"] for o in outs] == [(0,), (1,)]
     totals = [o["loss_total"] for o in outs if "loss_total" in o]
     assert totals and all(t == pytest.approx(reference["loss_total"], rel=1e-5) for t in totals)
+    # R3 (each rank replaying its part of the engine's routing: its stage's layers under PP) == one rank
+    r3_totals = [o["r3_loss_total"] for o in outs if "r3_loss_total" in o]
+    assert r3_totals and all(t == pytest.approx(reference["r3_loss_total"], rel=1e-5) for t in r3_totals)
+    for out in outs:
+        for layer, grad in out["r3_router_grads"].items():
+            torch.testing.assert_close(grad, reference["r3_router_grads"][layer], rtol=1e-4, atol=1e-7)

@@ -1,7 +1,7 @@
 """Rank 0 sends each rank its part of the step's batch (trainer/scatter.py), on two gloo ranks: for
 DP, CP, TP, PP and EP layouts every rank receives exactly what `local_shard` keeps of the whole
-batch (and the engine's routing of its rows), and no more; a failure of rank 0's packing reaches
-both ranks. No model: only megatron's process groups (the trained result under DP=2 equals DP=1
+batch (and the engine's routing of its rows, CP columns and pipeline stage's MoE layers), and no
+more; a failure of rank 0's packing reaches both ranks. No model: only megatron's process groups (the trained result under DP=2 equals DP=1
 in test_rl_loop.py, which also checks the logged bytes)."""
 from tests.spawn import run_ranks
 
@@ -39,19 +39,24 @@ def _scatter_every_layout(rank, world):
         routing = RolloutRouting.from_samples(samples, full.input_len + 1)
         layout = BatchLayout(rows=16, num_minibatches=2, dp=groups.dp_size, micro_batch_size=2)
         prepared = Prepared(full, routing, {"rollout/reward_mean": 7.5})
-        got = scatter_batch(lambda p=prepared: p, layout, groups)  # only rank 0 calls it
+        layers = [groups.pp_rank] if config.pp == 2 else [0, 1]  # the 2 MoE layers of _samples, by stage
+        got = scatter_batch(lambda p=prepared: p, layout, groups, layers)  # only rank 0 calls it
         rows, want = local_shard(full, layout, groups)
         assert torch.equal(got.rows, rows), name
         for f in dataclasses.fields(want):
             a, b = getattr(got.batch, f.name), getattr(want, f.name)
             assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(b, torch.Tensor) else a == b, (name, f.name)
-        for f in dataclasses.fields(routing):
-            assert torch.equal(getattr(got.routing, f.name), getattr(routing.select(rows), f.name)), (name, f.name)
+        cols = want.position_ids[0]  # this rank's CP columns (the rows are unpacked: position = column)
+        assert torch.equal(got.routing.known, routing.known[rows][:, cols]), name
+        assert torch.equal(got.routing.real, routing.real[rows][:, cols]), name
+        assert torch.equal(got.routing.experts, routing.experts[rows][:, cols][:, :, layers]), name
         assert got.metrics == {"rollout/reward_mean": 7.5}
-        whole = sum(t.numel() * t.element_size() for t in [*(getattr(full, f.name) for f in dataclasses.fields(full)),
-                                                          routing.experts, routing.known, routing.real]
-                    if isinstance(t, torch.Tensor))
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))  # noqa: E731
+        whole_routing = size([routing.experts, routing.known, routing.real])
+        whole = size(getattr(full, f.name) for f in dataclasses.fields(full)) + whole_routing
         out[name] = got.bytes_received / whole
+        out[name + "/routing"] = size([got.routing.experts, got.routing.known, got.routing.real]) / whole_routing
+        out[name + "/experts"] = size([got.routing.experts]) / size([routing.experts])
         dist.barrier()
     # rank 0's packing fails: both ranks raise its error, neither waits in a collective
     try:
@@ -65,7 +70,10 @@ def _scatter_every_layout(rank, world):
 def test_each_rank_receives_its_part_and_no_more():
     for rank, out in enumerate(run_ranks(_scatter_every_layout, world_size=2, timeout=180)):
         assert out.pop("error") == "no kept ids", rank
-        # DP=2 (EP=2 is DP=2 of the dense layout): half the rows. TP / PP peers: the same whole rows.
-        # CP=2: every row, half its per-token columns, the routing rows whole
-        assert out["dp2"] == out["ep2"] == 0.5 and out["tp2"] == out["pp2"] == 1.0, (rank, out)
-        assert 0.5 < out["cp2"] < 1.0, (rank, out)
+        # DP=2 (EP=2 is DP=2 of the dense layout): half the rows. TP peers: the same whole rows.
+        # PP=2: the whole rows, the routing of the stage's MoE layer only (one of two)
+        # CP=2: every row, half its per-token columns, its routing included (per-row fields whole)
+        assert out["dp2"] == out["ep2"] == 0.5 and out["tp2"] == 1.0, (rank, out)
+        assert 0.5 < out["pp2"] < 1.0 and 0.5 < out["cp2"] < 1.0, (rank, out)
+        assert out["tp2/routing"] == 1.0 and all(out[k + "/routing"] == 0.5 for k in ("dp2", "ep2", "cp2")), out
+        assert out["pp2/experts"] == 0.5 and 0.5 < out["pp2/routing"] < 1.0, out  # known / real: whole rows

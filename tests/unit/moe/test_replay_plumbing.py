@@ -44,18 +44,28 @@ def test_sequence_parallel_scatter():
         TokenLayout(tp_size=2, tp_rank=0, sequence_parallel=True).to_local(_pos_rows(1, 3))
 
 
-def test_zigzag_then_sequence_parallel():
+def _coded(b, s, layers=3):
+    """Routing whose experts hold their own coordinates: experts[row, pos, layer] = 100·row + pos + 1000·layer."""
+    x = _pos_rows(b, s)
+    experts = (x[:, :, None] + 1000 * torch.arange(layers)[None, None, :])[..., None]
+    return RolloutRouting(experts, torch.ones(b, s, dtype=torch.bool), x % 2 == 0)
+
+
+def test_rank_part_cuts_rows_zigzag_columns_and_layers_then_sequence_parallel():
     # CP=2: 8 positions -> 4 chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-    x = _pos_rows(1, 8)
-    assert TokenLayout(cp_size=2, cp_rank=0).to_local(x).tolist() == [0, 1, 6, 7]
-    assert TokenLayout(cp_size=2, cp_rank=1).to_local(x).tolist() == [2, 3, 4, 5]
-    assert TokenLayout(cp_size=2, cp_rank=0).positions(8).tolist() == zigzag_indices(0, 2, total_len=8).tolist()
+    rr = _coded(3, 8)
+    part = rr.rank_part(torch.tensor([2, 0]), cp_rank=0, cp=2, layer_ids=[2])
+    assert part.experts[..., 0].tolist() == [[[2200], [2201], [2206], [2207]], [[2000], [2001], [2006], [2007]]]
+    assert torch.equal(part.real, rr.real[[2, 0]][:, zigzag_indices(0, 2, total_len=8)])
+    assert rr.rank_part(slice(None), cp_rank=1, cp=2).experts[0, :, :, 0].tolist() == \
+        [[p + 1000 * layer for layer in range(3)] for p in (2, 3, 4, 5)]
     # then SP splits the CP-local sequence contiguously over TP
-    lay = TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True, cp_size=2, cp_rank=0)
-    assert lay.to_local(_pos_rows(2, 8)).tolist() == [6, 106, 7, 107]
+    lay = TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True)
+    assert lay.to_local(rr.rank_part(slice(0, 2), 0, 2, [0]).experts)[:, 0, 0].tolist() == [6, 106, 7, 107]
     # every (CP, TP) rank together covers every position once
     covered = sorted(p for c in range(2) for t in range(2)
-                     for p in TokenLayout(2, t, True, 2, c).positions(8).tolist())
+                     for p in TokenLayout(2, t, True).to_local(rr.rank_part(slice(0, 1), c, 2, [0]).experts)[:, 0, 0]
+                     .tolist())
     assert covered == list(range(8))
 
 
@@ -100,7 +110,7 @@ def test_rollout_routing_from_samples():
 
 def test_replay_routing_padding_gets_spread_experts():
     rr = RolloutRouting.from_samples([_sample(2, 3, _routes(4)), _sample(2, 1, _routes(2, base=2))], seq_len=6)
-    mb = replay_routing(rr, TokenLayout(), layer_ids=[1], num_experts=4)
+    mb = replay_routing(rr.rank_part(slice(None), layer_ids=[1]), TokenLayout(), layer_ids=[1], num_experts=4)
     idx = mb.indices[0].view(5, 2, 2)  # [s, b, k]
     assert torch.equal(idx[:4, 0], _routes(4)[:, 1].long())  # row 0, MoE layer 1
     assert torch.equal(idx[:2, 1], _routes(2, base=2)[:, 1].long())
@@ -132,23 +142,36 @@ def test_replay_routing_hybrid_fill_from_live_record():
 def test_replay_routing_under_sequence_parallel_and_pp():
     rr = RolloutRouting.from_samples([_sample(3, 2, _routes(4, layers=3))], seq_len=5)  # 4 positions, 1 row
     full = replay_routing(rr, TokenLayout(), [0, 1, 2], 4)
-    tp1 = replay_routing(rr, TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True), [2], 4)
+    sp = TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True)
+    tp1 = replay_routing(rr.rank_part(slice(None), layer_ids=[2]), sp, [2], 4)  # the stage's part only
     assert torch.equal(tp1.indices[0], full.indices[2][2:])  # second half of the sequence, MoE layer 2
-    assert local_mask(rr.real, TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True)).tolist() == [True, True]
+    assert local_mask(rr.real, sp).tolist() == [True, True]
+    with pytest.raises(ValueError, match="rank_part"):  # routing of every layer is not this stage's part
+        replay_routing(rr, sp, [2], 4)
+
+
+def test_replay_of_each_cp_rank_part_is_the_single_rank_replay_at_its_positions():
+    """CP=2 x TP=2 (SP): what each rank replays from its part (RolloutRouting.rank_part, as rank 0
+    sends it) is the one-rank replay of the whole rows at the positions that rank routes."""
+    rr = RolloutRouting.from_samples([_sample(3, 4, _routes(6, layers=3)), _sample(2, 2, _routes(3, layers=3, base=1))],
+                                     seq_len=9)  # 8 positions, the second row mostly padding
+    one = replay_routing(rr, TokenLayout(), [0, 1, 2], 4)
+    whole = torch.stack(one.indices, 1).view(8, 2, 3, 2)  # [s, b, layer, k]
+    known = rr.known.T  # [s, b]
+    for c in range(2):
+        cols = zigzag_indices(c, 2, total_len=8)
+        for t in range(2):
+            lay = TokenLayout(tp_size=2, tp_rank=t, sequence_parallel=True)
+            got = replay_routing(rr.rank_part(slice(None), c, 2, [1, 2]), lay, [1, 2], 4)
+            pos = cols[t * 2:(t + 1) * 2]
+            for j, layer in enumerate((1, 2)):
+                idx = got.indices[j].view(2, 2, 2)
+                where = known[pos][..., None]  # padding takes any valid experts: compare engine-routed ones
+                assert torch.equal(torch.where(where, idx, -1), torch.where(where, whole[pos, :, layer], -1))
+            assert torch.equal(got.mask.view(2, 2), (rr.known & rr.real).T[pos])
 
 
 def test_replay_routing_rejects_bad_expert_ids():
     rr = RolloutRouting.from_samples([_sample(2, 2, torch.full((3, 1, 2), 9, dtype=torch.int16))], seq_len=4)
     with pytest.raises(ValueError, match="outside"):
         replay_routing(rr, TokenLayout(), [0], num_experts=4)
-
-
-def test_a_cp_shard_goes_to_the_same_local_order_as_its_full_rows():
-    """TrainBatch tensors arrive CP-sharded (rank 0 of CP=2 holds positions 0, 1, 6, 7 of 8); the
-    local token order of that shard equals to_local of the full rows, SP split included."""
-    full = _pos_rows(2, 8)
-    shard = full[:, [0, 1, 6, 7]]
-    lay = TokenLayout(tp_size=2, tp_rank=1, sequence_parallel=True, cp_size=2, cp_rank=0)
-    assert lay.cp_shard_to_local(shard).tolist() == lay.to_local(full).tolist() == [6, 106, 7, 107]
-    assert TokenLayout(cp_size=2, cp_rank=1).cp_shard_to_local(full[:, [2, 3, 4, 5]]).tolist() == \
-        TokenLayout(cp_size=2, cp_rank=1).to_local(full).tolist()

@@ -1,13 +1,14 @@
-"""The pure parts of the rank-0 scatter (trainer/scatter.py): which rows and columns each rank of a
-DP x CP x TP x PP (x EP) layout gets, against the batch cut by hand, and the flat byte buffer."""
+"""The pure parts of the rank-0 scatter (trainer/scatter.py): which rows, columns and MoE layers each
+rank of a DP x CP x TP x PP (x EP) layout gets, against the batch cut by hand, and the flat byte buffer."""
 import pytest
 import torch
 
 from megatron_rl.moe import RolloutRouting
+from megatron_rl.moe.plumbing import stage_layer_ids
 from megatron_rl.parallel.layout import BatchLayout
 from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer.batch import build_batch, padded_length, row_multiple
-from megatron_rl.trainer.scatter import from_buffer, part_tensors, row_plan, spec_of, to_buffer
+from megatron_rl.trainer.scatter import from_buffer, part_tensors, row_plan, spec_of, stage_spec, to_buffer
 
 
 def _samples(n: int, layers: int = 2, topk: int = 2) -> list[Sample]:
@@ -23,20 +24,24 @@ def _samples(n: int, layers: int = 2, topk: int = 2) -> list[Sample]:
     return out
 
 
-def _coords(tp: int, pp: int, cp: int, dp: int) -> list[tuple[int, int]]:
-    """(DP rank, CP rank) of every global rank as megatron-core lays them out (its RankGenerator,
-    default order): the independent reference for who shares which rows. EP needs no case of its
-    own: experts split the dense layout's DP ranks (megatron's expert generator), whose rows these are."""
+def _coords(tp: int, pp: int, cp: int, dp: int) -> list[tuple[int, int, int]]:
+    """(DP rank, CP rank, PP rank) of every global rank as megatron-core lays them out (its
+    RankGenerator, default order): the independent reference for who shares which rows. EP needs
+    no case of its own: experts split the dense layout's DP ranks (megatron's expert generator),
+    whose rows these are."""
     from megatron.core.parallel_state import RankGenerator
 
     gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
     coords = [None] * (tp * pp * cp * dp)
     for dp_ranks in gen.get_ranks("dp"):
         for i, g in enumerate(dp_ranks):
-            coords[g] = [i, None]
+            coords[g] = [i, None, None]
     for cp_ranks in gen.get_ranks("cp"):
         for i, g in enumerate(cp_ranks):
             coords[g][1] = i
+    for pp_ranks in gen.get_ranks("pp"):
+        for i, g in enumerate(pp_ranks):
+            coords[g][2] = i
     return [tuple(c) for c in coords]
 
 
@@ -59,21 +64,31 @@ def test_each_rank_gets_its_dp_rows_and_cp_columns(tp, pp, cp, dp):
     routing = RolloutRouting.from_samples(samples, full.input_len + 1)
     layout = BatchLayout(rows=16, num_minibatches=2, dp=dp, micro_batch_size=2)
     coords = _coords(tp, pp, cp, dp)
-    plan = row_plan(layout, coords)
+    layers = [stage_layer_ids([1, 1], pp, stage) for _, _, stage in coords]  # 2 MoE layers over PP stages
+    plan = row_plan(layout, [c[:2] for c in coords], layers)
     seen = torch.zeros(16, full.input_len, dtype=torch.long)  # how often each (row, column) is trained
+    routed = torch.zeros(16, full.input_len, 2, dtype=torch.long)  # ... and its routing of each layer received
     for g, share in enumerate(plan):
-        dp_rank, cp_rank = coords[g]
+        dp_rank, cp_rank, _ = coords[g]
         rows = layout.local_rows(dp_rank)
-        assert torch.equal(share.rows, rows) and share.cp_rank == cp_rank
+        assert torch.equal(share.rows, rows) and share.cp_rank == cp_rank and share.layers == tuple(layers[g])
         got = part_tensors(full, routing, share, cp)
         for name in ("input_ids", "labels", "loss_mask", "rollout_logprobs", "advantages", "kept_ids", "position_ids"):
             assert torch.equal(got[name], _by_hand(getattr(full, name), rows, cp_rank, cp)), name
         assert torch.equal(got["rewards"], full.rewards[rows]) and torch.equal(got["versions"], full.versions[rows])
-        for name in ("experts", "known", "real"):  # routing rows whole: the replay cuts them itself
-            assert torch.equal(got[f"routing.{name}"], getattr(routing, name)[rows]), name
+        for name in ("known", "real"):  # the routing: rows and CP columns like the per-token fields
+            assert torch.equal(got[f"routing.{name}"], _by_hand(getattr(routing, name), rows, cp_rank, cp)), name
+        # ... and of the experts only this stage's MoE layers
+        assert torch.equal(got["routing.experts"], _by_hand(routing.experts, rows, cp_rank, cp)[:, :, layers[g]])
+        routing_spec = [f for f in spec_of(got) if f[0].startswith("routing.")]
+        assert stage_spec(spec_of(part_tensors(full, routing, plan[0], cp)), layers[g])[-3:] == routing_spec
         seen[rows[:, None], got["position_ids"]] += 1
-    # every (row, column) is trained by exactly TP x PP ranks: each DP x CP cell once per model-parallel rank
+        for layer in layers[g]:
+            routed[rows[:, None], got["position_ids"], layer] += 1
+    # every (row, column) is trained by exactly TP x PP ranks: each DP x CP cell once per model-parallel rank;
+    # its routing of each MoE layer reaches only the TP ranks of the stage that holds the layer
     assert bool((seen == tp * pp).all())
+    assert bool((routed == tp).all())
 
 
 def test_the_buffer_round_trips_every_dtype_at_aligned_offsets():
