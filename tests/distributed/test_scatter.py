@@ -9,6 +9,13 @@ LAYOUTS = {"dp2": {}, "cp2": {"context_parallel_size": 2}, "tp2": {"tensor_model
            "pp2": {"pipeline_model_parallel_size": 2}, "ep2": {"expert_model_parallel_size": 2}}
 
 
+def _size(tensors) -> int:
+    """Bytes of the tensors among `tensors` (None and other values count nothing)."""
+    import torch
+
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _failing_prepare():
     raise ValueError("no kept ids")
 
@@ -51,12 +58,11 @@ def _scatter_every_layout(rank, world):
         assert torch.equal(got.routing.real, routing.real[rows][:, cols]), name
         assert torch.equal(got.routing.experts, routing.experts[rows][:, cols][:, :, layers]), name
         assert got.metrics == {"rollout/reward_mean": 7.5}
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))  # noqa: E731
-        whole_routing = size([routing.experts, routing.known, routing.real])
-        whole = size(getattr(full, f.name) for f in dataclasses.fields(full)) + whole_routing
+        whole_routing = _size([routing.experts, routing.known, routing.real])
+        whole = _size(getattr(full, f.name) for f in dataclasses.fields(full)) + whole_routing
         out[name] = got.bytes_received / whole
-        out[name + "/routing"] = size([got.routing.experts, got.routing.known, got.routing.real]) / whole_routing
-        out[name + "/experts"] = size([got.routing.experts]) / size([routing.experts])
+        out[name + "/routing"] = _size([got.routing.experts, got.routing.known, got.routing.real]) / whole_routing
+        out[name + "/experts"] = _size([got.routing.experts]) / _size([routing.experts])
         dist.barrier()
     # rank 0's packing fails: both ranks raise its error, neither waits in a collective
     try:
