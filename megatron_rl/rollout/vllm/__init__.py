@@ -106,7 +106,10 @@ MAY_CHANGE = ("url", "urls", "num_servers", "api_key", "python", "device", "env"
 VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, no_routing=_no_routing,
                   no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
                                   "or rollout.dtype=fp32 for the whole server",
-                  transports=("memory", "disk"), transport_for=_transport, may_change=MAY_CHANGE)
+                  transports=("memory", "disk"), transport_for=_transport, may_change=MAY_CHANGE,
+                  in_flight_updates=("wait", "abort"),
+                  no_in_flight="pause needs each token's weight version, and a non-streaming vLLM request does not "
+                               "say which of its tokens came after the update")
 
 
 __all__ = [

@@ -5,6 +5,7 @@
     engine.load_weights_from(model_dir, version=0)     # or an HF folder (the `disk` transport's; reload / restart)
                                                        # the first weights start the servers
     groups = engine.generate(prompts, n=8, sampling=SamplingParams(max_tokens=64))
+    engine.abort(); ...; engine.resume()               # train.in_flight_update=abort, from another thread
     engine.stats()   # {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0, ...}
     engine.close()
 
@@ -13,7 +14,7 @@ A facade over the modules that do the work, one job each:
     servers.py     the servers as configured: flags, environment, devices (nothing starts)
     pool.py        which server takes the next request; each server's state and counters
     fleet.py       starting the servers, taking a failed one out and restarting it; the counters
-    generation.py  a generate() call: requests, retries, failover
+    generation.py  a generate() call: requests, retries, failover, abort for a weight update
     updates.py     weight syncs (memory / disk) and the parity probe after them
 
 Servers. `rollout.vllm.num_servers` launched ones or the `urls` given (pool.py): every sync
@@ -149,8 +150,26 @@ class VllmEngine:
 
     # ---- generation (generation.py) -----------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
-        """n samples per prompt; result[i][j] is sample j of prompt i (generation.py)."""
-        return self.generation.generate(prompts, n, sampling, self.policy_version)
+        """n samples per prompt; result[i][j] is sample j of prompt i (generation.py). Raises
+        GenerationAborted when abort() ends it."""
+        return self.generation.generate(prompts, n, sampling, lambda: self.policy_version)
+
+    def abort(self) -> None:
+        """Make the generate() call in flight raise GenerationAborted; return once it has ended,
+        none of its requests still running (at once when none runs). No call starts until
+        resume(). (train.in_flight_update=abort: the weights are pushed in between.)"""
+        self.generation.abort()
+
+    def resume(self) -> None:
+        self.generation.resume()
+
+    def pause(self) -> None:
+        """Refused (train.in_flight_update=pause is refused for vLLM at start-up): a non-streaming
+        request does not tell which of its tokens came after the update, so the per-token
+        versions a partial rollout records would be guesses."""
+        raise VllmUnsupportedError("the vLLM engine cannot pause a generation for a weight update: a non-streaming "
+                                   "request does not say which of its tokens came after the update; use "
+                                   "train.in_flight_update=abort or wait")
 
     # kept for the fault tests that drive a failure by hand
     def _lose(self, replica: Replica, epoch: int, reason: str) -> None:
@@ -162,8 +181,8 @@ class VllmEngine:
     # ---- bookkeeping --------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Counters since construction (vllm/restarts, vllm/retries, vllm/bad_responses,
-        vllm/requests, vllm/weight_syncs: pool totals) and the last
-        values of vllm/probe_max_abs_diff (the largest over the servers) and
+        vllm/requests, vllm/weight_syncs: pool totals; vllm/aborts once a call was aborted) and
+        the last values of vllm/probe_max_abs_diff (the largest over the servers) and
         timing/vllm_{server_start,restart,reload,memory_sync,weight_sync} (seconds); for a pool,
         per server k: vllm/server{k}/{requests,tokens,restarts,ready,tokens_per_s (last call),
         probe_max_abs_diff}."""
