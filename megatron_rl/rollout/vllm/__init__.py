@@ -13,7 +13,7 @@ talks to it over HTTP on 127.0.0.1:
     servers.py      the servers as configured: flags, environment, devices
     pool.py         ServerPool: several servers, least-loaded placement, each one's state
     fleet.py        starting the servers, taking a failed one out and restarting it, the counters
-    generation.py   a generate() call: requests, retries, failover
+    generation.py   a generate() call: requests, retries, failover, abort for a weight update
     updates.py      weight syncs into the servers and the parity probe after each
     transfer.py     MemorySync: in-memory weight sync over vLLM's weight-transfer API (default)
     weight_sync.py  WeightSync (DiskReloadSync, RestartSync) of a weights folder, the refusals
