@@ -42,7 +42,7 @@ def fault_after_first_answer(monkeypatch, fault, url: str | None = None) -> thre
     `url`; None: any) has been answered, while the first such request is held back (not sent)
     until then: the call making them is unfinished when the fault strikes, however fast or slow
     the machine. Returns the event set once it has struck (monkeypatch.undo() ends the patch)."""
-    import megatron_rl.rollout.vllm.client as client_module
+    import megatron_rl.rollout.vllm.generation as client_module
 
     real = client_module.request_json
     lock = threading.Lock()

@@ -34,7 +34,9 @@ class FakeVllm:
     HTTP status), "drop" (close the connection without an answer: also marks the server dead),
     "hang" (no answer until the test calls release_hung() or the server is stopped, as a killed
     process's connections end; then the good answer, if anyone still listens). Default: the
-    good answer. `hanging` is set once a request hangs.
+    good answer. `hanging` is set once a request hangs. POST /abort_requests ends the requests
+hung at that moment with finish_reason "abort", as vLLM's does (`aborts` counts them; with
+abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE does).
 
     api_key: the key every request must carry (None: a fresh random one; "" : no key needed).
     `unauthorised` counts the requests refused for the key."""
@@ -42,8 +44,11 @@ class FakeVllm:
     can_restart = True
     model_name = "fake"
 
-    def __init__(self, vocab: int = 64, behaviour=None, api_key: str | None = None):
+    def __init__(self, vocab: int = 64, behaviour=None, api_key: str | None = None, abort_endpoint: bool = True):
         self.vocab = vocab
+        self.abort_endpoint = abort_endpoint
+        self.aborts = 0  # POST /abort_requests received
+        self.abort_refused = threading.Event()  # set when one was answered 404 (abort_endpoint=False)
         self.behaviour = behaviour or (lambda body, answer: answer)
         self.api_key = secrets.token_urlsafe(16) if api_key is None else (api_key or None)
         self.requests: list[dict] = []
@@ -56,6 +61,7 @@ class FakeVllm:
         self.hanging = threading.Event()
         self._released = False
         self._wake = threading.Event()  # of the running server: set by release_hung() and stop()
+        self._hung = threading.Condition()  # hung requests wait on it for _wake or an abort
 
     @property
     def log_where(self) -> str:
@@ -68,6 +74,8 @@ class FakeVllm:
         """Let every hung request (and any later "hang") answer."""
         self._released = True
         self._wake.set()
+        with self._hung:
+            self._hung.notify_all()
 
     def _authorised(self, header: str | None) -> bool:
         if self.api_key is None:
@@ -100,16 +108,21 @@ class FakeVllm:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if not self._check_key():
                     return
+                if self.path == "/abort_requests":
+                    return self._abort()
                 if self.path != "/v1/completions":
                     return self._send(200, b'{"results": [null]}')
                 with fake.lock:
                     fake.requests.append(body)
+                    aborts = fake.aborts  # an abort from now on ends this request's hang
                 out = "drop" if fake.dead else fake.behaviour(body, good_answer(body, fake.vocab))
                 if out == "hang":
                     fake.hanging.set()
-                    if not fake._released:  # no timer: only release_hung() or a stop ends the hang
-                        wake.wait(HANG_GUARD_S)
+                    with fake._hung:  # no timer: only release_hung(), a stop or an abort ends the hang
+                        fake._hung.wait_for(lambda: wake.is_set() or fake.aborts != aborts, HANG_GUARD_S)
                     out = good_answer(body, fake.vocab)
+                    if not wake.is_set():
+                        out["choices"][0]["finish_reason"] = "abort"
                 if out == "drop":
                     fake.dead = True
                     self.close_connection = True
@@ -117,6 +130,16 @@ class FakeVllm:
                 if isinstance(out, int):
                     return self._send(out, b'{"error": "fake"}')
                 self._send(200, out if isinstance(out, bytes) else json.dumps(out).encode())
+
+            def _abort(self):
+                if not fake.abort_endpoint:
+                    fake.abort_refused.set()
+                    return self._send(404, b'{"detail": "Not Found"}')
+                with fake._hung:
+                    with fake.lock:
+                        fake.aborts += 1
+                    fake._hung.notify_all()
+                self._send(200, b'{"status": "aborted"}')
 
             def _check_key(self) -> bool:
                 if fake._authorised(self.headers.get("Authorization")):
@@ -157,6 +180,8 @@ class FakeVllm:
     def stop(self, graceful: bool = True) -> None:
         if self.httpd is not None:
             self._wake.set()  # hung requests end, as a killed server's connections do
+            with self._hung:
+                self._hung.notify_all()
             self.httpd.shutdown()
             self.httpd.server_close()
             self.httpd = None

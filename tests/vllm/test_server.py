@@ -1,7 +1,9 @@
 """A real vLLM server (CPU lane, tiny dense Qwen3, fp32): log-prob parity, sampling semantics,
-weight sync with the parity probe, multi-turn trajectories equal to the embedded engine's, and that
-it serves no one without its key. One server for the module (a start costs ~30-80 s)."""
+weight sync with the parity probe, multi-turn trajectories equal to the embedded engine's, that
+it serves no one without its key, and abort for an in-flight weight update. One server for the
+module (a start costs ~30-80 s)."""
 import os
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -14,12 +16,13 @@ from megatron_rl.data.types import Example
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
+from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.http import HttpStatusError, request, request_json
 from megatron_rl.rollout.vllm.probe import hf_reference
 from megatron_rl.rollout.vllm.protocol import completion_body
-from tests.vllm.conftest import hf_weights, push, tiny_arch
+from tests.vllm.conftest import HOLD_GUARD_S, hf_weights, push, tiny_arch
 
 pytestmark = pytest.mark.vllm
 
@@ -218,3 +221,50 @@ def test_the_server_serves_no_one_without_its_key(engine):
                 assert key.encode() not in f.read()
         except FileNotFoundError:
             pass
+
+
+def test_abort_ends_the_call_in_flight_on_the_server_and_the_next_call_samples(engine, monkeypatch):
+    """train.in_flight_update=abort: abort() asks the server to end the call's requests (vLLM's
+    /abort_requests), returns once every request has returned, and the call raises GenerationAborted.
+    The call's first request is held back until the abort has reached the server (an event), so the
+    call is still running when abort() is called, however fast the machine."""
+    from megatron_rl.rollout.vllm import generation
+
+    real = generation.request_json
+    lock, first = threading.Lock(), [True]
+    sent, aborted, answers = threading.Event(), threading.Event(), {}
+
+    def request_json(where, *args, **kwargs):
+        if where.endswith("/abort_requests"):
+            try:
+                answers["abort"] = real(where, *args, **kwargs)
+                return answers["abort"]
+            finally:
+                aborted.set()
+        with lock:
+            held, first[0] = first[0], False
+        if held:
+            sent.set()
+            assert aborted.wait(HOLD_GUARD_S), "no abort reached the server"
+        return real(where, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "request_json", request_json)
+    outcome = {}
+
+    def run():
+        try:
+            outcome["samples"] = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_tokens=64, seed=3))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="rollout-generation")
+    thread.start()
+    assert sent.wait(HOLD_GUARD_S)
+    engine.abort()
+    thread.join(HOLD_GUARD_S)
+    assert isinstance(outcome.get("error"), GenerationAborted), outcome
+    assert answers["abort"]["status"] == "aborted"  # the endpoint exists on the server (VLLM_SERVER_DEV_MODE=1)
+    assert engine.replicas[0].in_flight == 0 and engine.stats()["vllm/aborts"] == 1
+    engine.resume()
+    monkeypatch.undo()
+    assert len(engine.generate(PROMPTS, 1, SamplingParams(max_tokens=4))) == len(PROMPTS)

@@ -9,8 +9,12 @@ talks to it over HTTP on 127.0.0.1:
     launcher.py     LocalServer (child process, health, stop on exit) / RemoteServer (a URL)
     http.py         stdlib JSON over HTTP, failures sorted for the client
     protocol.py     request bodies, strict answer validation, log-prob mode semantics
-    client.py       VllmEngine: the RolloutEngine contract, retries, restarts, stats
+    client.py       VllmEngine: the RolloutEngine contract, a facade over the next four
+    servers.py      the servers as configured: flags, environment, devices
     pool.py         ServerPool: several servers, least-loaded placement, each one's state
+    fleet.py        starting the servers, taking a failed one out and restarting it, the counters
+    generation.py   a generate() call: requests, retries, failover, abort for a weight update
+    updates.py      weight syncs into the servers and the parity probe after each
     transfer.py     MemorySync: in-memory weight sync over vLLM's weight-transfer API (default)
     weight_sync.py  WeightSync (DiskReloadSync, RestartSync) of a weights folder, the refusals
     server_plugin/  code the server imports: the bearer-key middleware, the gloo transfer engine
@@ -102,7 +106,10 @@ MAY_CHANGE = ("url", "urls", "num_servers", "api_key", "python", "device", "env"
 VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, no_routing=_no_routing,
                   no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
                                   "or rollout.dtype=fp32 for the whole server",
-                  transports=("memory", "disk"), transport_for=_transport, may_change=MAY_CHANGE)
+                  transports=("memory", "disk"), transport_for=_transport, may_change=MAY_CHANGE,
+                  in_flight_updates=("wait", "abort"),
+                  no_in_flight="pause needs each token's weight version, and a non-streaming vLLM request does not "
+                               "say which of its tokens came after the update")
 
 
 __all__ = [

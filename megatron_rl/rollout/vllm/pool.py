@@ -10,7 +10,7 @@ Placement. A request is placed when a request thread is free to send it (not whe
 queues it), on the READY server with the least work in flight, work = prompt tokens + max_tokens
 (the KV cache it may need); ties go to the lower index. A slow server (fewer devices, a longer
 queue) so gets fewer requests, and a server that dies is simply not picked any more. Placement
-never changes a sample: request (i, j) carries its own seed (client.py), so any server gives the
+never changes a sample: request (i, j) carries its own seed (generation.py), so any server gives the
 same sample from the same weights.
 
 States. READY serves. DOWN: found dead or hung, being stopped / restarted (not picked). STALE:

@@ -70,8 +70,8 @@ def test_token_versions_survive_the_checkpoint_format(tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     (["train.in_flight_update=pause"], "train.in_flight_update=pause .* train.schedule=async"),
-    (["train.in_flight_update=abort", "train.schedule=async", "rollout.backend=vllm"],
-     "train.in_flight_update=abort: rollout.backend=vllm supports wait"),
+    (["train.in_flight_update=pause", "train.schedule=async", "rollout.backend=vllm"],
+     "in_flight_update=pause: rollout.backend=vllm supports wait, abort .pause needs .* non-streaming vLLM request"),
     (["train.in_flight_update=later"], "train.in_flight_update='later': choose one of wait, pause, abort"),
 ])
 def test_in_flight_update_refusals_name_the_field(overrides, match):

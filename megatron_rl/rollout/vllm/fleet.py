@@ -1,0 +1,222 @@
+"""Keeping a VllmEngine's servers up: the first start, the checks after a start, taking a failed
+server out of the pool and restarting it, and the engine's counters.
+
+    fleet = Fleet(arch, cfg, root, pool, stopping)
+    fleet.start(model_dir)                      # every server at once; READY when it answers
+    fleet.lose(replica, epoch, "server died")   # out of the pool, restarted in the background
+    fleet.await_restarts()                      # a sync must reach a server that is coming back
+    fleet.close()
+
+Restarts. A server found dead or hung while requests run (generation.py) is taken out of the
+pool and stopped (its other requests fail fast and are resent), and restarted in the background
+(`vllm/restarts`): with a disk sync on the newest weight folder (`dirs`), after which it serves
+again; with weight_sync=memory on random weights, and it stays out (STALE) until the next
+update_weights() reaches it (the engine holds no copy of the streamed weights to push them at
+once; the sync waits for a restart in progress, so the next one always includes it). More than
+`max_restarts` restarts within one generate() call (all servers together), a server at a URL
+(never restarted by us), or weight_sync=memory with no other server left: the server stays
+out, and when none is left VllmServerDiedError (the trainer checkpoints and stops). Never a
+restart once `stopping()` is true (the run got SIGTERM or Ctrl-C): VllmServerDiedError.
+
+Cost: a start or restart is a model load on that server (~50 s for a tiny model on a 2-core
+CPU), plus one warm-up request of 2 tokens; the background restarts use one thread per server.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from megatron_rl.model.arch import ModelArch
+from megatron_rl.model.hf_io import save_hf_config
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm.config import VllmConfig
+from megatron_rl.rollout.vllm.errors import (
+    BadResponse,
+    VllmServerDiedError,
+    VllmStartError,
+    VllmUnsupportedError,
+)
+from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
+from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, STALE, Replica, ServerPool
+from megatron_rl.rollout.vllm.protocol import completion_body
+from megatron_rl.rollout.vllm.weight_sync import WeightDirs
+
+log = logging.getLogger("megatron_rl.rollout.vllm")
+
+
+class Fleet:
+    """The pool's servers and what keeps them up (module docstring); also the engine's counters
+    (`stats`, guarded by `lock` with the restart decisions, shared with the request threads)."""
+
+    def __init__(self, arch: ModelArch, cfg: VllmConfig, root: str, pool: ServerPool,
+                 stopping: Callable[[], bool]):
+        self.arch, self.cfg, self.root, self.pool = arch, cfg, root, pool
+        # The trainer's stop flag. A server that dies once the run is stopping is not restarted:
+        # SLURM signals every process of a job step, this server too, and a restart (a model
+        # load) would outlast the grace period before SIGKILL that the trainer needs to save.
+        self.stopping = stopping
+        self.dirs = WeightDirs(cfg.keep_weight_dirs)  # the folders it was given: a restart starts on the newest
+        self.lock = threading.Lock()
+        self.stats: dict[str, float] = {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0,
+                                        "vllm/requests": 0, "vllm/weight_syncs": 0}
+        self.call_restarts = 0  # restarts in the generate() call running now
+        self.started = self.closed = False
+        self._restarter = ThreadPoolExecutor(len(pool), thread_name_prefix="vllm-restart")
+        self._restarting: list[Future] = []
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.pool.replicas
+
+    def start(self, model_dir: str) -> None:
+        """Start every server on `model_dir` at once; each is READY when it answers."""
+        def start(replica: Replica) -> None:
+            seconds = replica.server.start(model_dir)
+            self.stats["timing/vllm_server_start"] = seconds
+            log.info("vLLM %s up in %.1f s", replica.name(), seconds)
+            replica.epoch += 1
+            self.warmup(replica)
+            if replica.memory is not None:
+                replica.memory.open(self.cfg.startup_timeout_s)
+            if self.cfg.enable_return_routed_experts:
+                self._check_routing(replica)
+            self.pool.set_state(replica, READY)
+
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            for f in [pool.submit(start, r) for r in self.replicas]:
+                f.result()
+        self.started = True
+
+    def restart(self, replica: Replica, model_dir: str, reason: str) -> None:
+        """Stop `replica` and start it anew on `model_dir` (READY for a disk sync; STALE, on random
+        weights, for weight_sync=memory). Raises VllmServerDiedError when we may not."""
+        server = replica.server
+        if not server.can_restart:
+            raise VllmServerDiedError(f"vLLM server at {server.url} failed ({reason}) and cannot be restarted by us")
+        if self.stopping():
+            raise VllmServerDiedError(f"vLLM server at {server.url} failed ({reason}); not restarted: the "
+                                      f"run is stopping")
+        log.warning("restarting vLLM %s (%s) on %s", replica.name(), reason, model_dir)
+        t0 = time.perf_counter()
+        server.stop(graceful=False)
+        server.restart(model_dir)
+        replica.epoch += 1
+        self.warmup(replica)
+        if replica.memory is not None:
+            replica.memory.open(self.cfg.startup_timeout_s)
+        with self.lock:
+            self.stats["vllm/restarts"] += 1
+            replica.restarts += 1
+            self.stats["timing/vllm_restart"] = time.perf_counter() - t0
+        self.pool.set_state(replica, STALE if replica.memory is not None else READY)
+        log.warning("vLLM %s restarted in %.1f s", replica.name(), time.perf_counter() - t0)
+
+    def warmup(self, replica: Replica) -> None:
+        """One short sampled request with log-probs: vLLM compiles an op on the first one, and a
+        server that is healthy but cannot run the model (e.g. a kernel the CPU lacks) fails here."""
+        if not self.cfg.warmup:
+            return
+        server = replica.server
+        body = completion_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
+        try:
+            request_json(server.url + "/v1/completions", body, timeout=self.cfg.startup_timeout_s,
+                         api_key=server.api_key)
+        except (TransportError, HttpStatusError, BadResponse) as e:
+            tail = server.log_tail(400)
+            hint = ""
+            if "died unexpectedly" in tail:
+                hint = (f" A vLLM worker process died running the model in {self.cfg.dtype}; on CPU machines "
+                        f"without working bf16 kernels bfloat16 dies this way (SIGILL): try "
+                        f"rollout.vllm.dtype=float16 or float32.")
+            server.stop(graceful=False)
+            raise VllmStartError(f"the vLLM server started but failed its first request ({e}).{hint} Log "
+                                 f"{server.log_where}, last lines:\n" + "\n".join(tail.splitlines()[-25:])) from e
+
+    def _check_routing(self, replica: Replica) -> None:
+        server = replica.server
+        body = completion_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
+        out = request_json(server.url + "/v1/completions", body, timeout=self.cfg.request_timeout_s,
+                           api_key=server.api_key)
+        if not (isinstance(out, dict) and out.get("choices") and out["choices"][0].get("routed_experts")):
+            self.close()
+            raise VllmUnsupportedError(f"router replay R3 was requested but the vLLM server at {server.url} "
+                                       f"returns no routed_experts (start it with --enable-return-routed-experts)")
+
+    def config_dir(self) -> str:
+        """A folder with the model's config.json alone: what a server starts on before weights."""
+        path = os.path.join(self.root, "model-config")
+        dtype = self.cfg.dtype if self.cfg.dtype != "auto" else "float32"
+        save_hf_config(path, self.arch, getattr(torch, dtype))
+        return path
+
+    def await_restarts(self) -> None:
+        """Wait for the background restarts (a sync must reach a server that is coming back)."""
+        for f in self._restarting:
+            f.result()
+        self._restarting = [f for f in self._restarting if not f.done()]
+
+    def lose(self, replica: Replica, epoch: int, reason: str) -> None:
+        """Take a dead or hung server out of the pool, stop it (its other requests fail fast and
+        are resent) and restart it in the background. Raises VllmServerDiedError when it may not
+        come back and no other server is READY."""
+        with self.lock:
+            if epoch != replica.epoch or replica.state != READY:
+                return
+            others = [r for r in self.replicas if r is not replica and r.state == READY]
+            why = self._no_restart(replica, reason, bool(others))
+            self.pool.set_state(replica, FAILED if why else DOWN, why or reason)
+            if not why:
+                self.call_restarts += 1
+        log.warning("vLLM %s taken out of the pool: %s", replica.name(), reason)
+        if replica.server.can_restart:
+            replica.server.stop(graceful=False)
+        if why:
+            if not others:
+                raise VllmServerDiedError(why)
+            log.warning("vLLM %s stays out: %s", replica.name(), why)
+            return
+        self._restarting.append(self._restarter.submit(self._restart_in_background, replica, reason))
+
+    def _no_restart(self, replica: Replica, reason: str, others: bool) -> str | None:
+        """Why `replica` is not restarted (None: it is)."""
+        server = replica.server
+        if not server.can_restart:
+            return f"vLLM server at {server.url} failed ({reason}) and cannot be restarted by us"
+        if self.stopping():
+            return f"vLLM server at {server.url} failed ({reason}); not restarted: the run is stopping"
+        if self.call_restarts >= self.cfg.max_restarts:
+            return (f"the vLLM server failed again ({reason}) after {self.call_restarts} restarts in this "
+                    f"generate() call (rollout.vllm.max_restarts). Log: {server.log_where}")
+        if replica.memory is not None and not others:
+            return (f"vLLM server at {server.url} failed ({reason}); with rollout.vllm.weight_sync=memory it is not "
+                    f"restarted: the engine holds no copy of the weights to start it on, and no other server of the "
+                    f"pool has them (resume the run, use rollout.vllm.num_servers > 1, or weight_sync=reload for "
+                    f"restarts from the newest weight folder). Log: {server.log_where}")
+        return None
+
+    def _restart_in_background(self, replica: Replica, reason: str) -> None:
+        try:
+            self.restart(replica, self.dirs.latest or self.config_dir(), reason)
+        except Exception as e:  # noqa: BLE001 - the server stays out; the pool fails when none is left
+            if not self.closed:  # else close() stopped it under the restart
+                log.error("vLLM %s could not be restarted: %s", replica.name(), e)
+            self.pool.set_state(replica, FAILED, f"restart failed: {e}")
+        if self.closed:  # closed while it started: stop what the restart left running
+            replica.server.stop(graceful=False)
+
+    def close(self) -> None:
+        """Stop the servers (if ours) and their in-memory syncs, and delete the weight folders."""
+        self.closed = True
+        for r in self.replicas:
+            if r.memory is not None:
+                r.memory.close()
+            r.server.stop()
+        self._restarter.shutdown(wait=False, cancel_futures=True)
+        self.dirs.clear()
+        self.started = False

@@ -1,0 +1,89 @@
+"""The servers of a VllmEngine as configured: their command-line flags, environment and devices.
+
+    servers, device = make_servers(arch, cfg, root, device, backend, max_model_len, logprobs_mode, max_logprobs)
+
+`rollout.vllm.urls` gives one RemoteServer per URL (never restarted by us); otherwise
+`num_servers` LocalServers are launched from the vLLM environment (env.py), server k logging to
+`<root>/server.log` (k = 0) or `<root>/server{k}.log`, on the k-th run of
+`tensor_parallel_size` GPUs of CUDA_VISIBLE_DEVICES. Nothing starts here: a server starts at
+the engine's first weight sync (fleet.py).
+
+Cost: pure; nothing grows with model or batch.
+"""
+from __future__ import annotations
+
+import os
+
+from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.vllm.config import VllmConfig
+from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
+from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
+from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, HOST, LocalServer, RemoteServer, ServerHandle
+from megatron_rl.rollout.vllm.transfer import weight_transfer_args
+from megatron_rl.rollout.vllm.weight_sync import check_supported
+
+
+def make_servers(arch: ModelArch, cfg: VllmConfig, root: str, device: str | None, backend, max_model_len: int,
+                 logprobs_mode: str, max_logprobs: int) -> tuple[list[ServerHandle], str | None]:
+    """The servers of cfg and their device: one RemoteServer per URL, else num_servers LocalServers
+    (a configuration refused on the device is refused before the environment is looked for)."""
+    if cfg.server_urls:
+        key = cfg.api_key or os.environ.get(ENV_API_KEY) or None
+        return ([RemoteServer(u, cfg.health_timeout_s, api_key=key) for u in cfg.server_urls],
+                device or (cfg.device if cfg.device != "auto" else "unknown"))
+    device = device or (cfg.device if cfg.device != "auto" else None)
+    if device is not None:  # refuse before looking for (or installing) the environment
+        check_supported(arch, cfg.weight_sync, device, cfg.enable_return_routed_experts, True)
+    python = ensure_vllm_python(cfg.python)
+    device = device or detect_device(python)
+    args = server_args(cfg, backend, max_model_len, logprobs_mode, max_logprobs)
+    return [LocalServer(python, args, server_env(cfg, device, k),
+                        os.path.join(root, "server.log" if k == 0 else f"server{k}.log"),
+                        cfg.startup_timeout_s, cfg.health_timeout_s) for k in range(cfg.num_servers)], device
+
+
+def server_args(c: VllmConfig, backend, max_model_len: int, logprobs_mode: str, max_logprobs: int) -> list[str]:
+    """`vllm serve` flags of a launched server (backend: the in-memory sync's, None for disk syncs)."""
+    args = ["--dtype", c.dtype, "--max-model-len", str(max_model_len), "--seed", str(c.seed),
+            "--logprobs-mode", logprobs_mode, "--max-logprobs", str(max_logprobs),
+            "--tensor-parallel-size", str(c.tensor_parallel_size), "--skip-tokenizer-init"]
+    if c.max_num_seqs:
+        args += ["--max-num-seqs", str(c.max_num_seqs)]
+    if c.enforce_eager:
+        args.append("--enforce-eager")
+    if c.quantization:
+        args += ["--quantization", c.quantization]
+    if c.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+    if c.enable_return_routed_experts:
+        args.append("--enable-return-routed-experts")
+    if backend is not None:  # started on random weights; every sync streams them in
+        args += ["--load-format", "dummy", *weight_transfer_args(backend)]
+    return args + list(c.extra_args)
+
+
+def server_env(c: VllmConfig, device: str, k: int = 0) -> dict[str, str]:
+    """The environment of launched server k."""
+    # the development endpoints (/collective_rpc, the weight-transfer ones) only where a sync uses them
+    dev = c.weight_sync in ("reload", "memory")
+    env = {"VLLM_HOST_IP": HOST, "VLLM_SERVER_DEV_MODE": "1" if dev else "0"}
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(c.kv_cache_space_gb)
+    env.update(c.env)
+    if device == "cuda" and c.num_servers > 1:
+        env["CUDA_VISIBLE_DEVICES"] = server_devices(env.get("CUDA_VISIBLE_DEVICES")
+                                                     or os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                     k, c.tensor_parallel_size, c.num_servers)
+    return env
+
+
+def server_devices(visible: str | None, k: int, per_server: int, servers: int) -> str:
+    """CUDA_VISIBLE_DEVICES of launched server k: the k-th run of `per_server` devices of
+    `visible` (the devices given, "0,1,..."; None = 0..servers * per_server - 1)."""
+    devices = visible.split(",") if visible else [str(d) for d in range(servers * per_server)]
+    if len(devices) < servers * per_server:
+        raise VllmUnsupportedError(f"rollout.vllm.num_servers={servers} x tensor_parallel_size={per_server} needs "
+                                   f"{servers * per_server} GPUs, CUDA_VISIBLE_DEVICES gives {len(devices)} "
+                                   f"({visible}); lower num_servers, or connect to servers on other nodes "
+                                   f"(rollout.vllm.urls)")
+    return ",".join(devices[k * per_server:(k + 1) * per_server])

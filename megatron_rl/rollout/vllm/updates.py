@@ -1,0 +1,168 @@
+"""New weights into a VllmEngine's servers, each sync checked by the parity probe.
+
+    updates = WeightUpdates(arch, cfg, fleet, backend, max_model_len)
+    updates.update_weights(named_tensors, version, reference)   # weight_sync=memory (transfer.py)
+    updates.load_weights_from(model_dir, version, reference)    # reload / restart (weight_sync.py)
+
+The first sync starts the servers (fleet.py) on those weights. A server dead during a sync is
+restarted on the new weights (disk: a fresh start loads them; memory: the transfer has failed,
+the run stops) when `max_restarts` >= 1 (it bounds each sync as it bounds each generate()
+call). After every `probe_every`-th sync (the first too) each READY server answers the parity
+probe (probe.py) against `reference` (None: transformers fp32 on the folder, or on the stream
+for an in-memory sync); VllmParityError past `probe_tolerance`.
+
+Cost: per sync, each server loads the whole model (disk: from the folder, all servers at once;
+memory: the bytes once per server worker through the trainer, transfer.push_all) and answers
+one probe of `probe_tokens` tokens; the streamed reference holds an fp32 copy of the model on
+the engine's rank while it lives.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.vllm.config import VllmConfig
+from megatron_rl.rollout.vllm.errors import VllmError, VllmParityError, VllmServerDiedError
+from megatron_rl.rollout.vllm.fleet import Fleet
+from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError
+from megatron_rl.rollout.vllm.pool import FAILED, READY, STALE, Replica
+from megatron_rl.rollout.vllm.probe import (
+    Reference,
+    StreamedReference,
+    hf_reference,
+    probe_diff,
+    probe_tokens,
+)
+from megatron_rl.rollout.vllm.transfer import push_all
+from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync
+
+log = logging.getLogger("megatron_rl.rollout.vllm")
+
+
+class WeightUpdates:
+    """The engine's two weight receivers (module docstring). `backend`: the in-memory sync's
+    transfer backend, None for disk syncs."""
+
+    def __init__(self, arch: ModelArch, cfg: VllmConfig, fleet: Fleet, backend, max_model_len: int):
+        self.arch, self.cfg, self.fleet, self.backend = arch, cfg, fleet, backend
+        self.max_model_len = max_model_len
+        self.stats = fleet.stats
+        self.sync = RestartSync() if cfg.weight_sync == "restart" else DiskReloadSync()
+        self._syncs = 0
+
+    def update_weights(self, named_tensors, version: int, reference: Reference | None) -> None:
+        """Stream HF checkpoint-format (name, tensor) pairs into every server (see
+        VllmEngine.update_weights)."""
+        fleet = self.fleet
+        if self.backend is None:
+            raise VllmError(f"rollout.vllm.weight_sync={self.cfg.weight_sync} takes HF folders (load_weights_from, the "
+                            f"disk transport), not tensors in memory")
+        t0 = time.perf_counter()
+        if not fleet.started:
+            fleet.start(fleet.config_dir())
+        fleet.await_restarts()
+        for r in fleet.replicas:
+            if r.state == FAILED and r.server.can_restart and not fleet.stopping():
+                try:  # out since a restart failed or the restart budget ran out: on random weights, joins this push
+                    fleet.restart(r, fleet.config_dir(), r.why)
+                except (VllmError, OSError) as e:
+                    log.warning("vLLM %s stays out of the pool: %s", r.name(), e)
+        targets = [r for r in fleet.replicas if r.state in (READY, STALE)]
+        if not targets:
+            raise VllmServerDiedError("no vLLM server of the pool is up for the in-memory weight sync: " + "; ".join(
+                f"{r.name()} {r.state}: {r.why}" for r in fleet.replicas))
+        probed = self._probes_next()
+        streamed = StreamedReference(self.arch) if probed and reference is None else None
+        named = streamed.tee(named_tensors) if streamed is not None else named_tensors
+        try:
+            self.stats["timing/vllm_memory_sync"] = push_all([r.memory for r in targets], named, version,
+                                                             self.cfg.request_timeout_s)
+        except (TransportError, HttpStatusError, RuntimeError) as e:
+            raise VllmServerDiedError(f"in-memory weight sync of version {version} to "
+                                      f"{', '.join(r.server.url for r in targets)} failed ({type(e).__name__}: {e}); "
+                                      f"the servers' weights are half updated. Logs: "
+                                      f"{', '.join(r.server.log_where for r in targets)}") from e
+        for r in targets:
+            fleet.pool.set_state(r, READY)
+        self._synced(f"the in-memory sync of version {version}",
+                     streamed.reference if streamed is not None else reference, probed, t0)
+
+    def load_weights_from(self, model_dir: str, version: int, reference: Reference | None) -> None:
+        """Make every server serve the HF folder `model_dir` (see VllmEngine.load_weights_from)."""
+        fleet = self.fleet
+        if self.backend is not None:
+            raise VllmError("rollout.vllm.weight_sync=memory takes tensors in memory (update_weights, the memory "
+                            "transport), not folders")
+        t0 = time.perf_counter()
+        fleet.dirs.add(model_dir)
+        if not fleet.started:
+            fleet.start(model_dir)
+        else:
+            fleet.await_restarts()
+            with ThreadPoolExecutor(len(fleet.replicas)) as pool:
+                outcomes = [(r, pool.submit(self._load_on, r, model_dir)) for r in fleet.replicas]
+            errors = []
+            for r, f in outcomes:
+                if f.exception() is not None:
+                    fleet.pool.set_state(r, FAILED, str(f.exception()))
+                    errors.append(f.exception())
+            if len(errors) == len(fleet.replicas):
+                raise errors[0]
+            for e in errors:
+                log.warning("a vLLM server is left out of the pool: %s", e)
+        self._synced(f"the weight sync to {model_dir}", reference or hf_reference(model_dir), self._probes_next(), t0)
+        fleet.dirs.prune()
+
+    def _load_on(self, replica: Replica, model_dir: str) -> None:
+        if replica.state != READY:  # down since the last sync: a start on the new folder loads it
+            return self._sync_failed(replica, model_dir, replica.why or replica.state)
+        try:
+            timings = self.sync.apply(replica.server, model_dir, self.cfg.request_timeout_s,
+                                      lambda: self.fleet.warmup(replica))
+        except (TransportError, HttpStatusError) as e:
+            return self._sync_failed(replica, model_dir, e)
+        if "timing/vllm_restart" in timings:  # RestartSync: a new process
+            replica.epoch += 1
+        with self.fleet.lock:
+            self.stats.update(timings)
+        return None
+
+    def _probes_next(self) -> bool:
+        """Whether the parity probe runs after the next sync (every probe_every-th, the first too)."""
+        return bool(self.cfg.probe_every) and self._syncs % self.cfg.probe_every == 0
+
+    def _synced(self, what: str, reference: Reference, probe: bool, t0: float) -> None:
+        self._syncs += 1
+        self.stats["vllm/weight_syncs"] = self._syncs
+        if probe:
+            self.stats["vllm/probe_max_abs_diff"] = max(self._probe(r, what, reference)
+                                                        for r in self.fleet.pool.ready())
+        self.stats["timing/vllm_weight_sync"] = time.perf_counter() - t0
+
+    def _sync_failed(self, replica: Replica, model_dir: str, e: Exception | str) -> None:
+        """A server that failed at (or was down before) a weight sync: one restart, which loads
+        `model_dir` as a fresh start does, when max_restarts allows one (it bounds the restarts of
+        a load_weights_from() call as it does those of a generate() call)."""
+        server = replica.server
+        if not server.can_restart or (replica.state == READY and server.alive()):
+            raise VllmServerDiedError(f"weight sync to {model_dir} failed: {e}")
+        if self.cfg.max_restarts < 1:
+            raise VllmServerDiedError(f"the vLLM server died during the weight sync to {model_dir} ({e}) and "
+                                      f"rollout.vllm.max_restarts=0 allows no restart. Log: {server.log_where}")
+        self.fleet.restart(replica, model_dir, f"died during the weight sync: {e}")
+
+    def _probe(self, replica: Replica, what: str, reference: Reference) -> float:
+        """The parity probe on one server (one prompt_logprobs request: cheap enough for each)."""
+        tokens = probe_tokens(self.arch.vocab_size, min(self.cfg.probe_tokens, self.max_model_len - 1))
+        server = replica.server
+        diff = probe_diff(server.url, server.model_name, tokens, reference, self.cfg.request_timeout_s,
+                          api_key=server.api_key)
+        replica.extra["probe_max_abs_diff"] = diff
+        tol = self.cfg.tolerance(self.cfg.dtype)
+        if not diff <= tol:
+            raise VllmParityError(f"after {what} the vLLM server at {server.url}'s log-probs differ from the "
+                                  f"reference by {diff:.3g} > {tol:g} (rollout.vllm.probe_tolerance): the server "
+                                  f"is not running the exported weights", diff)
+        return diff

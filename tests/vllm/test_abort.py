@@ -1,0 +1,110 @@
+"""VllmEngine.abort() (train.in_flight_update=abort) against the fake server: the generate() call in
+flight raises GenerationAborted once none of its requests runs any more, and the engine serves the
+next call. The fake holds requests until the abort reaches it (an event, never a timer)."""
+import threading
+
+import pytest
+
+from megatron_rl.rollout.pausing import GenerationAborted
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError
+from tests.vllm.conftest import hf_weights, push, tiny_arch
+from tests.vllm.fake_server import FakeVllm
+
+pytestmark = pytest.mark.vllm
+
+ARCH = tiny_arch()
+SAMPLING = SamplingParams(max_tokens=6, seed=5)
+PROMPTS = [[4, 5, 6], [7, 8], [9, 10, 11, 12]]
+GUARD_S = 600.0  # hang guards only: every wait below ends on an event
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return hf_weights(ARCH, seed=0)[1]
+
+
+def make_engine(tmp_path, weights, hold, **fake_options):
+    """An engine on a fake whose answers hang while `hold` is non-empty (until an abort or release)."""
+    fake = FakeVllm(ARCH.vocab_size, lambda body, answer: "hang" if hold else answer, **fake_options)
+    cfg = VllmConfig(warmup=False, probe_every=0, retry_backoff_s=0.01, health_interval_s=0.5, health_timeout_s=120.0,
+                     weight_sync="reload", max_concurrency=4)
+    engine = VllmEngine(ARCH, cfg, str(tmp_path), server=fake, device="cpu")
+    push(engine, weights, 3)
+    return engine, fake
+
+
+def generate_in_background(engine):
+    """generate() in a thread, as the async schedule runs it; -> (thread, outcome dict)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["samples"] = engine.generate(PROMPTS, 2, SAMPLING)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="rollout-generation")
+    thread.start()
+    return thread, outcome
+
+
+def test_abort_ends_the_call_in_flight_and_the_next_call_samples(tmp_path, weights):
+    hold = ["the first call"]
+    engine, fake = make_engine(tmp_path, weights, hold)
+    thread, outcome = generate_in_background(engine)
+    assert fake.hanging.wait(GUARD_S)  # a request of the call is on the server
+    hold.clear()  # what reaches the server from now on answers at once, as a finite generation ends
+    engine.abort()  # returns once the call has ended
+    thread.join(GUARD_S)
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), GenerationAborted), outcome
+    assert fake.aborts == 1  # the server was told to end its requests
+    assert engine.replicas[0].in_flight == 0  # no request of the aborted call is still running
+    stats = engine.stats()
+    assert stats["vllm/aborts"] == 1 and stats["vllm/bad_responses"] == 0 and stats["vllm/restarts"] == 0
+    engine.resume()
+    out = engine.generate(PROMPTS, 2, SAMPLING)
+    assert [[(s.prompt_index, s.sample_index) for s in g] for g in out] == [[(i, 0), (i, 1)] for i in range(3)]
+    assert all(s.finish_reason == "length" for g in out for s in g)
+    engine.close()
+
+
+def test_a_call_started_after_abort_waits_for_resume_and_carries_the_new_version(tmp_path, weights):
+    engine, fake = make_engine(tmp_path, weights, [])
+    engine.abort()  # none in flight: returns at once, and holds the next call
+    started = threading.Event()
+    fake.behaviour = lambda body, answer: started.set() or answer
+    thread, outcome = generate_in_background(engine)
+    push(engine, weights, 4)  # the push the schedule makes between abort() and resume()
+    assert not started.is_set()  # held: no request was sent before resume()
+    engine.resume()
+    thread.join(GUARD_S)
+    assert all(s.policy_version == 4 for g in outcome["samples"] for s in g)
+    engine.close()
+
+
+def test_without_the_abort_endpoint_the_requests_run_to_their_end(tmp_path, weights):
+    """A server without VLLM_SERVER_DEV_MODE answers 404: abort() still ends the call, once the
+    requests the server keeps have ended."""
+    hold = ["the first call"]
+    engine, fake = make_engine(tmp_path, weights, hold, abort_endpoint=False)
+    thread, outcome = generate_in_background(engine)
+    assert fake.hanging.wait(GUARD_S)
+    hold.clear()
+    releaser = threading.Thread(target=lambda: fake.abort_refused.wait(GUARD_S) and fake.release_hung())
+    releaser.start()  # the requests end (as a finite generation does) once the abort was refused
+    engine.abort()
+    thread.join(GUARD_S)
+    releaser.join(GUARD_S)
+    assert isinstance(outcome.get("error"), GenerationAborted) and fake.aborts == 0
+    engine.resume()
+    assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
+    engine.close()
+
+
+def test_pause_is_refused_naming_the_reason(tmp_path, weights):
+    engine, _ = make_engine(tmp_path, weights, [])
+    with pytest.raises(VllmUnsupportedError, match="does not say which of its tokens came after the update"):
+        engine.pause()
+    engine.close()
