@@ -27,8 +27,10 @@ Data plane: a process group of the trainer (rank 0, the sender) and the server's
 
 Buckets: the HF-named tensors arrive as a stream (the export gathers each from the ranks that own
 it) and are copied into one reused buffer of `bucket_bytes`; a full buffer is one /update_weights
-and one broadcast, and the server loads it before the next is sent. A tensor larger than the
-buffer goes alone, from its own memory. Our gloo engine receives each update as one broadcast;
+and one broadcast. The buffer is free again once its broadcast returns (the bytes are sent), so
+the next bucket is gathered and packed while the server loads this one; its /update_weights
+waits for that load (the worker takes one update at a time). A tensor larger than the buffer
+goes alone, from its own memory. Our gloo engine receives each update as one broadcast;
 vLLM's packed nccl receiver cuts a chunk once its byte total exceeds the buffer size, which the
 trainer sets to `bucket_bytes`, and a bucket never exceeds it (or holds one tensor): one bucket
 is one broadcast on both.
@@ -52,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy
 import torch
 
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
@@ -86,6 +89,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for two uint8 [n] tensors. Host to host it is one memcpy on this thread
+    (numpy's copyto): torch's copy_ splits a large copy over its intra-op (OpenMP) threads, which
+    buys nothing for a memory-bound copy and, on a host whose cores are busy (a same-host vLLM
+    server, other jobs), waits on descheduled threads: 300 MiB took 1.0-2.9 s with torch's 2
+    threads on the shared 2-core benchmark host, 0.2 s as one memcpy. On a device, torch's copy."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        numpy.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
 def packed_buckets(named: Named, bucket_bytes: int, device: torch.device | str = "cpu"
                    ) -> Iterator[tuple[list[Meta], torch.Tensor]]:
     """(metas, uint8 bytes [sum of their nbytes]) per bucket of at most `bucket_bytes` (one larger
@@ -104,7 +119,7 @@ def packed_buckets(named: Named, bucket_bytes: int, device: torch.device | str =
             continue
         if buffer is None:
             buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-        buffer[used:used + meta.nbytes].copy_(_bytes(tensor))
+        copy_bytes(buffer[used:used + meta.nbytes], _bytes(tensor))
         metas.append(meta)
         used += meta.nbytes
     if metas:
@@ -265,10 +280,14 @@ class MemorySync:
         t0 = time.perf_counter()
         self._post("/pause?mode=wait", None, timeout)
         self._post("/start_weight_update", None, timeout)
+        loading = None  # the previous bucket's /update_weights: the server loads it while we pack the next
         for metas, data in packed_buckets(named, self.bucket_bytes, self.channel.device):
-            received = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
-            self.channel.broadcast(data)
-            received.result()  # loaded before the buffer is refilled
+            if loading is not None:
+                loading.result()  # one update at a time: the next broadcast meets a worker ready to receive it
+            loading = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
+            self.channel.broadcast(data)  # returns once sent: the buffer may be refilled
+        if loading is not None:
+            loading.result()
         self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
         self._post("/resume", None, timeout)
         return time.perf_counter() - t0

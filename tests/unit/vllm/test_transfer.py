@@ -2,6 +2,7 @@
 vLLM's weight-transfer endpoints read, the choice of backend, and the refusals at start-up. No
 server and no process here (the real-server tests are tests/vllm/test_memory_sync.py)."""
 import math
+import threading
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.transfer import (
     BACKENDS,
+    MemorySync,
     Meta,
     backend_for,
+    copy_bytes,
     packed_buckets,
     update_info,
     weight_transfer_args,
@@ -77,6 +80,59 @@ def test_the_buffer_is_reused_and_an_oversized_tensor_sent_from_its_own_memory()
     assert data_big.data_ptr() == big.data_ptr()   # no copy for a tensor larger than the buffer
     _, data2 = next(stream)
     assert data1.data_ptr() == data2.data_ptr()   # one buffer: the trainer's extra memory is one bucket
+
+
+def test_copy_bytes_copies_host_and_strided_sources():
+    src = torch.arange(24, dtype=torch.bfloat16).view(4, 6).t()   # not contiguous: packed via its bytes
+    flat = src.contiguous().view(-1).view(torch.uint8)
+    dst = torch.zeros(flat.numel() + 8, dtype=torch.uint8)
+    copy_bytes(dst[4:4 + flat.numel()], flat)
+    assert torch.equal(dst[4:4 + flat.numel()].view(torch.bfloat16).view(6, 4), src)
+    assert not dst[:4].any() and not dst[-4:].any()
+
+
+class _Channel:
+    device = "cpu"
+
+    def __init__(self, log):
+        self.log, self.sent = log, []
+
+    def broadcast(self, data):
+        self.log.append(("broadcast", len(self.sent)))
+        self.sent.append(data.clone())
+
+
+def test_push_packs_the_next_bucket_while_the_server_loads_one():
+    """The stream is read on while bucket k's /update_weights runs (the server loads it), and bucket
+    k+1's update and broadcast wait for it. Each load blocks until the trainer has packed the next
+    bucket, so a push that waited for the load before packing on would never finish (caught by
+    the wait's bound, a failure and never a pass)."""
+    log, pulled, loads = [], [threading.Event() for _ in range(5)], []
+    tensors = named([8, 8, 8, 8, 8])   # 32 bytes each, a bucket each
+
+    def stream():
+        for i, pair in enumerate(tensors):
+            log.append(("pull", i))
+            pulled[i].set()
+            yield pair
+
+    def post(path, body, timeout):
+        if path == "/update_weights":
+            k = len(loads)
+            loads.append(body["update_info"]["names"])
+            log.append(("load", k))
+            if k + 2 < len(tensors):   # bucket k+1 is packed once tensor k+2 is read (the packer reads one ahead)
+                assert pulled[k + 2].wait(30), f"bucket {k + 1} was not packed while bucket {k} loaded"
+            log.append(("loaded", k))
+
+    sync = MemorySync(None, BACKENDS["gloo"], bucket_bytes=32, host="127.0.0.1")
+    sync.channel, sync._post = _Channel(log), post
+    sync.push(stream(), 0, timeout=60)
+    assert loads == [[name] for name, _ in tensors]
+    for (_, want), got in zip(tensors, sync.channel.sent):
+        assert torch.equal(got.view(torch.float32), want)
+    for k in range(1, len(tensors)):   # one update at a time: k's broadcast follows k-1's load
+        assert log.index(("loaded", k - 1)) < log.index(("broadcast", k))
 
 
 def test_update_info_is_vllms_message():
