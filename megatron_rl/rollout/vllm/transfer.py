@@ -64,6 +64,7 @@ from megatron_rl.rollout.vllm.launcher import ServerHandle
 Named = Iterable[tuple[str, torch.Tensor]]
 GLOO_EXTENSION = "megatron_rl_vllm_gloo.RegistersGlooEngine"  # server_plugin/megatron_rl_vllm_gloo.py
 STORE_PREFIX = "megatron_rl_weights"  # the same in the server plugin
+PROFILE_DIR_ENV = "MEGATRON_RL_VLLM_SYNC_PROFILE_DIR"  # the same in the server plugin: where it profiles each sync
 
 
 @dataclass(frozen=True)
