@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
     p.add_argument("--profile-dir", default=None,
                    help="the server's workers write a cProfile of each in-memory sync here, "
-                        "sync-w<worker>-<n>.prof (n = 0 is the first load; read with python -m pstats)")
+                        "sync-p<pid>-w<worker>-<n>.prof (n = 0 is the first load; read with python -m pstats)")
     args = p.parse_args()
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)

@@ -38,7 +38,7 @@ broadcast), one bucket's buffer per worker while it loads.
 
 Profiling: with MEGATRON_RL_VLLM_SYNC_PROFILE_DIR set in the server's environment (the benchmark's
 --profile-dir), each worker writes a cProfile of every sync, start_weight_update to
-finish_weight_update, to <dir>/sync-w<worker>-<n>.prof (n = 0 is the first sync). It includes the
+finish_weight_update, to <dir>/sync-p<pid>-w<worker>-<n>.prof (n = 0 is the first sync). It includes the
 time the worker waits for the trainer between updates.
 
 Runs in the vLLM environment (vllm, torch); nothing of megatron_rl is imported.
@@ -118,7 +118,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
         if self.profiler is not None:
             self.profiler.disable()
             rank = self.parallel_config.data_parallel_index * self.parallel_config.world_size + self.parallel_config.rank
-            self.profiler.dump_stats(os.path.join(self.profile_dir, f"sync-w{rank}-{self.syncs}.prof"))
+            name = f"sync-p{os.getpid()}-w{rank}-{self.syncs}.prof"  # the pid: one server after another
+            self.profiler.dump_stats(os.path.join(self.profile_dir, name))
             self.profiler = None
         self.syncs += 1
 
