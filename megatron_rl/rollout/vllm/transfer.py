@@ -28,10 +28,9 @@ Data plane: a process group of the trainer (rank 0, the sender) and the server's
 Buckets: the HF-named tensors arrive as a stream (the export gathers each from the ranks that own
 it) and are copied into one reused buffer of `bucket_bytes`; a full buffer is one /update_weights
 and one broadcast. The buffer is free again once its broadcast returns (the bytes are sent), so
-the next bucket is gathered, packed and sent while the server loads this one (our gloo workers
-receive a bucket ahead of its /update_weights; vLLM's nccl engine receives inside it, so there
-the send waits for the load); the updates themselves run one at a time, as the worker takes
-them. A tensor larger than the buffer goes alone, from its own memory. Our gloo engine receives each update as one broadcast;
+the next bucket is gathered and packed while the server loads this one; its /update_weights
+waits for that load (the worker takes one update at a time). A tensor larger than the buffer
+goes alone, from its own memory. Our gloo engine receives each update as one broadcast;
 vLLM's packed nccl receiver cuts a chunk once its byte total exceeds the buffer size, which the
 trainer sets to `bucket_bytes`, and a bucket never exceeds it (or holds one tensor): one bucket
 is one broadcast on both.
@@ -137,9 +136,6 @@ class Channel(Protocol):
     def broadcast(self, data: torch.Tensor) -> None:
         """Send `data` (uint8 [n], on `device`) to every worker; returns once it is sent."""
 
-    def end(self) -> None:
-        """After the last bucket of a sync, before /finish_weight_update."""
-
     def close(self) -> None: ...
 
 
@@ -175,13 +171,7 @@ class GlooChannel:
                 joined.result()
 
     def broadcast(self, data: torch.Tensor) -> None:
-        # its byte count first: the workers receive a bucket ahead of its /update_weights
-        # (server_plugin/megatron_rl_vllm_gloo.py, "wire")
-        self.group.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0).wait()
         self.group.broadcast(data, 0).wait()
-
-    def end(self) -> None:
-        self.group.broadcast(torch.zeros(1, dtype=torch.int64), 0).wait()
 
     def close(self) -> None:
         self.group = self.store = None
@@ -215,9 +205,6 @@ class NcclChannel:
         stream = torch.cuda.current_stream()
         self.comm.broadcast(data, src=0, stream=stream)
         stream.synchronize()  # the buffer is refilled for the next bucket
-
-    def end(self) -> None:
-        pass  # vLLM's engine receives inside each /update_weights: nothing follows the last
 
     def close(self) -> None:
         self.comm = None
@@ -294,18 +281,14 @@ class MemorySync:
         t0 = time.perf_counter()
         self._post("/pause?mode=wait", None, timeout)
         self._post("/start_weight_update", None, timeout)
-        loading = None  # the previous bucket's /update_weights: the server loads it while we pack and send this one
+        loading = None  # the previous bucket's /update_weights: the server loads it while we pack the next
         for metas, data in packed_buckets(named, self.bucket_bytes, self.channel.device):
-            # queued behind the previous one (one RPC thread); its bytes go now: our gloo workers
-            # receive them during that load, vLLM's nccl engine once this update starts
-            queued = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
-            self.channel.broadcast(data)  # returns once sent: the buffer may be refilled
             if loading is not None:
-                loading.result()
-            loading = queued
+                loading.result()  # one update at a time: the next broadcast meets a worker ready to receive it
+            loading = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
+            self.channel.broadcast(data)  # returns once sent: the buffer may be refilled
         if loading is not None:
             loading.result()
-        self.channel.end()
         self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
         self._post("/resume", None, timeout)
         return time.perf_counter() - t0

@@ -94,47 +94,45 @@ def test_copy_bytes_copies_host_and_strided_sources():
 class _Channel:
     device = "cpu"
 
-    def __init__(self, log, sent_events):
-        self.log, self.sent, self.sent_events = log, [], sent_events
+    def __init__(self, log):
+        self.log, self.sent = log, []
 
     def broadcast(self, data):
         self.log.append(("broadcast", len(self.sent)))
         self.sent.append(data.clone())
-        self.sent_events[len(self.sent) - 1].set()
-
-    def end(self):
-        self.log.append(("end",))
 
 
-def test_push_sends_the_next_bucket_while_the_server_loads_one():
-    """Bucket k+1 is packed and broadcast while bucket k's /update_weights runs (the server loads
-    it; our gloo workers receive a bucket ahead), the updates run one at a time and in order, and
-    the end of the stream is sent after the last load. Each fake load blocks until the next
-    bucket has been broadcast, so a push that waited for the load before sending on would never
-    finish (caught by the wait's bound: a failure, never a pass)."""
+def test_push_packs_the_next_bucket_while_the_server_loads_one():
+    """The stream is read on while bucket k's /update_weights runs (the server loads it), and bucket
+    k+1's update and broadcast wait for it. Each load blocks until the trainer has packed the next
+    bucket, so a push that waited for the load before packing on would never finish (caught by
+    the wait's bound, a failure and never a pass)."""
+    log, pulled, loads = [], [threading.Event() for _ in range(5)], []
     tensors = named([8, 8, 8, 8, 8])   # 32 bytes each, a bucket each
-    log, loads, sent = [], [], [threading.Event() for _ in tensors]
+
+    def stream():
+        for i, pair in enumerate(tensors):
+            log.append(("pull", i))
+            pulled[i].set()
+            yield pair
 
     def post(path, body, timeout):
         if path == "/update_weights":
             k = len(loads)
             loads.append(body["update_info"]["names"])
             log.append(("load", k))
-            if k + 1 < len(tensors):
-                assert sent[k + 1].wait(30), f"bucket {k + 1} was not sent while bucket {k} loaded"
+            if k + 2 < len(tensors):   # bucket k+1 is packed once tensor k+2 is read (the packer reads one ahead)
+                assert pulled[k + 2].wait(30), f"bucket {k + 1} was not packed while bucket {k} loaded"
             log.append(("loaded", k))
-        else:
-            log.append((path,))
 
     sync = MemorySync(None, BACKENDS["gloo"], bucket_bytes=32, host="127.0.0.1")
-    sync.channel, sync._post = _Channel(log, sent), post
-    sync.push(iter(tensors), 0, timeout=60)
+    sync.channel, sync._post = _Channel(log), post
+    sync.push(stream(), 0, timeout=60)
     assert loads == [[name] for name, _ in tensors]
     for (_, want), got in zip(tensors, sync.channel.sent):
         assert torch.equal(got.view(torch.float32), want)
-    for k in range(1, len(tensors)):   # one update at a time, in order
-        assert log.index(("loaded", k - 1)) < log.index(("load", k))
-    assert log.index(("loaded", len(tensors) - 1)) < log.index(("end",)) < log.index(("/finish_weight_update",))
+    for k in range(1, len(tensors)):   # one update at a time: k's broadcast follows k-1's load
+        assert log.index(("loaded", k - 1)) < log.index(("broadcast", k))
 
 
 def test_update_info_is_vllms_message():

@@ -14,16 +14,9 @@ are packed the way vLLM's packed broadcast packs them) over a gloo process group
                of the server joins as rank_offset + w (w = dp_rank * TP * PP + its rank, as vLLM's
                nccl engine numbers them), so several servers share one group with their offsets.
     update     {names, dtype_names, shapes}: the tensors of one bucket, in order. The worker
-               loads views of the bucket's bytes, which came as one broadcast of their bytes back
-               to back (a uint8 tensor, what vLLM's packed broadcast sends per chunk).
-    wire       per bucket, two broadcasts: its byte count (int64 [1]), then its bytes; after the
-               last bucket, a count of 0. A thread of the worker receives them from
-               start_weight_update on, one bucket ahead of the updates: bucket k+1 arrives while
-               update k loads bucket k (vLLM's worker runs one RPC at a time, so a receive inside
-               the update could not overlap a load). A sync then costs about max(wire, load)
-               rather than their sum; the worker holds two buckets, the one it loads and the one
-               it receives. vLLM's nccl engine receives inside the update, as its protocol has
-               no byte count ahead of the names.
+               receives the bucket as one broadcast of their bytes back to back (a uint8 tensor,
+               what vLLM's packed broadcast sends per chunk) and loads its views into the model.
+               The trainer bounds the bucket, so one update is one broadcast whatever its size.
 
 MoE on the CPU: vLLM's unquantized MoE method prepacks the expert weights for its CPU kernel only
 on the first load (process_weights_after_loading skips it when `moe_kernel` is already set, to
@@ -41,12 +34,12 @@ Loading it into a server (the launcher does this for the servers it starts):
 The worker extension has no methods: naming it makes every worker process import this module,
 whose import registers the engine in vLLM's WeightTransferEngineFactory before the worker builds
 its engine. Cost per sync: the model's bytes once through the trainer's socket per worker (gloo
-broadcast), two buckets' buffers per worker (the one it loads, the next one it receives).
+broadcast), one bucket's buffer per worker while it loads.
 
 Profiling: with MEGATRON_RL_VLLM_SYNC_PROFILE_DIR set in the server's environment (the benchmark's
 --profile-dir), each worker writes a cProfile of every sync, start_weight_update to
-finish_weight_update, to <dir>/sync-p<pid>-w<worker>-<n>.prof (n = 0 is the first sync). It includes the
-time the worker waits for the trainer between updates.
+finish_weight_update, to <dir>/sync-p<pid>-w<worker>-<n>.prof (n = 0 is the first sync). It
+includes the time the worker waits for the trainer between updates.
 
 Runs in the vLLM environment (vllm, torch); nothing of megatron_rl is imported.
 """
@@ -56,8 +49,6 @@ import cProfile
 import datetime
 import math
 import os
-import queue
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +87,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
         self.profile_dir = os.environ.get(PROFILE_DIR_ENV)
         self.profiler: cProfile.Profile | None = None
         self.syncs = 0
-        self.received: queue.Queue | None = None  # the receiver thread's buckets, one at a time
-        self.receiver: threading.Thread | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         pc = self.parallel_config
@@ -121,50 +110,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
                 if method is not None and hasattr(method, "moe_kernel"):
                     method.moe_kernel = None  # the reload then prepacks the new experts (module docstring)
         initialize_layerwise_reload(self.model)
-        if self.group is None:
-            raise RuntimeError("gloo weight transfer is not initialised: POST /init_weight_transfer_engine first")
-        if self.receiver is not None and self.receiver.is_alive():
-            raise RuntimeError("the previous weight update did not finish: restart the server")
-        self.received = queue.Queue(maxsize=1)
-        self.receiver = threading.Thread(target=self._receive, args=(self.group, self.received), daemon=True,
-                                         name="gloo-weight-receiver")
-        self.receiver.start()
-
-    @staticmethod
-    def _receive(group: dist.ProcessGroup, received: queue.Queue) -> None:
-        """Bucket after bucket until a count of 0; each waits until the previous one is taken, so
-        at most one bucket is received ahead of the update that loads it. An error is handed on."""
-        try:
-            while True:
-                count = torch.zeros(1, dtype=torch.int64)
-                group.broadcast(count, 0).wait()
-                if int(count) == 0:
-                    received.put(None)
-                    return
-                data = torch.empty(int(count), dtype=torch.uint8)  # CPU: a CUDA model's load copies it over
-                group.broadcast(data, 0).wait()
-                received.put(data)
-                received.join()  # taken by its update: receive the next while that one loads
-        except Exception as e:  # noqa: BLE001 - raised again by the update that waits for it
-            received.put(e)
-
-    def _take(self) -> torch.Tensor | None:
-        """The next received bucket; None once the trainer has sent its last."""
-        if self.received is None:
-            raise RuntimeError("no weight update in progress: POST /start_weight_update first")
-        data = self.received.get()
-        self.received.task_done()
-        if isinstance(data, Exception):
-            raise RuntimeError(f"receiving the weights over gloo failed: {data}") from data
-        return data
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        if self._take() is not None:
-            raise RuntimeError("the trainer sent more buckets than /update_weights requests")
-        self.receiver.join()
-        self.received = self.receiver = None
         finalize_layerwise_reload(self.model, self.model_config)
         if self.profiler is not None:
             self.profiler.disable()
@@ -176,18 +125,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
 
     def update_weights(self, update_info: dict) -> None:
         # not the base class's: it ends in torch.accelerator.synchronize(), which a CPU lacks;
-        # the receiver's gloo wait() has already returned the bytes
+        # gloo's wait() has already returned the bytes
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialised: POST /init_weight_transfer_engine first")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
         sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(update_info.shapes, dtypes)]
-        buffer = self._take()
-        if buffer is None or buffer.numel() != sum(sizes):
-            raise RuntimeError(f"the bucket received has {0 if buffer is None else buffer.numel()} bytes, its "
-                               f"/update_weights names {sum(sizes)} ({len(sizes)} tensors)")
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)  # CPU: a CUDA model's load_weights copies it over
+        self.group.broadcast(buffer, 0).wait()
         with disable_mtp_completeness_check():
             self.model.load_weights(unpack_tensor(buffer, update_info.names, update_info.shapes, dtypes, sizes))
 
