@@ -27,10 +27,8 @@ Data plane: a process group of the trainer (rank 0, the sender) and the server's
 
 Buckets: the HF-named tensors arrive as a stream (the export gathers each from the ranks that own
 it) and are copied into one reused buffer of `bucket_bytes`; a full buffer is one /update_weights
-and one broadcast. The buffer is free again once its broadcast returns (the bytes are sent), so
-the next bucket is gathered and packed while the server loads this one; its /update_weights
-waits for that load (the worker takes one update at a time). A tensor larger than the buffer
-goes alone, from its own memory. Our gloo engine receives each update as one broadcast;
+and one broadcast, and the server loads it before the next is sent. A tensor larger than the
+buffer goes alone, from its own memory. Our gloo engine receives each update as one broadcast;
 vLLM's packed nccl receiver cuts a chunk once its byte total exceeds the buffer size, which the
 trainer sets to `bucket_bytes`, and a bucket never exceeds it (or holds one tensor): one bucket
 is one broadcast on both.
@@ -281,14 +279,10 @@ class MemorySync:
         t0 = time.perf_counter()
         self._post("/pause?mode=wait", None, timeout)
         self._post("/start_weight_update", None, timeout)
-        loading = None  # the previous bucket's /update_weights: the server loads it while we pack the next
         for metas, data in packed_buckets(named, self.bucket_bytes, self.channel.device):
-            if loading is not None:
-                loading.result()  # one update at a time: the next broadcast meets a worker ready to receive it
-            loading = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
-            self.channel.broadcast(data)  # returns once sent: the buffer may be refilled
-        if loading is not None:
-            loading.result()
+            received = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
+            self.channel.broadcast(data)
+            received.result()  # loaded before the buffer is refilled
         self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
         self._post("/resume", None, timeout)
         return time.perf_counter() - t0
