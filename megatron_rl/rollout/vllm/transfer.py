@@ -58,6 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy
 import torch
 
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
@@ -67,6 +68,7 @@ from megatron_rl.rollout.vllm.launcher import ServerHandle
 Named = Iterable[tuple[str, torch.Tensor]]
 GLOO_EXTENSION = "megatron_rl_vllm_gloo.RegistersGlooEngine"  # server_plugin/megatron_rl_vllm_gloo.py
 STORE_PREFIX = "megatron_rl_weights"  # the same in the server plugin
+PROFILE_DIR_ENV = "MEGATRON_RL_VLLM_SYNC_PROFILE_DIR"  # the same in the server plugin: where it profiles each sync
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for two uint8 [n] tensors. Host to host it is one memcpy on this thread
+    (numpy's copyto): torch's copy_ splits a large copy over its intra-op (OpenMP) threads, which
+    buys nothing for a memory-bound copy and, on a host whose cores are busy (a same-host vLLM
+    server, other jobs), waits on descheduled threads: 300 MiB took 1.0-2.9 s with torch's 2
+    threads on the shared 2-core benchmark host, 0.2 s as one memcpy. On a device, torch's copy."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        numpy.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
 def packed_buckets(named: Named, bucket_bytes: int, device: torch.device | str = "cpu"
                    ) -> Iterator[tuple[list[Meta], torch.Tensor]]:
     """(metas, uint8 bytes [sum of their nbytes]) per bucket of at most `bucket_bytes` (one larger
@@ -110,7 +124,7 @@ def packed_buckets(named: Named, bucket_bytes: int, device: torch.device | str =
             continue
         if buffer is None:
             buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-        buffer[used:used + meta.nbytes].copy_(_bytes(tensor))
+        copy_bytes(buffer[used:used + meta.nbytes], _bytes(tensor))
         metas.append(meta)
         used += meta.nbytes
     if metas:

@@ -14,6 +14,7 @@ from megatron_rl.rollout.vllm.transfer import (
     BACKENDS,
     Meta,
     backend_for,
+    copy_bytes,
     packed_buckets,
     update_info,
     weight_transfer_args,
@@ -77,6 +78,15 @@ def test_the_buffer_is_reused_and_an_oversized_tensor_sent_from_its_own_memory()
     assert data_big.data_ptr() == big.data_ptr()   # no copy for a tensor larger than the buffer
     _, data2 = next(stream)
     assert data1.data_ptr() == data2.data_ptr()   # one buffer: the trainer's extra memory is one bucket
+
+
+def test_copy_bytes_copies_host_and_strided_sources():
+    src = torch.arange(24, dtype=torch.bfloat16).view(4, 6).t()   # not contiguous: packed via its bytes
+    flat = src.contiguous().view(-1).view(torch.uint8)
+    dst = torch.zeros(flat.numel() + 8, dtype=torch.uint8)
+    copy_bytes(dst[4:4 + flat.numel()], flat)
+    assert torch.equal(dst[4:4 + flat.numel()].view(torch.bfloat16).view(6, 4), src)
+    assert not dst[:4].any() and not dst[-4:].any()
 
 
 def test_update_info_is_vllms_message():

@@ -36,12 +36,19 @@ whose import registers the engine in vLLM's WeightTransferEngineFactory before t
 its engine. Cost per sync: the model's bytes once through the trainer's socket per worker (gloo
 broadcast), one bucket's buffer per worker while it loads.
 
+Profiling: with MEGATRON_RL_VLLM_SYNC_PROFILE_DIR set in the server's environment (the benchmark's
+--profile-dir), each worker writes a cProfile of every sync, start_weight_update to
+finish_weight_update, to <dir>/sync-p<pid>-w<worker>-<n>.prof (n = 0 is the first sync). It
+includes the time the worker waits for the trainer between updates.
+
 Runs in the vLLM environment (vllm, torch); nothing of megatron_rl is imported.
 """
 from __future__ import annotations
 
+import cProfile
 import datetime
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +60,7 @@ from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
 BACKEND = "gloo"
 STORE_PREFIX = "megatron_rl_weights"  # the trainer's side (rollout/vllm/transfer.py) uses the same
+PROFILE_DIR_ENV = "MEGATRON_RL_VLLM_SYNC_PROFILE_DIR"  # benchmarks/weight_sync.py --profile-dir sets it
 
 
 @dataclass(kw_only=True)
@@ -76,6 +84,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroup | None = None
+        self.profile_dir = os.environ.get(PROFILE_DIR_ENV)
+        self.profiler: cProfile.Profile | None = None
+        self.syncs = 0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         pc = self.parallel_config
@@ -88,6 +99,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
                                            timeout)
 
     def start_weight_update(self) -> None:
+        if self.profile_dir:  # one cProfile per sync, start to finish (the receive included)
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if torch.device(self.device).type == "cpu":
@@ -101,6 +115,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        if self.profiler is not None:
+            self.profiler.disable()
+            rank = self.parallel_config.data_parallel_index * self.parallel_config.world_size + self.parallel_config.rank
+            name = f"sync-p{os.getpid()}-w{rank}-{self.syncs}.prof"  # the pid: one server after another
+            self.profiler.dump_stats(os.path.join(self.profile_dir, name))
+            self.profiler = None
+        self.syncs += 1
 
     def update_weights(self, update_info: dict) -> None:
         # not the base class's: it ends in torch.accelerator.synchronize(), which a CPU lacks;
