@@ -27,8 +27,10 @@ Data plane: a process group of the trainer (rank 0, the sender) and the server's
 
 Buckets: the HF-named tensors arrive as a stream (the export gathers each from the ranks that own
 it) and are copied into one reused buffer of `bucket_bytes`; a full buffer is one /update_weights
-and one broadcast, and the server loads it before the next is sent. A tensor larger than the
-buffer goes alone, from its own memory. Our gloo engine receives each update as one broadcast;
+and one broadcast. The buffer is free again once its broadcast returns (the bytes are sent), so
+the next bucket is gathered and packed while the server loads this one, and sent once it has (the
+worker takes one update at a time). A tensor larger than the buffer goes alone, from its own
+memory. Our gloo engine receives each update as one broadcast;
 vLLM's packed nccl receiver cuts a chunk once its byte total exceeds the buffer size, which the
 trainer sets to `bucket_bytes`, and a bucket never exceeds it (or holds one tensor): one bucket
 is one broadcast on both.
@@ -54,7 +56,7 @@ import math
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -288,11 +290,13 @@ class MemorySync:
         self._post("/pause?mode=wait", None, timeout)
         self._post("/start_weight_update", None, timeout)
 
-    def send(self, metas: list[Meta], data: torch.Tensor, timeout: float) -> None:
-        """One bucket: its /update_weights and its broadcast, which the server loads before this returns."""
-        received = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
+    def send(self, metas: list[Meta], data: torch.Tensor, timeout: float) -> Future:
+        """One bucket: its /update_weights and its broadcast. Returns once the bytes are sent (both
+        channels' broadcasts return then: the buffer may be refilled), with the /update_weights
+        answer as a future: it resolves once the server has loaded the bucket."""
+        loaded = self._rpc.submit(self._post, "/update_weights", {"update_info": update_info(metas)}, timeout)
         self.channel.broadcast(data)
-        received.result()  # loaded before the buffer is refilled
+        return loaded
 
     def end(self, version: int, timeout: float) -> None:
         self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
@@ -307,8 +311,10 @@ class MemorySync:
 def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float) -> float:
     """Send the stream to every server of `syncs` (each over its own group) as weights `version`;
     seconds it took. The stream is read and packed once; each bucket goes to all servers at once
-    (one thread per server) before the next is packed. Any failure propagates, leaving the servers
-    paused and half updated (the caller stops the run)."""
+    (one thread per server). The next bucket is gathered and packed into the same buffer while the
+    servers load this one (its bytes are sent once the broadcasts return), and is sent once they
+    have: a worker takes one update at a time. Any failure propagates, leaving the servers paused
+    and half updated (the caller stops the run)."""
     t0 = time.perf_counter()
     device = syncs[0].channel.device if syncs[0].channel is not None else "cpu"
     with ThreadPoolExecutor(len(syncs), thread_name_prefix="vllm-push") as pool:
@@ -317,7 +323,12 @@ def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float
                 f.result()
 
         each(MemorySync.begin, timeout)
-        for metas, data in packed_buckets(named, syncs[0].bucket_bytes, device):
-            each(MemorySync.send, metas, data, timeout)
+        loading: list[Future] = []  # the last bucket's loads, one per server
+        for metas, data in packed_buckets(named, syncs[0].bucket_bytes, device):  # packs while they load
+            for f in loading:
+                f.result()
+            loading = [f.result() for f in [pool.submit(MemorySync.send, s, metas, data, timeout) for s in syncs]]
+        for f in loading:
+            f.result()
         each(MemorySync.end, version, timeout)
     return time.perf_counter() - t0

@@ -2,6 +2,7 @@
 vLLM's weight-transfer endpoints read, the choice of backend, and the refusals at start-up. No
 server and no process here (the real-server tests are tests/vllm/test_memory_sync.py)."""
 import math
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.transfer import (
     BACKENDS,
+    MemorySync,
     Meta,
     backend_for,
     copy_bytes,
@@ -87,6 +89,50 @@ def test_copy_bytes_copies_host_and_strided_sources():
     copy_bytes(dst[4:4 + flat.numel()], flat)
     assert torch.equal(dst[4:4 + flat.numel()].view(torch.bfloat16).view(6, 4), src)
     assert not dst[:4].any() and not dst[-4:].any()
+
+
+class _Channel:
+    device = "cpu"
+
+    def __init__(self, log):
+        self.log, self.sent = log, []
+
+    def broadcast(self, data):
+        self.log.append(("broadcast", len(self.sent)))
+        self.sent.append(data.clone())
+
+
+def test_push_packs_the_next_bucket_while_the_server_loads_one():
+    """The stream is read on while bucket k's /update_weights runs (the server loads it), and bucket
+    k+1's update and broadcast wait for it. Each load blocks until the trainer has packed the next
+    bucket, so a push that waited for the load before packing on would never finish (caught by
+    the wait's bound: a failure, never a pass)."""
+    log, pulled, loads = [], [threading.Event() for _ in range(5)], []
+    tensors = named([8, 8, 8, 8, 8])   # 32 bytes each, a bucket each
+
+    def stream():
+        for i, pair in enumerate(tensors):
+            log.append(("pull", i))
+            pulled[i].set()
+            yield pair
+
+    def post(path, body, timeout):
+        if path == "/update_weights":
+            k = len(loads)
+            loads.append(body["update_info"]["names"])
+            log.append(("load", k))
+            if k + 2 < len(tensors):   # bucket k+1 is packed once tensor k+2 is read (the packer reads one ahead)
+                assert pulled[k + 2].wait(30), f"bucket {k + 1} was not packed while bucket {k} loaded"
+            log.append(("loaded", k))
+
+    sync = MemorySync(None, BACKENDS["gloo"], bucket_bytes=32, host="127.0.0.1")
+    sync.channel, sync._post = _Channel(log), post
+    sync.push(stream(), 0, timeout=60)
+    assert loads == [[name] for name, _ in tensors]
+    for (_, want), got in zip(tensors, sync.channel.sent):
+        assert torch.equal(got.view(torch.float32), want)
+    for k in range(1, len(tensors)):   # one update at a time: k's broadcast follows k-1's load
+        assert log.index(("loaded", k - 1)) < log.index(("broadcast", k))
 
 
 def test_update_info_is_vllms_message():
