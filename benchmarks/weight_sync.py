@@ -79,7 +79,7 @@ def measured(fn) -> tuple[float, float]:
 
 def sync_fn(engine, named, version: int, run_dir: str):
     """One sync as rank 0 does it: the `memory` transport, or `disk` (write, then hand over)."""
-    if engine.memory is not None:
+    if engine.backend is not None:  # weight_sync=memory
         return lambda: engine.update_weights(named, version)
     disk = DiskTransport(TransportInputs(None, engine.arch, run_dir))
     return lambda: engine.load_weights_from(disk.write(named, version), version)
