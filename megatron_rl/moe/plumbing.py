@@ -59,9 +59,10 @@ class TokenLayout:
         """From a megatron_rl ParallelGroups and the model config's sequence_parallel."""
         return cls(tp_size=groups.config.tp, tp_rank=groups.tp_rank, sequence_parallel=sequence_parallel)
 
-    def positions(self, seq_len: int) -> Tensor:
-        """`[seq_len / TP_sp]` int64: which of `seq_len` CP-local positions this rank routes, in order."""
-        pos = torch.arange(seq_len)
+    def positions(self, seq_len: int, device: torch.device | str = "cpu") -> Tensor:
+        """`[seq_len / TP_sp]` int64 on `device`: which of `seq_len` CP-local positions this rank
+        routes, in order."""
+        pos = torch.arange(seq_len, device=device)
         if self.sequence_parallel and self.tp_size > 1:
             if seq_len % self.tp_size:
                 raise ValueError(f"{seq_len} (CP-local) positions do not split over TP={self.tp_size} "
@@ -73,7 +74,7 @@ class TokenLayout:
     def to_local(self, x: Tensor) -> Tensor:
         """`[b, S / CP, *rest]` values of this rank's CP shard -> `[S_local * b, *rest]` in megatron's
         local token order."""
-        pos = self.positions(x.shape[1]).to(x.device)
+        pos = self.positions(x.shape[1], x.device)
         return x[:, pos].transpose(0, 1).reshape(-1, *x.shape[2:])
 
 

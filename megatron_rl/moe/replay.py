@@ -166,9 +166,10 @@ class ReplaySession:
         device the probe counted on (no host sync)."""
         from megatron_rl.moe.metrics import layer_agreement_sums
 
+        counted = [v for v in (*self._agree, *self._total) if torch.is_tensor(v)]
+        device = counted[0].device if counted else torch.device("cpu")
+
         def stacked(values):
-            tensors = [v for v in values if torch.is_tensor(v)]
-            device = tensors[0].device if tensors else torch.device("cpu")
             return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]) \
                 if values else torch.zeros(0, dtype=torch.float64, device=device)
 
@@ -178,7 +179,7 @@ class ReplaySession:
             from megatron_rl.metrics.mismatch import TURN_BUCKETS
             from megatron_rl.moe.metrics import turn_agreement_sums
 
-            zero = torch.zeros(TURN_BUCKETS, dtype=torch.float64)
+            zero = torch.zeros(TURN_BUCKETS, dtype=torch.float64, device=device)  # where the counts are
             agree, total = (v if torch.is_tensor(v) else zero for v in (self._turn_agree, self._turn_total))
             out.update(turn_agreement_sums(agree, total, name))
         return out

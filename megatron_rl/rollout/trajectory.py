@@ -53,16 +53,18 @@ def assemble(prompt_ids: Sequence[int], turns: Sequence[Turn]) -> Sample:
     context = list(prompt_ids)
     ids, logp, mask, kept, routes, routed, versions = [], [], [], [], [], 0, []
     for t, turn in enumerate(turns):
-        s, obs = turn.sample, torch.tensor(list(turn.observation_ids), dtype=torch.long)
+        s = turn.sample
+        dev = s.response_ids.device  # the engine's samples say where their tensors live
+        obs = torch.tensor(list(turn.observation_ids), dtype=torch.long, device=dev)
         if s.prompt_ids.tolist() != context:
             raise ValueError(f"turn {t}: the engine was prompted with other ids than the trajectory so far "
                              f"({len(s.prompt_ids)} ids vs {len(context)}): the sequence would be re-tokenized")
         r, o = len(s.response_ids), len(obs)
         ids += [s.response_ids, obs]
-        logp += [s.rollout_logprobs.float(), torch.zeros(o)]
-        mask += [torch.ones(r, dtype=torch.bool), torch.zeros(o, dtype=torch.bool)]
+        logp += [s.rollout_logprobs.float(), torch.zeros(o, device=dev)]
+        mask += [torch.ones(r, dtype=torch.bool, device=dev), torch.zeros(o, dtype=torch.bool, device=dev)]
         v = s.versions().int()
-        versions += [v, torch.full((o,), int(v[-1]) if r else s.policy_version, dtype=torch.int32)]
+        versions += [v, torch.full((o,), int(v[-1]) if r else s.policy_version, dtype=torch.int32, device=dev)]
         if s.kept_ids is not None:
             kept.append((s.kept_ids, o))
         if s.routed_experts is not None:  # the positions no earlier turn processed

@@ -93,13 +93,14 @@ class Sample:
     def versions(self) -> torch.Tensor:
         """[R] int64: the policy version of each response token (`token_versions`, or policy_version)."""
         if self.token_versions is None:
-            return torch.full((len(self.response_ids),), self.policy_version, dtype=torch.long)
+            return torch.full((len(self.response_ids),), self.policy_version, dtype=torch.long,
+                              device=self.response_ids.device)
         return self.token_versions.long()
 
     def trained(self) -> torch.Tensor:
         """[R] bool: the response tokens trained on (`loss_mask`, all true when it is None)."""
         if self.loss_mask is None:
-            return torch.ones(len(self.response_ids), dtype=torch.bool)
+            return torch.ones(len(self.response_ids), dtype=torch.bool, device=self.response_ids.device)
         return self.loss_mask.bool()
 
     def num_trained(self) -> int:
