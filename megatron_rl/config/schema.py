@@ -385,7 +385,8 @@ class TrainSection:
         the new weights and goes on, so a sample's later tokens come from the newer version;
         Sample.token_versions, staleness per token) | "abort" (the generation in flight is
         dropped and done again with the new weights). pause / abort need schedule=async and an
-        engine that supports them: embedded both, vllm abort only.
+        engine that supports them: embedded both; vllm both (pause through vLLM's /pause?mode=keep,
+        not with rollout.vllm.weight_sync=restart).
     max_nonfinite_updates: optimizer updates in a row whose loss or gradient norm is inf or NaN
         before the run stops (>= 1; default 3). Each such update is skipped: the weights and the
         optimizer state stay as they were, `optim/nonfinite_updates` counts it and stderr names the

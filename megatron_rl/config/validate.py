@@ -141,9 +141,11 @@ def check_in_flight_update(cfg) -> None:
                          f"train.in_flight_update=wait")
     spec = ENGINES.get(cfg.rollout.backend)
     if mode not in spec.in_flight_updates:
-        why = f" ({spec.no_in_flight})" if spec.no_in_flight else ""
         raise ValueError(f"train.in_flight_update={mode}: rollout.backend={cfg.rollout.backend} supports "
-                         f"{', '.join(spec.in_flight_updates)}{why}; use one of them, or rollout.backend=embedded")
+                         f"{', '.join(spec.in_flight_updates)}; use one of them, or rollout.backend=embedded")
+    why = spec.no_in_flight(cfg.rollout, mode) if spec.no_in_flight is not None else None
+    if why:
+        raise ValueError(f"train.in_flight_update={mode} with rollout.backend={cfg.rollout.backend}: {why}")
     if mode == "pause" and cfg.moe.router_replay == "r3":
         raise ValueError("train.in_flight_update=pause with moe.router_replay=r3: a sample resumed on new weights "
                          "was routed by two versions, which one replayed routing cannot hold; use "

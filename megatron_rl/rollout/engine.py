@@ -24,9 +24,9 @@ the config and what it can do, so the trainer and the config check handle every 
     may_change        fields of its section a resume may change (where it runs, how it is reached)
     in_flight_updates the train.in_flight_update modes it supports: "wait" always; "pause" and
                       "abort" when it implements `Pausable` (pause: parks its generation at a
-                      step boundary and reports each token's version; abort: ends it). vLLM:
-                      wait and abort (its requests are aborted on the server)
-    no_in_flight      why the modes it does not list are refused (the start-up refusal says it), or None
+                      step boundary and reports each token's version; abort: ends it)
+    no_in_flight      (rollout section, mode) -> why, as configured, it cannot take a mode it
+                      lists (vLLM: pause with weight_sync=restart), or None
 
 What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
 top-p/top-k sets, routed experts, an fp32 head), never by the engine reading the loss or MoE
@@ -168,7 +168,7 @@ class EngineSpec:
     transport_for: Callable[[Any], str | None] = no_transport_setting
     may_change: tuple[str, ...] = ()
     in_flight_updates: tuple[str, ...] = ("wait",)
-    no_in_flight: str | None = None
+    no_in_flight: Callable[[Any, str], str | None] | None = None
 
     def __post_init__(self):
         if not callable(self.make):

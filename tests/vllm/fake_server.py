@@ -1,5 +1,5 @@
 """A fake vLLM server on 127.0.0.1 for the client's validation and fault handling: answers
-/v1/completions with well-formed samples unless told to misbehave, and plays a ServerHandle
+/inference/v1/generate with well-formed samples unless told to misbehave, and plays a ServerHandle
 (start / restart / alive / stop) so the engine's restart logic runs without vLLM. Like a server
 we launch, it refuses (HTTP 401) every request without `Authorization: Bearer <api_key>`."""
 from __future__ import annotations
@@ -13,20 +13,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 HANG_GUARD_S = 600.0  # a hung answer ends by itself after this at the latest (never hang CI)
 
 
-def good_answer(body: dict, vocab: int) -> dict:
-    """A valid answer: tokens derived from the seed, log-prob -1 each, full length."""
-    n = body["max_tokens"]
-    ids = [(body["seed"] + 7 * t) % vocab for t in range(n)]
-    stops = set(body.get("stop_token_ids") or [])
+def good_answer(body: dict, vocab: int, version: str = "default") -> dict:
+    """A valid /inference/v1/generate answer: tokens derived from the seed, log-prob -1 each, full
+    length, every token of weight version `version` (vLLM's "default" when unlabelled)."""
+    params = body["sampling_params"]
+    ids = [(params["seed"] + 7 * t) % vocab for t in range(params["max_tokens"])]
+    stops = set(params.get("stop_token_ids") or [])
     for t, tok in enumerate(ids):
         if tok in stops:
             ids = ids[:t + 1]
             break
     finish = "stop" if ids[-1] in stops else "length"
-    return {"choices": [{"index": 0, "text": "", "finish_reason": finish, "token_ids": ids,
-                         "logprobs": {"token_logprobs": [-1.0] * len(ids),
-                                      "tokens": [f"token_id:{t}" for t in ids],
-                                      "top_logprobs": [{f"token_id:{t}": -1.0} for t in ids]}}]}
+    content = [{"token_id": t, "logprob": -1.0, "top_logprobs": [{"token_id": t, "logprob": -1.0}]} for t in ids]
+    return {"choices": [{"index": 0, "finish_reason": finish, "token_ids": ids, "logprobs": {"content": content},
+                         "weight_versions": [{"version": version, "start": 0, "end": len(ids)}]}]}
 
 
 class FakeVllm:
@@ -39,7 +39,9 @@ hung at that moment with finish_reason "abort", as vLLM's does (`aborts` counts 
 abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE does).
 
     api_key: the key every request must carry (None: a fresh random one; "" : no key needed).
-    `unauthorised` counts the requests refused for the key."""
+    `unauthorised` counts the requests refused for the key. `posts`: the paths of the other POSTs
+    (/pause?mode=keep, /resume, /collective_rpc, ...), in order. `weight_versions`: the spans every
+    answer carries (None: vLLM's unlabelled "default")."""
 
     can_restart = True
     model_name = "fake"
@@ -52,6 +54,8 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
         self.behaviour = behaviour or (lambda body, answer: answer)
         self.api_key = secrets.token_urlsafe(16) if api_key is None else (api_key or None)
         self.requests: list[dict] = []
+        self.posts: list[str] = []
+        self.weight_versions: list[dict] | None = None
         self.restarts = 0
         self.unauthorised = 0
         self.dead = False
@@ -69,6 +73,12 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
 
     def log_tail(self, lines: int = 25) -> str:
         return ""
+
+    def answer(self, body: dict) -> dict:
+        out = good_answer(body, self.vocab)
+        if self.weight_versions is not None:
+            out["choices"][0]["weight_versions"] = self.weight_versions
+        return out
 
     def release_hung(self) -> None:
         """Let every hung request (and any later "hang") answer."""
@@ -110,17 +120,19 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
                     return
                 if self.path == "/abort_requests":
                     return self._abort()
-                if self.path != "/v1/completions":
+                if self.path != "/inference/v1/generate":
+                    with fake.lock:
+                        fake.posts.append(self.path)
                     return self._send(200, b'{"results": [null]}')
                 with fake.lock:
                     fake.requests.append(body)
                     aborts = fake.aborts  # an abort from now on ends this request's hang
-                out = "drop" if fake.dead else fake.behaviour(body, good_answer(body, fake.vocab))
+                out = "drop" if fake.dead else fake.behaviour(body, fake.answer(body))
                 if out == "hang":
                     fake.hanging.set()
                     with fake._hung:  # no timer: only release_hung(), a stop or an abort ends the hang
                         fake._hung.wait_for(lambda: wake.is_set() or fake.aborts != aborts, HANG_GUARD_S)
-                    out = good_answer(body, fake.vocab)
+                    out = fake.answer(body)
                     if not wake.is_set():
                         out["choices"][0]["finish_reason"] = "abort"
                 if out == "drop":

@@ -1,13 +1,16 @@
-"""VllmEngine.abort() (train.in_flight_update=abort) against the fake server: the generate() call in
-flight raises GenerationAborted once none of its requests runs any more, and the engine serves the
-next call. The fake holds requests until the abort reaches it (an event, never a timer)."""
+"""VllmEngine.abort() and pause() (train.in_flight_update=abort | pause) against the fake server:
+abort makes the generate() call in flight raise GenerationAborted once none of its requests runs
+any more, and the engine serves the next call; pause freezes the servers' requests for the
+update, and the samples carry each token's version as the server reports it. The fake holds
+requests until the abort or release reaches it (an event, never a timer). The real server's
+pause: tests/vllm/test_server.py."""
 import threading
 
 import pytest
 
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 
@@ -103,8 +106,43 @@ def test_without_the_abort_endpoint_the_requests_run_to_their_end(tmp_path, weig
     engine.close()
 
 
-def test_pause_is_refused_naming_the_reason(tmp_path, weights):
-    engine, _ = make_engine(tmp_path, weights, [])
-    with pytest.raises(VllmUnsupportedError, match="does not say which of its tokens came after the update"):
-        engine.pause()
+def test_pause_freezes_the_servers_for_the_update_and_samples_carry_each_token_s_version(tmp_path, weights):
+    hold = ["the call"]
+    engine, fake = make_engine(tmp_path, weights, hold)
+    thread, outcome = generate_in_background(engine)
+    assert fake.hanging.wait(GUARD_S)  # a request of the call is on the server
+    engine.pause()
+    assert fake.posts[-1] == "/pause?mode=keep&clear_cache=false"  # frozen where they are, not aborted
+    push(engine, weights, 4)  # the schedule's push between pause() and resume(): reload, then the label
+    assert "/collective_rpc" in fake.posts[-3:] and fake.posts[-1] == "/update_weight_version"
+    # what vLLM reports once resumed: each answer's first 2 tokens from version 3, the rest from 4
+    fake.weight_versions = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 6}]
+    engine.resume()  # the old weights' KV dropped, the requests recomputed on the new ones; then on
+    assert fake.posts[-2:] == ["/reset_prefix_cache?reset_running_requests=true", "/resume"]
+    fake.release_hung()  # every request of the call hung until now (hold): all answer with those spans
+    thread.join(GUARD_S)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+    hold.clear()
+    for s in (s for g in outcome["samples"] for s in g):
+        assert s.policy_version == 3 and s.token_versions.tolist() == [3, 3, 4, 4, 4, 4]
+        assert s.versions().tolist() == [3, 3, 4, 4, 4, 4]
+    assert fake.aborts == 0 and engine.stats()["vllm/bad_responses"] == 0
+    fake.weight_versions = [{"version": "4", "start": 0, "end": 6}]
+    out = engine.generate(PROMPTS, 1, SAMPLING)  # one version throughout: no per-token versions
+    assert all(g[0].policy_version == 4 and g[0].token_versions is None for g in out)
+    engine.close()
+
+
+def test_pause_with_no_call_in_flight_holds_the_next_call_until_resume(tmp_path, weights):
+    engine, fake = make_engine(tmp_path, weights, [])
+    engine.pause()  # none in flight: nothing to freeze on the servers
+    started = threading.Event()
+    fake.behaviour = lambda body, answer: started.set() or answer
+    thread, outcome = generate_in_background(engine)
+    push(engine, weights, 4)
+    assert not started.is_set() and "/pause?mode=keep&clear_cache=false" not in fake.posts
+    engine.resume()
+    thread.join(GUARD_S)
+    assert started.is_set() and all(s.policy_version == 4 for g in outcome["samples"] for s in g)
+    assert "/resume" not in fake.posts
     engine.close()

@@ -49,7 +49,7 @@ def test_good_answers_make_samples_keyed_by_prompt_and_sample(tmp_path, weights)
     assert [[(s.prompt_index, s.sample_index) for s in g] for g in out] == [[(i, 0), (i, 1)] for i in range(3)]
     assert all(s.policy_version == 3 and s.rollout_logprobs.tolist() == [-1.0] * len(s.response_ids)
                for g in out for s in g)
-    seeds = sorted(r["seed"] for r in fake.requests)
+    seeds = sorted(r["sampling_params"]["seed"] for r in fake.requests)
     assert len(set(seeds)) == 6  # one distinct stream per (i, j)
     # each answer's tokens derive from its own seed, so sample (i, j) got its own answer
     for g in out:
@@ -62,14 +62,17 @@ def test_good_answers_make_samples_keyed_by_prompt_and_sample(tmp_path, weights)
 @pytest.mark.parametrize("corrupt, why", [
     (lambda a: b"{not json", "malformed JSON"),
     (lambda a: {**a, "choices": []}, "exactly one choice"),
-    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].pop()), "lengths differ"),
-    (lambda a: _edit(a, lambda c: c.__setitem__("logprobs", None)), "logprobs missing"),
-    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].__setitem__(0, math.nan)), "not finite"),
-    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, None)), "not a number"),
-    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, -9999.0)), "not finite"),
-    (lambda a: _edit(a, lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, 0.5)), "> 0"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["content"].pop()), "lengths differ"),
+    (lambda a: _edit(a, lambda c: c.__setitem__("logprobs", None)), "logprobs.content missing"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["content"][0].__setitem__("logprob", math.nan)), "not finite"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["content"][1].__setitem__("logprob", None)), "not a number"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["content"][1].__setitem__("logprob", -9999.0)), "not finite"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["content"][1].__setitem__("logprob", 0.5)), "> 0"),
     (lambda a: _edit(a, lambda c: c["token_ids"].__setitem__(0, 64)), "outside"),
-    (lambda a: _edit(a, lambda c: c["logprobs"]["tokens"].__setitem__(0, "token_id:63")), "do not match"),
+    (lambda a: _edit(a, lambda c: c["logprobs"]["content"][0].__setitem__("token_id", 63)), "do not match"),
+    (lambda a: _edit(a, lambda c: c["weight_versions"][0].__setitem__("version", "x")), "not a trainer version"),
+    (lambda a: _edit(a, lambda c: c.__setitem__("weight_versions", [{"version": "3", "start": 0, "end": 1}])),
+     "cover 1 of"),
     (lambda a: _edit(a, lambda c: c.__setitem__("finish_reason", "abort")), "finish_reason"),
     (lambda a: _edit(a, lambda c: _shorten(c)), "finish_reason 'length' after"),
 ])
@@ -89,8 +92,8 @@ def _edit(answer, fn):
 
 def _shorten(choice):
     choice["token_ids"].pop()
-    choice["logprobs"]["token_logprobs"].pop()
-    choice["logprobs"]["tokens"].pop()
+    choice["logprobs"]["content"].pop()
+    choice["weight_versions"][-1]["end"] -= 1
     choice["finish_reason"] = "length"
 
 
@@ -110,11 +113,12 @@ def test_transient_bad_answers_and_5xx_are_retried_and_counted(tmp_path, weights
 
     def flaky(body, answer):
         with lock:
-            seen[body["seed"]] = seen.get(body["seed"], 0) + 1
-            first = seen[body["seed"]] == 1
-        if first and body["prompt"][0] == 4:
+            seed = body["sampling_params"]["seed"]
+            seen[seed] = seen.get(seed, 0) + 1
+            first = seen[seed] == 1
+        if first and body["token_ids"][0] == 4:
             return b"garbage"
-        if first and body["prompt"][0] == 7:
+        if first and body["token_ids"][0] == 7:
             return 503
         return answer
 
@@ -143,7 +147,7 @@ def test_dead_server_is_restarted_and_unfinished_samples_resent(tmp_path, weight
 
     def die_once(body, answer):
         with lock:
-            if not state["dropped"] and body["prompt"][0] == 9:
+            if not state["dropped"] and body["token_ids"][0] == 9:
                 state["dropped"] = True
                 return "drop"
         return answer

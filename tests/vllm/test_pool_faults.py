@@ -109,8 +109,8 @@ def dies_once_after(n: int):
 
 def _from_its_own_seed(out) -> bool:
     """Each sample is the fake's answer to the seed of its (i, j), whichever server gave it."""
-    body = {"max_tokens": SAMPLING.max_tokens, "stop_token_ids": list(SAMPLING.stop_token_ids)}
-    return all(s.response_ids.tolist() == good_answer({**body, "seed": stream_seed(SAMPLING.seed, i, j)},
+    params = {"max_tokens": SAMPLING.max_tokens, "stop_token_ids": list(SAMPLING.stop_token_ids)}
+    return all(s.response_ids.tolist() == good_answer({"sampling_params": {**params, "seed": stream_seed(SAMPLING.seed, i, j)}},
                                                       ARCH.vocab_size)["choices"][0]["token_ids"]
                for i, g in enumerate(out) for j, s in enumerate(g))
 
@@ -197,3 +197,17 @@ def test_one_sync_packs_the_stream_once_and_sends_every_bucket_to_every_server()
         assert rec.posts[-2][1] == {"weight_version": "7"}
     for s in syncs:
         s._rpc.shutdown()
+
+
+def test_a_sync_inside_a_partial_rollout_leaves_the_servers_paused_for_resume():
+    """held: the engine froze the servers' requests (/pause?mode=keep); the sync neither drains nor
+    resumes them (its /pause?mode=wait would wait for requests that cannot run), and still labels
+    the new weights."""
+    rec = _Recorder()
+    sync = MemorySync(_Handle(), BACKENDS["gloo"], bucket_bytes=160, host="127.0.0.1")
+    sync.channel = rec
+    sync._post = lambda path, body, timeout: rec.posts.append((path, body))
+    push_all([sync], [("t", torch.ones(8))], version=9, timeout=60.0, held=True)
+    assert [p for p, _ in rec.posts] == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    assert rec.posts[-1][1] == {"weight_version": "9"}
+    sync._rpc.shutdown()

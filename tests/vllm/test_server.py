@@ -1,6 +1,7 @@
 """A real vLLM server (CPU lane, tiny dense Qwen3, fp32): log-prob parity, sampling semantics,
 weight sync with the parity probe, multi-turn trajectories equal to the embedded engine's, that
-it serves no one without its key, and abort for an in-flight weight update. One server for the
+it serves no one without its key, and abort or pause (partial rollouts) for an in-flight weight
+update. One server for the
 module (a start costs ~30-80 s)."""
 import os
 import threading
@@ -21,7 +22,7 @@ from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.http import HttpStatusError, request, request_json
 from megatron_rl.rollout.vllm.probe import hf_reference
-from megatron_rl.rollout.vllm.protocol import completion_body
+from megatron_rl.rollout.vllm.protocol import GENERATE, generate_body
 from tests.vllm.conftest import HOLD_GUARD_S, hf_weights, push, tiny_arch
 
 pytestmark = pytest.mark.vllm
@@ -195,8 +196,8 @@ def test_the_server_serves_no_one_without_its_key(engine):
     assert server.url.startswith("http://127.0.0.1:") and key
     current = os.path.abspath(engine.dirs.latest)  # what the server runs: harmless if it were reloaded
     reload = {"method": "reload_weights", "kwargs": {"weights_path": current}}
-    completion = completion_body(server.model_name, [4, 5, 6], SamplingParams(max_tokens=2), seed=0)
-    endpoints = [("/collective_rpc", reload), ("/v1/completions", completion), ("/v1/models", None),
+    completion = generate_body(server.model_name, [4, 5, 6], SamplingParams(max_tokens=2), seed=0)
+    endpoints = [("/collective_rpc", reload), (GENERATE, completion), ("/v1/completions", {}), ("/v1/models", None),
                  ("/reset_prefix_cache", {}), ("/server_info", None), ("/is_sleeping", None),
                  ("/health", None), ("/metrics", None), ("/version", None)]
     for path, body in endpoints:
@@ -205,7 +206,7 @@ def test_the_server_serves_no_one_without_its_key(engine):
                 request(server.url + path, body, timeout=120, api_key=wrong)
             assert info.value.status == 401, (path, wrong, info.value)
     # with the key: generation and the weight sync's endpoints work
-    out = request_json(server.url + "/v1/completions", completion, timeout=600, api_key=key)
+    out = request_json(server.url + GENERATE, completion, timeout=600, api_key=key)
     assert len(out["choices"][0]["token_ids"]) == 2
     assert "results" in request_json(server.url + "/collective_rpc", reload, timeout=600, api_key=key)
     request_json(server.url + "/reset_prefix_cache", {}, timeout=600, api_key=key)
@@ -268,3 +269,57 @@ def test_abort_ends_the_call_in_flight_on_the_server_and_the_next_call_samples(e
     engine.resume()
     monkeypatch.undo()
     assert len(engine.generate(PROMPTS, 1, SamplingParams(max_tokens=4))) == len(PROMPTS)
+
+
+def _generated_tokens(server) -> float:
+    """vLLM's running count of generated tokens (its /metrics)."""
+    text = request(server.url + "/metrics", None, timeout=120, api_key=server.api_key).decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_pause_updates_the_weights_mid_generation_and_each_token_is_its_version_s(engine, models):
+    """train.in_flight_update=pause: pause() freezes the running requests (vLLM's /pause?mode=keep),
+    the push reloads other weights and labels them, resume() has vLLM recompute the requests' KV on
+    the new weights and go on. Each token's log-prob is that of the version its label names,
+    given every token before it (teacher-forced fp32 references): the tokens before the update
+    are A's, those after are B's and not A's. The pause comes once the server has generated a
+    token of the call (its /metrics; a response is 240 tokens long)."""
+    (model_a, weights_a), (model_b, weights_b) = models
+    push(engine, weights_a, 10)
+    server, outcome = engine.server, {}
+    before = _generated_tokens(server)
+
+    def run():
+        try:
+            outcome["samples"] = engine.generate(PROMPTS[:2], 1, SamplingParams(temperature=1.0, max_tokens=240, seed=7))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="rollout-generation")
+    thread.start()
+    guard = threading.Event()
+    while _generated_tokens(server) <= before:  # a condition on the server's state, not a fixed wait
+        assert not guard.wait(0.005) and thread.is_alive(), outcome
+    engine.pause()
+    push(engine, weights_b, 11)  # its parity probe waits: a paused server answers nothing
+    assert engine.updates._deferred_probe is not None
+    engine.fleet.stats["vllm/probe_max_abs_diff"] = float("nan")  # set again only by a probe
+    engine.resume()  # ... and runs now, against B
+    assert engine.stats()["vllm/probe_max_abs_diff"] < 1e-3 and engine.updates._deferred_probe is None
+    thread.join(HOLD_GUARD_S)
+    assert "error" not in outcome, outcome
+    for (sample,) in outcome["samples"]:
+        v = sample.versions()
+        k = int((v == 10).sum())
+        assert sample.policy_version == 10 and 0 < k < len(v) == 240, v.tolist()
+        assert v.tolist() == [10] * k + [11] * (len(v) - k)
+        lp = sample.rollout_logprobs
+        ref_a, ref_b = reference_logprobs(model_a, sample), reference_logprobs(model_b, sample)
+        assert float((lp[:k] - ref_a[:k]).abs().max()) < 1e-3
+        # new weights, and no KV left from the old ones (kept, it made these differ by ~2.6)
+        assert float((lp[k:] - ref_b[k:]).abs().max()) < 1e-3
+        assert float((lp[k:] - ref_a[k:]).abs().max()) > 1e-2
+    later = engine.generate(PROMPTS[:2], 1, SamplingParams(max_tokens=4))
+    assert all(g[0].policy_version == 11 and g[0].token_versions is None for g in later)
+    push(engine, weights_a, 0)  # as the module's fixture left it

@@ -96,6 +96,13 @@ def _no_routing(rollout) -> str | None:
             "vLLM server (it returns them: rollout.vllm.enable_return_routed_experts is turned on)")
 
 
+def _no_in_flight(rollout, mode: str) -> str | None:
+    if mode == "pause" and rollout.vllm.weight_sync == "restart":
+        return ("a pause keeps the requests in the servers, and rollout.vllm.weight_sync=restart replaces the servers; "
+                "use weight_sync=memory or reload, or train.in_flight_update=abort")
+    return None
+
+
 # where the server runs and how it is reached, restarted and probed: not its dtype, quantization,
 # log-prob mode, seed, lengths or extra arguments, which change the samples (trainer/resume_check.py)
 MAY_CHANGE = ("url", "urls", "num_servers", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization",
@@ -107,9 +114,7 @@ VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, 
                   no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
                                   "or rollout.dtype=fp32 for the whole server",
                   transports=("memory", "disk"), transport_for=_transport, may_change=MAY_CHANGE,
-                  in_flight_updates=("wait", "abort"),
-                  no_in_flight="pause needs each token's weight version, and a non-streaming vLLM request does not "
-                               "say which of its tokens came after the update")
+                  in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight)
 
 
 __all__ = [

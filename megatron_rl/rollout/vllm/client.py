@@ -5,7 +5,7 @@
     engine.load_weights_from(model_dir, version=0)     # or an HF folder (the `disk` transport's; reload / restart)
                                                        # the first weights start the servers
     groups = engine.generate(prompts, n=8, sampling=SamplingParams(max_tokens=64))
-    engine.abort(); ...; engine.resume()               # train.in_flight_update=abort, from another thread
+    engine.abort() | engine.pause(); ...; engine.resume()   # train.in_flight_update=abort | pause, from another thread
     engine.stats()   # {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0, ...}
     engine.close()
 
@@ -14,7 +14,7 @@ A facade over the modules that do the work, one job each:
     servers.py     the servers as configured: flags, environment, devices (nothing starts)
     pool.py        which server takes the next request; each server's state and counters
     fleet.py       starting the servers, taking a failed one out and restarting it; the counters
-    generation.py  a generate() call: requests, retries, failover, abort for a weight update
+    generation.py  a generate() call: requests, retries, failover, abort or pause for a weight update
     updates.py     weight syncs (memory / disk) and the parity probe after them
 
 Servers. `rollout.vllm.num_servers` launched ones or the `urls` given (pool.py): every sync
@@ -160,16 +160,18 @@ class VllmEngine:
         resume(). (train.in_flight_update=abort: the weights are pushed in between.)"""
         self.generation.abort()
 
-    def resume(self) -> None:
-        self.generation.resume()
-
     def pause(self) -> None:
-        """Refused (train.in_flight_update=pause is refused for vLLM at start-up): a non-streaming
-        request does not tell which of its tokens came after the update, so the per-token
-        versions a partial rollout records would be guesses."""
-        raise VllmUnsupportedError("the vLLM engine cannot pause a generation for a weight update: a non-streaming "
-                                   "request does not say which of its tokens came after the update; use "
-                                   "train.in_flight_update=abort or wait")
+        """Freeze the generate() call in flight on every server (vLLM's /pause?mode=keep); return once
+        they all are (at once when none runs). No call starts until resume(). The weights pushed
+        meanwhile make the rest of its tokens, and each sample says which version made which
+        token (Sample.token_versions). (train.in_flight_update=pause: partial rollouts.)"""
+        self.generation.pause()
+
+    def resume(self) -> None:
+        """After abort() or pause(): calls start again and frozen requests go on; then the parity
+        probe of a sync made while paused (VllmParityError)."""
+        self.generation.resume()
+        self.updates.after_resume()
 
     # kept for the fault tests that drive a failure by hand
     def _lose(self, replica: Replica, epoch: int, reason: str) -> None:

@@ -44,7 +44,7 @@ from megatron_rl.rollout.vllm.errors import (
 )
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, STALE, Replica, ServerPool
-from megatron_rl.rollout.vllm.protocol import completion_body
+from megatron_rl.rollout.vllm.protocol import GENERATE, generate_body
 from megatron_rl.rollout.vllm.weight_sync import WeightDirs
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
@@ -67,6 +67,7 @@ class Fleet:
                                         "vllm/requests": 0, "vllm/weight_syncs": 0}
         self.call_restarts = 0  # restarts in the generate() call running now
         self.started = self.closed = False
+        self.paused = False  # the generation's requests are frozen for a weight update (generation.py pause)
         self._restarter = ThreadPoolExecutor(len(pool), thread_name_prefix="vllm-restart")
         self._restarting: list[Future] = []
 
@@ -123,10 +124,9 @@ class Fleet:
         if not self.cfg.warmup:
             return
         server = replica.server
-        body = completion_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
+        body = generate_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
         try:
-            request_json(server.url + "/v1/completions", body, timeout=self.cfg.startup_timeout_s,
-                         api_key=server.api_key)
+            request_json(server.url + GENERATE, body, timeout=self.cfg.startup_timeout_s, api_key=server.api_key)
         except (TransportError, HttpStatusError, BadResponse) as e:
             tail = server.log_tail(400)
             hint = ""
@@ -140,9 +140,8 @@ class Fleet:
 
     def _check_routing(self, replica: Replica) -> None:
         server = replica.server
-        body = completion_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
-        out = request_json(server.url + "/v1/completions", body, timeout=self.cfg.request_timeout_s,
-                           api_key=server.api_key)
+        body = generate_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
+        out = request_json(server.url + GENERATE, body, timeout=self.cfg.request_timeout_s, api_key=server.api_key)
         if not (isinstance(out, dict) and out.get("choices") and out["choices"][0].get("routed_experts")):
             self.close()
             raise VllmUnsupportedError(f"router replay R3 was requested but the vLLM server at {server.url} "

@@ -1,15 +1,16 @@
-"""One generate() call of a VllmEngine: the requests, their retries, and abort for a weight update.
+"""One generate() call of a VllmEngine: the requests, their retries, and a weight update in the middle.
 
     gen = Generation(arch, cfg, fleet, logprobs_mode, max_model_len, max_logprobs)
     groups = gen.generate(prompts, n, sampling, version)   # result[i][j]: sample j of prompt i
-    gen.abort(); push the weights; gen.resume()                     # trainer thread, while it runs
+    gen.abort() | gen.pause(); push the weights; gen.resume()       # trainer thread, while it runs
 
-Requests. One `/v1/completions` request per sample (prompt i, sample j), token ids in, token
-ids and per-token sampled log-probs out, up to `max_concurrency` in flight from a thread pool;
-a server batches them (continuous batching). Request (i, j) carries the seed
-`stream_seed(sampling.seed, i, j)`, the same derivation the embedded engine uses, so a sample
-depends on (weights, prompt, seed, i, j) only: not on batching, concurrency, retries or which
-server ran it. (The two engines draw different numbers from their streams, so their samples differ.)
+Requests. One vLLM token-in/token-out request (`/inference/v1/generate`, protocol.py) per sample
+(prompt i, sample j): token ids in; token ids, per-token sampled log-probs and each token's
+weight version out; up to `max_concurrency` in flight from a thread pool; a server batches them
+(continuous batching). Request (i, j) carries the seed `stream_seed(sampling.seed, i, j)`, the
+same derivation the embedded engine uses, so a sample depends on (weights, prompt, seed, i, j)
+only: not on batching, concurrency, retries or which server ran it. (The two engines draw
+different numbers from their streams, so their samples differ.)
 
 Failures. Results are kept by (i, j) as they arrive; a key is stored once and the call returns
 only when every key has a validated sample.
@@ -31,12 +32,21 @@ lost: the schedule generates them again on the new weights). A server without th
 endpoints (VLLM_SERVER_DEV_MODE=0: weight_sync=restart, or a server at a URL started without
 it) answers 404 and its requests run to their end (at most max_tokens each) before abort()
 returns: slower, still correct. A call that starts between abort() and resume() waits for
-resume(). `pause` is refused: a non-streaming request does not tell which of its tokens came
-after an update, so the per-token versions a pause needs would be guesses.
+resume().
+
+Pause (train.in_flight_update=pause, partial rollouts). `pause()` freezes every server's running
+requests where they are (vLLM's `/pause?mode=keep`; requests that arrive meanwhile queue); the
+weights are pushed, each sync labelling the server's weights with the trainer version;
+`resume()` drops the KV computed by the old weights (`/reset_prefix_cache?reset_running_requests
+=true`: the running requests are preempted, and recomputed from prompt + tokens so far on the
+new weights, one prefill each, as the embedded engine does) and lets them go on (`/resume`).
+Each answer's weight-version spans (protocol.py) give every token's version: the tokens before
+the update carry the old one (Sample.token_versions). The call sees a pause only as slower
+requests.
 
 Cost: per call, one request per sample spread over the servers (pool.py); the waits are
-event-driven (no polling beyond the health check every health_interval_s); an abort costs one
-small request per server.
+event-driven (no polling beyond the health check every health_interval_s); an abort or a pause
+costs one small request per server.
 """
 from __future__ import annotations
 
@@ -63,12 +73,7 @@ from megatron_rl.rollout.vllm.errors import (
 from megatron_rl.rollout.vllm.fleet import Fleet
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.pool import READY, Replica
-from megatron_rl.rollout.vllm.protocol import (
-    check_served,
-    completion_body,
-    decode_routed_experts,
-    parse_completion,
-)
+from megatron_rl.rollout.vllm.protocol import GENERATE, check_served, decode_routed_experts, generate_body, parse_generate
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
@@ -97,7 +102,8 @@ class Generation:
         self.stats = fleet.stats
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="vllm-request")
         self._cond = threading.Condition()  # the abort state below, shared with the trainer thread
-        self._held = False  # between abort() and resume(): no call starts
+        self._held = False  # between abort() / pause() and resume(): no call starts
+        self._paused: list[Replica] = []  # the servers pause() froze; resume() lets them go on
         self._active = False  # a call is running
         self._aborting = threading.Event()  # set by abort(): the running call ends; wakes its waits
         self._wake: Future | None = None  # done when the running call is aborted: wakes its wait()
@@ -115,10 +121,53 @@ class Generation:
                 self._wake.set_result(None)
             self._cond.wait_for(lambda: not self._active)
 
+    def pause(self) -> None:
+        """Freeze the call in flight on every READY server (module docstring); return once they all
+        are (at once when no call runs). Calls wait for resume() before starting. A server that
+        does not answer is taken out (its requests go to the others after resume)."""
+        with self._cond:
+            self._held = True
+            active = self._active
+        if not active:
+            return
+        self.fleet.paused = True
+        for r in self.fleet.pool.ready():
+            try:
+                # clear_cache=false: the caches are dropped once the new weights are in (resume), not
+                # twice (vLLM 0.32 still reads it for mode=keep, though it is documented as ignored)
+                request_json(r.server.url + "/pause?mode=keep&clear_cache=false", {},
+                             timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
+                self._paused.append(r)
+            except HttpStatusError as e:
+                self.fleet.paused = False
+                self._resume_servers()
+                raise VllmUnsupportedError(f"vLLM {r.name()} refused to pause ({e}): a pause needs the development "
+                                           f"endpoints (VLLM_SERVER_DEV_MODE=1)") from e
+            except (TransportError, BadResponse) as e:
+                self.fleet.lose(r, r.epoch, f"did not pause for a weight update: {e}")
+
     def resume(self) -> None:
+        """End an abort() or a pause(): frozen requests go on (on the weights pushed meanwhile)."""
+        self._resume_servers()
         with self._cond:
             self._held = False
             self._cond.notify_all()
+
+    def _resume_servers(self) -> None:
+        paused, self._paused = self._paused, []
+        self.fleet.paused = False
+        for r in paused:
+            if r.state != READY:  # lost or restarted meanwhile: nothing of it is frozen any more
+                continue
+            try:
+                # The frozen requests' KV (and the prefix cache) came from the old weights: preempting
+                # them makes vLLM recompute prompt + tokens so far on the new weights before going on,
+                # so every later token is the new policy's given its prefix (as the embedded engine does).
+                request_json(r.server.url + "/reset_prefix_cache?reset_running_requests=true", {},
+                             timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
+                request_json(r.server.url + "/resume", {}, timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
+            except (TransportError, HttpStatusError, BadResponse) as e:
+                self.fleet.lose(r, r.epoch, f"did not resume after a weight update: {e}")
 
     def _begin(self) -> None:
         with self._cond:
@@ -192,7 +241,9 @@ class Generation:
     def _count_failures(self, failed: dict[Key, Exception], tries: dict[Key, int], bad_before: float) -> None:
         for k, e in failed.items():
             if isinstance(e, HttpStatusError) and e.status < 500:
-                raise VllmRequestError(f"the vLLM server refused sample {k}: {e}", e.status)
+                hint = (" (a server at a URL must run with --enable-scale-out, which mounts the token-in/token-out "
+                        "endpoint)" if e.status in (403, 404) else "")
+                raise VllmRequestError(f"the vLLM server refused sample {k}: {e}{hint}", e.status)
             if isinstance(e, BadResponse):
                 self.stats["vllm/bad_responses"] += 1
             tries[k] += 1
@@ -277,21 +328,25 @@ class Generation:
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
         with self.fleet.pool.serving(len(prompt) + sampling.max_tokens, self.cfg.startup_timeout_s) as replica:
             epoch, server = replica.epoch, replica.server
-            body = completion_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
+            body = generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
             try:
-                resp = request_json(server.url + "/v1/completions", body, timeout=self.cfg.request_timeout_s,
+                resp = request_json(server.url + GENERATE, body, timeout=self.cfg.request_timeout_s,
                                     api_key=server.api_key)
-                ids, logprobs, finish, kept, routed = parse_completion(
-                    resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len, num_logprobs)
+                out = parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len,
+                                     num_logprobs)
             except (TransportError, HttpStatusError, BadResponse) as e:
                 raise _Failed(e, replica, epoch) from e
-        self.fleet.pool.add_tokens(replica, len(ids))
+        self.fleet.pool.add_tokens(replica, len(out.ids))
         routed_experts = None
         if self.cfg.enable_return_routed_experts:
-            routed_experts = decode_routed_experts(routed, len(prompt) + len(ids) - 1, self.arch.moe_topk)
-        return Sample(prompt_ids=torch.tensor(prompt, dtype=torch.long), response_ids=ids, rollout_logprobs=logprobs,
-                      finish_reason=finish, policy_version=policy_version, prompt_index=i, sample_index=j,
-                      routed_experts=routed_experts, kept_ids=kept)
+            routed_experts = decode_routed_experts(out.routed, len(prompt) + len(out.ids) - 1, self.arch.moe_topk)
+        versions = out.versions
+        mixed = versions is not None and bool((versions != versions[0]).any())
+        return Sample(prompt_ids=torch.tensor(prompt, dtype=torch.long), response_ids=out.ids,
+                      rollout_logprobs=out.logprobs, finish_reason=out.finish,
+                      policy_version=int(versions[0]) if versions is not None else policy_version,
+                      prompt_index=i, sample_index=j, routed_experts=routed_experts, kept_ids=out.kept,
+                      token_versions=versions if mixed else None)
 
     def _check_args(self, prompts, n: int, sampling: SamplingParams) -> None:
         if not self.fleet.started:

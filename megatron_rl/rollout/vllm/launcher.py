@@ -3,7 +3,7 @@
     server = LocalServer(python, args, env, log_path="runs/x/vllm/server.log")
     server.start(model_dir)          # child process on 127.0.0.1:<free port>; waits for /health
     server.alive(); server.restart(new_model_dir); server.stop()
-    request_json(server.url + "/v1/completions", body, api_key=server.api_key)
+    request_json(server.url + "/inference/v1/generate", body, api_key=server.api_key)
 
 Access. Every server we launch gets a fresh random key (`server.api_key`, secrets.token_urlsafe)
 and refuses any request, on any path, without `Authorization: Bearer <key>` (HTTP 401). vLLM's
@@ -360,8 +360,9 @@ class LocalServer:
 
 
 class RemoteServer:
-    """A server someone else runs at `url` (must have VLLM_SERVER_DEV_MODE=1 for in-place weight
-    sync). `api_key` goes with every request (see VllmConfig.api_key). We never restart it: if it
+    """A server someone else runs at `url`: started with --skip-tokenizer-init and --enable-scale-out
+    (the token-in/token-out endpoint the requests use), and VLLM_SERVER_DEV_MODE=1 for in-place
+    weight sync. `api_key` goes with every request (see VllmConfig.api_key). We never restart it: if it
     dies, that is an error."""
 
     can_restart = False

@@ -3,7 +3,7 @@ server's state and counters.
 
     pool = ServerPool([Replica(0, server0, memory0), Replica(1, server1, memory1)])
     with pool.serving(work) as replica:      # the ready server with the least work in flight
-        request_json(replica.server.url + "/v1/completions", ...)
+        request_json(replica.server.url + "/inference/v1/generate", ...)
     pool.set_state(replica, DOWN)            # excluded until it is ready again
 
 Placement. A request is placed when a request thread is free to send it (not when generate()

@@ -1,10 +1,18 @@
-"""The wire format: request bodies for /v1/completions and strict parsing of the answers.
+"""The wire format: request bodies for vLLM's token-in/token-out `/inference/v1/generate` (and
+`/v1/completions` for the parity probe's prompt log-probs), and strict parsing of the answers.
 
 Token in, token out: the prompt goes as a list of token ids, the server runs with
---skip-tokenizer-init, and every answer must carry the sampled token ids (`token_ids`, with
-`logprobs.tokens` as "token_id:N" cross-checking them), one finite log-prob per token and a
-finish reason consistent with them. Anything else raises `BadResponse` naming what is wrong;
-the client counts and retries it, and never turns it into a sample.
+--skip-tokenizer-init and --enable-scale-out (which mounts the endpoint), and every answer must
+carry the sampled token ids (`token_ids`, with `logprobs.content[t].token_id` cross-checking
+them), one finite log-prob per token and a finish reason consistent with them. Anything else
+raises `BadResponse` naming what is wrong; the client counts and retries it, and never turns it
+into a sample.
+
+Weight versions. The answer's `weight_versions` spans say which weights made which output tokens:
+[{"version": "3", "start": 0, "end": 50}, {"version": "4", "start": 50, "end": 240}] for a request
+that a weight update paused after 50 tokens (vLLM's `/pause?mode=keep`; every sync labels the
+server's weights with the trainer version, transfer.py / updates.py). vLLM's label before any is
+set is "default": those tokens carry the version the client read at the call's start.
 
 Log-prob semantics. vLLM has one server-wide `--logprobs-mode`:
     raw_logprobs        log_softmax(logits)                  (no temperature, no truncation)
@@ -19,6 +27,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -70,36 +79,37 @@ def server_logprobs_mode(temperature: float, top_p: float, top_k: int, logprobs_
         f"(processed). Use temperature 1, or no top-k/top-p, or loss.keep_sampling_mask (processed log-probs)")
 
 
-def completion_body(model: str, prompt: list[int], sampling: SamplingParams, seed: int,
-                    num_logprobs: int = 0) -> dict:
-    """One sample of one prompt. `num_logprobs` top log-probs per position besides the sampled
-    one (used to read the kept set)."""
+GENERATE = "/inference/v1/generate"
+UNLABELLED = "default"  # vLLM's weight version before anyone sets one
+
+
+def generate_body(model: str, prompt: list[int], sampling: SamplingParams, seed: int, num_logprobs: int = 0) -> dict:
+    """One sample of one prompt. `num_logprobs` log-probs per position: the sampled token's first,
+    then the top ones (used to read the kept set); 0 gives the sampled token's alone."""
     return {
         "model": model,
-        "prompt": list(prompt),
-        "n": 1,
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "seed": seed,
-        "stop_token_ids": sorted(set(sampling.stop_token_ids)),
-        "ignore_eos": True,  # only stop_token_ids end a response, as in every engine
-        "min_tokens": 0,
-        "logprobs": num_logprobs,
-        "return_tokens_as_token_ids": True,
-        "return_token_ids": True,
-        "skip_special_tokens": False,
+        "token_ids": list(prompt),
+        "output_mode": "tokens",
+        "sampling_params": {
+            "n": 1,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "seed": seed,
+            "stop_token_ids": sorted(set(sampling.stop_token_ids)),
+            "ignore_eos": True,  # only stop_token_ids end a response, as in every engine
+            "min_tokens": 0,
+            "logprobs": num_logprobs,
+            "detokenize": False,
+        },
     }
 
 
-def _token_id(s) -> int:
-    if not isinstance(s, str) or not s.startswith("token_id:"):
-        raise BadResponse(f"token {s!r} is not 'token_id:N' (return_tokens_as_token_ids ignored?)")
-    try:
-        return int(s[len("token_id:"):])
-    except ValueError:
-        raise BadResponse(f"token {s!r} is not 'token_id:N'") from None
+def _int(x, where: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise BadResponse(f"{where} is {x!r:.50}, not an integer")
+    return x
 
 
 def _finite_logprob(x, where: str) -> float:
@@ -122,10 +132,22 @@ def _choice(resp) -> dict:
     return choices[0]
 
 
-def parse_completion(resp, prompt_len: int, sampling: SamplingParams, vocab_size: int,
-                     max_model_len: int | None = None, num_logprobs: int = 0):
-    """Validate one answer -> (token ids [R] int64, log-probs [R] fp32, finish_reason, kept_ids or
-    None, routed-experts base64 or None). Raises BadResponse."""
+class Parsed(NamedTuple):
+    """One validated answer. ids [R] int64, logprobs [R] fp32, finish "stop" | "length", kept
+    [R, K] int64 (-1 padded) or None, routed: routed experts as base64 .npy or None, versions [R]
+    int32 (each token's weight version) or None (unlabelled: the call's version)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    finish: str
+    kept: torch.Tensor | None
+    routed: str | None
+    versions: torch.Tensor | None
+
+
+def parse_generate(resp, prompt_len: int, sampling: SamplingParams, vocab_size: int,
+                   max_model_len: int | None = None, num_logprobs: int = 0) -> Parsed:
+    """Validate one `/inference/v1/generate` answer. Raises BadResponse."""
     c = _choice(resp)
     ids = c.get("token_ids")
     lp = c.get("logprobs")
@@ -135,16 +157,14 @@ def parse_completion(resp, prompt_len: int, sampling: SamplingParams, vocab_size
         raise BadResponse(f"token_ids has entries outside [0, {vocab_size}): {ids!r:.200}")
     if len(ids) > sampling.max_tokens:
         raise BadResponse(f"{len(ids)} tokens > max_tokens={sampling.max_tokens}")
-    if not isinstance(lp, dict):
-        raise BadResponse("logprobs missing")
-    values, tokens = lp.get("token_logprobs"), lp.get("tokens")
-    if not isinstance(values, list) or not isinstance(tokens, list):
-        raise BadResponse("logprobs.token_logprobs / logprobs.tokens missing")
-    if len(values) != len(ids) or len(tokens) != len(ids):
-        raise BadResponse(f"lengths differ: {len(ids)} token_ids, {len(values)} log-probs, {len(tokens)} tokens")
-    if [_token_id(t) for t in tokens] != ids:
-        raise BadResponse("logprobs.tokens do not match token_ids")
-    logprobs = [_finite_logprob(x, f"position {t}") for t, x in enumerate(values)]
+    content = lp.get("content") if isinstance(lp, dict) else None
+    if not isinstance(content, list) or not all(isinstance(e, dict) for e in content):
+        raise BadResponse("logprobs.content missing")
+    if len(content) != len(ids):
+        raise BadResponse(f"lengths differ: {len(ids)} token_ids, {len(content)} log-probs")
+    if [e.get("token_id") for e in content] != ids:
+        raise BadResponse("logprobs.content token ids do not match token_ids")
+    logprobs = [_finite_logprob(e.get("logprob"), f"position {t}") for t, e in enumerate(content)]
 
     stops = set(sampling.stop_token_ids)
     early = [t for t, tok in enumerate(ids[:-1]) if tok in stops]
@@ -163,21 +183,51 @@ def parse_completion(resp, prompt_len: int, sampling: SamplingParams, vocab_size
     else:
         raise BadResponse(f"finish_reason {finish!r} (expected 'stop' or 'length')")
 
-    kept = _kept_ids(lp, ids, num_logprobs, vocab_size) if sampling.return_kept_ids else None
-    return (torch.tensor(ids, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32), finish, kept,
-            c.get("routed_experts"))
+    kept = _kept_ids(content, ids, num_logprobs, vocab_size) if sampling.return_kept_ids else None
+    return Parsed(torch.tensor(ids, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32), finish, kept,
+                  c.get("routed_experts"), token_versions(c.get("weight_versions"), len(ids)))
 
 
-def _kept_ids(lp: dict, ids: list[int], num_logprobs: int, vocab_size: int) -> torch.Tensor:
-    """[R, K] ascending kept ids (-1 padded) from processed top log-probs (dropped ones are -9999)."""
-    top = lp.get("top_logprobs")
-    if not isinstance(top, list) or len(top) != len(ids):
-        raise BadResponse("top_logprobs missing or of the wrong length (needed for return_kept_ids)")
+def token_versions(spans, num_tokens: int) -> torch.Tensor | None:
+    """[num_tokens] int32: each output token's weight version, from vLLM's spans (contiguous,
+    covering [0, num_tokens), labelled with the trainer's integer versions, never decreasing);
+    None when absent or unlabelled (vLLM's "default"). Raises BadResponse otherwise."""
+    if spans is None:
+        return None
+    if not isinstance(spans, list) or not spans or not all(isinstance(s, dict) for s in spans):
+        raise BadResponse(f"weight_versions is {spans!r:.100}, not a list of spans")
+    if [s.get("version") for s in spans] == [UNLABELLED]:
+        return None
+    out = torch.empty(num_tokens, dtype=torch.int32)
+    at, last = 0, None
+    for s in spans:
+        start, end = _int(s.get("start"), "a weight_versions start"), _int(s.get("end"), "a weight_versions end")
+        label = s.get("version")
+        try:
+            v = int(label)
+        except (TypeError, ValueError):
+            raise BadResponse(f"weight version {label!r:.50} is not a trainer version (the server's weights were "
+                              f"labelled by someone else, or not at every sync)") from None
+        if start != at or end <= start or (last is not None and v < last):
+            raise BadResponse(f"weight_versions spans {spans!r:.200} are not contiguous and non-decreasing")
+        out[start:end] = v
+        at, last = end, v
+    if at != num_tokens:
+        raise BadResponse(f"weight_versions cover {at} of {num_tokens} tokens")
+    return out
+
+
+def _kept_ids(content: list[dict], ids: list[int], num_logprobs: int, vocab_size: int) -> torch.Tensor:
+    """[R, K] ascending kept ids (-1 padded) from processed top log-probs (dropped ones are -9999).
+    Each position lists `num_logprobs` entries: the sampled token, then the highest-ranked others;
+    the kept set is a top-ranked prefix, so once an entry is dropped every kept one is listed."""
     rows = []
-    for t, entry in enumerate(top):
-        if not isinstance(entry, dict):
-            raise BadResponse(f"top_logprobs[{t}] is not an object")
-        kept = sorted(_token_id(k) for k, v in entry.items() if isinstance(v, (int, float)) and v > _DROPPED)
+    for t, entry in enumerate(content):
+        top = entry.get("top_logprobs")
+        if not isinstance(top, list) or not all(isinstance(x, dict) for x in top):
+            raise BadResponse(f"top_logprobs[{t}] missing (needed for return_kept_ids)")
+        kept = sorted({_int(x.get("token_id"), f"a top_logprobs[{t}] token id") for x in top
+                       if isinstance(x.get("logprob"), (int, float)) and x["logprob"] > _DROPPED})
         if ids[t] not in kept:
             raise BadResponse(f"position {t}: the sampled token {ids[t]} is not in the kept set")
         if len(kept) >= num_logprobs and num_logprobs < vocab_size:

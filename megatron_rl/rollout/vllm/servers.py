@@ -46,7 +46,8 @@ def server_args(c: VllmConfig, backend, max_model_len: int, logprobs_mode: str, 
     """`vllm serve` flags of a launched server (backend: the in-memory sync's, None for disk syncs)."""
     args = ["--dtype", c.dtype, "--max-model-len", str(max_model_len), "--seed", str(c.seed),
             "--logprobs-mode", logprobs_mode, "--max-logprobs", str(max_logprobs),
-            "--tensor-parallel-size", str(c.tensor_parallel_size), "--skip-tokenizer-init"]
+            "--tensor-parallel-size", str(c.tensor_parallel_size), "--skip-tokenizer-init",
+            "--enable-scale-out"]  # mounts the token-in/token-out /inference/v1/generate the requests use
     if c.max_num_seqs:
         args += ["--max-num-seqs", str(c.max_num_seqs)]
     if c.enforce_eager:

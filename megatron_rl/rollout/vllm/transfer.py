@@ -10,12 +10,15 @@ the server's bearer key like all others, launcher.py Access). Per sync:
     POST /pause?mode=wait          in-flight requests finish on the old weights, caches are dropped
     POST /start_weight_update      the workers begin a layerwise reload
     per bucket: POST /update_weights {names, dtype_names, shapes}   || broadcast of its bytes
-    POST /finish_weight_update {weight_version}    the reload ends (MoE kernels repacked)
+    POST /finish_weight_update {weight_version}    the reload ends (MoE kernels repacked); the
+                                   tokens generated from now on are labelled `version`
     POST /resume
 
 Updating without the pause kills the engine core (EngineDeadError): the model's weights are
 torn down layer by layer while the scheduler runs. The trainer's schedules never sync while
-they generate, so `wait` drains nothing; it only makes that so.
+they generate, so `wait` drains nothing; it only makes that so. A sync inside a partial rollout
+(`held`: the engine has frozen its requests with /pause?mode=keep, generation.py) skips the
+pause and the resume: the engine's resume() lets the frozen requests go on.
 
 Data plane: a process group of the trainer (rank 0, the sender) and the server's workers
 (ranks 1..W, W = /get_world_size), over the backend keyed on CUDA:
@@ -284,10 +287,11 @@ class MemorySync:
         stays paused when a bucket fails (its weights are half updated): the caller stops."""
         return push_all([self], named, version, timeout)
 
-    def begin(self, timeout: float) -> None:
+    def begin(self, timeout: float, held: bool = False) -> None:
         if self.channel is None:
             raise VllmError("in-memory weight sync is not open: call open() once the server is up")
-        self._post("/pause?mode=wait", None, timeout)
+        if not held:
+            self._post("/pause?mode=wait", None, timeout)
         self._post("/start_weight_update", None, timeout)
 
     def send(self, metas: list[Meta], data: torch.Tensor, timeout: float) -> Future:
@@ -298,9 +302,10 @@ class MemorySync:
         self.channel.broadcast(data)
         return loaded
 
-    def end(self, version: int, timeout: float) -> None:
+    def end(self, version: int, timeout: float, held: bool = False) -> None:
         self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
-        self._post("/resume", None, timeout)
+        if not held:
+            self._post("/resume", None, timeout)
 
     def close(self) -> None:
         if self.channel is not None:
@@ -308,9 +313,10 @@ class MemorySync:
             self.channel = None
 
 
-def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float) -> float:
+def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float, held: bool = False) -> float:
     """Send the stream to every server of `syncs` (each over its own group) as weights `version`;
-    seconds it took. The stream is read and packed once; each bucket goes to all servers at once
+    seconds it took. held: the servers are already paused (a partial rollout's /pause?mode=keep)
+    and stay so. The stream is read and packed once; each bucket goes to all servers at once
     (one thread per server). The next bucket is gathered and packed into the same buffer while the
     servers load this one (its bytes are sent once the broadcasts return), and is sent once they
     have: a worker takes one update at a time. Any failure propagates, leaving the servers paused
@@ -322,7 +328,7 @@ def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float
             for f in [pool.submit(fn, s, *args) for s in syncs]:
                 f.result()
 
-        each(MemorySync.begin, timeout)
+        each(MemorySync.begin, timeout, held)
         loading: list[Future] = []  # the last bucket's loads, one per server
         for metas, data in packed_buckets(named, syncs[0].bucket_bytes, device):  # packs while they load
             for f in loading:
@@ -330,5 +336,5 @@ def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float
             loading = [f.result() for f in [pool.submit(MemorySync.send, s, metas, data, timeout) for s in syncs]]
         for f in loading:
             f.result()
-        each(MemorySync.end, version, timeout)
+        each(MemorySync.end, version, timeout, held)
     return time.perf_counter() - t0

@@ -9,7 +9,13 @@ restarted on the new weights (disk: a fresh start loads them; memory: the transf
 the run stops) when `max_restarts` >= 1 (it bounds each sync as it bounds each generate()
 call). After every `probe_every`-th sync (the first too) each READY server answers the parity
 probe (probe.py) against `reference` (None: transformers fp32 on the folder, or on the stream
-for an in-memory sync); VllmParityError past `probe_tolerance`.
+for an in-memory sync); VllmParityError past `probe_tolerance`. A sync inside a partial rollout
+(`fleet.paused`: the generation's requests are frozen, generation.py) leaves the servers paused
+and its probe waits for `after_resume()`: a paused server answers nothing.
+
+Every sync labels each server's weights with the trainer version (vLLM's weight version: the
+in-memory sync's finish sets it, a reload is followed by /update_weight_version), so each
+answer says which version made each token (protocol.py). A restarted server starts unlabelled.
 
 Cost: per sync, each server loads the whole model (disk: from the folder, all servers at once;
 memory: the bytes once per server worker through the trainer, transfer.push_all) and answers
@@ -26,7 +32,7 @@ from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import VllmError, VllmParityError, VllmServerDiedError
 from megatron_rl.rollout.vllm.fleet import Fleet
-from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError
+from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.pool import FAILED, READY, STALE, Replica
 from megatron_rl.rollout.vllm.probe import (
     Reference,
@@ -51,6 +57,7 @@ class WeightUpdates:
         self.stats = fleet.stats
         self.sync = RestartSync() if cfg.weight_sync == "restart" else DiskReloadSync()
         self._syncs = 0
+        self._deferred_probe: tuple[str, Reference] | None = None  # a paused sync's, run by after_resume()
 
     def update_weights(self, named_tensors, version: int, reference: Reference | None) -> None:
         """Stream HF checkpoint-format (name, tensor) pairs into every server (see
@@ -78,7 +85,7 @@ class WeightUpdates:
         named = streamed.tee(named_tensors) if streamed is not None else named_tensors
         try:
             self.stats["timing/vllm_memory_sync"] = push_all([r.memory for r in targets], named, version,
-                                                             self.cfg.request_timeout_s)
+                                                             self.cfg.request_timeout_s, held=fleet.paused)
         except (TransportError, HttpStatusError, RuntimeError) as e:
             raise VllmServerDiedError(f"in-memory weight sync of version {version} to "
                                       f"{', '.join(r.server.url for r in targets)} failed ({type(e).__name__}: {e}); "
@@ -102,7 +109,7 @@ class WeightUpdates:
         else:
             fleet.await_restarts()
             with ThreadPoolExecutor(len(fleet.replicas)) as pool:
-                outcomes = [(r, pool.submit(self._load_on, r, model_dir)) for r in fleet.replicas]
+                outcomes = [(r, pool.submit(self._load_on, r, model_dir, version)) for r in fleet.replicas]
             errors = []
             for r, f in outcomes:
                 if f.exception() is not None:
@@ -115,12 +122,15 @@ class WeightUpdates:
         self._synced(f"the weight sync to {model_dir}", reference or hf_reference(model_dir), self._probes_next(), t0)
         fleet.dirs.prune()
 
-    def _load_on(self, replica: Replica, model_dir: str) -> None:
+    def _load_on(self, replica: Replica, model_dir: str, version: int) -> None:
         if replica.state != READY:  # down since the last sync: a start on the new folder loads it
             return self._sync_failed(replica, model_dir, replica.why or replica.state)
         try:
             timings = self.sync.apply(replica.server, model_dir, self.cfg.request_timeout_s,
                                       lambda: self.fleet.warmup(replica))
+            if "timing/vllm_restart" not in timings:  # reloaded in place: the tokens from now on are `version`'s
+                request_json(replica.server.url + "/update_weight_version", {"new_version": str(version)},
+                             timeout=self.cfg.request_timeout_s, api_key=replica.server.api_key)
         except (TransportError, HttpStatusError) as e:
             return self._sync_failed(replica, model_dir, e)
         if "timing/vllm_restart" in timings:  # RestartSync: a new process
@@ -136,10 +146,21 @@ class WeightUpdates:
     def _synced(self, what: str, reference: Reference, probe: bool, t0: float) -> None:
         self._syncs += 1
         self.stats["vllm/weight_syncs"] = self._syncs
-        if probe:
-            self.stats["vllm/probe_max_abs_diff"] = max(self._probe(r, what, reference)
-                                                        for r in self.fleet.pool.ready())
+        if probe and self.fleet.paused:
+            self._deferred_probe = (what, reference)
+        elif probe:
+            self._probe_all(what, reference)
         self.stats["timing/vllm_weight_sync"] = time.perf_counter() - t0
+
+    def after_resume(self) -> None:
+        """The parity probe of a sync made while the generation was paused, now that the servers
+        answer again (VllmParityError as after any sync)."""
+        deferred, self._deferred_probe = self._deferred_probe, None
+        if deferred is not None:
+            self._probe_all(*deferred)
+
+    def _probe_all(self, what: str, reference: Reference) -> None:
+        self.stats["vllm/probe_max_abs_diff"] = max(self._probe(r, what, reference) for r in self.fleet.pool.ready())
 
     def _sync_failed(self, replica: Replica, model_dir: str, e: Exception | str) -> None:
         """A server that failed at (or was down before) a weight sync: one restart, which loads

@@ -70,8 +70,8 @@ def test_token_versions_survive_the_checkpoint_format(tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     (["train.in_flight_update=pause"], "train.in_flight_update=pause .* train.schedule=async"),
-    (["train.in_flight_update=pause", "train.schedule=async", "rollout.backend=vllm"],
-     "in_flight_update=pause: rollout.backend=vllm supports wait, abort .pause needs .* non-streaming vLLM request"),
+    (["train.in_flight_update=pause", "train.schedule=async", "rollout.backend=vllm", "rollout.vllm.weight_sync=restart"],
+     "in_flight_update=pause with rollout.backend=vllm: .*weight_sync=restart replaces the servers"),
     (["train.in_flight_update=later"], "train.in_flight_update='later': choose one of wait, pause, abort"),
 ])
 def test_in_flight_update_refusals_name_the_field(overrides, match):
@@ -79,6 +79,15 @@ def test_in_flight_update_refusals_name_the_field(overrides, match):
 
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+def test_pause_is_taken_by_vllm_with_an_in_place_sync():
+    from megatron_rl.config import load_config
+
+    for sync in ("memory", "reload"):
+        cfg = load_config(None, ["train.in_flight_update=pause", "train.schedule=async", "rollout.backend=vllm",
+                                 f"rollout.vllm.weight_sync={sync}"])
+        assert cfg.train.in_flight_update == "pause"
 
 
 def test_pause_refuses_r3_router_replay():

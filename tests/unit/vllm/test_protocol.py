@@ -13,10 +13,12 @@ from megatron_rl.rollout.vllm.errors import BadResponse
 from megatron_rl.rollout.vllm.protocol import (
     check_served,
     decode_routed_experts,
-    parse_completion,
+    generate_body,
+    parse_generate,
     parse_prompt_logprobs,
     server_logprobs_mode,
     serves,
+    token_versions,
 )
 from tests.vllm.conftest import tiny_arch
 from tests.vllm.fake_server import good_answer
@@ -54,41 +56,72 @@ def test_auto_mode_and_refusal_message():
 
 
 def _body(max_tokens=5, stops=(1,), seed=3):
-    return {"max_tokens": max_tokens, "seed": seed, "stop_token_ids": list(stops)}
+    return {"sampling_params": {"max_tokens": max_tokens, "seed": seed, "stop_token_ids": list(stops)}}
+
+
+def test_generate_body_asks_for_tokens_with_the_sampling_settings():
+    s = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, stop_token_ids=(9, 2, 9))
+    body = generate_body("m", [4, 5], s, seed=11, num_logprobs=3)
+    assert body["token_ids"] == [4, 5] and body["output_mode"] == "tokens" and body["model"] == "m"
+    assert body["sampling_params"] == {"n": 1, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 4,
+                                       "seed": 11, "stop_token_ids": [2, 9], "ignore_eos": True, "min_tokens": 0,
+                                       "logprobs": 3, "detokenize": False}
 
 
 def test_parse_good_answer_and_stop():
     s = SamplingParams(max_tokens=5, stop_token_ids=(1,))
-    ids, lps, finish, kept, routed = parse_completion(good_answer(_body(), V), 3, s, V)
-    assert kept is None and routed is None
+    ids, lps, finish, kept, routed, versions = parse_generate(good_answer(_body(), V), 3, s, V)
+    assert kept is None and routed is None and versions is None  # vLLM's "default" label: unlabelled
     assert ids.dtype == torch.long and lps.dtype == torch.float32 and len(ids) == 5 and finish == "length"
+    assert lps.tolist() == [-1.0] * 5
     answer = good_answer(_body(stops=(17,)), V)  # seed 3 -> tokens 3, 10, 17: stops at 17
-    ids, _, finish, _, _ = parse_completion(answer, 3, SamplingParams(max_tokens=5, stop_token_ids=(17,)), V)
+    ids, _, finish, _, _, _ = parse_generate(answer, 3, SamplingParams(max_tokens=5, stop_token_ids=(17,)), V)
     assert ids.tolist() == [3, 10, 17] and finish == "stop"
+
+
+def test_weight_version_spans_give_each_token_its_version():
+    assert token_versions([{"version": "3", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 5}],
+                          5).tolist() == [3, 3, 5, 5, 5]
+    one = token_versions([{"version": "4", "start": 0, "end": 3}], 3)
+    assert one.dtype == torch.int32 and one.tolist() == [4, 4, 4]
+    assert token_versions(None, 3) is None and token_versions([{"version": "default", "start": 0, "end": 3}], 3) is None
+    for spans, why in [([{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}], "contiguous"),
+                       ([{"version": "4", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 5}], "non-decreasing"),
+                       ([{"version": "3", "start": 0, "end": 4}], "cover 4 of 5"),
+                       ([{"version": "v3", "start": 0, "end": 5}], "not a trainer version"),
+                       ([{"version": "3", "start": 0.0, "end": 5}], "not an integer"),
+                       ([], "not a list of spans")]:
+        with pytest.raises(BadResponse, match=why):
+            token_versions(spans, 5)
 
 
 def test_parse_rejects_stop_in_the_middle_and_length_reported_at_stop():
     s = SamplingParams(max_tokens=5, stop_token_ids=(10,))
     answer = good_answer(_body(), V)  # 3, 10, 17, ... with no stop applied
     with pytest.raises(BadResponse, match="stop token at position 1"):
-        parse_completion(answer, 3, s, V)
+        parse_generate(answer, 3, s, V)
     # "length" whose last token is a stop token is normalised to "stop"
     s = SamplingParams(max_tokens=2, stop_token_ids=(10,))
-    ids, _, finish, _, _ = parse_completion(good_answer(_body(max_tokens=2, stops=()), V), 3, s, V)
+    ids, _, finish, _, _, _ = parse_generate(good_answer(_body(max_tokens=2, stops=()), V), 3, s, V)
     assert ids.tolist() == [3, 10] and finish == "stop"
 
 
 def test_kept_ids_from_processed_top_logprobs():
     s = SamplingParams(max_tokens=2, top_k=3, logprobs_mode="processed", return_kept_ids=True)
     answer = good_answer(_body(max_tokens=2, stops=()), V)
-    c = answer["choices"][0]
-    c["logprobs"]["top_logprobs"] = [{"token_id:3": -0.5, "token_id:9": -1.0, "token_id:2": -2.0, "token_id:8": -9999.0},
-                                     {"token_id:10": -0.1, "token_id:11": -9999.0, "token_id:12": -9999.0}]
-    _, _, _, kept, _ = parse_completion(answer, 3, s, V, num_logprobs=4)
+    content = answer["choices"][0]["logprobs"]["content"]  # per position: the sampled token first, then the top ones
+    content[0]["top_logprobs"] = [{"token_id": 3, "logprob": -0.5}, {"token_id": 9, "logprob": -1.0},
+                                  {"token_id": 2, "logprob": -2.0}, {"token_id": 8, "logprob": -9999.0}]
+    content[1]["top_logprobs"] = [{"token_id": 10, "logprob": -0.1}, {"token_id": 11, "logprob": -9999.0},
+                                  {"token_id": 12, "logprob": -9999.0}]
+    kept = parse_generate(answer, 3, s, V, num_logprobs=4).kept
     assert kept.tolist() == [[2, 3, 9], [10, -1, -1]]
-    c["logprobs"]["top_logprobs"][0] = {f"token_id:{t}": -1.0 for t in (3, 4, 5, 6)}
-    with pytest.raises(VllmUnsupportedError, match="max_logprobs"):
-        parse_completion(answer, 3, s, V, num_logprobs=4)
+    content[0]["top_logprobs"] = [{"token_id": t, "logprob": -1.0} for t in (3, 4, 5, 6)]
+    with pytest.raises(VllmUnsupportedError, match="max_logprobs"):  # all listed are kept: the set may go on
+        parse_generate(answer, 3, s, V, num_logprobs=4)
+    content[0]["top_logprobs"] = [{"token_id": 4, "logprob": -1.0}, {"token_id": 3, "logprob": -9999.0}]
+    with pytest.raises(BadResponse, match="sampled token 3 is not in the kept set"):
+        parse_generate(answer, 3, s, V, num_logprobs=4)
 
 
 def test_routed_experts_decode():
