@@ -73,7 +73,13 @@ from megatron_rl.rollout.vllm.errors import (
 from megatron_rl.rollout.vllm.fleet import Fleet
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.pool import READY, Replica
-from megatron_rl.rollout.vllm.protocol import GENERATE, check_served, decode_routed_experts, generate_body, parse_generate
+from megatron_rl.rollout.vllm.protocol import (
+    GENERATE,
+    check_served,
+    decode_routed_experts,
+    generate_body,
+    parse_generate,
+)
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
