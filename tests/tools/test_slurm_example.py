@@ -100,6 +100,7 @@ def test_rollout_nodes_serve_a_pool_the_trainer_reaches_by_url(tmp_path):
     for port, (*_, args) in zip((8000, 8001), servers):
         assert f"--port {port} --tensor-parallel-size 4" in args and "--model /shared/policy-hf" in args
         assert '--load-format dummy --weight-transfer-config {"backend": "nccl"}' in args
+        assert "--skip-tokenizer-init --enable-scale-out" in args  # the token-in/token-out endpoint the client uses
         assert "job-key" not in args  # the key only in the environment
 
 
