@@ -126,7 +126,8 @@ def test_pause_freezes_the_servers_for_the_update_and_samples_carry_each_token_s
     for s in (s for g in outcome["samples"] for s in g):
         assert s.policy_version == 3 and s.token_versions.tolist() == [3, 3, 4, 4, 4, 4]
         assert s.versions().tolist() == [3, 3, 4, 4, 4, 4]
-    assert fake.aborts == 0 and engine.stats()["vllm/bad_responses"] == 0
+    stats = engine.stats()
+    assert fake.aborts == 0 and stats["vllm/bad_responses"] == 0 and stats["vllm/pauses"] == 1
     fake.weight_versions = [{"version": "4", "start": 0, "end": 6}]
     out = engine.generate(PROMPTS, 1, SAMPLING)  # one version throughout: no per-token versions
     assert all(g[0].policy_version == 4 and g[0].token_versions is None for g in out)
@@ -144,5 +145,5 @@ def test_pause_with_no_call_in_flight_holds_the_next_call_until_resume(tmp_path,
     engine.resume()
     thread.join(GUARD_S)
     assert started.is_set() and all(s.policy_version == 4 for g in outcome["samples"] for s in g)
-    assert "/resume" not in fake.posts
+    assert "/resume" not in fake.posts and "vllm/pauses" not in engine.stats()
     engine.close()

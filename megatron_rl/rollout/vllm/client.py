@@ -183,8 +183,8 @@ class VllmEngine:
     # ---- bookkeeping --------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Counters since construction (vllm/restarts, vllm/retries, vllm/bad_responses,
-        vllm/requests, vllm/weight_syncs: pool totals; vllm/aborts once a call was aborted) and
-        the last values of vllm/probe_max_abs_diff (the largest over the servers) and
+        vllm/requests, vllm/weight_syncs: pool totals; vllm/aborts, vllm/pauses once a call was
+        aborted, paused) and the last values of vllm/probe_max_abs_diff (the largest over the servers) and
         timing/vllm_{server_start,restart,reload,memory_sync,weight_sync} (seconds); for a pool,
         per server k: vllm/server{k}/{requests,tokens,restarts,ready,tokens_per_s (last call),
         probe_max_abs_diff}."""

@@ -136,6 +136,8 @@ class Generation:
             active = self._active
         if not active:
             return
+        with self.fleet.lock:
+            self.stats["vllm/pauses"] = self.stats.get("vllm/pauses", 0) + 1
         self.fleet.paused = True
         for r in self.fleet.pool.ready():
             try:
