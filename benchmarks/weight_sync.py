@@ -11,9 +11,11 @@ rank 0 of a run does it:
     restart   weight_sync=restart: the folder written, a fresh server started on it (MoE only
               here: for the dense shape it would cost the same full start)
 
-GPU (--device cuda). Real presets (megatron_rl/model/presets.py; default qwen3-1.7b and
-qwen3-moe-30b-a3b) cut to a few layers, random bf16 weights made on the GPU, a vLLM server on the
-same GPU (--gpu-memory-utilization of it). The rows as on CPU, with what CUDA changes:
+GPU (--device cuda, two GPUs). Real presets (megatron_rl/model/presets.py; default qwen3-1.7b
+and qwen3-moe-30b-a3b) cut to a few layers, random bf16 weights made on the trainer's GPU (the
+first visible one), a vLLM server on the second: NCCL refuses two ranks of one communicator on
+one device ("Duplicate GPU detected"), so the server must not share the trainer's GPU, as in a
+run (README: give the server GPUs of its own). The rows as on CPU, with what CUDA changes:
     memory    vLLM's own nccl weight-transfer engine (transfer.py keys the backend on
               torch.cuda.is_available() in the trainer), the buckets packed on the GPU; buckets of
               1024 MiB unless --bucket-mib says otherwise (rollout.vllm.bucket_bytes' default)
@@ -25,9 +27,9 @@ the GPU check's bench part). qwen3-1.7b x 4 is 0.51e9 parameters, 0.95 GiB in bf
 128 experts are 0.60e9: a third layer adds 1.2 GiB). That is 4 buckets of the MoE preset, enough
 for the pipelining of packing and loading to show; more layers add bytes of the same tensors, and
 time and disk in proportion. Memory: the trainer holds two versions of one preset at a time
-(7 GiB) and one bucket; the server its copy and a KV cache for 8 x 256 tokens within
---gpu-memory-utilization 0.3 (24 GiB of an 80 GiB GPU); the engine keeps 2 folders (7 GiB of
-disk). Time, guessed for one H100 with vLLM: ~40 s a server start (vLLM's import, engine, dummy
+(7 GiB) and one bucket on its GPU; the server its copy and a KV cache for 8 x 256 tokens on its
+own (--gpu-memory-utilization, vLLM's default when not given); the engine keeps 2 folders (7 GiB
+of disk). Time, guessed for one H100 with vLLM: ~40 s a server start (vLLM's import, engine, dummy
 load, --enforce-eager), 7 starts with the 2 restarts, each disk sync writing 1-3.5 GiB: ~6 min.
 
 Per sync: seconds (median of --repeats, --restart-repeats for restarts; the server's first start
@@ -41,14 +43,16 @@ The parity probe is off in every row (probe_every=0): it is the same check after
     python benchmarks/weight_sync.py --shapes dense --repeats 5
     python benchmarks/weight_sync.py --profile-dir /tmp/sync-prof   # + a cProfile per in-memory sync
                                                                    # of each server worker (.prof files)
-    python benchmarks/weight_sync.py --device cuda --out ws.md      # one GPU, vLLM in this Python
+    python benchmarks/weight_sync.py --device cuda --out ws.md      # two GPUs, vLLM in this Python
     python benchmarks/weight_sync.py --device cuda --preset qwen3-8b --layers 2
 
 CPU: needs the vLLM environment (bash tools/install_vllm_cpu.sh) and Linux (/proc). CUDA: needs
 vLLM importable by this Python (the trainer's process drives the nccl engine: pip install
-.[vllm]) and a CUDA GPU; without either it measures nothing, prints why, writes it to --out, ends
-with `summary: not run: <reason>` and exits 0 (tools/gpu_check.py's weight_sync part on a machine
-without vLLM). That is decided before torch is imported: well under a second.
+.[vllm]) and two CUDA GPUs; without them it measures nothing, prints why, writes it to --out,
+ends with `summary: not run: <reason>` (no vllm, no cuda, one gpu) and exits 0
+(tools/gpu_check.py's weight_sync part on a machine without vLLM). vLLM is looked for before torch
+is imported: without it, well under a second. (One GPU would take vLLM's ipc engine, CUDA IPC
+between processes on one device, which transfer.py does not drive yet.)
 """
 from __future__ import annotations
 
@@ -88,8 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None,
                    help=f"CUDA: num_layers of every preset (default {DEFAULT_LAYERS['dense']} dense, "
                         f"{DEFAULT_LAYERS['moe']} MoE)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
-                   help="CUDA: the server's share of the GPU (the trainer's weights are on it too; default 0.3)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: the server's share of its GPU (default: vLLM's)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--restart-repeats", type=int, default=2)
     p.add_argument("--bucket-mib", type=int, default=None,
@@ -123,6 +127,9 @@ def not_run_reason(device: str) -> str | None:
 
     if not torch.cuda.is_available():
         return f"no cuda (torch {torch.__version__} sees no CUDA GPU)"
+    if torch.cuda.device_count() < 2:
+        return ("one gpu (NCCL cannot hold the trainer's rank 0 and the server's worker on one device; the server "
+                "needs a GPU of its own)")
     return None
 
 
@@ -203,9 +210,13 @@ def run_cuda(args, tmp: str) -> tuple[str, str]:
     import torch
     import weight_sync_runs as runs
 
+    from megatron_rl.rollout.vllm.servers import server_devices
+
     archs = [cut_preset(name, args.layers) for name in args.preset]
-    lines = [CUDA_TITLE, "", _setting(args, runs.machine(), f"vLLM {_version('vllm')} server on the same GPU, bf16, "
-                                      f"nccl; server share {args.gpu_memory_utilization}"), ""]
+    server_gpu = server_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), 1, 1, 2)  # the trainer takes the first
+    share = args.gpu_memory_utilization or "vLLM's default"
+    lines = [CUDA_TITLE, "", _setting(args, runs.machine(), f"trainer on GPU 0, vLLM {_version('vllm')} server on "
+                                      f"GPU {server_gpu} (share {share}), bf16, nccl"), ""]
     lines += shape_table(args.preset, archs) + [""]
     print("\n".join(lines), flush=True)
     table = [("| preset | sync | s per sync (median) | peak extra trainer GPU MiB | peak extra trainer host MiB | "
@@ -219,7 +230,7 @@ def run_cuda(args, tmp: str) -> tuple[str, str]:
             base, done = None, []
             for kind in CUDA_SYNCS["moe" if arch.is_moe else "dense"]:
                 repeats = args.restart_repeats if kind == "restart" else args.repeats
-                cfg = runs.server_config(kind, args.bucket_mib << 20, args.vllm_python, "cuda",
+                cfg = runs.server_config(kind, args.bucket_mib << 20, args.vllm_python, "cuda", server_gpu,
                                          args.gpu_memory_utilization)
                 seconds, host, gpu = zip(*runs.bench(arch, cfg, weights, repeats, tmp, cuda=True))
                 median = statistics.median(seconds)

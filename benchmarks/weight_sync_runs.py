@@ -99,9 +99,11 @@ def sync_fn(engine, named, version: int, run_dir: str):
 
 
 def server_config(kind: str, bucket_bytes: int, python: str | None, device: str = "cpu",
-                  gpu_memory_utilization: float | None = None) -> VllmConfig:
-    """The server of one row: fp32 on CPU, bf16 on a GPU; short context, parity probe off."""
+                  server_gpus: str | None = None, gpu_memory_utilization: float | None = None) -> VllmConfig:
+    """The server of one row: fp32 on CPU, bf16 on a GPU (CUDA_VISIBLE_DEVICES=server_gpus: not
+    the trainer's); short context, parity probe off."""
     return VllmConfig(python=python, device="cuda" if device == "cuda" else "auto",
+                      env={"CUDA_VISIBLE_DEVICES": server_gpus} if server_gpus else {},
                       dtype="bfloat16" if device == "cuda" else "float32", max_model_len=256, max_num_seqs=8,
                       probe_every=0, weight_sync=kind, bucket_bytes=bucket_bytes,
                       gpu_memory_utilization=gpu_memory_utilization, startup_timeout_s=1800.0,
@@ -137,4 +139,5 @@ def machine() -> str:
     if not torch.cuda.is_available():
         return f"{os.cpu_count()}-core {platform.machine()} {cpu}, no GPU"
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    return f"{torch.cuda.get_device_name(0)} ({gib:.0f} GiB), torch {torch.__version__}; {os.cpu_count()}-core {cpu}"
+    return (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)} ({gib:.0f} GiB), torch {torch.__version__}; "
+            f"{os.cpu_count()}-core {cpu}")

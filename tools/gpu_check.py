@@ -122,10 +122,12 @@ RL = "tests/gpu/test_rl_gpu.py"
 #     verl's Triton compiles and ours ~30 s (guessed); start-up and the peers' install ~10 s.
 #   - weight_sync: the device machine has no vLLM wheel (too large to carry), so the part prints
 #     `not run: no vllm` and exits 0; it decides before importing torch: ~0.1 s, 5 s with the
-#     process start. ON A MACHINE WITH vLLM in the parts' Python it measures, guessed at ~6 min
-#     (~40 s a vLLM server start, 7 starts with the restarts, disk syncs writing 1-3.5 GiB; the
-#     script's docstring): then its estimate must become ~360 s and it goes to a profile of its
-#     own, as neither profile has that room (its limit at estimate 5 is 70 s, which would stop it).
+#     process start. It also needs two GPUs (NCCL refuses the trainer and the server's worker on
+#     one device), so with vLLM on a one-GPU machine it says `not run: one gpu` in ~5 s more (the
+#     torch import). ON A MACHINE WITH vLLM AND 2 GPUs it measures, guessed at ~6 min (~40 s a
+#     vLLM server start, 7 starts with the restarts, disk syncs writing 1-3.5 GiB; the script's
+#     docstring): then its estimate must become ~360 s and it goes to a profile of its own, as
+#     neither profile has that room (its limit at estimate 5 is 70 s, which would stop it).
 #   - setup: pip installing ~17 wheels without dependencies ~15 s, the environment check's
 #     imports ~10-15 s on a machine that has not imported torch yet (~10 s on a warm one).
 QUICK = Profile(
@@ -149,8 +151,8 @@ QUICK = Profile(
              70, "pytest", (f"{RL}::test_every_recipe_one_step",)),
         Part("weight_sync", "benchmarks/weight_sync.py --device cuda: in-memory weight sync into vLLM over NCCL "
              "(weight_sync=memory with CUDA) vs disk reload and restart, qwen3-1.7b cut to 4 layers and "
-             "qwen3-moe-30b-a3b to 2 (s per sync, peak extra trainer GPU memory); `not run: no vllm` where "
-             "vLLM is not installed (the device machine today)",
+             "qwen3-moe-30b-a3b to 2 (s per sync, peak extra trainer GPU memory; the server on a second GPU); "
+             "`not run: no vllm` where vLLM is not installed (the device machine today)",
              5, "script", ("benchmarks/weight_sync.py", "--device", "cuda", "--out", "{result}"), ext="md"),
     ))
 MORE = Profile(
