@@ -120,6 +120,14 @@ RL = "tests/gpu/test_rl_gpu.py"
 #     TFLOP/s; 8 paths x 2 T x 5 runs (warm-up, 3 timed, 1 for memory) ~35 s; the float64
 #     reference at 64k ~82 TFLOP at ~50 TFLOP/s ~2 s, plus each path's forward; Liger's and
 #     verl's Triton compiles and ours ~30 s (guessed); start-up and the peers' install ~10 s.
+#   - weight_sync: the device machine has no vLLM wheel (too large to carry), so the part prints
+#     `not run: no vllm` and exits 0; it decides before importing torch: ~0.1 s, 5 s with the
+#     process start. It also needs two GPUs (NCCL refuses the trainer and the server's worker on
+#     one device), so with vLLM on a one-GPU machine it says `not run: one gpu` in ~5 s more (the
+#     torch import). ON A MACHINE WITH vLLM AND 2 GPUs it measures, guessed at ~6 min (~40 s a
+#     vLLM server start, 7 starts with the restarts, disk syncs writing 1-3.5 GiB; the script's
+#     docstring): then its estimate must become ~360 s and it goes to a profile of its own, as
+#     neither profile has that room (its limit at estimate 5 is 70 s, which would stop it).
 #   - setup: pip installing ~17 wheels without dependencies ~15 s, the environment check's
 #     imports ~10-15 s on a machine that has not imported torch yet (~10 s on a warm one).
 QUICK = Profile(
@@ -141,6 +149,11 @@ QUICK = Profile(
              65, "pytest", (f"{RL}::test_resume_continues_like_the_uninterrupted_run",)),
         Part("recipes", "every loss recipe, one step each (14 runs in one process)",
              70, "pytest", (f"{RL}::test_every_recipe_one_step",)),
+        Part("weight_sync", "benchmarks/weight_sync.py --device cuda: in-memory weight sync into vLLM over NCCL "
+             "(weight_sync=memory with CUDA) vs disk reload and restart, qwen3-1.7b cut to 4 layers and "
+             "qwen3-moe-30b-a3b to 2 (s per sync, peak extra trainer GPU memory; the server on a second GPU); "
+             "`not run: no vllm` where vLLM is not installed (the device machine today)",
+             5, "script", ("benchmarks/weight_sync.py", "--device", "cuda", "--out", "{result}"), ext="md"),
     ))
 MORE = Profile(
     name="more", make="make gpu-check-more", mcore="0.16.1", stop_s=240, setup_estimate_s=25, parts=(
@@ -154,15 +167,6 @@ MORE = Profile(
              (f"{RL}::test_router_replay[r2]", f"{RL}::test_sft_only")),
     ))
 PROFILES = {p.name: p for p in (QUICK, MORE)}
-
-# Part 6 of the GPU-evidence issue, kept out of every profile because it cannot run there yet:
-# in-memory weight sync into vLLM over NCCL is written (rollout.vllm.weight_sync=memory with CUDA,
-# megatron_rl/rollout/vllm/transfer.py, vLLM's own nccl engine) but needs vLLM in the trainer's
-# environment, and the device machine has no vLLM wheel. The embedded engine's in-memory sync at a
-# real model shape is timed by the bench part (phase sync).
-PLANNED = {"weight_sync": "in-memory weight sync into vLLM over NCCL (weight_sync=memory with CUDA): written, never "
-                          "run on a GPU: no vLLM wheel on the device machine; the embedded engine's in-memory sync is "
-                          "timed by bench (sync)"}
 
 RESERVE_S = 25  # kept before the hard stop: SIGINT's grace (KILL_AFTER_S) and the summary
 KILL_AFTER_S = 20
@@ -222,7 +226,6 @@ def plan(profiles: list[Profile], whl: str, out: str, python: str) -> str:
             lines.append(f"  {p.estimate_s:>4}s {p.limit_s:>5}s  {p.name}: {p.shows}")
             lines.append(f"  {'':>13}$ {shlex.join(command(p, python, result_path(_shown(out), p, tag)))}")
         lines.append(f"  {prof.estimate_s:>4}s in all (hard stop {prof.stop_s} s)")
-    lines += ["", "not in a profile (nothing to run yet):"] + [f"  {k}: {v}" for k, v in PLANNED.items()]
     return "\n".join(lines)
 
 

@@ -78,20 +78,6 @@ class TokenLayout:
         return x[:, pos].transpose(0, 1).reshape(-1, *x.shape[2:])
 
 
-def stage_layer_ids(moe_pattern: Sequence[int], pp_size: int, pp_rank: int) -> list[int]:
-    """Indices among all MoE layers of the MoE layers of stage `pp_rank` (layers split evenly).
-
-    moe_pattern: 1 / 0 per layer of the whole model (MoE / dense). The controller's
-    `layer_ids` reads the same from the built model.
-    """
-    n = len(moe_pattern)
-    if n % pp_size:
-        raise ValueError(f"{n} layers do not split evenly into {pp_size} pipeline stages")
-    per = n // pp_size
-    first = sum(moe_pattern[:pp_rank * per])
-    return list(range(first, first + sum(moe_pattern[pp_rank * per:(pp_rank + 1) * per])))
-
-
 @dataclass(frozen=True)
 class RolloutRouting:
     """Engine routing of a batch, laid out like TrainBatch rows (input positions 0..S-2).

@@ -127,13 +127,13 @@ def prepare(ctx, rollout: Rollout) -> Prepared:
                                                 ctx.loss.filter_zero_variance_groups, ctx.loss.advantage_params)
     full = pack(rollout.samples, rollout.rewards.tolist(), ctx.tokenizer.pad_id, ctx.groups.config,
                 with_kept_ids=cfg.loss.keep_sampling_mask).with_advantages(adv)
+    stale = token_staleness(full, ctx.policy_version)  # every sampled token, the groups filtered out below included
     if not keep_rows.all():
         full = replace(full, loss_mask=full.loss_mask & keep_rows[:, None])
     routing = (RolloutRouting.from_samples(rollout.samples, full.input_len + 1) if ctx.replay.mode != "none"
                else None)
     metrics = rollout_metrics(rollout, adv, zero_var)
-    metrics["schedule/staleness_mean"], metrics["schedule/staleness_max"] = token_staleness(rollout.samples,
-                                                                                          ctx.policy_version)
+    metrics["schedule/staleness_mean"], metrics["schedule/staleness_max"] = stale
     return Prepared(full, routing, metrics)
 
 

@@ -325,16 +325,16 @@ def staleness(row_versions: torch.Tensor, trainer_version: int, token_versions: 
     return (trainer_version - row_versions.long())[:, None].expand(-1, length)
 
 
-def token_staleness(samples: list[Sample], trainer_version: int) -> tuple[float, float]:
-    """(token-weighted mean, max) of t - v over every sampled (trained) response token of
-    `samples`; (0, 0) when there is none. A sample that crossed a weight update counts each token
-    at its own version. Cost: O(tokens) on the host."""
-    total, count, most = 0, 0, 0
-    for s in samples:
-        stale = trainer_version - s.versions()[s.trained()]
-        if stale.numel():
-            total, count, most = total + int(stale.sum()), count + stale.numel(), max(most, int(stale.max()))
-    return (total / count if count else 0.0), float(most)
+def token_staleness(batch, trainer_version: int) -> tuple[float, float]:
+    """(token-weighted mean, max) of `staleness` over the trained tokens of a packed batch (a
+    TrainBatch: loss_mask [N, L], versions [N], token_versions [N, L] or None); (0, 0) when it has
+    none. A sample that crossed a weight update counts each token at its own version. Cost: O(N·L)
+    on the batch's device (the trainer's batch is on the host then), two scalars read back."""
+    stale = staleness(batch.versions, trainer_version, batch.token_versions, batch.loss_mask.shape[1])
+    stale = stale[batch.loss_mask]
+    if not stale.numel():
+        return 0.0, 0.0
+    return int(stale.sum()) / stale.numel(), float(stale.max())
 
 
 def _rollout_state(r: Rollout) -> dict:

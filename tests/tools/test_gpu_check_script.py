@@ -5,6 +5,7 @@ command; bad arguments stop it at start-up naming the fix. And its control flow 
 machine (nvidia-smi and Python replaced): a part over its time limit gets SIGINT (so pytest prints
 its summary), the next parts and the summary still run, each part's results are on disk, the hard
 stop leaves out what would not fit, and an install is kept for the next call."""
+import importlib.util
 import json
 import os
 import shutil
@@ -30,7 +31,8 @@ def test_the_quick_profile_fits_8_minutes_and_the_other_4():
         assert all(p.estimate_s > 0 for p in prof.parts) and prof.setup_estimate_s > 0
     # most important first: the loop on a GPU at all, on the newest megatron-core
     assert QUICK.mcore == "0.19.2" and MORE.mcore == "0.16.1"
-    assert [p.name for p in QUICK.parts] == ["demo_bf16", "r3", "bench", "logprobs", "resume", "recipes"]
+    assert [p.name for p in QUICK.parts] == ["demo_bf16", "r3", "bench", "logprobs", "resume", "recipes",
+                                             "weight_sync"]
 
 
 def _collected() -> list[str]:
@@ -71,9 +73,21 @@ def test_plan_prints_every_part_with_its_estimate_and_command(capsys, monkeypatc
             assert f"/out/{p.name}_<date>_<device>_mcore-{prof.mcore}.{p.ext}" in out, p.name
     assert "--dense-layers 4 --moe-layers 2" in out and "--gpu-tokens 16384 65536" in out
     assert "'tests/gpu/test_rl_gpu.py::test_demo_short[bf16]'" in out
-    assert "weight_sync: in-memory weight sync into vLLM" in out   # the placeholder, in no profile
+    assert "benchmarks/weight_sync.py --device cuda --out " in out   # no vLLM there: `not run: no vllm`
     assert gpu_check.main(["--plan", "more"]) == 0
     assert "quick" not in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="with vLLM the part measures for minutes")
+def test_the_weight_sync_part_passes_in_seconds_without_vllm(tmp_path):
+    """The device machine has no vLLM: the part says so, writes it as its result and passes."""
+    part = next(p for p in QUICK.parts if p.name == "weight_sync")
+    result = tmp_path / "weight_sync.md"
+    r = gpu_check.run(gpu_check.command(part, sys.executable, str(result)), str(tmp_path / "weight_sync.log"),
+                      part.limit_s, dict(os.environ))
+    assert r["rc"] == 0 and r["seconds"] < part.estimate_s, r
+    assert gpu_check.headline(r["tail"]).startswith("not run: no vllm (")
+    assert "not run: no vllm (" in result.read_text()
 
 
 @pytest.fixture

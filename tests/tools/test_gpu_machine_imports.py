@@ -24,7 +24,8 @@ from tests.gpu.runs import ROOT
 DEVICE_HAS = ("torch", "triton", "transformers", "pytest")
 OURS = {"megatron_rl", "tests", "benchmarks", "tools"}
 CHECKED = ("megatron_rl", "tests.gpu", "tests.golden", "tests.spawn", "tools.gpu_check",
-           "benchmarks.rl_step_gpu", "benchmarks.logprobs", "benchmarks.logprobs_cuda")
+           "benchmarks.rl_step_gpu", "benchmarks.logprobs", "benchmarks.logprobs_cuda", "benchmarks.weight_sync",
+           "benchmarks.weight_sync_runs")
 
 
 def carried() -> list[str]:

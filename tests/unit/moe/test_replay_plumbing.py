@@ -11,7 +11,6 @@ from megatron_rl.moe.plumbing import (
     replay_routing,
     replayed_token_sums,
     spread_experts,
-    stage_layer_ids,
 )
 from megatron_rl.moe.replay import MicroBatchRouting
 from megatron_rl.rollout.types import Sample
@@ -67,14 +66,6 @@ def test_rank_part_cuts_rows_zigzag_columns_and_layers_then_sequence_parallel():
                      for p in TokenLayout(2, t, True).to_local(rr.rank_part(slice(0, 1), c, 2, [0]).experts)[:, 0, 0]
                      .tolist())
     assert covered == list(range(8))
-
-
-def test_stage_layer_ids():
-    assert stage_layer_ids([1, 1, 1, 1], pp_size=2, pp_rank=1) == [2, 3]
-    assert stage_layer_ids([0, 1, 1, 1], pp_size=2, pp_rank=0) == [0]  # dense layer 0 has no router
-    assert stage_layer_ids([0, 1, 1, 1], pp_size=2, pp_rank=1) == [1, 2]
-    with pytest.raises(ValueError):
-        stage_layer_ids([1, 1, 1], pp_size=2, pp_rank=0)
 
 
 def _sample(p, r, routed):

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from megatron_rl.moe import RolloutRouting
-from megatron_rl.moe.plumbing import stage_layer_ids
 from megatron_rl.parallel.layout import BatchLayout
 from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer.batch import build_batch, padded_length, row_multiple
@@ -64,7 +63,7 @@ def test_each_rank_gets_its_dp_rows_and_cp_columns(tp, pp, cp, dp):
     routing = RolloutRouting.from_samples(samples, full.input_len + 1)
     layout = BatchLayout(rows=16, num_minibatches=2, dp=dp, micro_batch_size=2)
     coords = _coords(tp, pp, cp, dp)
-    layers = [stage_layer_ids([1, 1], pp, stage) for _, _, stage in coords]  # 2 MoE layers over PP stages
+    layers = [[0, 1] if pp == 1 else [stage] for _, _, stage in coords]  # 2 MoE layers, one a stage at PP 2
     plan = row_plan(layout, [c[:2] for c in coords], layers)
     seen = torch.zeros(16, full.input_len, dtype=torch.long)  # how often each (row, column) is trained
     routed = torch.zeros(16, full.input_len, 2, dtype=torch.long)  # ... and its routing of each layer received

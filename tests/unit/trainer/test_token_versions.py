@@ -30,12 +30,16 @@ def test_token_versions_pack_at_the_response_label_positions():
 def test_per_token_staleness_and_its_mean_and_max():
     samples = [_sample([1, 2], [3, 4, 5], 3, [3, 3, 4]), _sample([6], [7, 8], 2),
                _sample([1], [2, 3, 4], 3, [3, 4, 4], loss_mask=[True, False, True])]
-    # trainer at version 4: staleness 1,1,0 | 2,2 | 1,(masked),0 -> 7 tokens, sum 7, max 2
-    assert token_staleness(samples, 4) == (pytest.approx(7 / 7), 2.0)
-    assert token_staleness([], 4) == (0.0, 0.0)
     batch = build_batch(samples, [0.0] * 3, pad_id=0, seq_len=6)
     got = staleness(batch.versions, 4, batch.token_versions)
     assert got[batch.loss_mask].tolist() == [1, 1, 0, 2, 2, 1, 0]
+    # trainer at version 4: staleness 1,1,0 | 2,2 | 1,(masked),0 -> 7 tokens, sum 7, max 2
+    assert token_staleness(batch, 4) == (pytest.approx(7 / 7), 2.0)
+    # the first two samples at version 5: 2,2,1 | 3,3 -> sum 11 over 5 tokens; rows of one version only
+    assert token_staleness(build_batch(samples[:2], [0.0] * 2, pad_id=0, seq_len=6), 5) == (pytest.approx(11 / 5), 3.0)
+    assert token_staleness(build_batch(samples[1:2], [0.0], pad_id=0, seq_len=6), 5) == (pytest.approx(3.0), 3.0)
+    nothing = _sample([1], [2], 3, loss_mask=[False])   # no trained token
+    assert token_staleness(build_batch([nothing], [0.0], pad_id=0, seq_len=3), 4) == (0.0, 0.0)
     whole_rows = staleness(torch.tensor([4, 2]), 4, None, length=3)
     assert whole_rows.tolist() == [[0, 0, 0], [2, 2, 2]]
 
