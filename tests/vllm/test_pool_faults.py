@@ -120,7 +120,7 @@ def test_a_dead_server_s_samples_go_to_the_others_and_it_restarts(tmp_path, weig
     out = engine.generate(PROMPTS, 2, SAMPLING)
     assert _keys(out) == [(i, j) for i in range(8) for j in range(2)]  # each once
     assert _from_its_own_seed(out)
-    engine._await_restarts()
+    engine.fleet.await_restarts()
     stats = engine.stats()
     assert b.restarts == 1 and stats["vllm/restarts"] == 1 and stats["vllm/server1/restarts"] == 1
     assert stats["vllm/server0/requests"] > 0 and stats["vllm/server1/requests"] >= 2

@@ -173,13 +173,6 @@ class VllmEngine:
         self.generation.resume()
         self.updates.after_resume()
 
-    # kept for the fault tests that drive a failure by hand
-    def _lose(self, replica: Replica, epoch: int, reason: str) -> None:
-        self.fleet.lose(replica, epoch, reason)
-
-    def _await_restarts(self) -> None:
-        self.fleet.await_restarts()
-
     # ---- bookkeeping --------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Counters since construction (vllm/restarts, vllm/retries, vllm/bad_responses,

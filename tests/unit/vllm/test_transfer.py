@@ -219,6 +219,6 @@ def test_a_dead_server_is_not_restarted_on_random_weights(tmp_path):
     try:
         with pytest.raises(VllmError, match="weight_sync=memory it is not restarted: the engine holds no copy"):
             engine.replicas[0].state = "ready"
-            engine._lose(engine.replicas[0], 0, "died")
+            engine.fleet.lose(engine.replicas[0], 0, "died")
     finally:
         engine.close()
