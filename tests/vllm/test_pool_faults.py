@@ -199,15 +199,23 @@ def test_one_sync_packs_the_stream_once_and_sends_every_bucket_to_every_server()
         s._rpc.shutdown()
 
 
-def test_a_sync_inside_a_partial_rollout_leaves_the_servers_paused_for_resume():
-    """held: the engine froze the servers' requests (/pause?mode=keep); the sync neither drains nor
-    resumes them (its /pause?mode=wait would wait for requests that cannot run), and still labels
-    the new weights."""
-    rec = _Recorder()
-    sync = MemorySync(_Handle(), BACKENDS["gloo"], bucket_bytes=160, host="127.0.0.1")
-    sync.channel = rec
-    sync._post = lambda path, body, timeout: rec.posts.append((path, body))
-    push_all([sync], [("t", torch.ones(8))], version=9, timeout=60.0, held=True)
-    assert [p for p, _ in rec.posts] == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
-    assert rec.posts[-1][1] == {"weight_version": "9"}
-    sync._rpc.shutdown()
+def test_a_sync_inside_a_partial_rollout_leaves_the_paused_servers_paused_for_resume():
+    """held: the servers whose requests the engine froze (/pause?mode=keep); the sync neither drains
+    nor resumes them (its /pause?mode=wait would wait for requests that cannot run), and still
+    labels the new weights. A server it did not freeze (one that rejoins, STALE) syncs as usual."""
+    syncs, recorders = [], []
+    for _ in range(2):
+        rec = _Recorder()
+        sync = MemorySync(_Handle(), BACKENDS["gloo"], bucket_bytes=160, host="127.0.0.1")
+        sync.channel = rec
+        sync._post = lambda path, body, timeout, rec=rec: rec.posts.append((path, body))
+        syncs.append(sync)
+        recorders.append(rec)
+    push_all(syncs, [("t", torch.ones(8))], version=9, timeout=60.0, held=[syncs[0]])
+    paused, rejoining = ([p for p, _ in rec.posts] for rec in recorders)
+    assert paused == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    assert rejoining == ["/pause?mode=wait", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                         "/resume"]
+    assert all(rec.posts[-1 if rec is recorders[0] else -2][1] == {"weight_version": "9"} for rec in recorders)
+    for s in syncs:
+        s._rpc.shutdown()

@@ -67,7 +67,7 @@ class Fleet:
                                         "vllm/requests": 0, "vllm/weight_syncs": 0}
         self.call_restarts = 0  # restarts in the generate() call running now
         self.started = self.closed = False
-        self.paused = False  # the generation's requests are frozen for a weight update (generation.py pause)
+        self.paused: set[int] = set()  # the servers (index) whose requests are frozen for a weight update (generation.py)
         self._restarter = ThreadPoolExecutor(len(pool), thread_name_prefix="vllm-restart")
         self._restarting: list[Future] = []
 

@@ -109,7 +109,6 @@ class Generation:
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="vllm-request")
         self._cond = threading.Condition()  # the abort state below, shared with the trainer thread
         self._held = False  # between abort() / pause() and resume(): no call starts
-        self._paused: list[Replica] = []  # the servers pause() froze; resume() lets them go on
         self._active = False  # a call is running
         self._aborting = threading.Event()  # set by abort(): the running call ends; wakes its waits
         self._wake: Future | None = None  # done when the running call is aborted: wakes its wait()
@@ -138,16 +137,14 @@ class Generation:
             return
         with self.fleet.lock:
             self.stats["vllm/pauses"] = self.stats.get("vllm/pauses", 0) + 1
-        self.fleet.paused = True
         for r in self.fleet.pool.ready():
             try:
                 # clear_cache=false: the caches are dropped once the new weights are in (resume), not
                 # twice (vLLM 0.32 still reads it for mode=keep, though it is documented as ignored)
                 request_json(r.server.url + "/pause?mode=keep&clear_cache=false", {},
                              timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
-                self._paused.append(r)
+                self.fleet.paused.add(r.index)
             except HttpStatusError as e:
-                self.fleet.paused = False
                 self._resume_servers()
                 raise VllmUnsupportedError(f"vLLM {r.name()} refused to pause ({e}): a pause needs the development "
                                            f"endpoints (VLLM_SERVER_DEV_MODE=1)") from e
@@ -162,8 +159,8 @@ class Generation:
             self._cond.notify_all()
 
     def _resume_servers(self) -> None:
-        paused, self._paused = self._paused, []
-        self.fleet.paused = False
+        paused = [r for r in self.fleet.replicas if r.index in self.fleet.paused]
+        self.fleet.paused.clear()
         for r in paused:
             if r.state != READY:  # lost or restarted meanwhile: nothing of it is frozen any more
                 continue

@@ -58,7 +58,7 @@ import json
 import math
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -313,10 +313,11 @@ class MemorySync:
             self.channel = None
 
 
-def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float, held: bool = False) -> float:
+def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float,
+             held: Collection[MemorySync] = ()) -> float:
     """Send the stream to every server of `syncs` (each over its own group) as weights `version`;
-    seconds it took. held: the servers are already paused (a partial rollout's /pause?mode=keep)
-    and stay so. The stream is read and packed once; each bucket goes to all servers at once
+    seconds it took. held: those of them already paused (a partial rollout's /pause?mode=keep),
+    which stay so. The stream is read and packed once; each bucket goes to all servers at once
     (one thread per server). The next bucket is gathered and packed into the same buffer while the
     servers load this one (its bytes are sent once the broadcasts return), and is sent once they
     have: a worker takes one update at a time. Any failure propagates, leaving the servers paused
@@ -325,10 +326,10 @@ def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float
     device = syncs[0].channel.device if syncs[0].channel is not None else "cpu"
     with ThreadPoolExecutor(len(syncs), thread_name_prefix="vllm-push") as pool:
         def each(fn, *args):
-            for f in [pool.submit(fn, s, *args) for s in syncs]:
+            for f in [pool.submit(fn, s, *args, s in held) for s in syncs]:
                 f.result()
 
-        each(MemorySync.begin, timeout, held)
+        each(MemorySync.begin, timeout)
         loading: list[Future] = []  # the last bucket's loads, one per server
         for metas, data in packed_buckets(named, syncs[0].bucket_bytes, device):  # packs while they load
             for f in loading:
@@ -336,5 +337,5 @@ def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float
             loading = [f.result() for f in [pool.submit(MemorySync.send, s, metas, data, timeout) for s in syncs]]
         for f in loading:
             f.result()
-        each(MemorySync.end, version, timeout, held)
+        each(MemorySync.end, version, timeout)
     return time.perf_counter() - t0

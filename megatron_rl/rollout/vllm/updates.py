@@ -10,8 +10,8 @@ the run stops) when `max_restarts` >= 1 (it bounds each sync as it bounds each g
 call). After every `probe_every`-th sync (the first too) each READY server answers the parity
 probe (probe.py) against `reference` (None: transformers fp32 on the folder, or on the stream
 for an in-memory sync); VllmParityError past `probe_tolerance`. A sync inside a partial rollout
-(`fleet.paused`: the generation's requests are frozen, generation.py) leaves the servers paused
-and its probe waits for `after_resume()`: a paused server answers nothing.
+(`fleet.paused`: the servers whose requests the generation froze, generation.py) leaves them
+paused and its probe waits for `after_resume()`: a paused server answers nothing.
 
 Every sync labels each server's weights with the trainer version (vLLM's weight version: the
 in-memory sync's finish sets it, a reload is followed by /update_weight_version), so each
@@ -85,7 +85,8 @@ class WeightUpdates:
         named = streamed.tee(named_tensors) if streamed is not None else named_tensors
         try:
             self.stats["timing/vllm_memory_sync"] = push_all([r.memory for r in targets], named, version,
-                                                             self.cfg.request_timeout_s, held=fleet.paused)
+                                                             self.cfg.request_timeout_s,
+                                                             held=[r.memory for r in targets if r.index in fleet.paused])
         except (TransportError, HttpStatusError, RuntimeError) as e:
             raise VllmServerDiedError(f"in-memory weight sync of version {version} to "
                                       f"{', '.join(r.server.url for r in targets)} failed ({type(e).__name__}: {e}); "
