@@ -21,6 +21,7 @@ import torch
 
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
+from megatron_rl.rollout.vllm.protocol import GENERATE
 from tests.vllm.conftest import fault_after_first_answer, hf_weights, tiny_arch
 from tests.vllm.test_trainer_loop import CONFIG, ROOT, _env
 
@@ -84,7 +85,7 @@ def _kill_server_during_generate(engine, k, monkeypatch):
     server = engine.replicas[k].server
     pid = server.pid
     struck = fault_after_first_answer(monkeypatch, lambda: os.killpg(pid, signal.SIGKILL),
-                                      url=server.url + "/v1/completions")
+                                      url=server.url + GENERATE)
     out = engine.generate(PROMPTS, 2, SAMPLING)
     monkeypatch.undo()
     assert struck.is_set()
