@@ -14,6 +14,7 @@ from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError
 from megatron_rl.rollout.vllm.client import server_devices
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, Replica, ServerPool
+from megatron_rl.rollout.vllm.servers import shared_gpu
 from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, packed_buckets, push_all
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm, good_answer
@@ -70,6 +71,36 @@ def test_placement_waits_for_a_server_coming_back_and_fails_when_none_can():
 def test_pool_config_errors_name_the_field(fields, error):
     with pytest.raises(ValueError, match=error):
         VllmConfig(**fields)
+
+
+def test_a_server_on_the_sender_s_gpu_is_found():
+    assert shared_gpu(None, 1, None, 0) == "0"  # nothing set: both on device 0
+    assert shared_gpu("1", 1, None, 0) is None
+    assert shared_gpu("6,7", 2, "4,5,6,7", 2) == "6" and shared_gpu("6,7", 2, "4,5,6,7", 1) is None
+    assert shared_gpu("0,1,2,3", 2, None, 3) is None  # the server takes the first tensor_parallel_size only
+
+
+def test_in_memory_sync_over_nccl_refuses_a_server_on_the_trainer_s_gpu(monkeypatch, tmp_path):
+    """NCCL takes no two ranks of one group on one GPU: the first sync would fail, so the start-up
+    refuses it, naming the field and the ways out."""
+    from megatron_rl.rollout.vllm import servers
+
+    monkeypatch.setattr(servers, "ensure_vllm_python", lambda python: "python")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nccl = BACKENDS["nccl"]
+    with pytest.raises(VllmUnsupportedError, match=r"weight_sync=memory with CUDA .* one GPU \(0\).*weight_sync=reload"):
+        servers.make_servers(ARCH, VllmConfig(), str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)
+    own = VllmConfig(env={"CUDA_VISIBLE_DEVICES": "1"})
+    launched, device = servers.make_servers(ARCH, own, str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)
+    assert device == "cuda" and len(launched) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4")  # the trainer's device 0 is physical 2
+    with pytest.raises(VllmUnsupportedError, match=r"vLLM server 0 on one GPU \(2\)"):  # server k: k-th of 2,3,4
+        servers.make_servers(ARCH, VllmConfig(num_servers=2), str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8,
+                             trainer_gpu=0)
+    pool = VllmConfig(num_servers=2, env={"CUDA_VISIBLE_DEVICES": "3,4"})  # servers 0 and 1 on 3 and 4
+    assert len(servers.make_servers(ARCH, pool, str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)[0]) == 2
+    with pytest.raises(VllmUnsupportedError, match=r"vLLM server 1 on one GPU \(4\)"):
+        servers.make_servers(ARCH, pool, str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=2)
 
 
 def test_each_launched_server_gets_devices_of_its_own():

@@ -87,8 +87,10 @@ class VllmEngine:
         self.reference = reference
         servers = [server] if server is not None and not isinstance(server, list) else server
         if servers is None:
+            nccl = self.backend is not None and self.backend.name == "nccl"  # this rank sends: its GPU
             servers, device = make_servers(arch, cfg, self.root, device, self.backend, self.max_model_len,
-                                           self.logprobs_mode, self.max_logprobs)
+                                           self.logprobs_mode, self.max_logprobs,
+                                           torch.cuda.current_device() if nccl else None)
         self.device = device or (cfg.device if cfg.device != "auto" else "unknown")
         for s in servers:
             check_supported(arch, cfg.weight_sync, self.device, cfg.enable_return_routed_experts, s.can_restart)

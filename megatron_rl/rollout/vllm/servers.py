@@ -6,7 +6,9 @@
 `num_servers` LocalServers are launched from the vLLM environment (env.py), server k logging to
 `<root>/server.log` (k = 0) or `<root>/server{k}.log`, on the k-th run of
 `tensor_parallel_size` GPUs of CUDA_VISIBLE_DEVICES. Nothing starts here: a server starts at
-the engine's first weight sync (fleet.py).
+the engine's first weight sync (fleet.py). A launched server on the trainer's own GPU is refused
+with the in-memory sync over NCCL: NCCL takes no two ranks of one group on one device, so the
+first sync would fail.
 
 Cost: pure; nothing grows with model or batch.
 """
@@ -24,9 +26,11 @@ from megatron_rl.rollout.vllm.weight_sync import check_supported
 
 
 def make_servers(arch: ModelArch, cfg: VllmConfig, root: str, device: str | None, backend, max_model_len: int,
-                 logprobs_mode: str, max_logprobs: int) -> tuple[list[ServerHandle], str | None]:
+                 logprobs_mode: str, max_logprobs: int, trainer_gpu: int | None = None
+                 ) -> tuple[list[ServerHandle], str | None]:
     """The servers of cfg and their device: one RemoteServer per URL, else num_servers LocalServers
-    (a configuration refused on the device is refused before the environment is looked for)."""
+    (a configuration refused on the device is refused before the environment is looked for).
+    trainer_gpu: the CUDA device index of the rank that sends the weights, when it sends over NCCL."""
     if cfg.server_urls:
         key = cfg.api_key or os.environ.get(ENV_API_KEY) or None
         return ([RemoteServer(u, cfg.health_timeout_s, api_key=key) for u in cfg.server_urls],
@@ -36,6 +40,8 @@ def make_servers(arch: ModelArch, cfg: VllmConfig, root: str, device: str | None
         check_supported(arch, cfg.weight_sync, device, cfg.enable_return_routed_experts, True)
     python = ensure_vllm_python(cfg.python)
     device = device or detect_device(python)
+    if device == "cuda" and trainer_gpu is not None:
+        check_own_gpus(cfg, trainer_gpu)
     args = server_args(cfg, backend, max_model_len, logprobs_mode, max_logprobs)
     return [LocalServer(python, args, server_env(cfg, device, k),
                         os.path.join(root, "server.log" if k == 0 else f"server{k}.log"),
@@ -76,6 +82,31 @@ def server_env(c: VllmConfig, device: str, k: int = 0) -> dict[str, str]:
                                                      or os.environ.get("CUDA_VISIBLE_DEVICES"),
                                                      k, c.tensor_parallel_size, c.num_servers)
     return env
+
+
+def check_own_gpus(cfg: VllmConfig, trainer_gpu: int) -> None:
+    """Refuse launched servers that would run on the GPU of the trainer's sender (CUDA device
+    `trainer_gpu`) when the weights go over NCCL (weight_sync=memory with CUDA)."""
+    trainer_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    for k in range(cfg.num_servers):
+        visible = server_env(cfg, "cuda", k).get("CUDA_VISIBLE_DEVICES") or trainer_visible
+        gpu = shared_gpu(visible, cfg.tensor_parallel_size, trainer_visible, trainer_gpu)
+        if gpu is not None:
+            raise VllmUnsupportedError(
+                f"rollout.vllm.weight_sync=memory with CUDA streams the weights over NCCL, which cannot join "
+                f"the trainer's rank 0 and vLLM server {k} on one GPU ({gpu}): give the servers GPUs of their own "
+                f"(fewer trainer ranks per node and rollout.vllm.env={{CUDA_VISIBLE_DEVICES: ...}}, or "
+                f"rollout.vllm.urls), or set rollout.vllm.weight_sync=reload")
+
+
+def shared_gpu(server_visible: str | None, per_server: int, trainer_visible: str | None, trainer_gpu: int) -> str | None:
+    """The GPU (as CUDA_VISIBLE_DEVICES names it) that a server on the first `per_server` devices of
+    `server_visible` shares with the trainer's CUDA device `trainer_gpu` of `trainer_visible`
+    (None = every device, in order), or None."""
+    trainer = trainer_visible.split(",") if trainer_visible else None
+    mine = (trainer[trainer_gpu] if trainer else str(trainer_gpu)).strip()
+    server = server_visible.split(",")[:per_server] if server_visible else [str(d) for d in range(per_server)]
+    return mine if mine in {d.strip() for d in server} else None
 
 
 def server_devices(visible: str | None, k: int, per_server: int, servers: int) -> str:
