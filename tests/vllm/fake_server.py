@@ -55,6 +55,7 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
         self.api_key = secrets.token_urlsafe(16) if api_key is None else (api_key or None)
         self.requests: list[dict] = []
         self.posts: list[str] = []
+        self.refused: set[str] = set()  # POST paths answered 404, as a server without the development endpoints does
         self.weight_versions: list[dict] | None = None
         self.restarts = 0
         self.unauthorised = 0
@@ -123,6 +124,8 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
                 if self.path != "/inference/v1/generate":
                     with fake.lock:
                         fake.posts.append(self.path)
+                    if self.path in fake.refused:
+                        return self._send(404, b'{"detail": "Not Found"}')
                     return self._send(200, b'{"results": [null]}')
                 with fake.lock:
                     fake.requests.append(body)

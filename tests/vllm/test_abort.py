@@ -10,7 +10,7 @@ import pytest
 
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 
@@ -146,4 +146,19 @@ def test_pause_with_no_call_in_flight_holds_the_next_call_until_resume(tmp_path,
     thread.join(GUARD_S)
     assert started.is_set() and all(s.policy_version == 4 for g in outcome["samples"] for s in g)
     assert "/resume" not in fake.posts and "vllm/pauses" not in engine.stats()
+    engine.close()
+
+
+def test_a_server_that_cannot_pause_is_refused_naming_why_and_the_engine_is_not_left_held(tmp_path, weights):
+    hold = ["the call"]
+    engine, fake = make_engine(tmp_path, weights, hold)
+    fake.refused.add("/pause?mode=keep&clear_cache=false")  # VLLM_SERVER_DEV_MODE=0
+    thread, outcome = generate_in_background(engine)
+    assert fake.hanging.wait(GUARD_S)
+    with pytest.raises(VllmUnsupportedError, match="refused to pause .*VLLM_SERVER_DEV_MODE=1"):
+        engine.pause()
+    hold.clear()
+    fake.release_hung()
+    thread.join(GUARD_S)
+    assert len(outcome["samples"]) == 3 and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3  # nothing held
     engine.close()

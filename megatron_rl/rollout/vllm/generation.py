@@ -145,7 +145,7 @@ class Generation:
                              timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
                 self.fleet.paused.add(r.index)
             except HttpStatusError as e:
-                self._resume_servers()
+                self.resume()  # the servers frozen so far go on, and calls may start: the run stops on the error
                 raise VllmUnsupportedError(f"vLLM {r.name()} refused to pause ({e}): a pause needs the development "
                                            f"endpoints (VLLM_SERVER_DEV_MODE=1)") from e
             except (TransportError, BadResponse) as e:
