@@ -200,15 +200,21 @@ class _Recorder:
         pass
 
 
-def test_one_sync_packs_the_stream_once_and_sends_every_bucket_to_every_server():
+def _recorded_syncs(n: int):
+    """n in-memory syncs of 160-byte buckets whose HTTP requests and broadcasts are recorded."""
     syncs, recorders = [], []
-    for _ in range(2):
+    for _ in range(n):
         rec = _Recorder()
         sync = MemorySync(_Handle(), BACKENDS["gloo"], bucket_bytes=160, host="127.0.0.1")
         sync.channel = rec
         sync._post = lambda path, body, timeout, rec=rec: rec.posts.append((path, body))
         syncs.append(sync)
         recorders.append(rec)
+    return syncs, recorders
+
+
+def test_one_sync_packs_the_stream_once_and_sends_every_bucket_to_every_server():
+    syncs, recorders = _recorded_syncs(2)
     tensors = [(f"t{i}", torch.arange(n, dtype=torch.float32) + 1000 * i) for i, n in enumerate([10, 20, 5, 30, 100])]
     read = []
 
@@ -234,14 +240,7 @@ def test_a_sync_inside_a_partial_rollout_leaves_the_paused_servers_paused_for_re
     """held: the servers whose requests the engine froze (/pause?mode=keep); the sync neither drains
     nor resumes them (its /pause?mode=wait would wait for requests that cannot run), and still
     labels the new weights. A server it did not freeze (one that rejoins, STALE) syncs as usual."""
-    syncs, recorders = [], []
-    for _ in range(2):
-        rec = _Recorder()
-        sync = MemorySync(_Handle(), BACKENDS["gloo"], bucket_bytes=160, host="127.0.0.1")
-        sync.channel = rec
-        sync._post = lambda path, body, timeout, rec=rec: rec.posts.append((path, body))
-        syncs.append(sync)
-        recorders.append(rec)
+    syncs, recorders = _recorded_syncs(2)
     push_all(syncs, [("t", torch.ones(8))], version=9, timeout=60.0, held=[syncs[0]])
     paused, rejoining = ([p for p, _ in rec.posts] for rec in recorders)
     assert paused == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
