@@ -84,6 +84,8 @@ clean:
 #   - get_batch_on_this_cp_rank (is_hybrid_cp, cp_group) and DDP over DP x CP: the CP trainer path;
 #   - dist_checkpointing's file format (no common.pt; common state inside .distcp) and save():
 #     a DeepSeek-V3 TP2 -> EP2 round trip, the fsync test, the converter's streamed save;
+#   - its writers (a process per file in 0.16, threads in 0.19; platform/checkpoint_writer.py): a
+#     save on a full disk names the file and the cause, a zeroed checkpoint file is named (drills);
 #   - top-k routing (fp32 intermediates, unsorted indices under no_grad, recompute only in
 #     training) under RouterReplay: selective recompute, TP2xEP2 replay, R2 in the loop;
 #   - the grad norm's allreduce attributes and the bf16 optimizer's sharded state: the TP2 RL loop,
@@ -95,7 +97,7 @@ PY2 := $(VENV2)/bin/python
 LANE2_LOCK := constraints/cpu-py312-mcore019.txt
 DEPS_HASH2 := $(shell cat pyproject.toml $(LANE2_LOCK) | sha1sum | cut -c1-12)
 STAMP2 := $(VENV2)/.installed-$(DEPS_HASH2)
-LANE2_TESTS ?= tests/unit tests/distributed
+LANE2_TESTS ?= tests/unit tests/distributed tests/e2e/test_drills.py tests/e2e/test_drills_round3.py
 LANE2_MARKERS ?= (unit or mcore_api) and not vllm and not gpu
 
 $(STAMP2):

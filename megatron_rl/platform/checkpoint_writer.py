@@ -14,8 +14,13 @@ That error, like a writer's exception, goes back through megatron's results queu
 collective finalize, so every rank fails the save alike (`CheckpointException`) and none waits
 for the others at a barrier. That queue lives in megatron's helper process (platform/reaping.py):
 one that died fails the save naming it. Waiting costs nothing while the writers work (one `wait`
-on their pipes). Releases whose writers are threads (megatron-core 0.19 writes with
-`write_preloaded_data_multithread`) have no process to die: they save with megatron's own strategy.
+on their pipes).
+
+megatron-core 0.19 writes with threads (`write_preloaded_data_multithread`): no process can die,
+but a writer's error loses its cause there (a full disk reads "An error is caught while starting
+worker 0, error: <class 'RuntimeError'>", no file, no reason). `write_named` runs the same writers
+in threads and fails the save with the file and the writer's own error, as on 0.16. Cost, both
+releases: one writer per output file, as megatron's; nothing is copied.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import contextlib
 import gc
 import multiprocessing
 import signal
+import threading
 from functools import partial
 from multiprocessing.connection import wait
 
@@ -32,14 +38,14 @@ class WriterFailed(RuntimeError):
 
 
 def watched_save_strategy():
-    """megatron's default save strategy (torch_dist, version 1), its writer processes watched;
-    None (megatron's own default) on a release whose writers are not processes."""
+    """megatron's default save strategy (torch_dist, version 1), its writers watched: megatron's
+    forked writers (0.16) replaced by `write_watched`, its writer threads (0.19) by `write_named`."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    forked_writers = getattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", None)
-    if forked_writers is None:
-        return None
+    ours = {getattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", None): write_watched,
+            getattr(FileSystemWriterAsync, "write_preloaded_data_multithread", None): write_named}
+    ours.pop(None, None)
 
     class WatchedSave(TorchDistSaveShardedStrategy):
         def async_save(self, *args, **kwargs):
@@ -47,10 +53,11 @@ def watched_save_strategy():
             fn = request.async_fn
             if fn is None:
                 return request  # nothing to write on this rank
-            if getattr(fn, "func", None) is not forked_writers:  # loud: every checkpoint test fails on it
-                raise RuntimeError(f"megatron-core's save request runs {fn!r}, not the forked writers "
+            writer = ours.get(getattr(fn, "func", None))
+            if writer is None:  # loud: every checkpoint test fails on it
+                raise RuntimeError(f"megatron-core's save request runs {fn!r}, not the writers "
                                    f"megatron_rl/platform/checkpoint_writer.py watches: update it for this release")
-            return request._replace(async_fn=partial(write_watched, *fn.args, **fn.keywords))
+            return request._replace(async_fn=partial(writer, *fn.args, **fn.keywords))
 
     return WatchedSave("torch_dist", 1)
 
@@ -141,8 +148,51 @@ def write_watched(transform_list, use_msc: bool, rank: int, write_buckets, resul
                 else:
                     results[index] = result
                     proc.join()
+    _report(results_queue, failure if failure is not None else results)
+
+
+class _Kept:
+    """A writer thread's `results_queue`: keeps its one result, (index, write results or exception)."""
+
+    def __init__(self):
+        self.item = None
+
+    def put(self, item) -> None:
+        self.item = item
+
+
+def write_named(transform_list, use_msc: bool, rank: int, write_buckets, results_queue) -> None:
+    """megatron's `write_preloaded_data_multithread` (same arguments, same result on `results_queue`),
+    a failed writer named: `WriterFailed("writing <file>: <type>: <message>")`. One thread per
+    output file through megatron's `write_preloaded_data`; every thread is joined before the result
+    is reported, so none still writes once the save has failed."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    kwargs = {"use_msc": True} if use_msc else {}
+    kept = [_Kept() for _ in write_buckets]
+    threads = [threading.Thread(target=FileSystemWriterAsync.write_preloaded_data, name=f"checkpoint-writer-{i}",
+                                args=(transform_list, i, bucket, kept[i], _NoCount(), True), kwargs=kwargs)
+               for i, bucket in enumerate(write_buckets)]
+    with _gc_off():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    results: dict[int, list] = {}
+    failure: BaseException | None = None
+    for index, (bucket, k) in enumerate(zip(write_buckets, kept)):
+        # megatron's writer catches its own errors; anything past that ends the thread with no result
+        result = k.item[1] if k.item is not None else RuntimeError("the writer thread ended without a result")
+        if isinstance(result, BaseException):
+            failure = failure or WriterFailed(f"writing {bucket[0]}: {type(result).__name__}: {result}")
+        else:
+            results[index] = result
+    _report(results_queue, failure if failure is not None else results)
+
+
+def _report(results_queue, item) -> None:
     try:
-        results_queue.put(failure if failure is not None else results)
+        results_queue.put(item)
     except (OSError, EOFError) as e:  # megatron's results queue lives in a helper process (platform/reaping.py)
         raise WriterFailed(f"the checkpoint writer's results queue is gone: its helper process died "
                            f"({type(e).__name__}: {e})") from e

@@ -28,6 +28,7 @@ import pytest
 
 from tests.e2e.test_drills import (
     ENV,
+    FORKED_WRITERS,
     HANG_GUARD_S,
     ROOT,
     cmd,
@@ -65,6 +66,7 @@ def _small_files_only():
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
 
 
+@pytest.mark.mcore_api   # megatron-core's writers: processes (0.16), threads (0.19)
 def test_2_a_save_that_cannot_write_is_one_line_and_its_folder_is_removed_on_the_rerun(tmp_path):
     r = tmp_path / "R"
     proc = subprocess.run(cmd(r, "train.steps=1"), cwd=ROOT, env=ENV, capture_output=True, text=True,
@@ -83,6 +85,7 @@ def test_2_a_save_that_cannot_write_is_one_line_and_its_folder_is_removed_on_the
 
 
 # ---- 3: a checkpoint writer process that dies (the OOM killer) fails the save instead of hanging the run
+@FORKED_WRITERS
 def test_3_a_dead_checkpoint_writer_fails_the_save_and_the_run_names_the_newest_checkpoint(tmp_path):
     r = tmp_path / "R"
     proc = subprocess.Popen(cmd(r, "train.steps=200", "train.save_every=1"), cwd=ROOT, env=ENV,

@@ -245,6 +245,7 @@ def test_prompts_encode_as_transformers_encodes_them(tmp_path, case):
     rebuilds from the vocabulary with their own pre-tokenizer (Qwen2Tokenizer, GemmaTokenizer): on this
     test's made-up tokenizer.json they split text differently from the file."""
     from transformers import AutoTokenizer
+    from transformers import __version__ as transformers_version
 
     specials = {"eos_token": "<|im_end|>", "bos_token": "<|begin_of_text|>"}
     config, bos = {
@@ -258,5 +259,11 @@ def test_prompts_encode_as_transformers_encodes_them(tmp_path, case):
     }[case]
     folder = write_tokenizer(tmp_path / case, config=config, bos=bos)
     ours, ref = HfTokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    file_pre = json.loads((folder / "tokenizer.json").read_text())["pre_tokenizer"]
+    if json.loads(ref.backend_tokenizer.to_str())["pre_tokenizer"] != file_pre:
+        # transformers 5.17 (the GPU machine's) rebuilds LlamaTokenizerFast from the vocabulary with a
+        # Metaspace pre-tokenizer, as 5.23 does for the classes named above: no longer a reference
+        pytest.skip(f"transformers {transformers_version} rebuilds {config['tokenizer_class']} with its own "
+                    "pre-tokenizer instead of the file's")
     for text in ["1+2=", "What is 49+19?", "<|im_start|>user 3+4=<|im_end|><|im_start|>assistant ", "sort: 3 1 2 ->"]:
         assert ours.encode_prompt(text) == ref(text)["input_ids"], text
