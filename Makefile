@@ -118,10 +118,15 @@ test-lane2: $(STAMP2)
 # .whl/; on the GPU machine (repository + .whl/ copied over) `make gpu-check` is the quick profile
 # (<= 8 min, megatron-core 0.19.2), `make gpu-check-more` the rest (<= 4 min, 0.16.1); results in
 # $(OUT) (default benchmarks/results). `make gpu-plan` prints both profiles' parts and estimates
-# (tools/gpu_check.py: the profiles are data there).
-.PHONY: gpu-wheels gpu-check gpu-check-more gpu-plan
+# (tools/gpu_check.py: the profiles are data there). `make gpu-rehearse` (here, after gpu-wheels) runs
+# the tests a GPU run goes through on the CPU under the GPU machine's own package versions
+# (tools/gpu_rehearse.sh; about 5 GB of downloads once, ~25 min), so they are not found on the GPU.
+.PHONY: gpu-wheels gpu-check gpu-check-more gpu-plan gpu-rehearse
 gpu-wheels:
 	PYTHON=$(PYTHON) bash tools/gpu_wheels.sh
+
+gpu-rehearse:
+	PYTHON312=$(PYTHON312) bash tools/gpu_rehearse.sh
 
 gpu-check:
 	$(PYTHON) tools/gpu_check.py quick

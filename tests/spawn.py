@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -168,6 +169,11 @@ def _kill_tree(p) -> None:
     for c in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             c.kill()
+    for c in tree:  # SIGKILL lands asynchronously: the tree is gone when this returns (a guard, not a timer)
+        deadline = time.monotonic() + 60
+        with contextlib.suppress(psutil.NoSuchProcess):
+            while c.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:  # init reaps zombies
+                time.sleep(0.005)
 
 
 class _Pool:
