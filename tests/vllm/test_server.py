@@ -278,15 +278,11 @@ def _generated_tokens(server) -> float:
                if line.startswith("vllm:generation_tokens_total"))
 
 
-def test_pause_updates_the_weights_mid_generation_and_each_token_is_its_version_s(engine, models):
-    """train.in_flight_update=pause: pause() freezes the running requests (vLLM's /pause?mode=keep),
-    the push reloads other weights and labels them, resume() has vLLM recompute the requests' KV on
-    the new weights and go on. Each token's log-prob is that of the version its label names,
-    given every token before it (teacher-forced fp32 references): the tokens before the update
-    are A's, those after are B's and not A's. The pause comes once the server has generated a
-    token of the call (its /metrics; a response is 240 tokens long)."""
-    (model_a, weights_a), (model_b, weights_b) = models
-    push(engine, weights_a, 10)
+def _a_call_paused_midway(engine, weights_b, why: list) -> list | None:
+    """One generate call on the weights labelled 10, paused once the server has generated a token of
+    it, version 11 (weights_b) pushed while paused, then resumed: its samples, or None when a sample
+    had ended before the pause took hold (on a loaded machine the server can generate all 240 tokens
+    before its /metrics shows one, or before pause() lands)."""
     server, outcome = engine.server, {}
     before = _generated_tokens(server)
 
@@ -299,9 +295,15 @@ def test_pause_updates_the_weights_mid_generation_and_each_token_is_its_version_
     thread = threading.Thread(target=run, name="rollout-generation")
     thread.start()
     guard = threading.Event()
-    while _generated_tokens(server) <= before:  # a condition on the server's state, not a fixed wait
-        assert not guard.wait(0.005) and thread.is_alive(), outcome
+    while _generated_tokens(server) <= before and thread.is_alive():  # the server's state, not a fixed wait
+        guard.wait(0.005)
+    seen = _generated_tokens(server) - before
     engine.pause()
+    if not engine.fleet.paused:  # no call was in flight any more: nothing to pause
+        engine.resume()
+        thread.join(HOLD_GUARD_S)
+        why.append(f"the call had returned ({seen:.0f} tokens seen)")
+        return None
     push(engine, weights_b, 11)  # its parity probe waits: a paused server answers nothing
     assert engine.updates._deferred_probe is not None
     engine.fleet.stats["vllm/probe_max_abs_diff"] = float("nan")  # set again only by a probe
@@ -309,7 +311,29 @@ def test_pause_updates_the_weights_mid_generation_and_each_token_is_its_version_
     assert engine.stats()["vllm/probe_max_abs_diff"] < 1e-3 and engine.updates._deferred_probe is None
     thread.join(HOLD_GUARD_S)
     assert "error" not in outcome, outcome
-    for (sample,) in outcome["samples"]:
+    if any(bool((sample.versions() == 10).all()) for (sample,) in outcome["samples"]):
+        why.append(f"every token was made before the pause ({seen:.0f} tokens seen)")
+        return None
+    return outcome["samples"]
+
+
+def test_pause_updates_the_weights_mid_generation_and_each_token_is_its_version_s(engine, models):
+    """train.in_flight_update=pause: pause() freezes the running requests (vLLM's /pause?mode=keep),
+    the push reloads other weights and labels them, resume() has vLLM recompute the requests' KV on
+    the new weights and go on. Each token's log-prob is that of the version its label names,
+    given every token before it (teacher-forced fp32 references): the tokens before the update
+    are A's, those after are B's and not A's. The pause comes once the server has generated a
+    token of the call (its /metrics; a response is 240 tokens long); a call that ended first is
+    run again."""
+    (model_a, weights_a), (model_b, weights_b) = models
+    why: list[str] = []
+    for _ in range(10):
+        push(engine, weights_a, 10)
+        samples = _a_call_paused_midway(engine, weights_b, why)
+        if samples is not None:
+            break
+    assert samples is not None, f"every call ended before its pause took hold: {why}"
+    for (sample,) in samples:
         v = sample.versions()
         k = int((v == 10).sum())
         assert sample.policy_version == 10 and 0 < k < len(v) == 240, v.tolist()
