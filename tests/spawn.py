@@ -37,8 +37,8 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import select
 import socket
-import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -164,16 +164,18 @@ def _kill_tree(p) -> None:
         tree = rank.children(recursive=True)
     except psutil.NoSuchProcess:
         tree = []
+    exits = []  # a pidfd turns readable when its process has exited (a zombie too): SIGKILL lands asynchronously
+    for c in tree:
+        with contextlib.suppress(ProcessLookupError):
+            exits.append(os.pidfd_open(c.pid))
     p.kill()
     p.join()
     for c in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             c.kill()
-    for c in tree:  # SIGKILL lands asynchronously: the tree is gone when this returns (a guard, not a timer)
-        deadline = time.monotonic() + 60
-        with contextlib.suppress(psutil.NoSuchProcess):
-            while c.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:  # init reaps zombies
-                time.sleep(0.005)
+    for fd in exits:  # the tree is gone when this returns; the 60 s only guard a hang
+        select.select([fd], [], [], 60)
+        os.close(fd)
 
 
 class _Pool:
