@@ -18,7 +18,10 @@ puts back what it had when it started (environment variables, torch's default RN
 dtype, thread count), so a call sees what a new process would (a new interpreter seeds torch's
 generator at random: tests seed what they draw). A pool whose call failed
 or timed out is killed (a rank may still sit in a collective) and the next call starts a new
-one. `fresh=True` gives a call interpreters of its own, for runs whose point is a new process
+one. The teardown also frees what a call leaves that would otherwise live as long as the worker:
+megatron's groups (`destroy_parallel`) and any DDP model (`release_model`), whose gloo groups
+hold threads and sockets. A worker whose threads or open files still grow past a bound
+(SPARE_THREADS, SPARE_FDS) is replaced before the next call, so no leak piles up for a session. `fresh=True` gives a call interpreters of its own, for runs whose point is a new process
 (the golden numbers) or that change process-wide state the reset above does not cover.
 
 Ports, without races against tests running in parallel: the rendezvous store of each call is a
@@ -39,6 +42,7 @@ import os
 import queue as queue_mod
 import select
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -47,6 +51,8 @@ from typing import Any
 import torch
 
 HOST = "127.0.0.1"
+SPARE_THREADS = 32  # a worker is replaced once a teardown leaves it this many threads above its first call's
+SPARE_FDS = 64      # ... or this many open files
 _RESERVED: list[socket.socket] = []  # free_port()'s sockets: open until this process exits
 
 
@@ -74,12 +80,17 @@ def free_port() -> int:
 # ----------------------------------------------------------------------------- the rank side
 
 
-def _run_call(fn: Callable, rank: int, world_size: int, port: int, timeout: float, results, kwargs: dict) -> None:
-    """One call on one rank: join the call's store, init gloo, run fn, ship the result, tear down."""
+def _run_call(fn: Callable, rank: int, world_size: int, port: int, timeout: float, results, kwargs: dict,
+              spent: Callable[[], bool] = lambda: False) -> None:
+    """One call on one rank: join the call's store, init gloo, run fn, tear down, ship the result.
+
+    The result goes out after the teardown, with `spent()`: whether this worker should be
+    replaced (see _worker), so the parent knows before it submits the next call."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
+    store = None
     try:
         # join the parent's store as a client: nothing here binds a port chosen in advance
         store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
@@ -89,27 +100,53 @@ def _run_call(fn: Callable, rank: int, world_size: int, port: int, timeout: floa
         # memory, which is gone once a fresh rank exits
         buf = io.BytesIO()
         torch.save(out, buf)
-        results.put((rank, "ok", buf.getvalue()))
+        status, payload = "ok", buf.getvalue()
     except BaseException:  # noqa: BLE001 - ship every failure to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
+        status, payload = "error", traceback.format_exc()
+    del store
+    try:
         _teardown()
+        replace = spent()
+    except BaseException:  # noqa: BLE001 - a worker that cannot tear down is not reused
+        replace = True
+    results.put((rank, status, payload, replace))
 
 
 def _teardown() -> None:
-    """Undo what a call may have set up process-wide through the APIs the tests use."""
+    """Undo what a call may have set up process-wide through the APIs the tests use, and free the
+    models it left behind: a megatron DDP is never collected on its own (release_model says why)
+    and would keep its process groups, with their gloo threads and sockets, for the worker's life."""
+    import gc
+
     import torch.distributed as dist
 
     try:
-        from megatron.core import parallel_state
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        parallel_state.destroy_model_parallel()
+        from megatron_rl.parallel import destroy_parallel
+
+        destroy_parallel()
         RouterReplay.global_router_replay_instances.clear()
     except ImportError:
         pass
     if dist.is_initialized():
         dist.destroy_process_group()
+    if "megatron.core.distributed" in sys.modules:
+        from megatron.core.distributed import DistributedDataParallel
+
+        from megatron_rl.trainer.stack import release_model
+
+        for model in [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]:
+            release_model(model)
+        model = None  # the loop variable would keep the last one alive through the collection
+    gc.collect()
+
+
+def _threads_and_fds() -> tuple[int, int]:
+    import psutil
+
+    me = psutil.Process()
+    return me.num_threads(), me.num_fds()
 
 
 def _rank_setup() -> None:
@@ -132,9 +169,21 @@ def _next_task(tasks, parent: int):
 
 
 def _worker(rank: int, world_size: int, tasks, results, parent: int) -> None:
-    """A pooled rank: run calls from `tasks` until it gets None, each from a fresh-process state."""
+    """A pooled rank: run calls from `tasks` until it gets None, each from a fresh-process state.
+
+    A worker whose threads or open files have grown past its first call's by SPARE_THREADS /
+    SPARE_FDS after a teardown asks to be replaced: whatever a call leaks that the teardown does
+    not free stays bounded per worker instead of piling up for the whole session."""
     _rank_setup()
     env, rng, dtype = dict(os.environ), torch.get_rng_state(), torch.get_default_dtype()
+    first: list[tuple[int, int]] = []
+
+    def spent() -> bool:
+        now = _threads_and_fds()
+        if not first:
+            first.append(now)
+        return now[0] > first[0][0] + SPARE_THREADS or now[1] > first[0][1] + SPARE_FDS
+
     while (task := _next_task(tasks, parent)) is not None:
         fn, port, timeout, kwargs = task
         os.environ.clear()
@@ -142,7 +191,7 @@ def _worker(rank: int, world_size: int, tasks, results, parent: int) -> None:
         torch.set_rng_state(rng)
         torch.set_default_dtype(dtype)
         torch.set_num_threads(1)
-        _run_call(fn, rank, world_size, port, timeout, results, kwargs)
+        _run_call(fn, rank, world_size, port, timeout, results, kwargs, spent)
 
 
 def _fresh(fn: Callable, rank: int, world_size: int, port: int, timeout: float, results, kwargs: dict) -> None:
@@ -219,13 +268,16 @@ def _close_pools() -> None:
         _POOLS.popitem()[1].close(kill=False)
 
 
-def _collect(results, world_size: int, timeout: float, procs) -> tuple[dict[int, Any], list[str]]:
-    """Wait for every rank's result; stop at the first error (the other ranks are likely blocked)."""
+def _collect(results, world_size: int, timeout: float, procs) -> tuple[dict[int, Any], list[str], bool]:
+    """Wait for every rank's result; stop at the first error (the other ranks are likely blocked).
+    The flag: a rank asked to be replaced (_worker)."""
     out: dict[int, Any] = {}
     errors: list[str] = []
+    replace = False
     try:
         for _ in range(world_size):
-            rank, status, payload = results.get(timeout=timeout)
+            rank, status, payload, spent = results.get(timeout=timeout)
+            replace |= spent
             if status != "ok":
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break
@@ -235,7 +287,7 @@ def _collect(results, world_size: int, timeout: float, procs) -> tuple[dict[int,
         errors.append(f"timed out after {timeout}s waiting for ranks" + (f" (exit codes {dead})" if dead else ""))
     except Exception as e:  # noqa: BLE001 - e.g. a rank that could not start
         errors.append(f"waiting for ranks failed: {type(e).__name__}: {e}")
-    return out, errors
+    return out, errors, replace
 
 
 def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, fresh: bool = False, **kwargs: Any) -> list:
@@ -251,7 +303,7 @@ def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, fresh: 
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        out, errors = _collect(results, world_size, timeout, procs)
+        out, errors, _ = _collect(results, world_size, timeout, procs)
         for p in procs:
             p.join(timeout=5 if errors else 30)
             if p.is_alive():
@@ -263,9 +315,11 @@ def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, fresh: 
                 pool.close(kill=True)
             pool = _POOLS[world_size] = _Pool(world_size)
         pool.submit(fn, store.port, timeout, kwargs)
-        out, errors = _collect(pool.results, world_size, timeout, pool.procs)
+        out, errors, replace = _collect(pool.results, world_size, timeout, pool.procs)
         if errors:  # a rank may still sit in a collective or hold half a call's state
             _POOLS.pop(world_size).close(kill=True)
+        elif replace:
+            _POOLS.pop(world_size).close(kill=False)
     del store  # closes the rendezvous port once every rank has gone
     if errors:
         raise RuntimeError("distributed test failed:\n" + "\n".join(errors))

@@ -196,9 +196,26 @@ def init_parallel(config: ParallelConfig, seed: int = 1234) -> ParallelGroups:
 
 
 def destroy_parallel() -> None:
-    """Tear down megatron's groups and the default process group (end of a run or test)."""
+    """Tear down megatron's groups and the default process group (end of a run or test).
+
+    Every group must become unreachable, or a process that initialises again keeps the old ones:
+    a gloo group holds two threads and a socket pair per peer until it is freed. Two references
+    outlive megatron's own `destroy_model_parallel`, and are dropped here: globals of
+    `parallel_state` that it does not reset (0.16.1 leaves `_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`
+    and its gloo twin; any global still holding a group is cleared, whatever its name), and the
+    process-wide `lru_cache` on the rotary embeddings' forward, which holds up to 32 modules, each
+    with its CP group. The models themselves: trainer.stack.release_model.
+    """
     from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
 
     parallel_state.destroy_model_parallel()
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
+    for cls in (rotary_pos_embedding.RotaryEmbedding, yarn_rotary_pos_embedding.YarnRotaryEmbedding):
+        cache_clear = getattr(cls.forward, "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
     if dist.is_initialized():
         dist.destroy_process_group()

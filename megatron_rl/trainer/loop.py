@@ -45,12 +45,15 @@ def run(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | None = None)
 
 
 def close(ctx: RunContext) -> None:
+    """End of a run: the engine, schedule and sink closed, the run dir unlocked, the policy released
+    (its model and process groups freed, so a process that runs again does not accumulate them)."""
     try:
         ctx.schedule.close()
         ctx.sink.close()
         if ctx.engine is not None:
             ctx.engine.close()
     finally:
+        ctx.policy.release()
         if ctx.run_dir_lock is not None:
             ctx.run_dir_lock.close()
 

@@ -10,7 +10,7 @@ from megatron_rl.model.hf_files import HfInputError, SafetensorsReader, check_we
 from megatron_rl.model.hf_io import export_hf_weights, load_hf_weights
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelGroups
-from megatron_rl.trainer.stack import OptimSettings, build_optimizer, wrap_model
+from megatron_rl.trainer.stack import OptimSettings, build_optimizer, release_model, wrap_model
 
 
 @dataclass
@@ -25,6 +25,12 @@ class Policy:
         """HF checkpoint-format (name, tensor) pairs of the current weights (collective; `to`: which
         rank gets which stage's tensors, model/hf_io.py: export_hf_weights)."""
         return export_hf_weights(self.model, self.arch, self.groups, dtype=dtype, to=to)
+
+    def release(self) -> None:
+        """End of the policy's life: its model and groups can be freed (stack.release_model). It
+        cannot train afterwards."""
+        release_model(self.model)
+        self.optimizer = None
 
 
 def arch_from_config(model_section, vocab_size: int | None = None) -> ModelArch:

@@ -95,3 +95,30 @@ def forward_backward(model, forward_step: Callable, data_iterator, num_microbatc
     if not forward_only:
         finalize_model_grads([model], num_tokens=None)
     return out
+
+
+def release_model(model) -> None:
+    """Let a megatron DDP model (and the process groups, buffers and threads it holds) be freed.
+
+    megatron's DDP registers a closure on every parameter's gradient-accumulator node that refers
+    back to the DDP. Those nodes live in autograd's C++ graph, which Python's garbage collector
+    cannot traverse, so the cycle node -> hook -> DDP -> parameters is never collected: every
+    model a process builds and drops would keep its gloo groups (two threads and a socket pair
+    per peer each) for the life of the process. This empties the closures' references to the
+    DDP and its list of nodes; the hooks are dead afterwards, so call it only when the model is
+    done with. A model that is not a megatron DDP is left alone.
+
+    Cost: one pass over the DDP's referrers (`gc.get_referrers`, linear in the number of live
+    Python objects), once per model at the end of its life.
+    """
+    import gc
+    import types
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+    for ref in gc.get_referrers(model):
+        if isinstance(ref, types.CellType):
+            ref.cell_contents = None
+    model.grad_accs.clear()

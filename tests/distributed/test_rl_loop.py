@@ -195,3 +195,41 @@ def test_engine_failure_stops_every_rank_with_a_resumable_checkpoint(tmp_path, h
                     stopping=stopping)
     expected = (f"iter_{completed:07d}", list(range(1, completed + 1)))
     assert out == [expected, expected]
+
+
+def _run_twice(rank, world, run_dir):
+    """pretrain_rl.py's sequence (groups, run: SFT, RL steps, evaluations, then teardown) twice in
+    one process; the threads and open files after each."""
+    import gc
+
+    import psutil
+    import torch.distributed as dist
+
+    from megatron_rl.config import load_config
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+    from megatron_rl.platform import apply_platform_workarounds
+    from megatron_rl.trainer.loop import run
+
+    apply_platform_workarounds()
+    counts = []
+    for k in range(2):
+        if not dist.is_initialized():  # the pool's store, still listening in the parent: a new prefix
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"run{k}", store), rank=rank, world_size=world)
+        cfg = load_config(None, BASE + [f"train.run_dir={run_dir}/{k}", "sft.steps=2", "train.steps=2",
+                                        "train.eval_every=1", "train.eval_size=4"])
+        try:
+            run(cfg, init_parallel(cfg.parallel, seed=cfg.train.seed))
+        finally:
+            destroy_parallel()
+        gc.collect()  # the run's objects form cycles: what is unreachable goes at the next collection
+        me = psutil.Process()
+        counts.append((me.num_threads(), me.num_fds()))
+    return counts
+
+
+def test_a_second_run_in_one_process_keeps_nothing_of_the_first(tmp_path):
+    """A run's model and process groups go with it (trainer.stack.release_model, destroy_parallel):
+    gloo holds threads and sockets per group, so a leak shows in both counts."""
+    for first, second in run_ranks(_run_twice, world_size=2, run_dir=str(tmp_path)):
+        assert second[0] <= first[0] + 2 and second[1] <= first[1] + 4, (first, second)

@@ -74,3 +74,59 @@ def test_a_hung_call_times_out_and_the_next_call_gets_a_new_pool():
         run_ranks(_hang, world_size=1, timeout=3)
     assert 1 not in spawn._POOLS
     assert run_ranks(_leave_traces, world_size=1)[0][1] == 1.0
+
+
+def _train_a_tp2_model(rank, world):
+    """What a distributed test typically leaves behind: megatron's groups (TP=2) and a DDP-wrapped
+    MoE after a forward and backward pass. Returns the worker's threads and open files on arrival."""
+    import psutil
+
+    from megatron_rl.model import BuildOptions, build_gpt_model, causal_mask
+    from megatron_rl.model.presets import preset_arch
+    from megatron_rl.trainer.stack import OptimSettings, wrap_model
+    from tests.mcore_setup import setup_parallel
+
+    me = psutil.Process()
+    arrival = (me.num_threads(), me.num_fds(), os.getpid())
+    groups = setup_parallel(tensor_model_parallel_size=2)
+    arch = preset_arch("qwen3_moe", "tiny")
+    model = wrap_model(build_gpt_model(arch, groups, BuildOptions(dtype="fp32")), OptimSettings())
+    ids = torch.randint(0, arch.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model(ids, torch.arange(8).expand(2, -1), causal_mask(8), labels=ids).float().sum().backward()
+    return arrival
+
+
+def test_a_pooled_worker_keeps_its_threads_and_files_flat_over_many_calls():
+    """Each call builds process groups and a DDP model: a worker must not keep them (gloo holds two
+    threads and sockets per group and peer, megatron's DDP is never collected on its own). The
+    counts are taken as each call arrives, so they show what earlier calls left."""
+    arrivals = [run_ranks(_train_a_tp2_model, world_size=2) for _ in range(31)]
+    for rank in range(2):
+        threads, fds, pids = zip(*(a[rank] for a in arrivals[1:]), strict=True)
+        assert len(set(pids)) == 1, "the worker was replaced: the teardown left something behind"
+        assert max(threads) - min(threads) <= 2, threads
+        assert max(fds) - min(fds) <= 4, fds
+
+
+def test_a_worker_that_grows_anyway_is_replaced():
+    """What the teardown cannot free stays bounded: past SPARE_THREADS the worker asks to go."""
+    run_ranks(_leave_threads, world_size=1, count=0)
+    first = spawn._POOLS[1].procs[0].pid
+    run_ranks(_leave_threads, world_size=1, count=spawn.SPARE_THREADS + 1)
+    assert 1 not in spawn._POOLS  # replaced before the next call
+    run_ranks(_leave_threads, world_size=1, count=0)
+    assert spawn._POOLS[1].procs[0].pid != first
+
+
+_KEPT: list = []
+
+
+def _leave_threads(rank, world, count):
+    """Threads that outlive the call (a module-level list keeps their stop events)."""
+    import threading
+
+    for _ in range(count):
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+        _KEPT.append(stop)
+    return count
