@@ -13,13 +13,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPTS = {"minirl": 11, "mu_grpo": 5, "p3o": 5, "tim": 12}  # script -> arms it runs
 
 
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    """One quick warm start for the four scripts: each finds it cached (common.warm_start)."""
+    return tmp_path_factory.mktemp("sft")
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_repro_script_quick(script, tmp_path):
+def test_repro_script_quick(script, tmp_path, sft_dir):
     out = tmp_path / script
     # one arm at a time per core of this test's share, each on one thread
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
     proc = subprocess.run([sys.executable, f"examples/repro/{script}.py", "--quick", "--out", str(out),
-                           "--jobs", str(min(2, share()))],
+                           "--sft-dir", str(sft_dir), "--jobs", str(min(2, share()))],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (out / "results.md").read_text()

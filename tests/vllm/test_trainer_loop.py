@@ -1,5 +1,6 @@
-"""The RL loop with rollout.backend=vllm: pretrain_rl.py for a few steps on a dense tiny Qwen3,
-fp32 server against the fp32 megatron trainer (so the engine-trainer mismatch is ~0); and a
+"""The RL loop with rollout.backend=vllm: pretrain_rl.py for a few steps on a dense tiny Qwen3 under
+each off-policy schedule, fp32 server against the fp32 megatron trainer (so the engine-trainer
+mismatch of the tokens from the current weights is ~0); and a
 trainer stopped by SIGTERM mid-run leaves no process of its vLLM server behind."""
 import json
 import os
@@ -35,40 +36,35 @@ def _env(vllm_python):
                 MASTER_PORT="0", MEGATRON_RL_VLLM_PYTHON=vllm_python)
 
 
-def test_rl_steps_with_the_vllm_backend(tmp_path, vllm_python):
-    summary_path = tmp_path / "summary.json"
-    config = tmp_path / "vllm_cpu.yaml"
-    config.write_text(CONFIG.format(run_dir=tmp_path / "run"))
-    cmd = [sys.executable, "pretrain_rl.py", "--config", str(config), "--summary-json", str(summary_path)]
-    env = _env(vllm_python)
-    run = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
-    assert summary["steps"] == 2
-    assert summary["last"]["mismatch/abs_logprob_diff"] < 1e-4, summary["last"]
-    assert os.path.exists(tmp_path / "run" / "vllm" / "server.log")
-    assert not os.path.exists(tmp_path / "run" / "weights")  # weights went in memory (the default): no file
-
-
 @pytest.mark.parametrize("schedule,staleness,generate_calls", [
     (["train.schedule=staged", "train.stages=2"], [0, 1, 0, 1], 2),
-    (["train.schedule=async", "train.max_staleness=1"], [0, 1, 1, 1], 4),
+    (["train.schedule=async", "train.max_staleness=1", "train.eval_size=0"], [0, 1, 1, 1], 4),
 ], ids=["staged", "async"])
-def test_off_policy_schedules_with_the_vllm_backend(tmp_path, vllm_python, schedule, staleness, generate_calls):
-    """Staged generation (a stage's batches in one request burst) and async generation (the client
-    in a background thread while the trainer updates) against a real server."""
+def test_rl_steps_with_the_vllm_backend(tmp_path, vllm_python, schedule, staleness, generate_calls):
+    """pretrain_rl.py against a real server under the off-policy schedules: staged generation (a
+    stage's batches in one request burst, then held-out evaluations) and async generation (the
+    client in a background thread while the trainer updates). The tokens generated from the
+    weights being trained (staleness 0) match the fp32 trainer."""
+    summary_path = tmp_path / "summary.json"
     config = tmp_path / "vllm_cpu.yaml"
     config.write_text(CONFIG.format(run_dir=tmp_path / "run").replace("steps: 2,", "steps: 4,"))
-    cmd = [sys.executable, "pretrain_rl.py", "--config", str(config), *schedule, "train.eval_size=0"]
+    cmd = [sys.executable, "pretrain_rl.py", "--config", str(config), "--summary-json", str(summary_path), *schedule]
     run = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(vllm_python), capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert json.loads(summary_path.read_text())["steps"] == 4
+    assert os.path.exists(tmp_path / "run" / "vllm" / "server.log")
+    assert not os.path.exists(tmp_path / "run" / "weights")  # weights went in memory (the default): no file
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if json.loads(line).get("phase") == "rl"]
     assert [r["schedule/staleness_max"] for r in rows] == staleness
     assert rows[-1]["schedule/generate_calls"] == generate_calls
     assert all(r["mismatch/staleness_0/tokens"] + r["mismatch/staleness_1/tokens"] == r["mismatch/tokens"]
                for r in rows)
+    fresh = [r for r in rows if r["mismatch/staleness_0/tokens"]]
+    assert fresh and all(r["mismatch/staleness_0/abs_logprob_diff"] < 1e-4 for r in fresh), fresh
+    if "train.eval_size=0" not in schedule:
+        assert "eval/heldout_accuracy" in rows[-1]
 
 
 def test_sigterm_mid_run_leaves_no_server_process(tmp_path, vllm_python):
