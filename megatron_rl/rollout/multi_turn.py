@@ -22,9 +22,11 @@ the others run in env.name with env.settings. A trajectory ends when its environ
 after env.max_turns (or its environment's own max_turns, whichever is fewer) policy turns, when
 its next observation would leave no budget for a turn (that observation is dropped: nothing would
 be sampled after it), or when an environment call fails
-(raises, times out after env.timeout_s, or answers what is not a Step, or text the tokenizer
-cannot encode): a failed trajectory keeps its sampled turns and scores 0 (counted, as a failing
-reward is). A failed reset leaves the example's own prompt as the trajectory's prompt and ends
+(raises, times out after env.timeout_s, or answers what is not a Step, text the tokenizer
+cannot encode, or a reward that is not finite or takes the trajectory's sum past float's range:
+inf or NaN never reaches the loss): a failed trajectory keeps its sampled turns and scores 0
+(counted, as a failing reward is; its failure quotes at most MAX_FAILURE_CHARS of what the
+environment answered). A failed reset leaves the example's own prompt as the trajectory's prompt and ends
 after one turn.
 
 With env.check_render, every trajectory is also rendered as text and encoded again
@@ -48,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -98,7 +101,7 @@ class _Trajectory:
         return self.rewards + [0.0] * (len(self.turns) - len(self.rewards))
 
     def fail(self, why: str) -> None:
-        self.failure, self.rewards, self.ended_by = why, [], "failure"
+        self.failure, self.rewards, self.ended_by = _clip(why), [], "failure"
 
 
 class MultiTurn:
@@ -197,7 +200,15 @@ class MultiTurn:
         if not (isinstance(step.observation, str) and (step.reward is None or isinstance(step.reward, (int, float)))):
             t.fail(f"step returned {step!r}: a text observation and a number or None reward")
             return
-        t.rewards.append(0.0 if step.reward is None else float(step.reward))  # turn `turn`: every turn is shown
+        try:
+            reward = 0.0 if step.reward is None else float(step.reward)
+        except OverflowError:  # an int beyond float's range
+            reward = math.inf
+        if not math.isfinite(reward) or not math.isfinite(t.reward + reward):  # never reaches the loss
+            why = "not a finite number" if not math.isfinite(reward) else f"the trajectory's sum {t.reward + reward}"
+            t.fail(f"step returned reward {_clip(repr(step.reward))}: {why}")
+            return
+        t.rewards.append(reward)  # turn `turn`: every turn is shown
         if step.done:
             t.ended_by = "done"
             return
@@ -304,6 +315,18 @@ class MultiTurn:
         turns = [(tok.decode(x.sample.response_ids.tolist()), t.observations[i] if i < len(t.observations) else "",
                   t.env.observation_role) for i, x in enumerate(t.turns)]
         return rerender_chat(t.prompt_text, turns, tok.render_chat, tok.encode_prompt)
+
+
+MAX_FAILURE_CHARS = 300
+
+
+def _clip(text: str, limit: int = MAX_FAILURE_CHARS) -> str:
+    """`text` cut to about `limit` characters, its start and end kept (a failure quotes what the
+    environment answered, which may be megabytes)."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} ...[{len(text) - 2 * half} characters cut]... {text[-half:]}"
 
 
 def turn_reward_stats(rewards: Sequence[Sequence[float]]) -> dict[str, float]:

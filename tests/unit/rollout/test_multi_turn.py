@@ -5,6 +5,7 @@ that ends after one turn gives exactly single_turn's samples; a hung environment
 event the test sets at the end (its deadline is short and nothing else waits on a clock)."""
 import dataclasses
 import logging
+import math
 import re
 import threading
 
@@ -320,3 +321,50 @@ def test_turn_reward_stats_leaves_out_turns_no_trajectory_reached():
     assert turn_reward_stats([[1.0], [0.0, 2.0]]) == {"env/turn/0/turns": 2.0, "env/turn/0/reward": 0.5,
                                                       "env/turn/1/turns": 1.0, "env/turn/1/reward": 2.0}
     assert turn_reward_stats([]) == {}
+
+
+def test_a_non_finite_reward_fails_its_trajectory_and_never_reaches_the_score():
+    """NaN, inf, and finite turns of 1e308 whose sum is inf: each fails its trajectory (reward 0,
+    counted in env/failures, named in the log), beside a finite trajectory that scores."""
+
+    class Paying(OneShot):
+        max_turns = 3
+
+        def reset(self, example):
+            self.label = example.label
+            return example.prompt
+
+        def step(self, generated_text, generated_ids):
+            if self.label == "huge":
+                return Step("x", 1e308, False)
+            bad = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "bigint": 10**400}
+            return Step("", bad.get(self.label, 2.0), True)
+
+    register_env("paying")(Paying)
+    try:
+        examples = [Example(f"{i}+{i}=", label, "t") for i, label in enumerate(["nan", "inf", "-inf", "huge", "bigint", "ok"])]
+        gen = _multi("paying", {}, max_turns=3)(ScriptedEngine(lambda text: "1"), examples, 1, SAMPLING)
+    finally:
+        ENVS.pop("paying")
+    assert gen.score() == [0.0, 0.0, 0.0, 0.0, 0.0, 2.0]
+    assert gen.stats["env/failures"] == 5
+    assert all(math.isfinite(v) for v in gen.stats.values()), gen.stats
+
+
+def test_an_observation_that_cannot_be_encoded_is_quoted_in_part(caplog):
+    """A 1 MB observation of characters the toy tokenizer lacks fails its trajectory; the failure
+    and the warning quote a bounded part of it, not the megabyte."""
+
+    class Flood(OneShot):
+        def step(self, generated_text, generated_ids):
+            return Step("<" * 1_000_000, None, False)
+
+    register_env("flood")(Flood)
+    try:
+        with caplog.at_level(logging.WARNING):
+            gen = _multi("flood", {})(ScriptedEngine(lambda text: "1"), [Example("1+1=", "2", "t")], 2, SAMPLING)
+    finally:
+        ENVS.pop("flood")
+    assert gen.stats["env/failures"] == 2 and gen.score() == [0.0, 0.0]
+    assert "cannot be encoded" in caplog.text and "'<'" in caplog.text
+    assert len(caplog.text) < 2_000
