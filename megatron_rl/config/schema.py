@@ -29,6 +29,10 @@ DTYPES = ("fp32", "bf16", "fp16")
 # requests (train.seed * 1,000,003 + step): 32 bits leaves room for every derived one
 SEED_MAX = 2**32 - 1
 SEED_HINT = "a 32-bit seed, 0 to 4294967295"
+# rollout.max_oversample's ceiling: the samples of max_oversample x prompts_per_step groups wait on
+# rank 0 and each round is an engine call; a task whose groups so rarely differ needs other
+# prompts or a larger group_size, not more draws (DAPO's recipes stop at a few times the batch)
+MAX_OVERSAMPLE = 16
 
 
 @dataclass
@@ -128,10 +132,11 @@ class RolloutSection:
         holds B groups whose rewards differ, and train on exactly those B (the first found, in
         draw order); needs loss.filter_zero_variance_groups=true. The extra prompts come from each
         step's own reserve stream, so no step's batch changes (trainer/oversample.py).
-    max_oversample: the bound (default 4, >= 1): at most floor(max_oversample x B) prompts drawn
-        per step; a step that reaches it trains on the groups with variance it has plus
-        zero-variance ones (masked by the filter) and says so in the log. Only read with
-        oversample=true.
+    max_oversample: the bound (default 4, 1 to 16): at most floor(max_oversample x B) prompts
+        drawn per step; a step that reaches it trains on the groups with variance it has plus
+        zero-variance ones (masked by the filter) and says so in the log. Each extra round prints
+        a line (the step, the round, the prompts it draws, the groups with variance so far).
+        Only read with oversample=true.
     temperature (> 0), top_p (in (0, 1]), top_k (-1 = off, else >= 1), max_tokens (>= 1):
         sampling (vLLM names; see SamplingParams).
     max_batch_size: sequences the embedded engine decodes at once.
@@ -181,8 +186,10 @@ class RolloutSection:
         checks.integer("rollout.group_size", self.group_size, lo=2,
                        hint="every advantage estimator is a group baseline: one response per prompt gets A = 0")
         checks.boolean("rollout.oversample", self.oversample)
-        checks.number("rollout.max_oversample", self.max_oversample, lo=1,
-                      hint="at most max_oversample x prompts_per_step prompts are drawn per step; 1 draws none extra")
+        checks.number("rollout.max_oversample", self.max_oversample, lo=1, hi=MAX_OVERSAMPLE,
+                      hint="at most max_oversample x prompts_per_step prompts are drawn per step, their samples "
+                           "held on rank 0; 1 draws none extra. A task whose groups rarely differ in reward needs "
+                           "other prompts or a larger rollout.group_size")
         checks.number("rollout.temperature", self.temperature, lo=0, lo_open=True,
                       hint="RL samples at a positive temperature; evaluation is greedy on its own")
         checks.number("rollout.top_p", self.top_p, lo=0, hi=1, lo_open=True, hint="1 = no nucleus truncation")

@@ -89,6 +89,8 @@ def test_printed_and_saved_configs_carry_no_secrets():
       "rollout.max_oversample=1.2"], r"rollout.max_oversample=1.2 leaves no extra prompt"),
     (["rollout.max_oversample=0.5"], r"rollout.max_oversample=0.5: must be a number >= 1"),
     (["rollout.oversample=1"], r"rollout.oversample=1: expected true or false"),
+    (["rollout.oversample=true", "loss.filter_zero_variance_groups=true", "rollout.max_oversample=1e6"],
+     r"rollout.max_oversample=1000000.0: must be a number >= 1 and <= 16 \(at most"),
 ])
 def test_oversampling_settings_are_consistent(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
