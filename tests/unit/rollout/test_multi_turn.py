@@ -163,6 +163,8 @@ def test_the_config_names_the_environment_and_checks_its_settings():
         load_config(None, ["env.name=nope"])
     with pytest.raises(ConfigError, match="env.settings"):
         load_config(None, ["env.name=calculator", "env.settings.bogus=1"])
+    with pytest.raises(ConfigError, match=r"env.settings: calculator's setting call_open=5: a string"):
+        load_config(None, ["env.name=calculator", "env.settings.call_open=5"])
     cfg = load_config(None, ["rollout.function=multi_turn", "env.name=calculator", "data.tasks=[multiplication]",
                              "rollout.max_tokens=10", "env.max_turns=3", "env.max_tokens=64"])
     assert cfg.env.name == "calculator"
