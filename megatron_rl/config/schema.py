@@ -526,8 +526,10 @@ class EnvSection:
 
     name: a registered environment (megatron_rl.data.envs.ENVS: "calculator", "guess"), or null
         when the rollout function needs none. settings: keyword settings of the environment's
-        class (e.g. {call_open: "c:"}), checked when the config loads. A data.jsonl row may name
-        its own ("env", "env_settings"), which wins for that row's trajectories.
+        class (e.g. {call_open: "c:"}), checked when the config loads (names and types). An
+        override merges into the file's settings; env.settings={} empties them (another
+        env.name takes other settings). A data.jsonl row may name its own ("env",
+        "env_settings"), which wins for that row's trajectories.
     max_turns: most policy turns per trajectory (the environment's own max_turns may end it
         sooner). max_tokens: most response tokens per trajectory, sampled and environment ones
         together (each turn samples at most rollout.max_tokens of them).
@@ -571,7 +573,9 @@ class EnvSection:
             except KeyError as e:
                 raise ValueError(f"env.name: {e.args[0]}") from None
             except (TypeError, ValueError) as e:
-                raise ValueError(f"env.settings: {e}") from None
+                hint = (" (env.settings={} drops the settings the config file gave another environment)"
+                        if "takes no setting" in str(e) else "")
+                raise ValueError(f"env.settings: {e}{hint}") from None
 
 
 @dataclass

@@ -94,6 +94,8 @@ def make_env(name: str, **settings) -> Environment:
     for key, value in settings.items():
         if key in kinds:
             check_setting(name, key, value, kinds[key])
+        elif dataclasses.is_dataclass(cls):
+            raise TypeError(f"{name} takes no setting {key!r}; its settings: {', '.join(kinds) or 'none'}")
     return cls(**settings)
 
 
@@ -105,7 +107,8 @@ def _setting_kinds(cls: type) -> dict[str, str]:
     no dataclass."""
     if not dataclasses.is_dataclass(cls):
         return {}
-    return {f.name: f.type.__name__ if isinstance(f.type, type) else str(f.type) for f in dataclasses.fields(cls)}
+    return {f.name: f.type.__name__ if isinstance(f.type, type) else str(f.type) for f in dataclasses.fields(cls)
+            if f.init}
 
 
 def check_setting(env: str, key: str, value, annotation: str) -> None:
