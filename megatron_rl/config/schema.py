@@ -620,7 +620,8 @@ class RunConfig:
 
     def check_paths(self) -> None:
         """The files and folders the config names, as this machine sees them (the entry point calls
-        this at start-up; the config itself may be written elsewhere): raises naming the field."""
+        this at start-up; the config itself may be written elsewhere), and what the rollout engine's
+        settings need of this machine (its EngineSpec.on_this_machine): raises naming the field."""
         if self.data.jsonl is not None and not os.path.isfile(self.data.jsonl):
             path = self.data.jsonl
             why = ("is a directory" if os.path.isdir(path) else
@@ -642,6 +643,11 @@ class RunConfig:
         if os.path.exists(self.train.run_dir) and not os.path.isdir(self.train.run_dir):
             raise ValueError(f"train.run_dir={self.train.run_dir} is a file; choose a directory (it is created "
                              f"if missing)")
+        from megatron_rl.rollout import ENGINES
+
+        on_this_machine = ENGINES.get(self.rollout.backend).on_this_machine
+        if on_this_machine is not None:
+            on_this_machine(self.rollout)
 
     def layout(self, dp: int) -> BatchLayout:
         """The RL batch's split over `dp` data-parallel ranks (parallel/layout.py)."""
