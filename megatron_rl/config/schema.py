@@ -535,6 +535,10 @@ class EnvSection:
         together (each turn samples at most rollout.max_tokens of them).
     timeout_s: how long one environment call (reset or step) may take; a call that raises or takes
         longer ends its trajectory with reward 0, counted in env/failures and env/timeouts.
+    max_stuck_calls: the most calls past timeout_s that may still run (default 32, >= 0): a
+        thread cannot be stopped, so a call that hangs or loops keeps its thread and slows the
+        trainer; one more stops the run naming the environment (rollout/env_calls.py). A call
+        that returns late frees its place.
     observation_prefix / observation_suffix: text put around every observation before it is
         tokenized, alone (a chat template's turn delimiters, e.g. "<|im_start|>user\\n" and
         "<|im_end|>\\n<|im_start|>assistant\\n" for ChatML); "" for the character tokenizer.
@@ -551,6 +555,7 @@ class EnvSection:
     max_turns: int = 4
     max_tokens: int = 64
     timeout_s: float = 10.0
+    max_stuck_calls: int = 32
     observation_prefix: str = ""
     observation_suffix: str = ""
     check_render: bool = False
@@ -559,6 +564,8 @@ class EnvSection:
         checks.integer("env.max_turns", self.max_turns, lo=1)
         checks.integer("env.max_tokens", self.max_tokens, lo=1)
         checks.number("env.timeout_s", self.timeout_s, lo=0, lo_open=True)
+        checks.integer("env.max_stuck_calls", self.max_stuck_calls, lo=0,
+                       hint="0 stops the run at the first call that outlives env.timeout_s")
         checks.boolean("env.check_render", self.check_render)
         for key in ("observation_prefix", "observation_suffix"):
             if not isinstance(getattr(self, key), str):

@@ -42,8 +42,13 @@ mismatch/turn/*: 0, 1, 2, 3_or_later) env/turn/{k}/turns (policy turns sampled) 
 env/turn/{k}/reward (their mean reward: the environment's reward for that turn, None as 0, every
 turn of a failed trajectory 0), so the rewards by turn of a call sum to its trajectories' rewards.
 
+A call that outlives env.timeout_s keeps its thread (Python cannot stop one); once more than
+env.max_stuck_calls of them still run after a batch of calls, the rollout raises StuckEnvironment
+naming the environment (rollout/env_calls.py says why threads and a bound, not processes).
+
 Cost: one engine call per turn (turns <= env.max_turns), one environment call per trajectory and
-turn (threads, rollout/env_calls.py), O(trajectory length) host memory per trajectory.
+turn (threads, rollout/env_calls.py; at most env.max_stuck_calls + one batch of them abandoned),
+O(trajectory length) host memory per trajectory.
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ from megatron_rl.data.envs import Environment, Step, make_env
 from megatron_rl.data.types import derive_seed
 from megatron_rl.metrics.mismatch import turn_labels
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.env_calls import CallResult, call_all
+from megatron_rl.rollout.env_calls import CallResult, EnvCalls
 from megatron_rl.rollout.function import Generated, RolloutFnInputs, RolloutFnSpec
 from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender, rerender_chat
 from megatron_rl.rollout.types import Sample, SamplingParams
@@ -110,6 +115,7 @@ class MultiTurn:
             raise ValueError("rollout.function=multi_turn needs an environment: set env.name")
         self.tokenizer, self.env = inputs.tokenizer, inputs.env
         self.encode_observation = continuation(self.tokenizer.encode_prompt)
+        self.calls = EnvCalls(self.env.timeout_s, self.env.max_stuck_calls)  # across calls: abandoned ones live on
 
     def __call__(self, engine: RolloutEngine, examples: Sequence, n: int, sampling: SamplingParams) -> Generated:
         cfg = self.env
@@ -118,7 +124,8 @@ class MultiTurn:
             name, settings = env_of(examples[k // n], cfg)
             env = make_env(name, **settings)
             trajs.append(_Trajectory(env, min(cfg.max_turns, env.max_turns)))
-        resets = call_all([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)], cfg.timeout_s)
+        resets = self.calls.run([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)],
+                                [f"{t.env.name}.reset" for t in trajs])
         for k, (t, r) in enumerate(zip(trajs, resets, strict=True)):
             t.prompt_text = examples[k // n].prompt  # checked at start-up: the fallback of a failed reset
             if r.failure is not None or not isinstance(r.value, str):
@@ -186,7 +193,7 @@ class MultiTurn:
         for t in live:  # decoded here, on the calling thread: the threads run environment code only
             ids = t.turns[-1].sample.response_ids.tolist()
             calls.append(functools.partial(t.env.step, self.tokenizer.decode(ids), ids))
-        results = call_all(calls, self.env.timeout_s)
+        results = self.calls.run(calls, [f"{t.env.name}.step" for t in live])
         for t, r in zip(live, results, strict=True):
             self._take(t, r, turn, max_len)
 

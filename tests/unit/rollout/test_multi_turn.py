@@ -370,3 +370,50 @@ def test_an_observation_that_cannot_be_encoded_is_quoted_in_part(caplog):
     assert gen.stats["env/failures"] == 2 and gen.score() == [0.0, 0.0]
     assert "cannot be encoded" in caplog.text and "'<'" in caplog.text
     assert len(caplog.text) < 2_000
+
+
+def _stuck_threads():
+    return sum(t.name.startswith("env-call-") and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("how", ["hang", "loop"])
+def test_a_stuck_environment_stops_the_run_before_its_threads_pile_up(how):
+    """Every step one trajectory of two hangs (an Event) or busy-loops (until the Event; both end once the test sets it): each of
+    its calls is abandoned at env.timeout_s and keeps its thread. Over up to 40 steps the run stops
+    with StuckEnvironment naming the environment and the settings once more than
+    env.max_stuck_calls (default 32; 4 for the loop, to spare the CPU) are stuck, and the threads
+    never exceed that plus one step's."""
+
+    release = threading.Event()
+
+    class Stuck(OneShot):
+        def step(self, generated_text, generated_ids):
+            if self.label == "stuck":
+                while not release.wait(None if how == "hang" else 0.0):
+                    pass
+            return Step("", 1.0, True)
+
+    register_env("stuck")(Stuck)
+    cap = 32 if how == "hang" else 4
+    before = _stuck_threads()
+    fn = _multi("stuck", {}, timeout_s=0.05, **({} if how == "hang" else {"max_stuck_calls": cap}))
+    examples = [Example("1+1=", "stuck", "t"), Example("2+2=", "ok", "t")]
+    stopped, most = None, 0
+    try:
+        for step in range(40):
+            try:
+                gen = fn(ScriptedEngine(lambda text: "1"), examples, 1, SAMPLING)
+            except Exception as e:  # noqa: BLE001 - the run's stop, checked below
+                stopped = (step, e)
+                break
+            assert gen.score() == [0.0, 1.0] and gen.stats["env/timeouts"] == 1
+            most = max(most, _stuck_threads() - before)
+    finally:
+        release.set()
+        ENVS.pop("stuck")
+    assert stopped is not None, f"40 steps with {most} stuck threads and no stop"
+    step, e = stopped
+    assert step == cap and type(e).__name__ == "StuckEnvironment", (step, e)
+    assert f"{cap + 1} environment calls are still running past env.timeout_s=0.05 s (stuck.step x{cap + 1})" in str(e)
+    assert f"env.max_stuck_calls={cap}" in str(e)
+    assert most <= cap
