@@ -18,8 +18,11 @@ trajectory earlier (rollout/multi_turn.py).
 
 A new environment subclasses `Environment` (a dataclass of its settings, which `env.settings` in
 the config sets; a setting annotated str, int, float or bool, or one of them | None, is refused
-when it holds another type, naming it) and registers itself with `@register_env("name")`. Building one must be cheap and
-do nothing else (the config check builds one to check the settings); work belongs in reset.
+when it holds another type, naming it) and registers itself with `@register_env("name")`.
+Building one must be cheap and do nothing else (the config check builds one to check the
+settings); work belongs in reset. Each reset and step must return within env.timeout_s and must
+not hold the interpreter's lock for long in one C call (rollout/env_calls.py: a call past its
+deadline keeps its thread, and enough of them stop the run).
 """
 from __future__ import annotations
 
