@@ -37,6 +37,7 @@ as Qwen3's drops their <think> blocks, shows); a difference from the kept ids is
 
 Stats (Generated.stats): env/turns (mean policy turns per trajectory), env/sampled_per_turn (mean
 sampled tokens per turn), env/observation_tokens (mean per trajectory), env/failures, env/timeouts,
+env/stuck_calls (calls past their deadline still running, of this call and earlier ones),
 env/budget_ends, env/render_drift, env/render_unencodable, and by policy turn (labels as
 mismatch/turn/*: 0, 1, 2, 3_or_later) env/turn/{k}/turns (policy turns sampled) and
 env/turn/{k}/reward (their mean reward: the environment's reward for that turn, None as 0, every
@@ -273,6 +274,7 @@ class MultiTurn:
                  "env/failures": float(sum(t.failure is not None for t in trajs)),
                  "env/timeouts": float(sum(t.failure == "timeout" for t in trajs)),
                  "env/budget_ends": float(sum(t.ended_by == "budget" for t in trajs)),
+                 "env/stuck_calls": float(self.calls.stuck()),
                  **turn_reward_stats([t.turn_rewards() for t in trajs])}
         failed = [t.failure for t in trajs if t.failure is not None]
         if failed:

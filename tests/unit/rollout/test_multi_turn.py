@@ -407,6 +407,7 @@ def test_a_stuck_environment_stops_the_run_before_its_threads_pile_up(how):
                 stopped = (step, e)
                 break
             assert gen.score() == [0.0, 1.0] and gen.stats["env/timeouts"] == 1
+            assert gen.stats["env/stuck_calls"] == step + 1  # the run sees them coming
             most = max(most, _stuck_threads() - before)
     finally:
         release.set()
