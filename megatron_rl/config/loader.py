@@ -3,7 +3,8 @@
     cfg = load_config("examples/demo_cpu.yaml", ["train.steps=10", "--tensor-model-parallel-size", "2"])
 
 Overrides are `section.field=value` (value parsed as YAML: 3, 1e-4, true, [a, b], {C: 2}) or
-Megatron-style flags from MEGATRON_FLAGS.
+Megatron-style flags from MEGATRON_FLAGS. A mapping given as a value merges into the file's
+mapping key by key; an empty one, `{}`, replaces it (`env.settings={}` drops the file's settings).
 
 Every parsed YAML document, the file and each override value, is bounded before anything else
 reads it (`check_expansion`): at most MAX_CONFIG_SIZE values and characters once its aliases are
@@ -215,9 +216,12 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`: a mapping merges key by key into the one it meets, except an empty
+    one, which replaces it (`env.settings={}` drops the file's settings; a section set to {} is
+    back to its defaults)."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and v and isinstance(out.get(k), dict) else v
     return out
 
 

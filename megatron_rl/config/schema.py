@@ -29,6 +29,10 @@ DTYPES = ("fp32", "bf16", "fp16")
 # requests (train.seed * 1,000,003 + step): 32 bits leaves room for every derived one
 SEED_MAX = 2**32 - 1
 SEED_HINT = "a 32-bit seed, 0 to 4294967295"
+# rollout.max_oversample's ceiling: the samples of max_oversample x prompts_per_step groups wait on
+# rank 0 and each round is an engine call; a task whose groups so rarely differ needs other
+# prompts or a larger group_size, not more draws (DAPO's recipes stop at a few times the batch)
+MAX_OVERSAMPLE = 16
 
 
 @dataclass
@@ -128,10 +132,11 @@ class RolloutSection:
         holds B groups whose rewards differ, and train on exactly those B (the first found, in
         draw order); needs loss.filter_zero_variance_groups=true. The extra prompts come from each
         step's own reserve stream, so no step's batch changes (trainer/oversample.py).
-    max_oversample: the bound (default 4, >= 1): at most floor(max_oversample x B) prompts drawn
-        per step; a step that reaches it trains on the groups with variance it has plus
-        zero-variance ones (masked by the filter) and says so in the log. Only read with
-        oversample=true.
+    max_oversample: the bound (default 4, 1 to 16): at most floor(max_oversample x B) prompts
+        drawn per step; a step that reaches it trains on the groups with variance it has plus
+        zero-variance ones (masked by the filter) and says so in the log. Each extra round prints
+        a line (the step, the round, the prompts it draws, the groups with variance so far).
+        Only read with oversample=true.
     temperature (> 0), top_p (in (0, 1]), top_k (-1 = off, else >= 1), max_tokens (>= 1):
         sampling (vLLM names; see SamplingParams).
     max_batch_size: sequences the embedded engine decodes at once.
@@ -181,8 +186,10 @@ class RolloutSection:
         checks.integer("rollout.group_size", self.group_size, lo=2,
                        hint="every advantage estimator is a group baseline: one response per prompt gets A = 0")
         checks.boolean("rollout.oversample", self.oversample)
-        checks.number("rollout.max_oversample", self.max_oversample, lo=1,
-                      hint="at most max_oversample x prompts_per_step prompts are drawn per step; 1 draws none extra")
+        checks.number("rollout.max_oversample", self.max_oversample, lo=1, hi=MAX_OVERSAMPLE,
+                      hint="at most max_oversample x prompts_per_step prompts are drawn per step, their samples "
+                           "held on rank 0; 1 draws none extra. A task whose groups rarely differ in reward needs "
+                           "other prompts or a larger rollout.group_size")
         checks.number("rollout.temperature", self.temperature, lo=0, lo_open=True,
                       hint="RL samples at a positive temperature; evaluation is greedy on its own")
         checks.number("rollout.top_p", self.top_p, lo=0, hi=1, lo_open=True, hint="1 = no nucleus truncation")
@@ -519,13 +526,19 @@ class EnvSection:
 
     name: a registered environment (megatron_rl.data.envs.ENVS: "calculator", "guess"), or null
         when the rollout function needs none. settings: keyword settings of the environment's
-        class (e.g. {call_open: "c:"}), checked when the config loads. A data.jsonl row may name
-        its own ("env", "env_settings"), which wins for that row's trajectories.
+        class (e.g. {call_open: "c:"}), checked when the config loads (names and types). An
+        override merges into the file's settings; env.settings={} empties them (another
+        env.name takes other settings). A data.jsonl row may name its own ("env",
+        "env_settings"), which wins for that row's trajectories.
     max_turns: most policy turns per trajectory (the environment's own max_turns may end it
         sooner). max_tokens: most response tokens per trajectory, sampled and environment ones
         together (each turn samples at most rollout.max_tokens of them).
     timeout_s: how long one environment call (reset or step) may take; a call that raises or takes
         longer ends its trajectory with reward 0, counted in env/failures and env/timeouts.
+    max_stuck_calls: the most calls past timeout_s that may still run (default 32, >= 0): a
+        thread cannot be stopped, so a call that hangs or loops keeps its thread and slows the
+        trainer; one more stops the run naming the environment (rollout/env_calls.py). A call
+        that returns late frees its place.
     observation_prefix / observation_suffix: text put around every observation before it is
         tokenized, alone (a chat template's turn delimiters, e.g. "<|im_start|>user\\n" and
         "<|im_end|>\\n<|im_start|>assistant\\n" for ChatML); "" for the character tokenizer.
@@ -542,6 +555,7 @@ class EnvSection:
     max_turns: int = 4
     max_tokens: int = 64
     timeout_s: float = 10.0
+    max_stuck_calls: int = 32
     observation_prefix: str = ""
     observation_suffix: str = ""
     check_render: bool = False
@@ -550,6 +564,8 @@ class EnvSection:
         checks.integer("env.max_turns", self.max_turns, lo=1)
         checks.integer("env.max_tokens", self.max_tokens, lo=1)
         checks.number("env.timeout_s", self.timeout_s, lo=0, lo_open=True)
+        checks.integer("env.max_stuck_calls", self.max_stuck_calls, lo=0,
+                       hint="0 stops the run at the first call that outlives env.timeout_s")
         checks.boolean("env.check_render", self.check_render)
         for key in ("observation_prefix", "observation_suffix"):
             if not isinstance(getattr(self, key), str):
@@ -564,7 +580,9 @@ class EnvSection:
             except KeyError as e:
                 raise ValueError(f"env.name: {e.args[0]}") from None
             except (TypeError, ValueError) as e:
-                raise ValueError(f"env.settings: {e}") from None
+                hint = (" (env.settings={} drops the settings the config file gave another environment)"
+                        if "takes no setting" in str(e) else "")
+                raise ValueError(f"env.settings: {e}{hint}") from None
 
 
 @dataclass
@@ -609,7 +627,8 @@ class RunConfig:
 
     def check_paths(self) -> None:
         """The files and folders the config names, as this machine sees them (the entry point calls
-        this at start-up; the config itself may be written elsewhere): raises naming the field."""
+        this at start-up; the config itself may be written elsewhere), and what the rollout engine's
+        settings need of this machine (its EngineSpec.on_this_machine): raises naming the field."""
         if self.data.jsonl is not None and not os.path.isfile(self.data.jsonl):
             path = self.data.jsonl
             why = ("is a directory" if os.path.isdir(path) else
@@ -631,6 +650,11 @@ class RunConfig:
         if os.path.exists(self.train.run_dir) and not os.path.isdir(self.train.run_dir):
             raise ValueError(f"train.run_dir={self.train.run_dir} is a file; choose a directory (it is created "
                              f"if missing)")
+        from megatron_rl.rollout import ENGINES
+
+        on_this_machine = ENGINES.get(self.rollout.backend).on_this_machine
+        if on_this_machine is not None:
+            on_this_machine(self.rollout)
 
     def layout(self, dp: int) -> BatchLayout:
         """The RL batch's split over `dp` data-parallel ranks (parallel/layout.py)."""

@@ -17,7 +17,8 @@ Format: UTF-8, one JSON object per line; blank lines are skipped (line numbers s
     {"prompt": "guess 0-99 n0042:", "label": "57", "task": "guessing", "env": "guess"}
     {"prompt": "123*45=", "label": "5535", "env": "calculator", "env_settings": {"call_open": "c:"}}
 
-An unknown environment or settings it does not take are refused while loading, naming the line
+An unknown environment, settings it does not take or of the wrong type (`"call_open": 5` where
+the calculator takes a string) are refused while loading, naming the line
 (building an environment is cheap by contract: data/envs/base.py). Only a rollout function that
 runs environments (multi_turn) reads "env"; with another, the run refuses such rows at start-up
 (trainer/startup.py: check_row_envs).

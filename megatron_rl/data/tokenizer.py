@@ -90,7 +90,7 @@ class CharTokenizer:
             i = self._char_to_id.get(c)
             if i is None:
                 raise ValueError(
-                    f"character {c!r} (U+{ord(c):04X}) at position {pos} of {text!r} is not in the "
+                    f"character {c!r} (U+{ord(c):04X}) at position {pos} of {_around(text, pos)} is not in the "
                     f"toy tokenizer's vocabulary; allowed characters: {CHARS!r}"
                 )
             ids.append(i)
@@ -157,3 +157,12 @@ class CharTokenizer:
         with open(path, "w") as f:
             json.dump({"kind": "megatron_rl.CharTokenizer", "vocab": self.vocab}, f, indent=1)
         return [*files, path]
+
+
+def _around(text: str, pos: int, width: int = 40) -> str:
+    """`text` quoted, or for a long one the `width` characters each side of `pos` and its length
+    (an error message quotes the place, not a megabyte of text)."""
+    if len(text) <= 2 * width + 1:
+        return repr(text)
+    a, b = max(pos - width, 0), min(pos + width + 1, len(text))
+    return f"{'...' if a else ''}{text[a:b]!r}{'...' if b < len(text) else ''} ({len(text)} characters)"

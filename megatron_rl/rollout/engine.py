@@ -27,6 +27,9 @@ the config and what it can do, so the trainer and the config check handle every 
                       step boundary and reports each token's version; abort: ends it)
     no_in_flight      (rollout section, mode) -> why, as configured, it cannot take a mode it
                       lists (vLLM: pause with weight_sync=restart), or None
+    on_this_machine   (rollout section) -> None: what its settings need of the machine the run
+                      starts on, raising ValueError naming the field (vLLM: the transfer host
+                      resolves, the sync buffers fit in memory); RunConfig.check_paths calls it
 
 What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
 top-p/top-k sets, routed experts, an fp32 head), never by the engine reading the loss or MoE
@@ -169,6 +172,7 @@ class EngineSpec:
     may_change: tuple[str, ...] = ()
     in_flight_updates: tuple[str, ...] = ("wait",)
     no_in_flight: Callable[[Any, str], str | None] | None = None
+    on_this_machine: Callable[[Any], None] | None = None
 
     def __post_init__(self):
         if not callable(self.make):

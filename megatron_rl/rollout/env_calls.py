@@ -1,20 +1,42 @@
-"""Environment calls with a deadline: a failing or hanging environment ends its trajectory, never the run.
+"""Environment calls with a deadline: a failing or hanging environment ends its trajectory, never the run,
+until so many of its calls are stuck that it would take the trainer down with it.
 
-    results = call_all([lambda: env.step(text, ids) for env, ... in ...], timeout_s=10.0)
+    calls = EnvCalls(timeout_s=10.0, max_stuck=32)
+    results = calls.run([lambda: env.step(text, ids) for env, ... in ...], ["calculator.step", ...])
     results[k].value            # what call k returned, or None when it failed
     results[k].failure          # None, "timeout", or "error: ValueError: ..."
+    calls.stuck()               # calls past their deadline that are still running
 
 Every call of a batch runs in its own daemon thread (environments are plain Python on rank 0);
 the batch waits at most `timeout_s` from the start for all of them. A call still running then is
-abandoned: Python cannot stop a thread, so it keeps its thread until it returns and its result is
-never read. Daemon threads, not a ThreadPoolExecutor, whose workers the interpreter joins at exit:
-a call that never returns must not keep the finished run's process alive. Cost: one thread per
-call per turn.
+abandoned: its trajectory fails ("timeout"), but Python cannot stop a thread, so the call keeps
+its thread, and a busy-looping one keeps a share of the interpreter's lock, until it returns.
+`EnvCalls` keeps the abandoned calls it has not seen end; when, after a batch, more than
+`max_stuck` of them still run, it raises `StuckEnvironment` naming the environments (by label) and
+the settings (env.timeout_s, env.max_stuck_calls): a hanging environment then costs at most
+max_stuck + one batch of threads, and a looping one at most that many threads slowing the trainer,
+instead of a thread per trajectory per step for the rest of the run. A call that returns late
+frees its place.
+
+Why threads and a bound rather than a killable worker process per environment: an environment is
+a stateful object per trajectory, registered in the trainer's process (register_env, from any
+module, a test's too) and fed examples; a process would need every environment and example to
+pickle and its registration to happen again in the child, and the trainer's rank 0 (CUDA, gloo and
+megatron's threads) can only start children by spawn, an interpreter start with torch per worker,
+then IPC for every reset and step. A correct environment returns within env.timeout_s and costs
+nothing more here; a broken one stops the run with its name. What neither bounds: one call that
+holds the interpreter's lock inside C code (a huge integer power) stalls everything, which is why
+an environment bounds such work itself (the calculator takes 9-digit operands).
+
+Daemon threads, not a ThreadPoolExecutor, whose workers the interpreter joins at exit: a call that
+never returns must not keep the finished run's process alive. Cost: one thread per call per turn,
+plus the abandoned ones (at most max_stuck + a batch).
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +51,42 @@ class CallResult:
     failure: str | None = None
 
 
-def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[CallResult]:
-    """Run `calls` concurrently; result k is call k's value or why it has none."""
+class StuckEnvironment(RuntimeError):
+    """More environment calls are running past their deadline than the run allows."""
+
+
+class EnvCalls:
+    """Batches of environment calls under one deadline each, and the calls they abandoned.
+    timeout_s: a batch's deadline (env.timeout_s); max_stuck: the most abandoned calls that may
+    still run after a batch (env.max_stuck_calls)."""
+
+    def __init__(self, timeout_s: float, max_stuck: int):
+        self.timeout_s, self.max_stuck = timeout_s, max_stuck
+        self._stuck: list[tuple[threading.Thread, str]] = []
+
+    def stuck(self) -> int:
+        """Abandoned calls still running (those that ended since are forgotten)."""
+        self._stuck = [(t, label) for t, label in self._stuck if t.is_alive()]
+        return len(self._stuck)
+
+    def run(self, calls: Sequence[Callable[[], Any]], labels: Sequence[str]) -> list[CallResult]:
+        """Run `calls` concurrently (labels[k] names call k's environment and method, e.g.
+        "calculator.step"); result k is call k's value or why it has none. Raises StuckEnvironment
+        when, after the batch, more than max_stuck abandoned calls still run."""
+        results, threads = _run(calls, self.timeout_s)
+        self._stuck += [(t, label) for t, label in zip(threads, labels, strict=True) if t.is_alive()]
+        if self.stuck() > self.max_stuck:
+            which = ", ".join(f"{label} x{n}" for label, n in Counter(label for _, label in self._stuck).most_common())
+            raise StuckEnvironment(
+                f"{len(self._stuck)} environment calls are still running past env.timeout_s={self.timeout_s:g} s "
+                f"({which}), more than env.max_stuck_calls={self.max_stuck}: a call that hangs or loops cannot be "
+                f"stopped, keeps its thread and slows the trainer. Fix the environment (every reset and step must "
+                f"return within env.timeout_s), raise env.timeout_s if it is only slow, or raise "
+                f"env.max_stuck_calls")
+        return results
+
+
+def _run(calls: Sequence[Callable[[], Any]], timeout_s: float) -> tuple[list[CallResult], list[threading.Thread]]:
     results: list[CallResult | None] = [None] * len(calls)
 
     def run(k: int) -> None:
@@ -46,5 +102,6 @@ def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[CallR
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     # a finished thread has written its result before it ended; a running one is abandoned
-    return [CallResult(failure="timeout") if t.is_alive() else (r or CallResult(failure="error: the call did not return"))
-            for t, r in zip(threads, results, strict=True)]
+    out = [CallResult(failure="timeout") if t.is_alive() else (r or CallResult(failure="error: the call did not return"))
+           for t, r in zip(threads, results, strict=True)]
+    return out, threads

@@ -22,9 +22,11 @@ the others run in env.name with env.settings. A trajectory ends when its environ
 after env.max_turns (or its environment's own max_turns, whichever is fewer) policy turns, when
 its next observation would leave no budget for a turn (that observation is dropped: nothing would
 be sampled after it), or when an environment call fails
-(raises, times out after env.timeout_s, or answers what is not a Step, or text the tokenizer
-cannot encode): a failed trajectory keeps its sampled turns and scores 0 (counted, as a failing
-reward is). A failed reset leaves the example's own prompt as the trajectory's prompt and ends
+(raises, times out after env.timeout_s, or answers what is not a Step, text the tokenizer
+cannot encode, or a reward that is not finite or takes the trajectory's sum past float's range:
+inf or NaN never reaches the loss): a failed trajectory keeps its sampled turns and scores 0
+(counted, as a failing reward is; its failure quotes at most MAX_FAILURE_CHARS of what the
+environment answered). A failed reset leaves the example's own prompt as the trajectory's prompt and ends
 after one turn.
 
 With env.check_render, every trajectory is also rendered as text and encoded again
@@ -35,19 +37,26 @@ as Qwen3's drops their <think> blocks, shows); a difference from the kept ids is
 
 Stats (Generated.stats): env/turns (mean policy turns per trajectory), env/sampled_per_turn (mean
 sampled tokens per turn), env/observation_tokens (mean per trajectory), env/failures, env/timeouts,
+env/stuck_calls (calls past their deadline still running, of this call and earlier ones),
 env/budget_ends, env/render_drift, env/render_unencodable, and by policy turn (labels as
 mismatch/turn/*: 0, 1, 2, 3_or_later) env/turn/{k}/turns (policy turns sampled) and
 env/turn/{k}/reward (their mean reward: the environment's reward for that turn, None as 0, every
 turn of a failed trajectory 0), so the rewards by turn of a call sum to its trajectories' rewards.
 
+A call that outlives env.timeout_s keeps its thread (Python cannot stop one); once more than
+env.max_stuck_calls of them still run after a batch of calls, the rollout raises StuckEnvironment
+naming the environment (rollout/env_calls.py says why threads and a bound, not processes).
+
 Cost: one engine call per turn (turns <= env.max_turns), one environment call per trajectory and
-turn (threads, rollout/env_calls.py), O(trajectory length) host memory per trajectory.
+turn (threads, rollout/env_calls.py; at most env.max_stuck_calls + one batch of them abandoned),
+O(trajectory length) host memory per trajectory.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,7 +66,7 @@ from megatron_rl.data.envs import Environment, Step, make_env
 from megatron_rl.data.types import derive_seed
 from megatron_rl.metrics.mismatch import turn_labels
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.env_calls import CallResult, call_all
+from megatron_rl.rollout.env_calls import CallResult, EnvCalls
 from megatron_rl.rollout.function import Generated, RolloutFnInputs, RolloutFnSpec
 from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender, rerender_chat
 from megatron_rl.rollout.types import Sample, SamplingParams
@@ -98,7 +107,7 @@ class _Trajectory:
         return self.rewards + [0.0] * (len(self.turns) - len(self.rewards))
 
     def fail(self, why: str) -> None:
-        self.failure, self.rewards, self.ended_by = why, [], "failure"
+        self.failure, self.rewards, self.ended_by = _clip(why), [], "failure"
 
 
 class MultiTurn:
@@ -107,6 +116,7 @@ class MultiTurn:
             raise ValueError("rollout.function=multi_turn needs an environment: set env.name")
         self.tokenizer, self.env = inputs.tokenizer, inputs.env
         self.encode_observation = continuation(self.tokenizer.encode_prompt)
+        self.calls = EnvCalls(self.env.timeout_s, self.env.max_stuck_calls)  # across calls: abandoned ones live on
 
     def __call__(self, engine: RolloutEngine, examples: Sequence, n: int, sampling: SamplingParams) -> Generated:
         cfg = self.env
@@ -115,7 +125,8 @@ class MultiTurn:
             name, settings = env_of(examples[k // n], cfg)
             env = make_env(name, **settings)
             trajs.append(_Trajectory(env, min(cfg.max_turns, env.max_turns)))
-        resets = call_all([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)], cfg.timeout_s)
+        resets = self.calls.run([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)],
+                                [f"{t.env.name}.reset" for t in trajs])
         for k, (t, r) in enumerate(zip(trajs, resets, strict=True)):
             t.prompt_text = examples[k // n].prompt  # checked at start-up: the fallback of a failed reset
             if r.failure is not None or not isinstance(r.value, str):
@@ -183,7 +194,7 @@ class MultiTurn:
         for t in live:  # decoded here, on the calling thread: the threads run environment code only
             ids = t.turns[-1].sample.response_ids.tolist()
             calls.append(functools.partial(t.env.step, self.tokenizer.decode(ids), ids))
-        results = call_all(calls, self.env.timeout_s)
+        results = self.calls.run(calls, [f"{t.env.name}.step" for t in live])
         for t, r in zip(live, results, strict=True):
             self._take(t, r, turn, max_len)
 
@@ -197,7 +208,15 @@ class MultiTurn:
         if not (isinstance(step.observation, str) and (step.reward is None or isinstance(step.reward, (int, float)))):
             t.fail(f"step returned {step!r}: a text observation and a number or None reward")
             return
-        t.rewards.append(0.0 if step.reward is None else float(step.reward))  # turn `turn`: every turn is shown
+        try:
+            reward = 0.0 if step.reward is None else float(step.reward)
+        except OverflowError:  # an int beyond float's range
+            reward = math.inf
+        if not math.isfinite(reward) or not math.isfinite(t.reward + reward):  # never reaches the loss
+            why = "not a finite number" if not math.isfinite(reward) else f"the trajectory's sum {t.reward + reward}"
+            t.fail(f"step returned reward {_clip(repr(step.reward))}: {why}")
+            return
+        t.rewards.append(reward)  # turn `turn`: every turn is shown
         if step.done:
             t.ended_by = "done"
             return
@@ -255,6 +274,7 @@ class MultiTurn:
                  "env/failures": float(sum(t.failure is not None for t in trajs)),
                  "env/timeouts": float(sum(t.failure == "timeout" for t in trajs)),
                  "env/budget_ends": float(sum(t.ended_by == "budget" for t in trajs)),
+                 "env/stuck_calls": float(self.calls.stuck()),
                  **turn_reward_stats([t.turn_rewards() for t in trajs])}
         failed = [t.failure for t in trajs if t.failure is not None]
         if failed:
@@ -304,6 +324,18 @@ class MultiTurn:
         turns = [(tok.decode(x.sample.response_ids.tolist()), t.observations[i] if i < len(t.observations) else "",
                   t.env.observation_role) for i, x in enumerate(t.turns)]
         return rerender_chat(t.prompt_text, turns, tok.render_chat, tok.encode_prompt)
+
+
+MAX_FAILURE_CHARS = 300
+
+
+def _clip(text: str, limit: int = MAX_FAILURE_CHARS) -> str:
+    """`text` cut to about `limit` characters, its start and end kept (a failure quotes what the
+    environment answered, which may be megabytes)."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} ...[{len(text) - 2 * half} characters cut]... {text[-half:]}"
 
 
 def turn_reward_stats(rewards: Sequence[Sequence[float]]) -> dict[str, float]:

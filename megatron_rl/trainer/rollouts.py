@@ -15,7 +15,7 @@ each step's reserve prompts (`prompts.reserve`) until the step holds rollout.pro
 groups with reward variance or has drawn floor(rollout.max_oversample · prompts_per_step)
 prompts: each extra round is one rollout-function call for every step still short, sampled with
 the engine's current weights (the ones `sample` used: a schedule changes them only after
-`score`) and a seed of its own. Those rounds run on the main thread because each needs the
+`score`) and a seed of its own, and prints a line per step it draws for. Those rounds run on the main thread because each needs the
 previous round's rewards; under the async schedule they are not overlapped with the update.
 Cost: up to max_oversample times the samples and engine time of a step.
 """
@@ -101,14 +101,21 @@ class Batches:
         for step, (samples, rewards, _) in per_step.items():
             pools[step].add(samples, rewards)
 
+        budget = math.floor(r.max_oversample * r.prompts_per_step)
+
         def draw(round_: int, sizes: dict[int, int]):
+            for step, k in sizes.items():
+                pool = pools[step]
+                print(f"step {step + 1}: over-sampling round {round_}: {k} more prompts ({pool.kept()} of "
+                      f"{r.prompts_per_step} groups with reward variance, {pool.drawn} of at most {budget} prompts "
+                      f"drawn)", flush=True)
             examples = [e for step, k in sizes.items()
                         for e in self.prompts.reserve(step, pools[step].drawn - r.prompts_per_step, k)]
             sampling = dataclasses.replace(first, seed=derive_seed(first.seed, "oversample", round_) & (2**63 - 1))
             generated = self.rollout_fn(self.engine, examples, r.group_size, sampling)
             return generated.samples, generated.score()
 
-        fill(pools, math.floor(r.max_oversample * r.prompts_per_step), draw)
+        fill(pools, budget, draw)
         out = {}
         for step, pool in pools.items():
             samples, rewards, counts = pool.take()

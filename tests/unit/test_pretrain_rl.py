@@ -37,3 +37,18 @@ def test_summary_json_paths(tmp_path):
         locked.mkdir(mode=0o500)
         with pytest.raises(ValueError, match="not writable by this user"):
             prepare_summary_json(str(locked / "summary.json"))
+
+
+def test_a_transfer_host_that_does_not_resolve_is_a_config_error(tmp_path, capsys, no_run, monkeypatch):
+    """It failed ~260 s in, in torch's rendezvous, with 50 lines of warnings (the resolver is faked:
+    a real lookup of an unknown name may wait on DNS)."""
+    import socket
+
+    def nowhere(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", nowhere)
+    assert main([f"train.run_dir={tmp_path / 'run'}", "rollout.backend=vllm",
+                 "rollout.vllm={transfer_host: trainer.invalid}"]) == 2
+    assert capsys.readouterr().err.startswith("config error: rollout.vllm.transfer_host='trainer.invalid' does not "
+                                              "resolve on this machine")

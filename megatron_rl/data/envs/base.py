@@ -17,11 +17,16 @@ environment's own cap on policy turns; the run's `env.max_turns` and token budge
 trajectory earlier (rollout/multi_turn.py).
 
 A new environment subclasses `Environment` (a dataclass of its settings, which `env.settings` in
-the config sets) and registers itself with `@register_env("name")`. Building one must be cheap and
-do nothing else (the config check builds one to check the settings); work belongs in reset.
+the config sets; a setting annotated str, int, float or bool, or one of them | None, is refused
+when it holds another type, naming it) and registers itself with `@register_env("name")`.
+Building one must be cheap and do nothing else (the config check builds one to check the
+settings); work belongs in reset. Each reset and step must return within env.timeout_s and must
+not hold the interpreter's lock for long in one C call (rollout/env_calls.py: a call past its
+deadline keeps its thread, and enough of them stop the run).
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,9 +88,45 @@ def register_env(name: str) -> Callable[[T], T]:
 
 def make_env(name: str, **settings) -> Environment:
     """A fresh instance of a registered environment; unknown names raise KeyError listing the
-    registered ones, unknown settings TypeError."""
+    registered ones, unknown settings and settings of the wrong type TypeError (check_setting)."""
     try:
         cls = ENVS[name]
     except (KeyError, TypeError):
         raise KeyError(f"unknown environment {name!r}; available: {', '.join(sorted(ENVS))}") from None
+    kinds = _setting_kinds(cls)
+    for key, value in settings.items():
+        if key in kinds:
+            check_setting(name, key, value, kinds[key])
+        elif dataclasses.is_dataclass(cls):
+            raise TypeError(f"{name} takes no setting {key!r}; its settings: {', '.join(kinds) or 'none'}")
     return cls(**settings)
+
+
+_KINDS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def _setting_kinds(cls: type) -> dict[str, str]:
+    """Each dataclass field's annotation as text ("str", "int | None", ...); {} for a class that is
+    no dataclass."""
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    return {f.name: f.type.__name__ if isinstance(f.type, type) else str(f.type) for f in dataclasses.fields(cls)
+            if f.init}
+
+
+def check_setting(env: str, key: str, value, annotation: str) -> None:
+    """A setting holds its field's type when that is str, int, float or bool (or one of them | None):
+    `call_open: 5` in a config or a JSONL row would otherwise fail every trajectory of the run in the
+    environment's step. A bool is no number here, an int is a float. Other annotations are the
+    environment's own business (its __post_init__)."""
+    kinds = annotation.replace(" ", "").split("|")
+    if value is None and "None" in kinds:
+        return
+    known = [k for k in kinds if k in _KINDS]
+    if not known or len(known) != len([k for k in kinds if k != "None"]):
+        return
+    ok = any(isinstance(value, _KINDS[k]) and (k == "bool" or not isinstance(value, bool)) for k in known)
+    if not ok:
+        words = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}
+        want = " or ".join(words[k] for k in known) + (" or null" if "None" in kinds else "")
+        raise TypeError(f"{env}'s setting {key}={value!r}: {want}")

@@ -6,7 +6,9 @@ Field names follow vLLM's own options where one exists (`tensor_parallel_size`, 
 """
 from __future__ import annotations
 
+import os
 import re
+import socket
 from dataclasses import dataclass, field, fields
 
 from megatron_rl.config import checks
@@ -20,6 +22,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # name that says it is one (--hf-token, --db-password): never on the server's command line
 SECRET_FLAGS = ("api-key", "hf-token", "s3-access-key-id", "s3-secret-access-key")
 _SECRET = re.compile(r"(^|-)(token|key|secret|password|passwd)$", re.IGNORECASE)
+# rollout.vllm.bucket_bytes' ceiling: a tensor larger than a bucket is sent alone, so a bucket past a
+# few GiB only saves HTTP round trips, while the trainer and every server worker hold one
+MAX_BUCKET_BYTES = 16 << 30
 
 
 def _flag(arg: str) -> str:
@@ -114,9 +119,11 @@ class VllmConfig:
           Both take the `disk` weight transport; the launched server of "restart" runs without
           the development endpoints.
       bucket_bytes: the most bytes of one in-memory transfer (one /update_weights and one
-          broadcast): the trainer's extra memory for a sync is this buffer (default 1 GiB).
+          broadcast): the trainer's extra memory for a sync is this buffer (default 1 GiB, at
+          most 16 GiB). At start-up the trainer's buffer and one per worker of the servers we
+          launch must fit in half of this machine's memory.
       transfer_host: the address the server's workers reach the trainer's rendezvous at (a
-          server on another host needs this host's address).
+          server on another host needs this host's address); it must resolve at start-up.
       probe_every: run the parity probe after every k-th sync (0 = never).
       probe_tokens: length of the fixed probe sequence.
       probe_tolerance: max |log-prob diff| of the probe vs the reference (None = 1e-3 for
@@ -190,6 +197,8 @@ class VllmConfig:
         for name in ("tensor_parallel_size", "max_concurrency", "keep_weight_dirs", "probe_tokens", "bucket_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.vllm.{name} must be >= 1, got {getattr(self, name)}")
+        checks.integer("rollout.vllm.bucket_bytes", self.bucket_bytes, lo=1, hi=MAX_BUCKET_BYTES,
+                       hint="16 GiB: a tensor larger than a bucket is sent alone; the default is 1 GiB")
         if self.probe_tokens < 2:
             raise ValueError("rollout.vllm.probe_tokens must be >= 2")
         for name in ("max_retries", "max_restarts", "probe_every"):
@@ -239,6 +248,28 @@ class VllmConfig:
             raise ValueError(f"rollout.vllm.num_servers={self.num_servers} with {len(self.server_urls)} server URLs "
                              f"(rollout.vllm.url/urls): servers at URLs are not launched; drop num_servers or make "
                              f"it len(urls)")
+
+    def check_on_this_machine(self) -> None:
+        """What the in-memory sync needs of the machine the trainer starts on (the entry point's
+        start-up checks, RunConfig.check_paths): transfer_host resolves, and the buffers of
+        bucket_bytes (the trainer's, and one per worker of each server we launch, on this machine)
+        fit in half of its memory. Raises ValueError naming the field; a disk sync needs neither."""
+        if self.weight_sync != "memory":
+            return
+        try:
+            socket.getaddrinfo(self.transfer_host, None)
+        except (socket.gaierror, UnicodeError) as e:
+            why = e.strerror if isinstance(e, socket.gaierror) and e.strerror else str(e)
+            raise ValueError(f"rollout.vllm.transfer_host={self.transfer_host!r} does not resolve on this machine "
+                             f"({why}); set it to this host's name or address as the servers reach it (127.0.0.1 "
+                             f"for servers on this machine)") from None
+        workers = 0 if self.server_urls else self.num_servers * self.tensor_parallel_size
+        need, have = (1 + workers) * self.bucket_bytes, machine_memory_bytes()
+        if have and need > have // 2:
+            raise ValueError(f"rollout.vllm.bucket_bytes={self.bucket_bytes} ({_gib(self.bucket_bytes)}): the trainer "
+                             f"and {workers} launched server worker(s) would each hold a buffer of it, "
+                             f"{_gib(need)} of this machine's {_gib(have)}, more than half; lower it (the default "
+                             f"1 GiB is enough: a sync's round trips grow only as model bytes / bucket_bytes)")
 
     @property
     def server_urls(self) -> list[str]:
@@ -301,3 +332,25 @@ class VllmConfig:
         if self.probe_tolerance is not None:
             return self.probe_tolerance
         return 1e-3 if vllm_dtype == "float32" else 0.1
+
+
+def machine_memory_bytes() -> int:
+    """This machine's memory as the trainer's process may use it: the physical memory, or the
+    cgroup's limit where one is set lower; 0 when unknown."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 0
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and (not total or int(text) < total):
+            total = int(text)
+    return total
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):g} GiB"

@@ -89,6 +89,8 @@ def test_printed_and_saved_configs_carry_no_secrets():
       "rollout.max_oversample=1.2"], r"rollout.max_oversample=1.2 leaves no extra prompt"),
     (["rollout.max_oversample=0.5"], r"rollout.max_oversample=0.5: must be a number >= 1"),
     (["rollout.oversample=1"], r"rollout.oversample=1: expected true or false"),
+    (["rollout.oversample=true", "loss.filter_zero_variance_groups=true", "rollout.max_oversample=1e6"],
+     r"rollout.max_oversample=1000000.0: must be a number >= 1 and <= 16 \(at most"),
 ])
 def test_oversampling_settings_are_consistent(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -96,3 +98,17 @@ def test_oversampling_settings_are_consistent(overrides, msg):
     ok = load_config(None, ["rollout.oversample=true", "loss.filter_zero_variance_groups=true",
                             "rollout.max_oversample=1.5", "rollout.prompts_per_step=2"])
     assert ok.rollout.max_oversample == 1.5  # floor(1.5 x 2) = 3: one extra prompt
+
+
+def test_an_empty_mapping_on_the_command_line_replaces_the_files_mapping(tmp_path):
+    """A mapping override merges key by key into the file's; `{}` empties it (the only way to drop
+    the file's keys: examples/multiturn_cpu.yaml's calculator settings under env.name=guess)."""
+    cfg = load_config("examples/multiturn_cpu.yaml", ["env.settings={}", "env.name=guess", "data.tasks=[guessing]"])
+    assert cfg.env.name == "guess" and cfg.env.settings == {}
+    merged = load_config("examples/multiturn_cpu.yaml", ["env.settings={call_open: 'x:'}"])
+    assert merged.env.settings == {"call_open": "x:", "call_close": "", "result_open": "r:", "result_close": ""}
+    with pytest.raises(ConfigError, match="env.settings: .*guess"):
+        load_config("examples/multiturn_cpu.yaml", ["env.name=guess", "data.tasks=[guessing]"])
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {overrides: {num_layers: 2}}\n")
+    assert load_config(str(path), ["model.overrides={}"]).model.overrides == {}

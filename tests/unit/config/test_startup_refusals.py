@@ -157,3 +157,42 @@ def test_a_resume_does_not_need_the_init_checkpoint(tmp_path):
     load_config(None, overrides).check_paths()
     with pytest.raises(ValueError, match="no such directory"):
         load_config(None, overrides + ["train.resume=false"]).check_paths()
+
+
+def test_an_in_memory_buckets_size_is_bounded_when_the_config_loads():
+    with pytest.raises(ConfigError, match=r"rollout.vllm.bucket_bytes=1099511627776: must be an integer >= 1 and "
+                                          r"<= 17179869184 \(16 GiB"):
+        load_config(None, ["rollout.backend=vllm", "rollout.vllm={bucket_bytes: 1099511627776}"])
+
+
+def test_the_machine_must_hold_the_buckets_and_resolve_the_transfer_host(monkeypatch, tmp_path):
+    """At start-up (check_paths: what this machine sees): a bucket the trainer and every launched
+    server's worker each hold must fit this machine's memory; the rendezvous host must resolve.
+    The machine's memory and the resolver are faked (a real lookup of an unknown name may wait on
+    DNS); a disk sync uses neither."""
+    import socket
+
+    from megatron_rl.rollout.vllm import config as vllm_config
+
+    run = [f"train.run_dir={tmp_path}", "rollout.backend=vllm"]
+    monkeypatch.setattr(vllm_config, "machine_memory_bytes", lambda: 8 << 30)
+    with pytest.raises(ValueError, match=r"rollout.vllm.bucket_bytes=4294967296 \(4 GiB\): the trainer and 2 "
+                                         r"launched server worker\(s\) would each hold a buffer of it, 12 GiB of this "
+                                         r"machine's 8 GiB, more than half; lower it"):
+        load_config(None, [*run, "rollout.vllm={bucket_bytes: 4294967296, num_servers: 2}"]).check_paths()
+    load_config(None, [*run, "rollout.vllm={bucket_bytes: 2147483648}"]).check_paths()  # 4 of 8 GiB
+    load_config(None, [*run, "rollout.vllm={bucket_bytes: 2147483648, url: 'http://10.0.0.9:8000'}"]).check_paths()
+
+    def unresolvable(host, *args, **kwargs):
+        if host == "no-such-host.invalid":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+    with pytest.raises(ValueError, match=r"rollout.vllm.transfer_host='no-such-host.invalid' does not resolve on this "
+                                         r"machine \(Name or service not known\)"):
+        load_config(None, [*run, "rollout.vllm={transfer_host: no-such-host.invalid}"]).check_paths()
+    load_config(None, [*run, "rollout.vllm={transfer_host: no-such-host.invalid, weight_sync: reload}"]).check_paths()
+    load_config(None, [*run, "rollout.vllm={transfer_host: no-such-host.invalid}",
+                       "rollout.backend=embedded"]).check_paths()

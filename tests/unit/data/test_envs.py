@@ -35,6 +35,39 @@ def test_make_env_names_the_registered_environments_and_refuses_unknown_settings
         make_env("calculator", call_open="")
 
 
+def test_make_env_checks_each_settings_type_against_its_field():
+    """Annotations written as text (from __future__ import annotations: the built-in environments)
+    and as types (this test's); an int is a number, a bool is none; None only where the field takes it."""
+    import dataclasses
+
+    from megatron_rl.data.envs import Environment, register_env
+
+    @dataclasses.dataclass
+    class Typed(Environment):
+        rate: float = 0.5
+        count: int = 1
+        tag: str | None = None
+        flag: bool = False
+
+        def reset(self, example):
+            return example.prompt
+
+        def step(self, generated_text, generated_ids):
+            return Step("", None, True)
+
+    register_env("typed")(Typed)
+    try:
+        assert make_env("typed", rate=2, count=3, tag=None, flag=True).rate == 2
+        for key, value, want in (("rate", True, "a number"), ("count", 1.5, "an integer"), ("tag", 5, "a string or null"),
+                                 ("flag", 1, "true or false"), ("count", None, "an integer")):
+            with pytest.raises(TypeError, match=f"typed's setting {key}={value!r}: {want}$"):
+                make_env("typed", **{key: value})
+    finally:
+        ENVS.pop("typed")
+    with pytest.raises(TypeError, match="calculator's setting call_open=5: a string"):
+        make_env("calculator", call_open=5)
+
+
 def test_multiplication_prompts_determine_their_products():
     import random
 

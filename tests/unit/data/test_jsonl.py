@@ -168,7 +168,10 @@ def test_a_row_may_name_its_environment_and_its_settings(tmp_path):
     ({"env": "guess", "env_settings": [1]}, "field \"env_settings\" must be an object of 'guess''s settings, got array"),
     ({"env": "guess", "env_settings": {"bogus": 1}}, "field \"env_settings\" does not fit environment 'guess'"),
     ({"env": "calculator", "env_settings": {"call_open": ""}}, "call_open must not be empty"),
-], ids=["unknown", "empty", "number", "settings_alone", "settings_array", "unknown_setting", "bad_setting"])
+    ({"env": "calculator", "env_settings": {"call_open": 5}}, "calculator's setting call_open=5: a string"),
+    ({"env": "guess", "env_settings": {"higher": True}}, "guess's setting higher=True: a string"),
+], ids=["unknown", "empty", "number", "settings_alone", "settings_array", "unknown_setting", "bad_setting",
+        "setting_type", "bool_for_string"])
 def test_a_rows_environment_is_checked_at_load_naming_the_row(tmp_path, extra, message):
     msg = _error(tmp_path, json.dumps({**json.loads(GOOD), **extra}), line=5)
     assert message in msg, msg

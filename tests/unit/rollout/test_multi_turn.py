@@ -5,6 +5,7 @@ that ends after one turn gives exactly single_turn's samples; a hung environment
 event the test sets at the end (its deadline is short and nothing else waits on a clock)."""
 import dataclasses
 import logging
+import math
 import re
 import threading
 
@@ -162,6 +163,8 @@ def test_the_config_names_the_environment_and_checks_its_settings():
         load_config(None, ["env.name=nope"])
     with pytest.raises(ConfigError, match="env.settings"):
         load_config(None, ["env.name=calculator", "env.settings.bogus=1"])
+    with pytest.raises(ConfigError, match=r"env.settings: calculator's setting call_open=5: a string"):
+        load_config(None, ["env.name=calculator", "env.settings.call_open=5"])
     cfg = load_config(None, ["rollout.function=multi_turn", "env.name=calculator", "data.tasks=[multiplication]",
                              "rollout.max_tokens=10", "env.max_turns=3", "env.max_tokens=64"])
     assert cfg.env.name == "calculator"
@@ -320,3 +323,98 @@ def test_turn_reward_stats_leaves_out_turns_no_trajectory_reached():
     assert turn_reward_stats([[1.0], [0.0, 2.0]]) == {"env/turn/0/turns": 2.0, "env/turn/0/reward": 0.5,
                                                       "env/turn/1/turns": 1.0, "env/turn/1/reward": 2.0}
     assert turn_reward_stats([]) == {}
+
+
+def test_a_non_finite_reward_fails_its_trajectory_and_never_reaches_the_score():
+    """NaN, inf, and finite turns of 1e308 whose sum is inf: each fails its trajectory (reward 0,
+    counted in env/failures, named in the log), beside a finite trajectory that scores."""
+
+    class Paying(OneShot):
+        max_turns = 3
+
+        def reset(self, example):
+            self.label = example.label
+            return example.prompt
+
+        def step(self, generated_text, generated_ids):
+            if self.label == "huge":
+                return Step("x", 1e308, False)
+            bad = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "bigint": 10**400}
+            return Step("", bad.get(self.label, 2.0), True)
+
+    register_env("paying")(Paying)
+    try:
+        examples = [Example(f"{i}+{i}=", label, "t") for i, label in enumerate(["nan", "inf", "-inf", "huge", "bigint", "ok"])]
+        gen = _multi("paying", {}, max_turns=3)(ScriptedEngine(lambda text: "1"), examples, 1, SAMPLING)
+    finally:
+        ENVS.pop("paying")
+    assert gen.score() == [0.0, 0.0, 0.0, 0.0, 0.0, 2.0]
+    assert gen.stats["env/failures"] == 5
+    assert all(math.isfinite(v) for v in gen.stats.values()), gen.stats
+
+
+def test_an_observation_that_cannot_be_encoded_is_quoted_in_part(caplog):
+    """A 1 MB observation of characters the toy tokenizer lacks fails its trajectory; the failure
+    and the warning quote a bounded part of it, not the megabyte."""
+
+    class Flood(OneShot):
+        def step(self, generated_text, generated_ids):
+            return Step("<" * 1_000_000, None, False)
+
+    register_env("flood")(Flood)
+    try:
+        with caplog.at_level(logging.WARNING):
+            gen = _multi("flood", {})(ScriptedEngine(lambda text: "1"), [Example("1+1=", "2", "t")], 2, SAMPLING)
+    finally:
+        ENVS.pop("flood")
+    assert gen.stats["env/failures"] == 2 and gen.score() == [0.0, 0.0]
+    assert "cannot be encoded" in caplog.text and "'<'" in caplog.text
+    assert len(caplog.text) < 2_000
+
+
+def _stuck_threads():
+    return sum(t.name.startswith("env-call-") and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("how", ["hang", "loop"])
+def test_a_stuck_environment_stops_the_run_before_its_threads_pile_up(how):
+    """Every step one trajectory of two hangs (an Event) or busy-loops (until the Event; both end once the test sets it): each of
+    its calls is abandoned at env.timeout_s and keeps its thread. Over up to 40 steps the run stops
+    with StuckEnvironment naming the environment and the settings once more than
+    env.max_stuck_calls (default 32; 4 for the loop, to spare the CPU) are stuck, and the threads
+    never exceed that plus one step's."""
+
+    release = threading.Event()
+
+    class Stuck(OneShot):
+        def step(self, generated_text, generated_ids):
+            if self.label == "stuck":
+                while not release.wait(None if how == "hang" else 0.0):
+                    pass
+            return Step("", 1.0, True)
+
+    register_env("stuck")(Stuck)
+    cap = 32 if how == "hang" else 4
+    before = _stuck_threads()
+    fn = _multi("stuck", {}, timeout_s=0.05, **({} if how == "hang" else {"max_stuck_calls": cap}))
+    examples = [Example("1+1=", "stuck", "t"), Example("2+2=", "ok", "t")]
+    stopped, most = None, 0
+    try:
+        for step in range(40):
+            try:
+                gen = fn(ScriptedEngine(lambda text: "1"), examples, 1, SAMPLING)
+            except Exception as e:  # noqa: BLE001 - the run's stop, checked below
+                stopped = (step, e)
+                break
+            assert gen.score() == [0.0, 1.0] and gen.stats["env/timeouts"] == 1
+            assert gen.stats["env/stuck_calls"] == step + 1  # the run sees them coming
+            most = max(most, _stuck_threads() - before)
+    finally:
+        release.set()
+        ENVS.pop("stuck")
+    assert stopped is not None, f"40 steps with {most} stuck threads and no stop"
+    step, e = stopped
+    assert step == cap and type(e).__name__ == "StuckEnvironment", (step, e)
+    assert f"{cap + 1} environment calls are still running past env.timeout_s=0.05 s (stuck.step x{cap + 1})" in str(e)
+    assert f"env.max_stuck_calls={cap}" in str(e)
+    assert most <= cap

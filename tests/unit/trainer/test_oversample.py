@@ -164,6 +164,15 @@ def test_batches_draw_reserve_rounds_until_the_step_is_full():
     assert len(set(seeds)) == 3  # every round samples from streams of its own
 
 
+def test_every_over_sampling_round_prints_a_line(capsys):
+    prompts = Prompts({0: ["same", "mixed"]}, {0: ["same", "same", "none", "mixed", "mixed"]})
+    batches, _ = _batches(prompts)
+    batches.score(batches.sample([0]))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "over-sampling" in line]
+    line = "step 1: over-sampling round {}: 2 more prompts (1 of 2 groups with reward variance, {} of at most 6 prompts drawn)"
+    assert lines == [line.format(1, 2), line.format(2, 4)]
+
+
 def test_batches_stop_at_the_bound_and_pad(caplog):
     prompts = Prompts({0: ["same", "none"]}, {0: ["none"] * 10})
     batches, engine = _batches(prompts, max_oversample=2.5)  # floor(2.5 * 2) = 5 prompts at most
