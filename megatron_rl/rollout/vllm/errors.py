@@ -51,3 +51,8 @@ class VllmParityError(VllmError):
 
 class BadResponse(ValueError):
     """One response failed validation (internal: counted and retried by the client)."""
+
+
+class AnswerTooLarge(BadResponse):
+    """An answer longer than any valid answer to its request (http.request's max_bytes): refused
+    once the cap is read, the rest never read."""
