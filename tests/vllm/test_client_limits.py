@@ -1,14 +1,16 @@
 """The client's limits on an answer against the fake HTTP server (no vLLM): a whole request has
-one deadline and an answer has a size cap.
+one deadline, an answer has a size cap, and a parity probe that gets no usable answer says so.
 The faults are the server's behaviour; no outcome depends on this machine's speed (the trickle
 would take minutes where the deadline is 1 s)."""
 import pytest
+import torch
 
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import (
     VllmBadResponseError,
     VllmConfig,
     VllmEngine,
+    VllmProbeError,
     VllmServerDiedError,
 )
 from megatron_rl.rollout.vllm.protocol import generate_answer_cap
@@ -64,5 +66,40 @@ def test_an_answer_past_the_cap_is_refused_after_reading_at_most_the_cap(tmp_pat
         assert fake.flood_ended.wait(HANG_GUARD_S)
         assert fake.flooded[0] < FLOOD_BYTES // 4, fake.flooded  # stopped early: memory does not follow the answer
         assert cap < 1 << 20
+    finally:
+        engine.close()
+
+
+def _probe_engine(tmp_path, weights, completions):
+    engine, fake = make_engine(tmp_path, weights, probe_every=1,
+                               reference=lambda tokens: torch.zeros(len(tokens) - 1))
+    fake.completions = completions
+    return engine, fake
+
+
+def test_a_probe_refused_for_non_finite_log_probs_says_the_probe_failed(tmp_path, weights):
+    """vLLM answers HTTP 400 "Out of range float values" when the probe's log-probs are NaN or
+    inf (it cannot write them as JSON): broken weights, and the message says so."""
+    out_of_range = b'{"error": {"message": "Out of range float values are not JSON compliant", "code": 400}}'
+    engine, fake = _probe_engine(tmp_path, weights, lambda body: (400, out_of_range))
+    try:
+        with pytest.raises(VllmProbeError) as info:
+            push(engine, weights, 3)
+        message = str(info.value)
+        assert "parity probe" in message and fake.url in message and "HTTP 400" in message
+        assert "not finite" in message and "Out of range float values" in message
+    finally:
+        engine.close()
+
+
+def test_a_probe_answer_without_prompt_logprobs_says_the_probe_failed(tmp_path, weights):
+    answer = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    engine, fake = _probe_engine(tmp_path, weights, lambda body: answer)
+    try:
+        with pytest.raises(VllmProbeError) as info:
+            push(engine, weights, 3)
+        message = str(info.value)
+        assert "parity probe" in message and fake.url in message and "prompt_logprobs missing" in message
+        assert "rollout.vllm.probe_every=0" in message
     finally:
         engine.close()

@@ -35,6 +35,7 @@ from megatron_rl.rollout.vllm.errors import (
     VllmBadResponseError,
     VllmError,
     VllmParityError,
+    VllmProbeError,
     VllmRequestError,
     VllmServerDiedError,
     VllmStartError,
@@ -119,6 +120,6 @@ VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, 
 
 __all__ = [
     "VLLM", "DiskReloadSync", "RestartSync", "VllmBadResponseError", "VllmConfig", "VllmEngine", "VllmError",
-    "VllmParityError", "VllmRequestError", "VllmServerDiedError", "VllmStartError", "VllmUnsupportedError",
+    "VllmParityError", "VllmProbeError", "VllmRequestError", "VllmServerDiedError", "VllmStartError", "VllmUnsupportedError",
     "WeightSync", "make_vllm_engine", "resolve_config",
 ]
