@@ -106,9 +106,10 @@ def generate_body(model: str, prompt: list[int], sampling: SamplingParams, seed:
     }
 
 
-# Bytes an answer may take, for the size cap (http.request's max_bytes). Each is several times
-# what vLLM writes: a cap never refuses a valid answer; it bounds what a server can make the
-# trainer hold to what the request asked for.
+# Bytes an answer may take, for the size cap (http.request's max_bytes). vLLM's own response
+# models, serialised with the widest values (6-digit ids and ranks, 23-character floats), stay
+# 2.9x (64 top log-probs) to 4x (none) below the caps: a cap never refuses a valid answer; it
+# bounds what a server can make the trainer hold to what the request asked for.
 _ENVELOPE_BYTES = 64 << 10  # ids, usage, metrics, weight_versions spans of a few versions
 _TOKEN_BYTES = 256  # a token in token_ids / prompt_token_ids and its logprobs.content entry
 _LOGPROB_BYTES = 128  # one {"token_id", "logprob", "rank"} entry (top_logprobs, prompt_logprobs)
