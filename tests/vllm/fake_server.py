@@ -11,6 +11,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 HANG_GUARD_S = 600.0  # a hung answer ends by itself after this at the latest (never hang CI)
+TRICKLE_S = 0.05  # "trickle": the pause before each byte (a whole answer takes minutes)
+FLOOD_BYTES = 256 << 20  # "flood": what the answer offers in all (unless the client leaves first)
 
 
 def good_answer(body: dict, vocab: int, version: str = "default") -> dict:
@@ -31,10 +33,14 @@ def good_answer(body: dict, vocab: int, version: str = "default") -> dict:
 
 class FakeVllm:
     """behaviour(body, answer) -> one of: a dict (sent as JSON), bytes (sent raw), an int (that
-    HTTP status), "drop" (close the connection without an answer: also marks the server dead),
+    HTTP status), a (status, bytes) pair, "drop" (close the connection without an answer: also marks the server dead),
     "hang" (no answer until the test calls release_hung() or the server is stopped, as a killed
-    process's connections end; then the good answer, if anyone still listens). Default: the
-    good answer. `hanging` is set once a request hangs. POST /abort_requests ends the requests
+    process's connections end; then the good answer, if anyone still listens), "trickle" (the
+    good answer one byte every TRICKLE_S, as a server that is alive but never done),
+    "flood" / "flood-declared" (FLOOD_BYTES of blanks, without / with a Content-Length saying
+    so; `flooded` gets the bytes sent before the client left or it was all sent, and
+    `flood_ended` is set then). `completions(body)`: the answer to /v1/completions (the parity
+    probe's), in the same forms as behaviour's (None: the dummy answer). Default: the good answer. `hanging` is set once a request hangs. POST /abort_requests ends the requests
 hung at that moment with finish_reason "abort", as vLLM's does (`aborts` counts them; with
 abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE does).
 
@@ -64,6 +70,9 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
         self.httpd = None
         self.port = None
         self.hanging = threading.Event()
+        self.flooded: list[int] = []
+        self.flood_ended = threading.Event()
+        self.completions = None
         self._released = False
         self._wake = threading.Event()  # of the running server: set by release_hung() and stop()
         self._hung = threading.Condition()  # hung requests wait on it for _wake or an abort
@@ -121,6 +130,8 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
                     return
                 if self.path == "/abort_requests":
                     return self._abort()
+                if self.path == "/v1/completions" and fake.completions is not None:
+                    return self._reply(fake.completions(body))
                 if self.path != "/inference/v1/generate":
                     with fake.lock:
                         fake.posts.append(self.path)
@@ -142,9 +153,47 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
                     fake.dead = True
                     self.close_connection = True
                     return
+                self._reply(out, body)
+
+            def _reply(self, out, body=None):
+                if out in ("flood", "flood-declared"):
+                    return self._flood(declared=out == "flood-declared")
+                if out == "trickle":
+                    return self._trickle(json.dumps(fake.answer(body)).encode())
                 if isinstance(out, int):
                     return self._send(out, b'{"error": "fake"}')
+                if isinstance(out, tuple):
+                    return self._send(*out)
                 self._send(200, out if isinstance(out, bytes) else json.dumps(out).encode())
+
+            def _trickle(self, payload):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                for i in range(len(payload)):
+                    if wake.wait(TRICKLE_S):  # the server stops: so does the answer
+                        return
+                    try:
+                        self.wfile.write(payload[i:i + 1])
+                    except OSError:  # the client gave up
+                        return
+
+            def _flood(self, declared):
+                self.send_response(200)
+                if declared:
+                    self.send_header("Content-Length", str(FLOOD_BYTES))
+                self.end_headers()
+                sent, block = 0, b" " * (64 << 10)
+                try:
+                    while sent < FLOOD_BYTES and not wake.is_set():
+                        self.wfile.write(block)
+                        sent += len(block)
+                except OSError:  # the client left
+                    pass
+                self.close_connection = True
+                with fake.lock:
+                    fake.flooded.append(sent)
+                fake.flood_ended.set()
 
             def _abort(self):
                 if not fake.abort_endpoint:

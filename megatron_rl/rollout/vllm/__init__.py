@@ -7,8 +7,8 @@ talks to it over HTTP on 127.0.0.1:
     config.py       VllmConfig (`rollout.vllm` in a run config)
     env.py          finding / installing the vLLM environment, its device
     launcher.py     LocalServer (child process, health, stop on exit) / RemoteServer (a URL)
-    http.py         stdlib JSON over HTTP, failures sorted for the client
-    protocol.py     request bodies, strict answer validation, log-prob mode semantics
+    http.py         stdlib JSON over HTTP: one deadline per request, a capped answer, failures sorted
+    protocol.py     request bodies, answer size caps, strict answer validation, log-prob mode semantics
     client.py       VllmEngine: the RolloutEngine contract, a facade over the next four
     servers.py      the servers as configured: flags, environment, devices
     pool.py         ServerPool: several servers, least-loaded placement, each one's state
@@ -35,6 +35,7 @@ from megatron_rl.rollout.vllm.errors import (
     VllmBadResponseError,
     VllmError,
     VllmParityError,
+    VllmProbeError,
     VllmRequestError,
     VllmServerDiedError,
     VllmStartError,
@@ -124,6 +125,6 @@ VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, 
 
 __all__ = [
     "VLLM", "DiskReloadSync", "RestartSync", "VllmBadResponseError", "VllmConfig", "VllmEngine", "VllmError",
-    "VllmParityError", "VllmRequestError", "VllmServerDiedError", "VllmStartError", "VllmUnsupportedError",
+    "VllmParityError", "VllmProbeError", "VllmRequestError", "VllmServerDiedError", "VllmStartError", "VllmUnsupportedError",
     "WeightSync", "make_vllm_engine", "resolve_config",
 ]

@@ -132,7 +132,8 @@ class VllmConfig:
 
     Client behaviour:
       max_concurrency: requests in flight at once (one request per sample).
-      request_timeout_s: one request; a timeout counts as a hung server and triggers a restart.
+      request_timeout_s: one whole request, connect to last byte (a server that trickles its
+          answer is hung too); a timeout counts as a hung server and triggers a restart.
       startup_timeout_s: server start until /health answers. health_timeout_s: one health check.
       health_interval_s: how often a running generate() checks that the server is alive.
       max_retries: bad responses / transient errors retried per sample before raising.

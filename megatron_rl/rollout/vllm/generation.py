@@ -15,12 +15,14 @@ different numbers from their streams, so their samples differ.)
 Failures. Results are kept by (i, j) as they arrive; a key is stored once and the call returns
 only when every key has a validated sample.
 - bad answer (malformed JSON, wrong lengths, missing / non-finite log-probs, inconsistent finish
-  reason): counted in `vllm/bad_responses`, retried up to `max_retries` times per sample, then
+  reason, longer than any valid answer to its request: protocol.generate_answer_cap, read no
+  further than that): counted in `vllm/bad_responses`, retried up to `max_retries` times per sample, then
   VllmBadResponseError.
 - HTTP 5xx or a dropped connection while the server stays healthy: retried (`vllm/retries`) with
   exponential backoff, up to `max_retries` per sample. HTTP 4xx: VllmRequestError at once.
 - server dead (process gone or /health failing, checked every `health_interval_s` while waiting)
-  or hung (a request timed out): the server is taken out and restarted (fleet.py), and its
+  or hung (no whole answer within `request_timeout_s`, one deadline from connect to last byte:
+  a server that trickles bytes is hung too): the server is taken out and restarted (fleet.py), and its
   unfinished samples are sent again at once (to the other servers; with one server, to it once
   it is back).
 
@@ -63,6 +65,7 @@ from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import (
+    AnswerTooLarge,
     BadResponse,
     VllmBadResponseError,
     VllmError,
@@ -77,6 +80,7 @@ from megatron_rl.rollout.vllm.protocol import (
     GENERATE,
     check_served,
     decode_routed_experts,
+    generate_answer_cap,
     generate_body,
     parse_generate,
 )
@@ -319,7 +323,7 @@ class Generation:
         if epoch != replica.epoch or replica.state != READY:
             return True  # in flight when that server went down: already handled
         if e.timed_out:
-            reason = f"a request timed out after {self.cfg.request_timeout_s:g} s (server hung?)"
+            reason = f"server hung or too slow: {e}"
         elif not replica.server.alive():
             reason = f"server died ({e})"
         else:
@@ -331,14 +335,21 @@ class Generation:
         if self._aborting.is_set():
             raise _Dropped()
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
+        routed = self.arch.num_layers * self.arch.moe_topk if self.cfg.enable_return_routed_experts else 0
+        cap = generate_answer_cap(len(prompt), sampling, num_logprobs, routed)
         with self.fleet.pool.serving(len(prompt) + sampling.max_tokens, self.cfg.startup_timeout_s) as replica:
             epoch, server = replica.epoch, replica.server
             body = generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
             try:
                 resp = request_json(server.url + GENERATE, body, timeout=self.cfg.request_timeout_s,
-                                    api_key=server.api_key)
+                                    api_key=server.api_key, max_bytes=cap, setting="rollout.vllm.request_timeout_s")
                 out = parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len,
                                      num_logprobs)
+            except AnswerTooLarge as e:
+                why = AnswerTooLarge(f"{e}, the most a valid answer to a {len(prompt)}-token prompt with max_tokens="
+                                     f"{sampling.max_tokens} and {num_logprobs} top log-probs per token takes (protocol."
+                                     f"generate_answer_cap): the server does not answer as vLLM does")
+                raise _Failed(why, replica, epoch) from e
             except (TransportError, HttpStatusError, BadResponse) as e:
                 raise _Failed(e, replica, epoch) from e
         self.fleet.pool.add_tokens(replica, len(out.ids))

@@ -6,6 +6,8 @@ largest absolute difference is the metric `vllm/probe_max_abs_diff`. The referen
 `tokens -> [len - 1] fp32 log-probs` (e.g. the trainer's own forward); by default
 `hf_reference` runs `transformers` in fp32 on the exported directory, and after an in-memory
 sync (no directory) `StreamedReference` fills the same model from the stream the server got.
+A server that refuses the probe (e.g. HTTP 400 for log-probs it cannot write as JSON: NaN or inf)
+or answers it without usable prompt log-probs raises VllmProbeError naming the server and cause.
 """
 from __future__ import annotations
 
@@ -13,8 +15,13 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rl.rollout.vllm.http import request_json
-from megatron_rl.rollout.vllm.protocol import parse_prompt_logprobs, prompt_logprobs_body
+from megatron_rl.rollout.vllm.errors import BadResponse, VllmProbeError
+from megatron_rl.rollout.vllm.http import HttpStatusError, request_json
+from megatron_rl.rollout.vllm.protocol import (
+    parse_prompt_logprobs,
+    prompt_logprobs_answer_cap,
+    prompt_logprobs_body,
+)
 
 Reference = Callable[[list[int]], torch.Tensor]
 
@@ -90,9 +97,25 @@ class StreamedReference:
 
 def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,
                     api_key: str | None = None) -> torch.Tensor:
-    """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t])."""
-    return parse_prompt_logprobs(request_json(url + "/v1/completions", prompt_logprobs_body(model, tokens),
-                                              timeout=timeout, api_key=api_key), tokens)
+    """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t]). VllmProbeError, naming the server
+    and the cause, when it refuses the probe or answers without usable prompt log-probs; a
+    server that does not answer raises http.TransportError (dead or hung: the caller's case)."""
+    try:
+        answer = request_json(url + "/v1/completions", prompt_logprobs_body(model, tokens), timeout=timeout,
+                              api_key=api_key, max_bytes=prompt_logprobs_answer_cap(len(tokens)),
+                              setting="rollout.vllm.request_timeout_s")
+        return parse_prompt_logprobs(answer, tokens)
+    except HttpStatusError as e:
+        if "Out of range float" in e.body:
+            why = ("its log-probs of the probe tokens are not finite (NaN or inf, which vLLM cannot write as JSON): "
+                   "the weights it got are broken")
+        else:
+            why = "it refused the probe's /v1/completions request with prompt_logprobs"
+        raise VllmProbeError(f"the parity probe failed on the vLLM server at {url}: {why} ({e})") from None
+    except BadResponse as e:
+        raise VllmProbeError(f"the parity probe failed on the vLLM server at {url}: {e}. The probe needs a vLLM "
+                             f"that answers /v1/completions with prompt_logprobs; rollout.vllm.probe_every=0 turns "
+                             f"it off") from None
 
 
 def probe_diff(url: str, model: str, tokens: list[int], reference: Reference, timeout: float,

@@ -106,6 +106,35 @@ def generate_body(model: str, prompt: list[int], sampling: SamplingParams, seed:
     }
 
 
+# Bytes an answer may take, for the size cap (http.request's max_bytes). vLLM's own response
+# models, serialised with the widest values (6-digit ids and ranks, 23-character floats), stay
+# 2.9x (64 top log-probs) to 4x (none) below the caps: a cap never refuses a valid answer; it
+# bounds what a server can make the trainer hold to what the request asked for.
+_ENVELOPE_BYTES = 64 << 10  # ids, usage, metrics, weight_versions spans of a few versions
+_TOKEN_BYTES = 256  # a token in token_ids / prompt_token_ids and its logprobs.content entry
+_LOGPROB_BYTES = 128  # one {"token_id", "logprob", "rank"} entry (top_logprobs, prompt_logprobs)
+_TEXT_BYTES = 1024  # the decoded text a prompt_logprobs entry may carry (6-byte \u escapes)
+
+
+def generate_answer_cap(prompt_len: int, sampling: SamplingParams, num_logprobs: int = 0,
+                        routed_values: int = 0) -> int:
+    """The most bytes a valid answer to `generate_body(prompt, sampling, num_logprobs=...)` takes:
+    64 KiB + (prompt_len + max_tokens) x (256 + 128 x (1 + num_logprobs) + 6 x routed_values)
+    bytes, where routed_values = MoE layers x top-k (R3: routed experts, base64 of int32 at most,
+    4/3 x 4 < 6 bytes each). The prompt counts because vLLM echoes its ids. About 0.6 MB for a
+    1024-token sample, 13 MB with 64 top log-probs per token: what one request can make the
+    trainer hold, times max_concurrency."""
+    per_token = _TOKEN_BYTES + _LOGPROB_BYTES * (1 + num_logprobs) + 6 * routed_values
+    return _ENVELOPE_BYTES + (prompt_len + sampling.max_tokens) * per_token
+
+
+def prompt_logprobs_answer_cap(num_tokens: int) -> int:
+    """The most bytes a valid answer to `prompt_logprobs_body(model, tokens)` takes: 64 KiB +
+    len(tokens) x (256 + 2 x (128 + 1024)) (per position the token's entry and the top one, each
+    possibly with its decoded text)."""
+    return _ENVELOPE_BYTES + num_tokens * (_TOKEN_BYTES + 2 * (_LOGPROB_BYTES + _TEXT_BYTES))
+
+
 def _int(x, where: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise BadResponse(f"{where} is {x!r:.50}, not an integer")
