@@ -26,7 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HANG_GUARD_S = 600  # a deadline against hangs only; no assertion depends on speed
 
-BASE = ["--config", "examples/demo_cpu.yaml", "model.overrides={}", "sft.steps=0", "rollout.prompts_per_step=2",
+BASE = ["--config", "examples/demo_cpu.yaml", "sft.steps=0", "rollout.prompts_per_step=2",
         "rollout.group_size=2", "train.micro_batch_size=2", "train.num_minibatches=1", "train.eval_size=4",
         "log.tensorboard=false"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
