@@ -20,6 +20,7 @@ from megatron_rl.model.arch import ARCHS, ModelArch
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.parallel.layout import BatchLayout
+from megatron_rl.precision.fp8 import FP8_FORMATS
 
 if TYPE_CHECKING:
     from megatron_rl.rollout.vllm.config import VllmConfig
@@ -126,6 +127,12 @@ class RolloutSection:
         transformers engine; the CPU default) | "vllm" (rollout/engine.py: how to add one).
     dtype: engine precision "fp32" | "bf16" | "fp16"; bf16 makes the training-inference
         mismatch real on CPU.
+    quantization: FP8 GEMMs in the engine, a format in megatron_rl.precision.fp8.FP8_FORMATS:
+        "fp8_tensor" (per-tensor scales) | "fp8_block" (128x128 weight blocks, activations per
+        token in groups of 128) | "mxfp8" (blocks of 32, power-of-two scales); null (default):
+        none. Weights are quantized at every weight sync, activations at every GEMM input; the
+        LM head, embeddings, norms and routers stay in rollout.dtype (docs/precision.md).
+        Engines that run it: embedded. vLLM's own is rollout.vllm.quantization=fp8 (GPU).
     prompts_per_step: B prompts per RL step. group_size: G >= 2 responses per prompt (the
         advantages compare a response with its group).
     oversample: DAPO dynamic sampling (default false): keep drawing prompts for a step until it
@@ -160,6 +167,7 @@ class RolloutSection:
 
     backend: str = "embedded"
     dtype: str = "bf16"
+    quantization: str | None = None
     prompts_per_step: int = 32
     group_size: int = 8
     oversample: bool = False
@@ -182,6 +190,8 @@ class RolloutSection:
         if self.weight_transport is not None and not isinstance(self.weight_transport, str):
             raise TypeError(f"rollout.weight_transport={self.weight_transport!r}: name a weight transport, or null")
         checks.choice("rollout.dtype", self.dtype, DTYPES)
+        if self.quantization is not None:
+            checks.choice("rollout.quantization", self.quantization, FP8_FORMATS.names())
         checks.integer("rollout.prompts_per_step", self.prompts_per_step, lo=1)
         checks.integer("rollout.group_size", self.group_size, lo=2,
                        hint="every advantage estimator is a group baseline: one response per prompt gets A = 0")
@@ -481,8 +491,9 @@ class PrecisionSection:
     """Numerics of the trainer and the rollout engine together (megatron_rl/precision/recipes.py).
 
     recipe: a named preset that fills in model.dtype, rollout.dtype and the fields below (the
-        config's own values win): fp32, bf16, fp16, bf16_fp32head, fp16_fp32head, fp8_rollout
-        (vLLM on a GPU), te_fp8 (Transformer Engine on CUDA). null (default): as given.
+        config's own values win): fp32, bf16, fp16, bf16_fp32head, fp16_fp32head, fp8_tensor,
+        fp8_block, mxfp8 (bf16 trainer, embedded engine with FP8 GEMMs: rollout.quantization),
+        fp8_rollout (vLLM on a GPU), te_fp8 (Transformer Engine on CUDA). null (default): as given.
     fp32_lm_head: the output projection and its softmax in fp32 in the embedded engine's LM head
         (the trainer's log-prob kernel computes them in fp32 in every recipe).
     fp8: Transformer Engine FP8 training format, "e4m3" | "hybrid" (null: off); fp8_recipe:

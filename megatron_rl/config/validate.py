@@ -72,6 +72,13 @@ def check_engine(cfg) -> None:
                          f"({_router_replay_fix(cfg, 'r2')})")
     if cfg.precision.fp32_lm_head and spec.no_fp32_lm_head:
         raise ValueError(f"precision.fp32_lm_head: {spec.no_fp32_lm_head}")
+    quant = cfg.rollout.quantization
+    if quant is not None and quant not in spec.quantizations:
+        vllm = " (a vLLM server on a GPU quantizes with rollout.vllm.quantization=fp8)" \
+            if cfg.rollout.backend == "vllm" else ""
+        raise ValueError(f"rollout.quantization={quant}: rollout.backend={cfg.rollout.backend} does not run it; use "
+                         f"rollout.backend={' or '.join(_engines_with(quant)) or '(none registered)'}, or "
+                         f"rollout.quantization=null{vllm}")
     from megatron_rl.trainer.transport import TRANSPORTS
 
     unknown = [t for t in spec.transports if t not in TRANSPORTS]
@@ -86,6 +93,12 @@ def check_engine(cfg) -> None:
         raise ValueError(f"rollout.weight_transport={transport!r} contradicts rollout.{cfg.rollout.backend}'s own "
                          f"settings, which take {default!r} (e.g. rollout.vllm.weight_sync); set "
                          f"rollout.weight_transport to null (it follows them) or change them")
+
+
+def _engines_with(quant: str) -> list[str]:
+    from megatron_rl.rollout import ENGINES
+
+    return [n for n in ENGINES.names() if quant in ENGINES.get(n).quantizations]
 
 
 def _engine_transport(spec, rollout) -> str:

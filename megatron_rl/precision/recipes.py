@@ -15,13 +15,16 @@ as they are given. What each setting does:
                              engine's LM head (the hidden state and the head weight upcast), as the
                              trainer's log-prob kernel computes them in every recipe (fp32 logits
                              from the model's own values). vLLM has no such option and is refused.
+    rollout.quantization     FP8 GEMMs in the embedded engine (precision/fp8.py): weights quantized
+                             at every sync, activations at every GEMM input, fp32 accumulation
     rollout.vllm.quantization  "fp8": FP8 weights in the vLLM server (GPU only)
     precision.fp8, precision.fp8_recipe   FP8 training through Transformer Engine (megatron-core's
                              TransformerConfig.fp8 / fp8_recipe; GPU with TE only)
 
 The training-inference mismatch blog (docs/algorithms.md, references) predicts: fp16 in both engines
 has a smaller mismatch than bf16 (more mantissa bits), an fp32 LM head lowers it further, and an
-fp8 rollout widens it unless corrected. `benchmarks/precision.py` measures the CPU-runnable ones.
+fp8 rollout widens it unless corrected. `benchmarks/precision.py` measures the CPU-runnable ones
+(fp8_tensor, fp8_block and mxfp8 among them: the embedded engine's FP8 runs on the CPU).
 """
 from __future__ import annotations
 
@@ -51,6 +54,12 @@ PRECISION_RECIPES: dict[str, PrecisionRecipe] = {
                                      "bf16 with the output projection and softmax in fp32 on both sides"),
     "fp16_fp32head": PrecisionRecipe({"model.dtype": "fp16", "rollout.dtype": "fp16", "precision.fp32_lm_head": True},
                                      "fp16 with the output projection and softmax in fp32 on both sides"),
+    "fp8_tensor": PrecisionRecipe({"model.dtype": "bf16", "rollout.dtype": "bf16", "rollout.quantization": "fp8_tensor"},
+                                  "bf16 trainer, embedded engine with per-tensor-scaled FP8 GEMMs"),
+    "fp8_block": PrecisionRecipe({"model.dtype": "bf16", "rollout.dtype": "bf16", "rollout.quantization": "fp8_block"},
+                                 "bf16 trainer, embedded engine with 128x128-block FP8 GEMMs (DeepSeek-V3)"),
+    "mxfp8": PrecisionRecipe({"model.dtype": "bf16", "rollout.dtype": "bf16", "rollout.quantization": "mxfp8"},
+                             "bf16 trainer, embedded engine with MXFP8 GEMMs (blocks of 32, E8M0 scales)"),
     "fp8_rollout": PrecisionRecipe({"model.dtype": "bf16", "rollout.dtype": "bf16", "rollout.backend": "vllm",
                                     "rollout.vllm.quantization": "fp8"},
                                    "bf16 trainer, FP8-quantised vLLM rollouts (pair with an IS correction)",

@@ -47,6 +47,7 @@ import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.engine import EngineRequest, EngineSpec
+from megatron_rl.rollout.fp8_modules import quantize_model
 from megatron_rl.rollout.hf_state import load_checkpoint_tensors, rules_for
 from megatron_rl.rollout.pausing import DecodeGate
 from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
@@ -142,11 +143,15 @@ class EmbeddedEngine:
     fp32_lm_head: compute the output projection and the softmax in fp32: the last hidden state and
         the (dtype-rounded) head weight are upcast, as the trainer's fp32-head log-prob kernel does
         (precision.fp32_lm_head).
+    quantization: None, or an FP8 format of precision/fp8.py ("fp8_tensor", "fp8_block", "mxfp8"):
+        the decoder's linear layers and experts compute in FP8 (rollout/fp8_modules.py), their
+        weights quantized again at every update_weights (rollout.quantization).
     The model starts with random weights and policy_version -1 until update_weights.
     """
 
     def __init__(self, arch: ModelArch, dtype: str = "fp32", max_batch_size: int = 256,
-                 attn_implementation: str = "eager", device: str | torch.device = "cpu", fp32_lm_head: bool = False):
+                 attn_implementation: str = "eager", device: str | torch.device = "cpu", fp32_lm_head: bool = False,
+                 quantization: str | None = None):
         from transformers import AutoModelForCausalLM
 
         if dtype not in _DTYPES:
@@ -163,6 +168,8 @@ class EmbeddedEngine:
             arch.to_hf_config(), attn_implementation=attn_implementation, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self._check_expert_layout()
+        self.quantization = quantization
+        self.fp8_layers = quantize_model(self.model, quantization) if quantization else []
         self.gate = DecodeGate()
         self._routes: dict[int, torch.Tensor] = {}
         self._hooks = [self._router(i).register_forward_hook(self._record_route(k))
@@ -212,6 +219,8 @@ class EmbeddedEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load HF checkpoint-format (name, tensor) pairs (see hf_state); set policy_version."""
         load_checkpoint_tensors(self.model, named_tensors, rules_for(self.arch.arch))
+        for layer in self.fp8_layers:  # FP8 weights are made from every sync's
+            layer.requantize()
         self.policy_version = version
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
@@ -387,7 +396,7 @@ def _mixed(versions: torch.Tensor) -> torch.Tensor | None:
 
 
 def make_embedded_engine(request: EngineRequest) -> EmbeddedEngine:
-    """The `embedded` engine of a run: rollout.dtype, rollout.max_batch_size, on rollout.device
+    """The `embedded` engine of a run: rollout.dtype, rollout.quantization, rollout.max_batch_size, on rollout.device
     (null: beside the trainer's model, where its weights are synced on-device)."""
     r = request.rollout
     device = r.device or request.device
@@ -395,7 +404,8 @@ def make_embedded_engine(request: EngineRequest) -> EmbeddedEngine:
         raise ValueError(f"rollout.device={device}: this machine has no CUDA; use rollout.device=cpu or null "
                          f"(the trainer's device)")
     return EmbeddedEngine(request.arch, dtype=r.dtype, max_batch_size=r.max_batch_size, device=device,
-                          fp32_lm_head=request.needs.fp32_lm_head)
+                          fp32_lm_head=request.needs.fp32_lm_head, quantization=r.quantization)
 
 
-EMBEDDED = EngineSpec(make=make_embedded_engine, in_flight_updates=("wait", "pause", "abort"))
+EMBEDDED = EngineSpec(make=make_embedded_engine, in_flight_updates=("wait", "pause", "abort"),
+                      quantizations=("fp8_tensor", "fp8_block", "mxfp8"))

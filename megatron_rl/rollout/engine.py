@@ -17,6 +17,7 @@ the config and what it can do, so the trainer and the config check handle every 
                       experts (router replay R3), or None (they can, or it is known only once
                       the engine finds its server, which then refuses)
     no_fp32_lm_head   why it cannot run the LM head alone in fp32 (precision.fp32_lm_head), or None
+    quantizations     the FP8 formats it runs for rollout.quantization (precision/fp8.py); () = none
     transports        the weight transports it receives from (trainer/transport.py), first = default;
                       it implements each one's receiver protocol (TakesTensors, TakesDirectory)
     transport_for     (rollout section) -> the transport its own settings call for (vLLM: memory
@@ -167,6 +168,7 @@ class EngineSpec:
     max_len: Callable[[Any, ModelArch], int] = model_len
     no_routing: Callable[[Any], str | None] = routes
     no_fp32_lm_head: str | None = None
+    quantizations: tuple[str, ...] = ()
     transports: tuple[str, ...] = ("memory",)
     transport_for: Callable[[Any], str | None] = no_transport_setting
     may_change: tuple[str, ...] = ()

