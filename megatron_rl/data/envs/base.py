@@ -18,7 +18,9 @@ trajectory earlier (rollout/multi_turn.py).
 
 A new environment subclasses `Environment` (a dataclass of its settings, which `env.settings` in
 the config sets) and registers itself with `@register_env("name")`. Building one must be cheap and
-do nothing else (the config check builds one to check the settings); work belongs in reset.
+do nothing else (the config check builds one to check the settings); work belongs in reset. A
+config may also name an Environment subclass by import path (`env.name: my_envs:Countdown`,
+megatron_rl/plugins.py): `ENV_PLUGINS` registers it under that name.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from megatron_rl.data.types import Example
+from megatron_rl.plugins import PluginSlot, class_refusal, own_name
 
 T = TypeVar("T", bound=type)
 
@@ -89,3 +92,13 @@ def make_env(name: str, **settings) -> Environment:
     except (KeyError, TypeError):
         raise KeyError(f"unknown environment {name!r}; available: {', '.join(sorted(ENVS))}") from None
     return cls(**settings)
+
+
+def _add_plugin(name: str, cls: type[Environment]) -> None:
+    own_name(cls, name)
+    ENVS[name] = cls
+
+
+ENV_PLUGINS = PluginSlot(
+    kind="environment", expects="a concrete subclass of Environment (megatron_rl/data/envs/base.py)", entries=ENVS,
+    refuse=lambda obj: class_refusal(obj, Environment), add=_add_plugin)
