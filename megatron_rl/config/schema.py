@@ -210,7 +210,9 @@ class DataSection:
     tasks: built-in verifiable toy tasks to mix ("addition", "sorting"; "multiplication" and
         "guessing" are the multi-turn environments' tasks, with env.name calculator and guess), or
         a Task subclass of the user's as "package.module:Class" (see plugins).
-    jsonl: a JSONL prompt file ({"prompt", "label", optional "task"} per line) instead of tasks.
+    jsonl: a prompt file instead of tasks: JSONL ({"prompt", "label", optional "task"} per line),
+        Parquet (.parquet; those columns), or a folder saved by HF datasets' save_to_disk
+        (megatron_rl/data/jsonl.py; reading a table needs pyarrow, the `data` extra).
     reward: reward function name for every prompt ("exact_match", "math", or the user's
         "package.module:function"); null = each task's own reward (JSONL rows: exact_match).
     heldout_size: held-out problems of each task, never drawn for training; evaluations use the
@@ -628,14 +630,16 @@ class RunConfig:
     def check_paths(self) -> None:
         """The files and folders the config names, as this machine sees them (the entry point calls
         this at start-up; the config itself may be written elsewhere): raises naming the field."""
-        if self.data.jsonl is not None and not os.path.isfile(self.data.jsonl):
-            path = self.data.jsonl
-            why = ("is a directory" if os.path.isdir(path) else
+        path = self.data.jsonl
+        saved_dataset = path is not None and os.path.isdir(path) and (
+            os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json")))
+        if path is not None and not os.path.isfile(path) and not saved_dataset:  # a DatasetDict: the loader names its splits
+            why = ("is a directory that datasets' save_to_disk did not write (no state.json)" if os.path.isdir(path) else
                    "is not a regular file (a FIFO, socket or device; the prompts are read whole at start-up)"
                    if os.path.exists(path) else
                    "is a symbolic link to a file that does not exist" if os.path.lexists(path) else "does not exist")
             raise ValueError(f"data.jsonl={self.data.jsonl}: {why}; name a JSONL file of prompts (one "
-                             f'{{"prompt": ..., "label": ...}} per line)')
+                             f'{{"prompt": ..., "label": ...}} per line), a Parquet file or a datasets folder')
         if self.model.hf_dir is not None and not os.path.isdir(self.model.hf_dir):
             raise ValueError(f"model.hf_dir={self.model.hf_dir}: no such directory; name a Hugging Face model folder "
                              f"(config.json, safetensors, tokenizer files)")
