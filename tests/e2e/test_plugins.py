@@ -1,7 +1,8 @@
 """A newcomer's plugin module trains: README's `my_plugin.py` (a reward function and an
 environment), written to a folder outside the package and found through PYTHONPATH, drives two
 RL steps of the tiny model twice through pretrain_rl.py: the reward named by import path in a
-single-turn run, the environment registered by a `plugins` module in a multi-turn run."""
+single-turn run, the environment registered by a `plugins` module in a multi-turn run. A bad
+plugin stops the launch with exit code 2 before anything is built."""
 import json
 import os
 import re
@@ -75,3 +76,19 @@ def test_an_environment_from_a_plugins_module_trains(tmp_path):
     for r in rl:
         assert r["env/failures"] == 0 and 1 <= r["env/turns"] <= 2
     assert calls.count("step") >= 8 and "reward" not in calls   # every trajectory steps at least once
+
+
+def test_a_bad_plugin_stops_the_launch_naming_the_field(tmp_path):
+    """Before any model is built: exit 2 and one line naming the field."""
+    plugin_dir = tmp_path / "plugin_src"
+    plugin_dir.mkdir()
+    (plugin_dir / "my_plugin.py").write_text(readme_plugin())
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(plugin_dir), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "pretrain_rl.py", "--config", "examples/demo_cpu.yaml",
+                           f"train.run_dir={tmp_path / 'run'}", "env.name=my_plugin:digits_match"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("config error: env.name: my_plugin:digits_match is function digits_match, not a "
+                                  "subclass of megatron_rl.data.envs.base.Environment"), proc.stderr
+    assert not (tmp_path / "run").exists()
