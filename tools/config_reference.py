@@ -54,7 +54,8 @@ def render() -> str:
     for flag, dotted in MEGATRON_FLAGS.items():
         flags.setdefault(dotted, []).append(f"`{flag}`")
     out = [HEADER]
-    sections = [(f.name, f.default_factory()) for f in dataclasses.fields(RunConfig)]
+    top = [f for f in dataclasses.fields(RunConfig) if not dataclasses.is_dataclass(f.default_factory())]
+    sections = [(f.name, f.default_factory()) for f in dataclasses.fields(RunConfig) if f not in top]
     while sections:
         path, default = sections.pop(0)
         cls = type(default)
@@ -71,6 +72,10 @@ def render() -> str:
         doc = inspect.cleandoc(cls.__doc__ or "")
         out += ["", "```text", doc, "```"]
         sections[:0] = nested
+    if top:  # values of the run itself, not of a section (plugins), explained in RunConfig's docstring
+        out += ["", "## top level", "", "| field | default | Megatron flag |", "|---|---|---|"]
+        out += [f"| `{f.name}` | `{_default(f)}` | {', '.join(flags.get(f.name, [])) or ''} |" for f in top]
+        out += ["", "```text", inspect.cleandoc(RunConfig.__doc__ or ""), "```"]
     return "\n".join(out) + "\n"
 
 

@@ -275,6 +275,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     except ValueError as e:
         raise ConfigError(str(e)) from None
     data = expand_recipe(data)
+    from megatron_rl.config.plugins import load_plugins
+
+    load_plugins(data)  # imports the user's modules: before any section checks their names
     return _build(RunConfig, data, "")
 
 

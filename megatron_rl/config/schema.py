@@ -151,7 +151,8 @@ class RolloutSection:
         else the CPU; or "cpu", "cuda", "cuda:N". Weights are synced on-device.
     function: how examples become scored samples, a name in megatron_rl.rollout.ROLLOUT_FNS:
         "single_turn" (default: n responses per prompt, each scored by the task's reward); an
-        agent loop registers its own (rollout/function.py).
+        agent loop registers its own (rollout/function.py), or is named as
+        "package.module:SPEC", a RolloutFnSpec of the user's (see plugins).
     weight_transport: how the trainer's weights reach the engine, a name in
         megatron_rl.trainer.transport.TRANSPORTS that the engine takes: null (default) = the
         engine's own ("memory" for embedded: tensors handed over in-process; for vllm the one
@@ -224,10 +225,13 @@ class DataSection:
     """Prompts and rewards.
 
     tasks: built-in verifiable toy tasks to mix ("addition", "sorting"; "multiplication" and
-        "guessing" are the multi-turn environments' tasks, with env.name calculator and guess).
-    jsonl: a JSONL prompt file ({"prompt", "label", optional "task"} per line) instead of tasks.
-    reward: reward function name for every prompt ("exact_match", "math"); null = each task's
-        own reward (JSONL rows: exact_match).
+        "guessing" are the multi-turn environments' tasks, with env.name calculator and guess), or
+        a Task subclass of the user's as "package.module:Class" (see plugins).
+    jsonl: a prompt file instead of tasks: JSONL ({"prompt", "label", optional "task"} per line),
+        Parquet (.parquet; those columns), or a folder saved by HF datasets' save_to_disk
+        (megatron_rl/data/jsonl.py; reading a table needs pyarrow, the `data` extra).
+    reward: reward function name for every prompt ("exact_match", "math", or the user's
+        "package.module:function"); null = each task's own reward (JSONL rows: exact_match).
     heldout_size: held-out problems of each task, never drawn for training; evaluations use the
         first train.eval_size of them (JSONL prompts have none). Default 1000: the size every run
         used before this setting reached the tasks. seed: data seed (0 to 2**32 - 1).
@@ -535,12 +539,13 @@ class MoESection:
 class EnvSection:
     """The environment of a multi-turn rollout (rollout.function=multi_turn; rollout/multi_turn.py).
 
-    name: a registered environment (megatron_rl.data.envs.ENVS: "calculator", "guess"), or null
-        when the rollout function needs none. settings: keyword settings of the environment's
-        class (e.g. {call_open: "c:"}), checked when the config loads (names and types). An
-        override merges into the file's settings; env.settings={} empties them (another
-        env.name takes other settings). A data.jsonl row may name its own ("env",
-        "env_settings"), which wins for that row's trajectories.
+    name: a registered environment (megatron_rl.data.envs.ENVS: "calculator", "guess"), the
+        user's Environment subclass as "package.module:Class" (see plugins), or null when the
+        rollout function needs none. settings: keyword settings of the environment's class (e.g.
+        {call_open: "c:"}), checked when the config loads (names and types). An override merges
+        into the file's settings; env.settings={} empties them (another env.name takes other
+        settings). A data.jsonl row may name its own ("env", "env_settings"), which wins for that
+        row's trajectories.
     max_turns: most policy turns per trajectory (the environment's own max_turns may end it
         sooner). max_tokens: most response tokens per trajectory, sampled and environment ones
         together (each turn samples at most rollout.max_tokens of them).
@@ -618,6 +623,18 @@ class LogSection:
 
 @dataclass
 class RunConfig:
+    """The run: one section per concern, and the modules the run brings along.
+
+    plugins: modules to import at start-up, on every rank, before the config is checked (dotted
+        names found on sys.path: set PYTHONPATH to their folder), for the entries they register
+        (register_reward, register_task, register_env, ROLLOUT_FNS.add). Besides, data.reward,
+        data.tasks, env.name and rollout.function take `package.module:attribute`, which imports
+        the module and registers the attribute under that name (megatron_rl/plugins.py). Either
+        way the run executes the named modules' code: name only code you trust. A resume imports
+        what the current config names, never what only a checkpoint's config names. README, "Bring
+        your own reward, task or environment".
+    """
+
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -630,8 +647,11 @@ class RunConfig:
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     log: LogSection = field(default_factory=LogSection)
     env: EnvSection = field(default_factory=EnvSection)
+    plugins: list = field(default_factory=list)
 
     def __post_init__(self):
+        if not isinstance(self.plugins, list) or not all(isinstance(m, str) and m for m in self.plugins):
+            raise TypeError(f"plugins={self.plugins!r}: a list of module names to import, e.g. [my_rewards]")
         from megatron_rl.config.validate import validate
 
         validate(self)
@@ -640,14 +660,16 @@ class RunConfig:
         """The files and folders the config names, as this machine sees them (the entry point calls
         this at start-up; the config itself may be written elsewhere), and what the rollout engine's
         settings need of this machine (its EngineSpec.on_this_machine): raises naming the field."""
-        if self.data.jsonl is not None and not os.path.isfile(self.data.jsonl):
-            path = self.data.jsonl
-            why = ("is a directory" if os.path.isdir(path) else
+        path = self.data.jsonl
+        saved_dataset = path is not None and os.path.isdir(path) and (
+            os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json")))
+        if path is not None and not os.path.isfile(path) and not saved_dataset:  # a DatasetDict: the loader names its splits
+            why = ("is a directory that datasets' save_to_disk did not write (no state.json)" if os.path.isdir(path) else
                    "is not a regular file (a FIFO, socket or device; the prompts are read whole at start-up)"
                    if os.path.exists(path) else
                    "is a symbolic link to a file that does not exist" if os.path.lexists(path) else "does not exist")
             raise ValueError(f"data.jsonl={self.data.jsonl}: {why}; name a JSONL file of prompts (one "
-                             f'{{"prompt": ..., "label": ...}} per line)')
+                             f'{{"prompt": ..., "label": ...}} per line), a Parquet file or a datasets folder')
         if self.model.hf_dir is not None and not os.path.isdir(self.model.hf_dir):
             raise ValueError(f"model.hf_dir={self.model.hf_dir}: no such directory; name a Hugging Face model folder "
                              f"(config.json, safetensors, tokenizer files)")

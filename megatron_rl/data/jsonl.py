@@ -1,4 +1,5 @@
-"""User prompts from a JSONL file, validated row by row, served with the `batch(step, size)` interface.
+"""User prompts from a JSONL file (or a Parquet file, or a folder saved by HF `datasets`: the same
+rows as a table, data/tables.py), validated row by row, served with the `batch(step, size)` interface.
 
 Format: UTF-8, one JSON object per line; blank lines are skipped (line numbers still count them).
 
@@ -23,9 +24,14 @@ the calculator takes a string) are refused while loading, naming the line
 runs environments (multi_turn) reads "env"; with another, the run refuses such rows at start-up
 (trainer/startup.py: check_row_envs).
 
-Every problem raises `DataError` with `file:line: what is wrong; how to fix it`, e.g.
+Every problem raises `DataError` with `file:line: what is wrong; how to fix it` (a table's row:
+`path row i`, counted from 0 as dataset[i]), e.g.
 
     data.jsonl:7: field "label" is missing; every row needs "prompt" and "label" strings
+    train.parquet row 6: field "prompt" is empty; every row needs a non-blank prompt
+
+A table holds the same fields as columns (others are not read); a null in an optional column is
+that field left out.
 
 `JsonlPrompts` walks the rows in epochs, each epoch in its own seeded permutation: with a fixed
 batch size, batch(step, size) holds rows step*size .. step*size+size-1 of that endless sequence,
@@ -37,13 +43,14 @@ import hashlib
 import json
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from megatron_rl.data.types import Example, derive_seed
 
 REQUIRED = ("prompt", "label")
 _ROW_HINT = 'each line must be one JSON object like {"prompt": "...", "label": "..."}'
+_TABLE_HINT = 'each row needs "prompt" and "label" strings'
 
 
 class DataError(ValueError):
@@ -71,6 +78,11 @@ def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | N
         raise DataError(f"{where}: the JSON is nested too deeply to read; {_ROW_HINT}") from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {_type_name(row)}; {_ROW_HINT}")
+    return _check_row(where, row, default_task, tokenizer)
+
+
+def _check_row(where: str, row: dict, default_task: str, tokenizer: _Encoder | None) -> Example:
+    """One row (a JSONL line's object, a table's row) checked and made an Example."""
     for field in REQUIRED:
         if field not in row:
             raise DataError(f'{where}: field "{field}" is missing; every row needs "prompt" and "label" strings')
@@ -78,8 +90,8 @@ def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | N
         if field in row and not isinstance(row[field], str):
             value = row[field]
             raise DataError(
-                f'{where}: field "{field}" must be a string, got {_type_name(value)} ({json.dumps(value)}); '
-                f"quote it, e.g. {json.dumps(json.dumps(value))}"
+                f'{where}: field "{field}" must be a string, got {_type_name(value)} ({_show(value)}); '
+                f"quote it, e.g. {json.dumps(_show(value))}"
             )
     env, env_settings = _parse_env(where, row)
     if not row["prompt"].strip():
@@ -99,6 +111,14 @@ def _parse_row(where: str, text: str, default_task: str, tokenizer: _Encoder | N
     return Example(prompt=row["prompt"], label=row["label"], task=task, env=env, env_settings=env_settings)
 
 
+def _show(value: object) -> str:
+    """`value` as JSON, or its repr when JSON has no spelling for it (a table's bytes or dates)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _parse_env(where: str, row: dict) -> tuple[str | None, dict | None]:
     """A row's "env" and "env_settings", checked by building the environment once."""
     from megatron_rl.data.envs import ENVS, make_env  # envs import this package's types
@@ -109,7 +129,7 @@ def _parse_env(where: str, row: dict) -> tuple[str | None, dict | None]:
             raise DataError(f'{where}: field "env_settings" without "env"; name the environment they are for')
         return None, None
     if not isinstance(env, str) or not env:
-        raise DataError(f'{where}: field "env" must name an environment, got {json.dumps(env)}; '
+        raise DataError(f'{where}: field "env" must name an environment, got {_show(env)}; '
                         f"available: {', '.join(sorted(ENVS))}")
     if env not in ENVS:
         raise DataError(f'{where}: field "env" names an unknown environment {env!r}; available: '
@@ -138,10 +158,27 @@ def load_jsonl(
     Returns (examples, number of rows skipped as too long). Raises DataError on the first bad
     row, or when the file has no (remaining) rows.
     """
-    if overlong not in ("error", "skip"):
-        raise ValueError(f"overlong={overlong!r}; choose error or skip")
+    return _collect(os.fspath(path), _jsonl_rows(path, default_task, tokenizer), fits, overlong, _ROW_HINT)
+
+
+def load_prompts(
+    path: str | os.PathLike, default_task: str = "jsonl", tokenizer: _Encoder | None = None,
+    fits: Callable[[Example], str | None] | None = None, overlong: str = "error",
+) -> tuple[list[Example], int]:
+    """`load_jsonl` for every format a prompt file comes in: a Parquet (.parquet) or Arrow (.arrow)
+    file, or a folder saved by HF datasets' save_to_disk, read by data/tables.py (a row is named
+    "path row i", counted from 0 as dataset[i]); anything else is JSONL. The same checks, the same
+    Examples for the same rows."""
+    from megatron_rl.data.tables import is_table, table_rows
+
+    if not is_table(path):
+        return load_jsonl(path, default_task, tokenizer, fits, overlong)
+    rows = ((where, _check_row(where, row, default_task, tokenizer)) for where, row in table_rows(path))
+    return _collect(os.fspath(path), rows, fits, overlong, _TABLE_HINT)
+
+
+def _jsonl_rows(path, default_task: str, tokenizer: _Encoder | None) -> Iterator[tuple[str, Example]]:
     name = os.fspath(path)
-    examples, too_long = [], []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{name}:{lineno}"
@@ -149,26 +186,35 @@ def load_jsonl(
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{where}: not valid UTF-8 (byte {e.start}); save the file as UTF-8") from None
-            if not text.strip():
-                continue
-            ex = _parse_row(where, text, default_task, tokenizer)
-            why = fits(ex) if fits is not None else None
-            if why is None:
-                examples.append(ex)
-            else:
-                too_long.append((where, why))
+            if text.strip():
+                yield where, _parse_row(where, text, default_task, tokenizer)
+
+
+def _collect(name: str, rows: Iterable[tuple[str, Example]], fits: Callable[[Example], str | None] | None,
+             overlong: str, hint: str) -> tuple[list[Example], int]:
+    """The checked rows that fit, and how many did not (see load_jsonl)."""
+    if overlong not in ("error", "skip"):
+        raise ValueError(f"overlong={overlong!r}; choose error or skip")
+    examples, too_long = [], []
+    for where, ex in rows:
+        why = fits(ex) if fits is not None else None
+        if why is None:
+            examples.append(ex)
+        else:
+            too_long.append((where, why))
     if too_long and overlong == "error":
         where, why = too_long[0]
         raise DataError(f"{where}: the prompt is too long ({why}); {len(too_long)} row(s) of {name} are. Shorten "
                         f"them, raise the model's maximum length, lower rollout.max_tokens, or set "
                         f"data.overlong_prompts=skip to drop them")
     if not examples:
-        raise DataError(f"{name}: no rows{' that fit the model' if too_long else ''}; {_ROW_HINT}")
+        raise DataError(f"{name}: no rows{' that fit the model' if too_long else ''}; {hint}")
     return examples, len(too_long)
 
 
 class JsonlPrompts:
-    """Prompts from a JSONL file (or a list of Examples), in seeded per-epoch permutations.
+    """Prompts from a JSONL or Parquet file, a datasets folder (load_prompts), or a list of
+    Examples, in seeded per-epoch permutations.
 
     fits / overlong: the length check applied while loading (see load_jsonl).
 
@@ -189,8 +235,8 @@ class JsonlPrompts:
         self.skipped_overlong = 0  # rows dropped by overlong="skip"
         if isinstance(source, (str, os.PathLike)):
             self.path: str | None = os.fspath(source)
-            self.examples, self.skipped_overlong = load_jsonl(source, default_task=default_task, tokenizer=tokenizer,
-                                                              fits=fits, overlong=overlong)
+            self.examples, self.skipped_overlong = load_prompts(source, default_task=default_task,
+                                                                tokenizer=tokenizer, fits=fits, overlong=overlong)
         else:
             self.path = None
             self.examples = list(source)
@@ -248,7 +294,7 @@ class JsonlPrompts:
         (prompt, label, task and, where a row names one, its environment, in order; the file's path
         and formatting do not count)."""
         rows = [[e.prompt, e.label, e.task] + ([e.env, e.env_settings] if e.env else []) for e in self.examples]
-        content = hashlib.sha256(json.dumps(rows, sort_keys=True).encode())
+        content = hashlib.sha256(json.dumps(rows, sort_keys=True, default=repr).encode())
         return {"kind": "JsonlPrompts", "path": self.path, "rows": len(self.examples),
                 "seed": self.seed, "shuffle": self.shuffle, "sha256": content.hexdigest()}
 

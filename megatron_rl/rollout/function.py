@@ -17,7 +17,9 @@ Cost: whatever the engine's generate() costs plus one reward call per sample; no
 the samples themselves.
 
 Adding one: a module with the function and its `RolloutFnSpec`, one line in rollout/registered.py
-(a test may register a toy one itself: tests/distributed/test_toy_seams.py).
+(a test may register a toy one itself: tests/distributed/test_toy_seams.py), or, outside the package,
+a `RolloutFnSpec` named by import path (`rollout.function: my_agents:SPEC`, megatron_rl/plugins.py:
+`ROLLOUT_FN_PLUGINS` registers it under that name).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_rl.plugins import PluginSlot, describe
 from megatron_rl.registry import Registry
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.types import Sample, SamplingParams
@@ -100,3 +103,8 @@ class RolloutFnSpec:
 
 
 ROLLOUT_FNS = Registry("rollout function", RolloutFnSpec)
+
+ROLLOUT_FN_PLUGINS = PluginSlot(
+    kind="rollout function", expects="a RolloutFnSpec (megatron_rl/rollout/function.py)", entries=ROLLOUT_FNS,
+    refuse=lambda obj: None if isinstance(obj, RolloutFnSpec) else f"{describe(obj)}, not a RolloutFnSpec",
+    add=ROLLOUT_FNS.add)

@@ -64,8 +64,11 @@ def host_state_problem(extra: dict) -> str | None:
     if problem:
         return problem
     config = extra.get("config", {})
-    if not (isinstance(config, dict) and all(isinstance(v, dict) for v in config.values())):
+    if not (isinstance(config, dict) and all(isinstance(v, dict) for k, v in config.items() if k != "plugins")):
         return "config is not a mapping of sections"
+    plugins = config.get("plugins", [])
+    if not (isinstance(plugins, list) and all(isinstance(m, str) for m in plugins)):
+        return "config.plugins is not a list of module names"
     if not isinstance(extra.get("data", {}), dict):
         return "data is not a mapping"
     counters = extra.get("counters", {})

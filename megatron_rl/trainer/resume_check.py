@@ -39,8 +39,15 @@ def engine_may_change() -> tuple[str, ...]:
 def fields(config: dict) -> dict[str, object]:
     """`{"train": {"steps": 3}}` -> `{"train.steps": 3}` (section.field; a mapping-valued field
     such as `model.overrides` stays one value). An engine's section (`rollout.vllm`) is spread into
-    `rollout.<engine>.<field>`, with the defaults of the fields an older checkpoint does not hold."""
-    out = {f"{section}.{name}": value for section, values in config.items() for name, value in values.items()}
+    `rollout.<engine>.<field>`, with the defaults of the fields an older checkpoint does not hold.
+    A top-level value that is not a section (`plugins`) is one value under its own name. Nothing
+    here imports what a name refers to: a checkpoint's plugins are compared as text, never loaded."""
+    out = {}
+    for section, values in config.items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{name}": value for name, value in values.items()})
+        else:
+            out[section] = values
     for engine in ENGINES.names():
         settings = ENGINES.get(engine).settings
         values = out.pop(f"rollout.{engine}", None)

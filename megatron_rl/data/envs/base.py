@@ -22,7 +22,9 @@ when it holds another type, naming it) and registers itself with `@register_env(
 Building one must be cheap and do nothing else (the config check builds one to check the
 settings); work belongs in reset. Each reset and step must return within env.timeout_s and must
 not hold the interpreter's lock for long in one C call (rollout/env_calls.py: a call past its
-deadline keeps its thread, and enough of them stop the run).
+deadline keeps its thread, and enough of them stop the run). A config may also name an
+Environment subclass by import path (`env.name: my_envs:Countdown`, megatron_rl/plugins.py):
+`ENV_PLUGINS` registers it under that name.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from megatron_rl.data.types import Example
+from megatron_rl.plugins import PluginSlot, class_refusal, own_name
 
 T = TypeVar("T", bound=type)
 
@@ -130,3 +133,13 @@ def check_setting(env: str, key: str, value, annotation: str) -> None:
         words = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}
         want = " or ".join(words[k] for k in known) + (" or null" if "None" in kinds else "")
         raise TypeError(f"{env}'s setting {key}={value!r}: {want}")
+
+
+def _add_plugin(name: str, cls: type[Environment]) -> None:
+    own_name(cls, name)
+    ENVS[name] = cls
+
+
+ENV_PLUGINS = PluginSlot(
+    kind="environment", expects="a concrete subclass of Environment (megatron_rl/data/envs/base.py)", entries=ENVS,
+    refuse=lambda obj: class_refusal(obj, Environment), add=_add_plugin)

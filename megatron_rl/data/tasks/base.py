@@ -10,7 +10,9 @@ training sampler return one of them:
 
 A new task subclasses `Task`, implements `generate` and `num_problems`, and registers itself with
 `@register_task("name")`. Prompts must determine labels (two problems with the same prompt are the
-same problem): held-out membership is checked by prompt.
+same problem): held-out membership is checked by prompt. A config may also name a Task subclass
+by import path (`data.tasks: [my_tasks:Countdown]`, megatron_rl/plugins.py): `TASK_PLUGINS`
+registers it under that name.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from functools import cached_property
 from typing import ClassVar, TypeVar
 
 from megatron_rl.data.types import Example, derive_seed
+from megatron_rl.plugins import PluginSlot, class_refusal, own_name
 
 T = TypeVar("T", bound=type)
 
@@ -129,3 +132,13 @@ class Task(ABC):
     @cached_property
     def _heldout_prompts(self) -> frozenset[str]:
         return frozenset(ex.prompt for ex in self._heldout)
+
+
+def _add_plugin(name: str, cls: type[Task]) -> None:
+    own_name(cls, name)
+    TASKS[name] = cls
+
+
+TASK_PLUGINS = PluginSlot(
+    kind="task", expects="a concrete subclass of Task (megatron_rl/data/tasks/base.py)", entries=TASKS,
+    refuse=lambda obj: class_refusal(obj, Task), add=_add_plugin)

@@ -130,7 +130,7 @@ def test_retention_keeps_a_checkpoint_whose_manifest_has_no_usable_step(tmp_path
 def _host_state():
     return {"step": 2, "policy_version": 2, "run_id": "abc", "rng": rng_state(),
             "state": {"curve": [{"rollout/reward_mean": 0.5, "mismatch/kl_k3": 1e-6}], "before_rl_accuracy": None},
-            "config": {"train": {"steps": 2}}, "data": {"kind": "PromptStream"},
+            "config": {"train": {"steps": 2}, "plugins": ["my_rewards"]}, "data": {"kind": "PromptStream"},
             "counters": {"schedule/generate_calls": 2, "rewards/count": 8}}
 
 
@@ -144,6 +144,7 @@ def _host_state():
     (lambda s: s["rng"].update(torch=[0, 1]), "rng.torch is not the torch generator's state"),
     (lambda s: s["rng"].update(python=[3, [1, 2], None]), "rng.python is not Python's random state"),
     (lambda s: s.update(config={"train": 3}), "config is not a mapping of sections"),
+    (lambda s: s["config"].update(plugins="my_rewards"), "config.plugins is not a list of module names"),
     (lambda s: s.update(data="x"), "data is not a mapping"),
     (lambda s: s["counters"].update({"rewards/count": -1}), "counters is not a mapping of names to counts"),
 ])
