@@ -116,7 +116,8 @@ class VllmConfig:
       bucket_bytes: the most bytes of one in-memory transfer (one /update_weights and one
           broadcast): the trainer's extra memory for a sync is this buffer (default 1 GiB).
       transfer_host: the address the server's workers reach the trainer's rendezvous at (a
-          server on another host needs this host's address).
+          server on another host needs this host's address); the gloo rendezvous store listens
+          on it alone, for token holders only, until the workers have joined.
       probe_every: run the parity probe after every k-th sync (0 = never).
       probe_tokens: length of the fixed probe sequence.
       probe_tolerance: max |log-prob diff| of the probe vs the reference (None = 1e-3 for

@@ -26,7 +26,11 @@ Data plane: a process group of the trainer (rank 0, the sender) and the server's
     so it needs vLLM importable in its own environment (pip install .[vllm]).
   - `gloo` (no CUDA): vLLM's engines all need CUDA, so the server runs ours
     (server_plugin/megatron_rl_vllm_gloo.py), speaking the same messages; the trainer hosts the
-    rendezvous store (a TCPStore on a port the kernel picks) and a gloo group with plain torch.
+    rendezvous store and a gloo group with plain torch. The store listens on `host`
+    (rollout.vllm.transfer_host) only, on a port the kernel picks, answers only connections that
+    open with a fresh secret sent in the keyed /init_weight_transfer_engine body, and closes once
+    the workers have joined (server_plugin/megatron_rl_vllm_store.py): nothing else can read the
+    ranks' addresses or take a worker's rank. (vLLM's nccl engine rendezvouses its own way.)
 
 Buckets: the HF-named tensors arrive as a stream (the export gathers each from the ranks that own
 it) and are copied into one reused buffer of `bucket_bytes`; a full buffer is one /update_weights
@@ -72,7 +76,6 @@ from megatron_rl.rollout.vllm.launcher import ServerHandle
 
 Named = Iterable[tuple[str, torch.Tensor]]
 GLOO_EXTENSION = "megatron_rl_vllm_gloo.RegistersGlooEngine"  # server_plugin/megatron_rl_vllm_gloo.py
-STORE_PREFIX = "megatron_rl_weights"  # the same in the server plugin
 PROFILE_DIR_ENV = "MEGATRON_RL_VLLM_SYNC_PROFILE_DIR"  # the same in the server plugin: where it profiles each sync
 
 
@@ -151,45 +154,53 @@ class Channel(Protocol):
 @dataclass(frozen=True)
 class Backend:
     """name: the server's `--weight-transfer-config` backend. server_args: what a server we launch
-    needs to receive over it. init_info(host, port, world_size, bucket_bytes, timeout_s): the
-    /init_weight_transfer_engine payload. connect(host, world_size, timeout_s, start_peers):
-    open the trainer's end while `start_peers(port)` makes the workers join."""
+    needs to receive over it. init_info(host, port, world_size, bucket_bytes, timeout_s, token): the
+    /init_weight_transfer_engine payload (token: the rendezvous store's secret, None for vLLM's
+    own). connect(host, world_size, timeout_s, start_peers): open the trainer's end while
+    `start_peers(port, token)` makes the workers join."""
 
     name: str
     server_args: tuple[str, ...]
-    init_info: Callable[[str, int, int, int, float], dict]
-    connect: Callable[[str, int, float, Callable[[int], None]], Channel]
+    init_info: Callable[[str, int, int, int, float, str | None], dict]
+    connect: Callable[[str, int, float, Callable[[int, str | None], None]], Channel]
 
 
 class GlooChannel:
-    """A gloo group with the server's workers over a TCPStore this process hosts."""
+    """A gloo group with the server's workers. The rendezvous store listens on `host` only and takes
+    no request without its token (server_plugin/megatron_rl_vllm_store.py), which the workers get in
+    the keyed /init_weight_transfer_engine body; it stops listening once every worker has joined."""
 
     device = "cpu"
 
-    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int], None]):
+    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int, str | None], None]):
         import torch.distributed as dist
 
+        from megatron_rl.rollout.vllm.server_plugin.megatron_rl_vllm_store import SecretStoreServer
+
         timeout = datetime.timedelta(seconds=timeout_s)
-        # port 0: the kernel picks a free port and the store keeps it from then on (no race)
-        self.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(start_peers, self.store.port)  # the workers block in the rendezvous
-            try:
-                self.group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, self.store), 0, world_size, timeout)
-            finally:
-                joined.result()
+        self.store = SecretStoreServer(host, timeout_s)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                joined = pool.submit(start_peers, self.store.port, self.store.token)  # the workers block in the rendezvous
+                try:
+                    self.group = dist.ProcessGroupGloo(self.store.store, 0, world_size, timeout)
+                finally:
+                    joined.result()
+        finally:
+            self.store.close()  # the group's connections are made: nothing may join any more
 
     def broadcast(self, data: torch.Tensor) -> None:
         self.group.broadcast(data, 0).wait()
 
     def close(self) -> None:
-        self.group = self.store = None
+        self.group = None
 
 
-def _gloo_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float) -> dict:
+def _gloo_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float,
+                    token: str | None) -> dict:
     del bucket_bytes  # our engine receives each update as one broadcast, whatever its size
     return {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world_size,
-            "timeout_s": timeout_s}
+            "timeout_s": timeout_s, "store_token": token}
 
 
 class NcclChannel:
@@ -197,14 +208,14 @@ class NcclChannel:
 
     device = "cuda"
 
-    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int], None]):
+    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int, str | None], None]):
         try:
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
         except ImportError as e:
             raise VllmUnsupportedError(nccl_needs_vllm()) from e
         port = _free_port(host)  # vLLM's StatelessProcessGroup binds the port it is given
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(start_peers, port)
+            joined = pool.submit(start_peers, port, None)  # vLLM's rendezvous takes no token
             try:
                 self.comm = stateless_init_process_group(host, port, 0, world_size, torch.cuda.current_device())
             finally:
@@ -219,8 +230,9 @@ class NcclChannel:
         self.comm = None
 
 
-def _nccl_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float) -> dict:
-    del timeout_s  # vLLM's NCCL init info has none
+def _nccl_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float,
+                    token: str | None) -> dict:
+    del timeout_s, token  # vLLM's NCCL init info has neither
     return {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world_size,
             "packed": True, "packed_buffer_size_bytes": bucket_bytes, "packed_num_buffers": 2}
 
@@ -276,8 +288,8 @@ class MemorySync:
                             f"vLLM server with VLLM_SERVER_DEV_MODE=1")
         world = 1 + size["world_size"]
 
-        def start_peers(port: int) -> None:
-            info = self.backend.init_info(self.host, port, world, self.bucket_bytes, timeout)
+        def start_peers(port: int, token: str | None) -> None:
+            info = self.backend.init_info(self.host, port, world, self.bucket_bytes, timeout, token)
             self._post("/init_weight_transfer_engine", {"init_info": info}, timeout)
 
         self.channel = self.backend.connect(self.host, world, timeout, start_peers)

@@ -144,12 +144,12 @@ def test_update_info_is_vllms_message():
 
 def test_init_info_carries_what_each_server_engine_reads():
     # vLLM's NCCLWeightTransferInitInfo fields, and our gloo engine's (server_plugin/megatron_rl_vllm_gloo.py)
-    nccl = BACKENDS["nccl"].init_info("10.0.0.1", 5000, 3, 1 << 20, 60.0)
+    nccl = BACKENDS["nccl"].init_info("10.0.0.1", 5000, 3, 1 << 20, 60.0, None)
     assert nccl == {"master_address": "10.0.0.1", "master_port": 5000, "rank_offset": 1, "world_size": 3,
                     "packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2}
-    gloo = BACKENDS["gloo"].init_info("127.0.0.1", 5000, 2, 1 << 20, 60.0)
+    gloo = BACKENDS["gloo"].init_info("127.0.0.1", 5000, 2, 1 << 20, 60.0, "s3cret")
     assert gloo == {"master_address": "127.0.0.1", "master_port": 5000, "rank_offset": 1, "world_size": 2,
-                    "timeout_s": 60.0}
+                    "timeout_s": 60.0, "store_token": "s3cret"}
 
 
 def test_the_backend_follows_cuda():
