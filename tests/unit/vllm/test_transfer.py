@@ -222,3 +222,20 @@ def test_a_dead_server_is_not_restarted_on_random_weights(tmp_path):
             engine.fleet.lose(engine.replicas[0], 0, "died")
     finally:
         engine.close()
+
+
+def test_when_every_server_of_a_pool_is_out_the_error_says_so_and_gives_the_real_ways_out(tmp_path):
+    """A pool of 2 whose other server is already out: "use num_servers > 1" would be no advice."""
+    engine = VllmEngine(tiny_arch(), VllmConfig(device="cpu", num_servers=2), str(tmp_path),
+                        server=[_LaunchedServer(), _LaunchedServer()], device="cpu")
+    try:
+        engine.replicas[0].state = "ready"
+        engine.replicas[1].state, engine.replicas[1].why = "failed", "restart failed: out of memory"
+        with pytest.raises(VllmError) as e:
+            engine.fleet.lose(engine.replicas[0], 0, "server died")
+        message = str(e.value)
+        assert "every vLLM server of the pool of 2 is out" in message and "restart failed: out of memory" in message
+        assert "train.resume=true" in message and "rollout.vllm.weight_sync=reload" in message
+        assert "num_servers" not in message
+    finally:
+        engine.close()
