@@ -63,7 +63,7 @@ import math
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -282,6 +282,9 @@ class MemorySync:
     def open(self, timeout: float) -> None:
         """Join the server's workers into the broadcast group."""
         self.close()
+        # a fresh request thread: one abandoned by a failed push may still wait on the old process
+        self._rpc.shutdown(wait=False)
+        self._rpc = ThreadPoolExecutor(1, thread_name_prefix="vllm-weight-update")
         size = request_json(self.server.url + "/get_world_size", timeout=timeout, api_key=self.server.api_key)
         if not isinstance(size, dict) or not isinstance(size.get("world_size"), int):
             raise VllmError(f"{self.server.url}/get_world_size answered {size!r:.200}; in-memory weight sync needs a "
@@ -296,8 +299,12 @@ class MemorySync:
 
     def push(self, named: Named, version: int, timeout: float) -> float:
         """Send the whole stream as the server's weights `version`; seconds it took. The server
-        stays paused when a bucket fails (its weights are half updated): the caller stops."""
-        return push_all([self], named, version, timeout)
+        stays paused when a bucket fails (its weights are half updated): VllmError, and the caller
+        stops."""
+        pushed = push_all([self], named, version, timeout)
+        if pushed.failed:
+            raise VllmError(f"in-memory weight sync to {self.server.url} failed: {pushed.failed[self]}")
+        return pushed.seconds
 
     def begin(self, timeout: float, held: bool = False) -> None:
         if self.channel is None:
@@ -325,29 +332,104 @@ class MemorySync:
             self.channel = None
 
 
-def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float,
-             held: Collection[MemorySync] = ()) -> float:
-    """Send the stream to every server of `syncs` (each over its own group) as weights `version`;
-    seconds it took. held: those of them already paused (a partial rollout's /pause?mode=keep),
-    which stay so. The stream is read and packed once; each bucket goes to all servers at once
-    (one thread per server). The next bucket is gathered and packed into the same buffer while the
-    servers load this one (its bytes are sent once the broadcasts return), and is sent once they
-    have: a worker takes one update at a time. Any failure propagates, leaving the servers paused
-    and half updated (the caller stops the run)."""
-    t0 = time.perf_counter()
-    device = syncs[0].channel.device if syncs[0].channel is not None else "cpu"
-    with ThreadPoolExecutor(len(syncs), thread_name_prefix="vllm-push") as pool:
-        def each(fn, *args):
-            for f in [pool.submit(fn, s, *args, s in held) for s in syncs]:
-                f.result()
+@dataclass
+class Pushed:
+    """What push_all did: seconds it took, and the servers dropped on the way (their sync -> why)."""
 
-        each(MemorySync.begin, timeout)
-        loading: list[Future] = []  # the last bucket's loads, one per server
+    seconds: float
+    failed: dict[MemorySync, str]
+
+
+@dataclass
+class Watch:
+    """How push_all watches the servers: the whole push must end within `deadline_s` (the
+    setting's name goes in the error); while it waits on a server, `alive(sync)` is asked every
+    `interval_s` seconds (None: never)."""
+
+    deadline_s: float = math.inf
+    setting: str = "the sync's deadline"
+    alive: Callable[[MemorySync], bool] | None = None
+    interval_s: float = 5.0
+    health_setting: str = "the health check"
+
+
+def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float,
+             held: Collection[MemorySync] = (), watch: Watch | None = None) -> Pushed:
+    """Send the stream to every server of `syncs` (each over its own group) as weights `version`.
+    held: those of them already paused (a partial rollout's /pause?mode=keep), which stay so. The
+    stream is read and packed once; each bucket goes to all servers at once (one thread per
+    server). The next bucket is gathered and packed into the same buffer while the servers load
+    this one (its bytes are sent once the broadcasts return), and is sent once they have: a worker
+    takes one update at a time.
+
+    A server whose request or broadcast fails, that stops answering /health while the push waits
+    on it, or that has not done its part when `watch.deadline_s` (from the start) has passed, is
+    dropped: it gets nothing more, is left paused and half updated, and is named in
+    `Pushed.failed` (the caller restarts it before it serves again). The deadline bounds the whole
+    push: once it has passed, the servers still live are dropped too at their next step (a hung
+    server that /health does not show stops the sync; the health check is what lets the others
+    finish). Its stuck request or
+    broadcast is abandoned in its thread (it ends with the server, or at its own timeout), so the
+    push never waits for it past the deadline: the push's wall time is at most the deadline plus
+    one health check. Every HTTP request's timeout is `timeout` or what is left of the deadline.
+    When every server is dropped the stream is left unread. An error of the stream itself
+    propagates (every server is then half updated)."""
+    watch = watch or Watch()
+    t0 = time.perf_counter()
+    end_by = t0 + watch.deadline_s
+    live, failed = list(syncs), {}
+    device = syncs[0].channel.device if syncs[0].channel is not None else "cpu"
+    pool = ThreadPoolExecutor(len(syncs), thread_name_prefix="vllm-push")
+
+    def drop(s: MemorySync, why: str) -> None:
+        if s in live:
+            live.remove(s)
+            failed[s] = why
+
+    def settle(pending: dict[Future, MemorySync]) -> dict[MemorySync, object]:
+        """Wait for one step of every live server; drop those that fail, die or run past the deadline."""
+        results, checked = {}, time.perf_counter()
+        while pending:
+            left = end_by - time.perf_counter()
+            if left <= 0:
+                late = any(why.startswith("did not finish") for why in failed.values())
+                for s in set(pending.values()):
+                    drop(s, f"was left unfinished: {watch.setting}={watch.deadline_s:g} s ran out while the sync "
+                            f"waited on the server dropped first" if late else
+                            f"did not finish its part of the sync within {watch.setting}={watch.deadline_s:g} s")
+                break
+            done, _ = wait(pending, timeout=min(watch.interval_s, left), return_when=FIRST_COMPLETED)
+            for f in done:
+                s = pending.pop(f)
+                if f.exception() is not None:
+                    drop(s, f"{type(f.exception()).__name__}: {f.exception()}")
+                elif s in live:
+                    results[s] = f.result()
+            if pending and watch.alive is not None and time.perf_counter() - checked >= watch.interval_s:
+                checked = time.perf_counter()
+                for s in {s for s in pending.values() if not watch.alive(s)}:
+                    drop(s, f"stopped answering /health during the sync, hung or dead ({watch.health_setting})")
+            pending = {f: s for f, s in pending.items() if s in live}
+        return results
+
+    def step(call) -> dict[MemorySync, object]:
+        """call(sync, http_timeout) on every live server at once, settled."""
+        budget = max(0.001, min(timeout, end_by - time.perf_counter()))
+        return settle({pool.submit(call, s, budget): s for s in live})
+
+    try:
+        step(lambda s, t: s.begin(t, s in held))
+        loading: dict[MemorySync, Future] = {}  # the last bucket's loads, one per live server
         for metas, data in packed_buckets(named, syncs[0].bucket_bytes, device):  # packs while they load
-            for f in loading:
-                f.result()
-            loading = [f.result() for f in [pool.submit(MemorySync.send, s, metas, data, timeout) for s in syncs]]
-        for f in loading:
-            f.result()
-        each(MemorySync.end, version, timeout)
-    return time.perf_counter() - t0
+            settle({f: s for s, f in loading.items() if s in live})
+            if not live:
+                break
+            loading = step(lambda s, t, metas=metas, data=data: s.send(metas, data, t))
+        settle({f: s for s, f in loading.items() if s in live})
+        if live:
+            step(lambda s, t: s.end(version, t, s in held))
+    finally:
+        # an abandoned step stays in its thread (it may still read the buffer, which only a dropped
+        # server then receives); the others have returned
+        pool.shutdown(wait=False)
+    return Pushed(time.perf_counter() - t0, failed)
