@@ -4,10 +4,14 @@
     updates.update_weights(named_tensors, version, reference)   # weight_sync=memory (transfer.py)
     updates.load_weights_from(model_dir, version, reference)    # reload / restart (weight_sync.py)
 
-The first sync starts the servers (fleet.py) on those weights. A server dead during a sync is
-restarted on the new weights (disk: a fresh start loads them; memory: the transfer has failed,
-the run stops) when `max_restarts` >= 1 (it bounds each sync as it bounds each generate()
-call). After every `probe_every`-th sync (the first too) each READY server answers the parity
+The first sync starts the servers (fleet.py) on those weights. Disk: a server dead during a
+sync is restarted on the new weights (a fresh start loads them) when `max_restarts` >= 1 (it
+bounds each sync as it bounds each generate() call). Memory: a server found dead before the
+sync, or dropped during it (failed, stopped answering /health, or past `sync_timeout_s`:
+transfer.push_all), is taken out and restarted in the background on random weights (STALE: it
+serves nothing) and filled by the next sync; the sync goes on to the others. When it reaches
+none, VllmServerDiedError names each server and why, and the servers it left half updated are
+FAILED (never resumed or served; the next sync restarts them). After every `probe_every`-th sync (the first too) each READY server answers the parity
 probe (probe.py) against `reference` (None: transformers fp32 on the folder, or on the stream
 for an in-memory sync); VllmParityError past `probe_tolerance`. A sync inside a partial rollout
 (`fleet.paused`: the servers whose requests the generation froze, generation.py) leaves them
