@@ -34,8 +34,9 @@ class FakeVllm:
     HTTP status), "drop" (close the connection without an answer: also marks the server dead),
     "hang" (no answer until the test calls release_hung() or the server is stopped, as a killed
     process's connections end; then the good answer, if anyone still listens). Default: the
-    good answer. `hanging` is set once a request hangs. POST /abort_requests ends the requests
-hung at that moment with finish_reason "abort", as vLLM's does (`aborts` counts them; with
+    good answer. `hanging` is set once a request hangs. POST /abort_requests (and
+/pause?mode=abort, also recorded in `posts`) ends the requests hung at that moment with
+finish_reason "abort", as vLLM's does (`aborts` counts them; with
 abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE does).
 
     api_key: the key every request must carry (None: a fresh random one; "" : no key needed).
@@ -120,6 +121,10 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
                 if not self._check_key():
                     return
                 if self.path == "/abort_requests":
+                    return self._abort()
+                if self.path.startswith("/pause?mode=abort"):  # ends the frozen requests too, as vLLM's
+                    with fake.lock:
+                        fake.posts.append(self.path)
                     return self._abort()
                 if self.path != "/inference/v1/generate":
                     with fake.lock:
