@@ -7,8 +7,8 @@ server out of the pool and restarting it, and the engine's counters.
     fleet.await_restarts()                      # a sync must reach a server that is coming back
     fleet.close()
 
-Restarts. A server found dead or hung while requests run (generation.py) is taken out of the
-pool and stopped (its other requests fail fast and are resent), and restarted in the background
+Restarts. A server found dead or hung while requests run (generation.py), or before or during an
+in-memory sync (updates.py), is taken out of the pool and stopped (its other requests fail fast and are resent), and restarted in the background
 (`vllm/restarts`): with a disk sync on the newest weight folder (`dirs`), after which it serves
 again; with weight_sync=memory on random weights, and it stays out (STALE) until the next
 update_weights() reaches it (the engine holds no copy of the streamed weights to push them at
@@ -84,7 +84,7 @@ class Fleet:
             replica.epoch += 1
             self.warmup(replica)
             if replica.memory is not None:
-                replica.memory.open(self.cfg.startup_timeout_s)
+                replica.memory.open(self.cfg.startup_timeout_s, self.cfg.sync_timeout_s)
             if self.cfg.enable_return_routed_experts:
                 self._check_routing(replica)
             self.pool.set_state(replica, READY)
@@ -110,7 +110,7 @@ class Fleet:
         replica.epoch += 1
         self.warmup(replica)
         if replica.memory is not None:
-            replica.memory.open(self.cfg.startup_timeout_s)
+            replica.memory.open(self.cfg.startup_timeout_s, self.cfg.sync_timeout_s)
         with self.lock:
             self.stats["vllm/restarts"] += 1
             replica.restarts += 1

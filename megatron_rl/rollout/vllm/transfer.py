@@ -279,8 +279,11 @@ class MemorySync:
         return request_json(self.server.url + path, body if body is not None else {}, timeout=timeout,
                             api_key=self.server.api_key)
 
-    def open(self, timeout: float) -> None:
-        """Join the server's workers into the broadcast group."""
+    def open(self, timeout: float, group_timeout: float | None = None) -> None:
+        """Join the server's workers into the broadcast group. timeout: each request and the
+        rendezvous; group_timeout (default: timeout): the group's, which bounds each broadcast
+        (rollout.vllm.sync_timeout_s: a broadcast to a hung worker that a push abandoned ends
+        by then, and never holds the trainer's exit longer)."""
         self.close()
         # a fresh request thread: one abandoned by a failed push may still wait on the old process
         self._rpc.shutdown(wait=False)
@@ -292,10 +295,11 @@ class MemorySync:
         world = 1 + size["world_size"]
 
         def start_peers(port: int, token: str | None) -> None:
-            info = self.backend.init_info(self.host, port, world, self.bucket_bytes, timeout, token)
+            info = self.backend.init_info(self.host, port, world, self.bucket_bytes, group, token)
             self._post("/init_weight_transfer_engine", {"init_info": info}, timeout)
 
-        self.channel = self.backend.connect(self.host, world, timeout, start_peers)
+        group = timeout if group_timeout is None else group_timeout
+        self.channel = self.backend.connect(self.host, world, group, start_peers)
 
     def push(self, named: Named, version: int, timeout: float) -> float:
         """Send the whole stream as the server's weights `version`; seconds it took. The server
