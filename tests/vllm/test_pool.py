@@ -133,18 +133,24 @@ def test_a_server_killed_between_generate_and_sync_misses_one_sync_and_is_filled
     assert _same(again, unkilled[0]) and engine.replicas[1].requests > requests
 
 
-def test_a_server_stopped_mid_sync_is_dropped_by_its_health_within_the_deadline(pool, unkilled, caplog):
-    """SIGSTOPped as its first bucket goes out: the sync ends on the other server, within
-    rollout.vllm.sync_timeout_s (before: the run hung for startup_timeout_s, 624 s), naming the
-    hung server and the setting; it is restarted and the next sync fills it."""
+# killed: its /update_weights is refused (TransportError) or its broadcast is cut (gloo's error),
+# whichever the trainer sees first
+@pytest.mark.parametrize("sig, causes", [(signal.SIGSTOP, ("stopped answering /health",)),
+                                         (signal.SIGKILL, ("TransportError", "gloo", "onnection"))],
+                         ids=["stopped", "killed"])
+def test_a_server_stopped_or_killed_mid_sync_is_dropped_within_the_deadline(pool, unkilled, caplog, sig, causes):
+    """SIGSTOPped (or SIGKILLed) as its first bucket goes out: the sync ends on the other server,
+    within rollout.vllm.sync_timeout_s (before: a stopped one hung the run for startup_timeout_s,
+    624 s; a killed one stopped it), naming the server, the cause and, for a hang, the setting; it
+    is restarted and the next sync fills it."""
     engine, weights, _ = pool
     replica = engine.replicas[1]
-    pid, real_post, stopped = replica.server.pid, replica.memory._post, []
+    pid, real_post, struck = replica.server.pid, replica.memory._post, []
 
     def post(path, body, timeout):
-        if path == "/update_weights" and not stopped:
-            os.killpg(pid, signal.SIGSTOP)  # the event: mid-sync, after its pause and start
-            stopped.append(path)
+        if path == "/update_weights" and not struck:
+            os.killpg(pid, sig)  # the event: mid-sync, after its pause and start
+            struck.append(path)
         return real_post(path, body, timeout)
 
     replica.memory._post = post
@@ -152,11 +158,13 @@ def test_a_server_stopped_mid_sync_is_dropped_by_its_health_within_the_deadline(
         engine.update_weights(weights, 4)
     finally:
         del replica.memory._post
-    assert stopped and engine.replicas[0].state == "ready" and replica.state in ("down", "stale")
+    assert struck and engine.replicas[0].state == "ready" and replica.state in ("down", "stale")
     assert engine.stats()["timing/vllm_memory_sync"] < engine.cfg.sync_timeout_s
     dropped = [r.getMessage() for r in caplog.records if "dropped from the in-memory sync of version 4" in r.getMessage()]
     assert dropped and all("server1" in m and "server0" not in m for m in dropped), dropped
-    assert any("stopped answering /health" in m and "rollout.vllm.health_timeout_s" in m for m in dropped), dropped
+    assert any(c in m for m in dropped for c in causes), dropped
+    if sig == signal.SIGSTOP:
+        assert any("rollout.vllm.health_timeout_s" in m for m in dropped), dropped
     engine.update_weights(weights, 5)
     assert [r.state for r in engine.replicas] == ["ready", "ready"]
     assert _same(engine.generate(PROMPTS, 2, SAMPLING), unkilled[0])

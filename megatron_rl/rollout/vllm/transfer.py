@@ -369,14 +369,14 @@ def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float
     A server whose request or broadcast fails, that stops answering /health while the push waits
     on it, or that has not done its part when `watch.deadline_s` (from the start) has passed, is
     dropped: it gets nothing more, is left paused and half updated, and is named in
-    `Pushed.failed` (the caller restarts it before it serves again). The deadline bounds the whole
-    push: once it has passed, the servers still live are dropped too at their next step (a hung
-    server that /health does not show stops the sync; the health check is what lets the others
-    finish). Its stuck request or
+    `Pushed.failed` (the caller restarts it before it serves again). Its stuck request or
     broadcast is abandoned in its thread (it ends with the server, or at its own timeout), so the
-    push never waits for it past the deadline: the push's wall time is at most the deadline plus
-    one health check. Every HTTP request's timeout is `timeout` or what is left of the deadline.
-    When every server is dropped the stream is left unread. An error of the stream itself
+    push never waits for it. The deadline bounds the whole push: once it has passed, the servers
+    still live are dropped too (a hang that /health does not show fails the sync; the health
+    check is what lets the others finish). The push's wall time is so at most the deadline plus
+    the health checks then in progress (health_timeout_s each) and the tensor the export is then
+    gathering. Every HTTP request's timeout is `timeout` or what is left of the deadline. When
+    every server is dropped the rest of the stream is left unread. An error of the stream itself
     propagates (every server is then half updated)."""
     watch = watch or Watch()
     t0 = time.perf_counter()
