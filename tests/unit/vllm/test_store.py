@@ -76,3 +76,30 @@ def test_only_the_worker_with_the_token_joins_and_the_store_closes_after():
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", channel.store.port), timeout=GUARD_S)
     channel.close()
+
+
+def test_a_server_of_two_workers_joins_through_one_store():
+    """tensor_parallel_size=2: both workers join at once, each on its own connection."""
+    got, threads, joined = {}, [], [threading.Event(), threading.Event()]
+
+    def workers(port: int, token: str) -> None:
+        """Returns once both have joined, as /init_weight_transfer_engine does (then the store closes)."""
+        def join(rank: int) -> None:
+            group = dist.ProcessGroupGloo(SecretStoreClient("127.0.0.1", port, token, GUARD_S), rank, 3,
+                                          torch.distributed.default_pg_timeout)
+            joined[rank - 1].set()
+            data = torch.zeros(4, dtype=torch.uint8)
+            group.broadcast(data, 0).wait()
+            got[rank] = data
+
+        threads.extend(threading.Thread(target=join, args=(rank,)) for rank in (1, 2))
+        for t in threads:
+            t.start()
+        assert all(e.wait(GUARD_S) for e in joined)
+
+    channel = GlooChannel("127.0.0.1", 3, GUARD_S, workers)
+    channel.broadcast(torch.arange(4, dtype=torch.uint8))
+    for t in threads:
+        t.join(GUARD_S)
+    assert all(torch.equal(got[rank], torch.arange(4, dtype=torch.uint8)) for rank in (1, 2))
+    channel.close()
