@@ -270,13 +270,21 @@ class AsyncSchedule(SyncSchedule):
 
     def sync(self, version: int) -> None:
         """Push `version` (collective); on rank 0, a generation in flight is first parked (pause)
-        or ended (abort) per `in_flight`, and goes on (is started again) after the push."""
+        or ended (abort) per `in_flight`, and goes on (is started again) after the push. When the
+        push fails, a parked generation is ended (engine.abort()), never resumed, and the error
+        propagates (the run stops)."""
         engine = self.batches.engine if self.batches is not None else None
         held = self.in_flight != "wait" and engine is not None and self._worker is not None
         if held:
             (engine.abort if self.in_flight == "abort" else engine.pause)()
         try:
             super().sync(version)
+        except BaseException:
+            if held and self.in_flight == "pause":
+                # a failed push leaves the engine's weights half loaded: the parked generation
+                # must not go on over them (on a vLLM server its engine core dies); ended instead
+                engine.abort()
+            raise
         finally:
             if held:
                 engine.resume()

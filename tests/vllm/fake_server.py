@@ -40,8 +40,9 @@ class FakeVllm:
     "flood" / "flood-declared" (FLOOD_BYTES of blanks, without / with a Content-Length saying
     so; `flooded` gets the bytes sent before the client left or it was all sent, and
     `flood_ended` is set then). `completions(body)`: the answer to /v1/completions (the parity
-    probe's), in the same forms as behaviour's (None: the dummy answer). Default: the good answer. `hanging` is set once a request hangs. POST /abort_requests ends the requests
-hung at that moment with finish_reason "abort", as vLLM's does (`aborts` counts them; with
+    probe's), in the same forms as behaviour's (None: the dummy answer). Default: the good answer. `hanging` is set once a request hangs. POST /abort_requests (and
+/pause?mode=abort, also recorded in `posts`) ends the requests hung at that moment with
+finish_reason "abort", as vLLM's does (`aborts` counts them; with
 abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE does).
 
     api_key: the key every request must carry (None: a fresh random one; "" : no key needed).
@@ -132,6 +133,10 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
                     return self._abort()
                 if self.path == "/v1/completions" and fake.completions is not None:
                     return self._reply(fake.completions(body))
+                if self.path.startswith("/pause?mode=abort"):  # ends the frozen requests too, as vLLM's
+                    with fake.lock:
+                        fake.posts.append(self.path)
+                    return self._abort()
                 if self.path != "/inference/v1/generate":
                     with fake.lock:
                         fake.posts.append(self.path)

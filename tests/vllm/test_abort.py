@@ -10,7 +10,7 @@ import pytest
 
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError, VllmUnsupportedError
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 
@@ -161,4 +161,27 @@ def test_a_server_that_cannot_pause_is_refused_naming_why_and_the_engine_is_not_
     fake.release_hung()
     thread.join(GUARD_S)
     assert len(outcome["samples"]) == 3 and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3  # nothing held
+    engine.close()
+
+
+def test_a_failed_sync_while_paused_ends_the_frozen_requests_and_never_resumes_the_server(tmp_path, weights):
+    """What the async schedule does when its push fails under train.in_flight_update=pause:
+    abort(), then resume(). The frozen requests are ended (/pause?mode=abort: nothing more is
+    computed on the half-loaded weights) and the server is never resumed; the pool has it out,
+    so the next call fails naming why instead of sampling from it."""
+    hold = ["the call"]
+    engine, fake = make_engine(tmp_path, weights, hold)
+    thread, outcome = generate_in_background(engine)
+    assert fake.hanging.wait(GUARD_S)
+    engine.pause()
+    fake.refused.add("/collective_rpc")  # the reload fails: the server is left half updated
+    with pytest.raises(VllmServerDiedError, match="weight sync to .* failed"):
+        push(engine, weights, 4)
+    engine.abort()
+    engine.resume()
+    thread.join(GUARD_S)
+    assert isinstance(outcome.get("error"), GenerationAborted), outcome
+    assert fake.posts[-1] == "/pause?mode=abort&clear_cache=false" and "/resume" not in fake.posts
+    with pytest.raises(VllmServerDiedError, match="no vLLM server of the pool can serve"):
+        engine.generate(PROMPTS, 1, SAMPLING)
     engine.close()

@@ -2,10 +2,12 @@
 requests spread over both; one server killed mid-generate loses no sample and duplicates none,
 and the samples are those of the unkilled call (seeded sampling: a sample depends on its seed,
 not on the server); the killed server restarts on random weights, stays out until the next sync
-reaches it, then serves again; and pretrain_rl.py completes RL steps on the same two servers as
-a pool of URLs (rollout.vllm.urls).
+reaches it, then serves again; one killed between generate and sync, or SIGSTOPped mid-sync,
+misses that sync (the other takes it, within rollout.vllm.sync_timeout_s), is restarted and
+filled by the next; and pretrain_rl.py completes RL steps on the same two servers as a pool of
+URLs (rollout.vllm.urls).
 
-Two server starts for the module (one pool, module-scoped) plus the killed one's restart. The
+Two server starts for the module (one pool, module-scoped) plus a restart per fault. The
 kill is triggered by an event, never a timer: server 1 is killed once it has answered a request
 of the call, while the first request sent to it is held back until then, so the call cannot end
 before the kill however fast or slow the machine."""
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.vllm
 ARCH = tiny_arch()
 PROMPTS = [[4 + i % 40, 5 + i % 7, 14, 8 + i % 5] for i in range(24)]
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=48, seed=7)
+GUARD_S = 600.0  # hang guards only
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def pool(vllm_python, tmp_path_factory):
     """Two launched servers sharing one key (so that a trainer in another process can reach both
     as URLs, given the key), on the weights of seed 0."""
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, num_servers=2, health_interval_s=2.0,
-                     health_timeout_s=30.0, max_restarts=1)
+                     health_timeout_s=30.0, max_restarts=1, sync_timeout_s=120.0)
     engine = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_pool")))
     key = secrets.token_urlsafe(16)
     for r in engine.replicas:
@@ -110,6 +113,61 @@ def test_a_server_killed_mid_generate_loses_no_sample_and_rejoins_after_the_next
     again = engine.generate(PROMPTS, 2, SAMPLING)
     assert _same(again, unkilled[0]) and engine.replicas[1].requests > requests
     assert engine.stats()["vllm/server1/restarts"] == 1
+
+
+def test_a_server_killed_between_generate_and_sync_misses_one_sync_and_is_filled_by_the_next(pool, unkilled):
+    """Killed while the trainer trains: the next sync finds it dead, goes to the other server, and
+    restarts it; it serves nothing (STALE) until the sync after fills it."""
+    engine, weights, _ = pool
+    restarts = engine.stats()["vllm/restarts"]
+    server = engine.replicas[1].server
+    os.killpg(server.pid, signal.SIGKILL)
+    server.proc.wait(GUARD_S)  # dead (reaped) before the sync: the event, no timer
+    engine.update_weights(weights, 2)  # before: TransportError (connection refused) and the run stopped
+    assert engine.replicas[0].state == "ready" and engine.replicas[1].state in ("down", "stale")
+    engine.update_weights(weights, 3)  # waits for the restart, and fills it
+    assert [r.state for r in engine.replicas] == ["ready", "ready"]
+    assert engine.stats()["vllm/restarts"] == restarts + 1
+    requests = engine.replicas[1].requests
+    again = engine.generate(PROMPTS, 2, SAMPLING)
+    assert _same(again, unkilled[0]) and engine.replicas[1].requests > requests
+
+
+# killed: its /update_weights is refused (TransportError) or its broadcast is cut (gloo's error),
+# whichever the trainer sees first
+@pytest.mark.parametrize("sig, causes", [(signal.SIGSTOP, ("stopped answering /health",)),
+                                         (signal.SIGKILL, ("TransportError", "gloo", "onnection"))],
+                         ids=["stopped", "killed"])
+def test_a_server_stopped_or_killed_mid_sync_is_dropped_within_the_deadline(pool, unkilled, caplog, sig, causes):
+    """SIGSTOPped (or SIGKILLed) as its first bucket goes out: the sync ends on the other server,
+    within rollout.vllm.sync_timeout_s (before: a stopped one hung the run for startup_timeout_s,
+    624 s; a killed one stopped it), naming the server, the cause and, for a hang, the setting; it
+    is restarted and the next sync fills it."""
+    engine, weights, _ = pool
+    replica = engine.replicas[1]
+    pid, real_post, struck = replica.server.pid, replica.memory._post, []
+
+    def post(path, body, timeout):
+        if path == "/update_weights" and not struck:
+            os.killpg(pid, sig)  # the event: mid-sync, after its pause and start
+            struck.append(path)
+        return real_post(path, body, timeout)
+
+    replica.memory._post = post
+    try:
+        engine.update_weights(weights, 4)
+    finally:
+        del replica.memory._post
+    assert struck and engine.replicas[0].state == "ready" and replica.state in ("down", "stale")
+    assert engine.stats()["timing/vllm_memory_sync"] < engine.cfg.sync_timeout_s
+    dropped = [r.getMessage() for r in caplog.records if "dropped from the in-memory sync of version 4" in r.getMessage()]
+    assert dropped and all("server1" in m and "server0" not in m for m in dropped), dropped
+    assert any(c in m for m in dropped for c in causes), dropped
+    if sig == signal.SIGSTOP:
+        assert any("rollout.vllm.health_timeout_s" in m for m in dropped), dropped
+    engine.update_weights(weights, 5)
+    assert [r.state for r in engine.replicas] == ["ready", "ready"]
+    assert _same(engine.generate(PROMPTS, 2, SAMPLING), unkilled[0])
 
 
 def test_rl_steps_on_a_pool_of_server_urls(pool, tmp_path, vllm_python):

@@ -5,6 +5,7 @@ the others and comes back after a restart; one that may not be restarted stays o
 reaches every server, and one that was down is started on the new weights; an in-memory sync
 packs the stream once and sends each bucket to every server."""
 import threading
+import time
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ from megatron_rl.rollout.types import SamplingParams, stream_seed
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError
 from megatron_rl.rollout.vllm.client import server_devices
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
+from megatron_rl.rollout.vllm.http import TransportError
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, Replica, ServerPool
 from megatron_rl.rollout.vllm.servers import shared_gpu
-from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, packed_buckets, push_all
+from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, Watch, packed_buckets, push_all
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm, good_answer
 
@@ -223,7 +225,7 @@ def test_one_sync_packs_the_stream_once_and_sends_every_bucket_to_every_server()
             read.append(pair[0])
             yield pair
 
-    push_all(syncs, stream(), version=7, timeout=60.0)
+    assert not push_all(syncs, stream(), version=7, timeout=60.0).failed
     assert read == [n for n, _ in tensors]  # one pass over the export for all servers
     want = [data.clone() for _, data in packed_buckets(tensors, 160)]
     for rec in recorders:
@@ -247,5 +249,77 @@ def test_a_sync_inside_a_partial_rollout_leaves_the_paused_servers_paused_for_re
     assert rejoining == ["/pause?mode=wait", "/start_weight_update", "/update_weights", "/finish_weight_update",
                          "/resume"]
     assert all(rec.posts[-1 if rec is recorders[0] else -2][1] == {"weight_version": "9"} for rec in recorders)
+    for s in syncs:
+        s._rpc.shutdown()
+
+
+TENSORS = [(f"t{i}", torch.full((30,), float(i))) for i in range(4)]  # 120 bytes each: one bucket each at 160
+
+
+def _sent(rec) -> list[str]:
+    return [p for p, _ in rec.posts]
+
+
+def test_a_server_that_refuses_the_sync_is_dropped_and_the_others_get_all_of_it():
+    """Dead between generation and sync (connection refused): the sync goes on to the live server."""
+    syncs, recorders = _recorded_syncs(2)
+
+    def refused(path, body, timeout):
+        raise TransportError(f"{path}: [Errno 111] Connection refused")
+
+    syncs[1]._post = refused
+    pushed = push_all(syncs, TENSORS, version=3, timeout=60.0)
+    assert list(pushed.failed) == [syncs[1]] and "Connection refused" in pushed.failed[syncs[1]]
+    assert _sent(recorders[0])[-2:] == ["/finish_weight_update", "/resume"] and len(recorders[0].received) == 4
+    assert recorders[1].received == []  # nothing more after its first request failed
+    for s in syncs:
+        s._rpc.shutdown()
+
+
+class _Hung(_Recorder):
+    """A channel whose second broadcast never returns until `release` is set (a stopped worker)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def broadcast(self, data):
+        if len(self.received) == 1:
+            self.entered.set()
+            self.release.wait(600.0)
+        super().broadcast(data)
+
+
+@pytest.mark.parametrize("by", ["health", "deadline"])
+def test_a_server_hung_mid_sync_is_dropped_by_its_health_or_the_deadline_and_named(by):
+    """Stopped mid-broadcast: dropped once /health fails (checked while the push waits on it), or
+    when the sync's deadline passes, whichever is first; the other server gets the whole sync, and
+    the push's wall time is bounded by the deadline, not by the hung broadcast."""
+    syncs, recorders = _recorded_syncs(2)
+    hung = _Hung()
+    syncs[1].channel = hung
+    hung.posts = recorders[1].posts
+    syncs[1]._post = lambda path, body, timeout: hung.posts.append((path, body))
+    deadline = 600.0 if by == "health" else 3.0
+    watch = Watch(deadline, "rollout.vllm.sync_timeout_s", alive=lambda s: not (s is syncs[1] and hung.entered.is_set()),
+                  interval_s=0.05, health_setting="rollout.vllm.health_timeout_s=10 s")
+    t0 = time.perf_counter()
+    try:
+        pushed = push_all(syncs, TENSORS, version=4, timeout=600.0,
+                          watch=watch if by == "health" else Watch(deadline, "rollout.vllm.sync_timeout_s"))
+        wall = time.perf_counter() - t0
+    finally:
+        hung.release.set()
+    want = ("stopped answering /health during the sync, hung or dead (rollout.vllm.health_timeout_s=10 s)"
+            if by == "health" else "did not finish its part of the sync within rollout.vllm.sync_timeout_s=3 s")
+    assert pushed.failed[syncs[1]] == want
+    if by == "health":  # found before the deadline: the other server finishes the sync
+        assert list(pushed.failed) == [syncs[1]]
+        assert len(recorders[0].received) == 4 and _sent(recorders[0])[-1] == "/resume"
+    else:  # the deadline bounds the whole sync: the other is left unfinished, and says why
+        assert "rollout.vllm.sync_timeout_s=3 s ran out while the sync waited" in pushed.failed[syncs[0]]
+    assert "/finish_weight_update" not in _sent(hung)
+    assert wall < deadline + 30.0  # the deadline bounds it (slack: a loaded 2-core machine)
     for s in syncs:
         s._rpc.shutdown()

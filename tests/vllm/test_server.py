@@ -350,3 +350,44 @@ def test_pause_updates_the_weights_mid_generation_and_each_token_is_its_version_
     later = engine.generate(PROMPTS[:2], 1, SamplingParams(max_tokens=4))
     assert all(g[0].policy_version == 11 and g[0].token_versions is None for g in later)
     push(engine, weights_a, 0)  # as the module's fixture left it
+
+
+def test_an_abort_after_a_pause_ends_the_frozen_requests_and_leaves_the_server_paused(engine):
+    """What a push that failed under train.in_flight_update=pause is followed by (the schedule's
+    abort(), then resume()): vLLM's /pause?mode=abort ends the frozen requests, so the call raises
+    GenerationAborted, and the server stays paused through resume(): it never goes on over weights
+    a failed push may have left half loaded. The pause comes once the server has generated a token
+    of the call; a call that ended first is run again, up to 10 times, then the test skips (as the
+    pause test above)."""
+    server, why = engine.server, []
+    for _ in range(10):
+        before, outcome = _generated_tokens(server), {}
+
+        def run(outcome=outcome):
+            try:
+                outcome["samples"] = engine.generate(PROMPTS[:2], 1, SamplingParams(temperature=1.0, max_tokens=240,
+                                                                                    seed=7))
+            except BaseException as e:  # noqa: BLE001 - the test reads it
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, name="rollout-generation")
+        thread.start()
+        guard = threading.Event()
+        while _generated_tokens(server) <= before and thread.is_alive():  # the server's state, not a fixed wait
+            guard.wait(0.005)
+        engine.pause()
+        if not engine.fleet.paused:  # the call had returned: nothing was frozen
+            engine.resume()
+            thread.join(HOLD_GUARD_S)
+            why.append("the call had returned")
+            continue
+        engine.abort()
+        engine.resume()
+        thread.join(HOLD_GUARD_S)
+        assert isinstance(outcome.get("error"), GenerationAborted), outcome
+        assert request_json(server.url + "/is_paused", timeout=120, api_key=server.api_key) == {"is_paused": True}
+        request_json(server.url + "/resume", {}, timeout=120, api_key=server.api_key)  # as the module left it
+        break
+    else:
+        pytest.skip(f"every call ended before its pause took hold (a loaded machine): {why}")
+    assert len(greedy(engine)) == len(PROMPTS)

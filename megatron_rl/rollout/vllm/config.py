@@ -123,7 +123,15 @@ class VllmConfig:
           most 16 GiB). At start-up the trainer's buffer and one per worker of the servers we
           launch must fit in half of this machine's memory.
       transfer_host: the address the server's workers reach the trainer's rendezvous at (a
-          server on another host needs this host's address); it must resolve at start-up.
+          server on another host needs this host's address); it must resolve at start-up. The
+          gloo rendezvous store listens on it alone, for token holders only, until the workers
+          have joined.
+      sync_timeout_s: the most seconds one in-memory sync may take, the trainer's export
+          included (default 300). A server that has not done its part by then, or that stops
+          answering /health while the sync waits on it (checked every health_interval_s), is
+          dropped from the sync and restarted; the sync goes on to the others and fails, naming
+          each server and why, only when none is left. Raise it for a model whose sync is
+          slower (the sync's time is logged as timing/vllm_memory_sync).
       probe_every: run the parity probe after every k-th sync (0 = never).
       probe_tokens: length of the fixed probe sequence.
       probe_tolerance: max |log-prob diff| of the probe vs the reference (None = 1e-3 for
@@ -167,6 +175,7 @@ class VllmConfig:
     weight_sync: str = "memory"
     bucket_bytes: int = 1 << 30
     transfer_host: str = "127.0.0.1"
+    sync_timeout_s: float = 300.0
     probe_every: int = 1
     probe_tokens: int = 16
     probe_tolerance: float | None = None
@@ -205,7 +214,8 @@ class VllmConfig:
         for name in ("max_retries", "max_restarts", "probe_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"rollout.vllm.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "startup_timeout_s", "health_timeout_s", "health_interval_s"):
+        for name in ("request_timeout_s", "startup_timeout_s", "health_timeout_s", "health_interval_s",
+                     "sync_timeout_s"):
             checks.number(f"rollout.vllm.{name}", getattr(self, name), lo=0, lo_open=True,
                           hint="seconds; 0 is not 'no timeout', it fails every request or check")
         checks.number("rollout.vllm.retry_backoff_s", self.retry_backoff_s, lo=0)

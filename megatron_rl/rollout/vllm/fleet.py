@@ -7,8 +7,8 @@ server out of the pool and restarting it, and the engine's counters.
     fleet.await_restarts()                      # a sync must reach a server that is coming back
     fleet.close()
 
-Restarts. A server found dead or hung while requests run (generation.py) is taken out of the
-pool and stopped (its other requests fail fast and are resent), and restarted in the background
+Restarts. A server found dead or hung while requests run (generation.py), or before or during an
+in-memory sync (updates.py), is taken out of the pool and stopped (its other requests fail fast and are resent), and restarted in the background
 (`vllm/restarts`): with a disk sync on the newest weight folder (`dirs`), after which it serves
 again; with weight_sync=memory on random weights, and it stays out (STALE) until the next
 update_weights() reaches it (the engine holds no copy of the streamed weights to push them at
@@ -84,7 +84,7 @@ class Fleet:
             replica.epoch += 1
             self.warmup(replica)
             if replica.memory is not None:
-                replica.memory.open(self.cfg.startup_timeout_s)
+                replica.memory.open(self.cfg.startup_timeout_s, self.cfg.sync_timeout_s)
             if self.cfg.enable_return_routed_experts:
                 self._check_routing(replica)
             self.pool.set_state(replica, READY)
@@ -110,7 +110,7 @@ class Fleet:
         replica.epoch += 1
         self.warmup(replica)
         if replica.memory is not None:
-            replica.memory.open(self.cfg.startup_timeout_s)
+            replica.memory.open(self.cfg.startup_timeout_s, self.cfg.sync_timeout_s)
         with self.lock:
             self.stats["vllm/restarts"] += 1
             replica.restarts += 1
@@ -161,11 +161,11 @@ class Fleet:
         self._restarting = [f for f in self._restarting if not f.done()]
 
     def lose(self, replica: Replica, epoch: int, reason: str) -> None:
-        """Take a dead or hung server out of the pool, stop it (its other requests fail fast and
-        are resent) and restart it in the background. Raises VllmServerDiedError when it may not
-        come back and no other server is READY."""
+        """Take a dead or hung server (READY, or STALE: rejoining at a sync) out of the pool, stop
+        it (its other requests fail fast and are resent) and restart it in the background. Raises
+        VllmServerDiedError when it may not come back and no other server is READY."""
         with self.lock:
-            if epoch != replica.epoch or replica.state != READY:
+            if epoch != replica.epoch or replica.state not in (READY, STALE):
                 return
             others = [r for r in self.replicas if r is not replica and r.state == READY]
             why = self._no_restart(replica, reason, bool(others))
@@ -193,11 +193,23 @@ class Fleet:
             return (f"the vLLM server failed again ({reason}) after {self.call_restarts} restarts in this "
                     f"generate() call (rollout.vllm.max_restarts). Log: {server.log_where}")
         if replica.memory is not None and not others:
-            return (f"vLLM server at {server.url} failed ({reason}); with rollout.vllm.weight_sync=memory it is not "
-                    f"restarted: the engine holds no copy of the weights to start it on, and no other server of the "
-                    f"pool has them (resume the run, use rollout.vllm.num_servers > 1, or weight_sync=reload for "
-                    f"restarts from the newest weight folder). Log: {server.log_where}")
+            return self._none_left(replica, reason)
         return None
+
+    def _none_left(self, replica: Replica, reason: str) -> str:
+        """Why the last server of an in-memory-synced pool is not restarted, and the ways out."""
+        server = replica.server
+        why = ("the engine holds no copy of the weights to start it on, and no other server of the pool has them: "
+               "resume the run from its last checkpoint (train.resume=true), or set rollout.vllm.weight_sync=reload "
+               "(restarts from the newest weight folder)")
+        if len(self.replicas) == 1:
+            return (f"vLLM server at {server.url} failed ({reason}); with rollout.vllm.weight_sync=memory it is not "
+                    f"restarted: {why}, or use rollout.vllm.num_servers > 1 so that the others carry on while it "
+                    f"restarts. Log: {server.log_where}")
+        others = "; ".join(f"{r.name()} {r.state}: {r.why or '-'}" for r in self.replicas if r is not replica)
+        return (f"every vLLM server of the pool of {len(self.replicas)} is out: {replica.name()} failed ({reason}), "
+                f"and the others cannot serve ({others}). With rollout.vllm.weight_sync=memory none is restarted: "
+                f"{why}. Logs: {', '.join(r.server.log_where for r in self.replicas)}")
 
     def _restart_in_background(self, replica: Replica, reason: str) -> None:
         try:

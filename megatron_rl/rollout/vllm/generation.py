@@ -192,11 +192,17 @@ class Generation:
 
     def _abort_servers(self) -> None:
         """Ask every READY server to end the requests it runs (see the module docstring). A request
-        that reaches its server after this runs to its end: abort() then waits for it."""
-        for r in self.fleet.pool.ready():
+        that reaches its server after this runs to its end: abort() then waits for it. A paused
+        server (an abort after pause(): the weight push failed), whatever its state, has its
+        frozen requests ended by /pause?mode=abort and stays paused: resume() does not let it go
+        on, since its weights may be half loaded (the pool has marked it out)."""
+        frozen = [r for r in self.fleet.replicas if r.index in self.fleet.paused]
+        self.fleet.paused.difference_update(r.index for r in frozen)
+        for r in frozen + [r for r in self.fleet.pool.ready() if r not in frozen]:
+            # clear_cache=false: nothing of the (maybe half loaded) model is touched
+            path = "/pause?mode=abort&clear_cache=false" if r in frozen else "/abort_requests"
             try:
-                request_json(r.server.url + "/abort_requests", {}, timeout=self.cfg.request_timeout_s,
-                             api_key=r.server.api_key)
+                request_json(r.server.url + path, {}, timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
             except (TransportError, HttpStatusError, BadResponse) as e:
                 log.info("vLLM %s did not abort its requests (%s): they run to their end", r.name(), e)
 

@@ -26,7 +26,11 @@ Data plane: a process group of the trainer (rank 0, the sender) and the server's
     so it needs vLLM importable in its own environment (pip install .[vllm]).
   - `gloo` (no CUDA): vLLM's engines all need CUDA, so the server runs ours
     (server_plugin/megatron_rl_vllm_gloo.py), speaking the same messages; the trainer hosts the
-    rendezvous store (a TCPStore on a port the kernel picks) and a gloo group with plain torch.
+    rendezvous store and a gloo group with plain torch. The store listens on `host`
+    (rollout.vllm.transfer_host) only, on a port the kernel picks, answers only connections that
+    open with a fresh secret sent in the keyed /init_weight_transfer_engine body, and closes once
+    the workers have joined (server_plugin/megatron_rl_vllm_store.py): nothing else can read the
+    ranks' addresses or take a worker's rank. (vLLM's nccl engine rendezvouses its own way.)
 
 Buckets: the HF-named tensors arrive as a stream (the export gathers each from the ranks that own
 it) and are copied into one reused buffer of `bucket_bytes`; a full buffer is one /update_weights
@@ -59,7 +63,7 @@ import math
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,7 +76,6 @@ from megatron_rl.rollout.vllm.launcher import ServerHandle
 
 Named = Iterable[tuple[str, torch.Tensor]]
 GLOO_EXTENSION = "megatron_rl_vllm_gloo.RegistersGlooEngine"  # server_plugin/megatron_rl_vllm_gloo.py
-STORE_PREFIX = "megatron_rl_weights"  # the same in the server plugin
 PROFILE_DIR_ENV = "MEGATRON_RL_VLLM_SYNC_PROFILE_DIR"  # the same in the server plugin: where it profiles each sync
 
 
@@ -151,45 +154,53 @@ class Channel(Protocol):
 @dataclass(frozen=True)
 class Backend:
     """name: the server's `--weight-transfer-config` backend. server_args: what a server we launch
-    needs to receive over it. init_info(host, port, world_size, bucket_bytes, timeout_s): the
-    /init_weight_transfer_engine payload. connect(host, world_size, timeout_s, start_peers):
-    open the trainer's end while `start_peers(port)` makes the workers join."""
+    needs to receive over it. init_info(host, port, world_size, bucket_bytes, timeout_s, token): the
+    /init_weight_transfer_engine payload (token: the rendezvous store's secret, None for vLLM's
+    own). connect(host, world_size, timeout_s, start_peers): open the trainer's end while
+    `start_peers(port, token)` makes the workers join."""
 
     name: str
     server_args: tuple[str, ...]
-    init_info: Callable[[str, int, int, int, float], dict]
-    connect: Callable[[str, int, float, Callable[[int], None]], Channel]
+    init_info: Callable[[str, int, int, int, float, str | None], dict]
+    connect: Callable[[str, int, float, Callable[[int, str | None], None]], Channel]
 
 
 class GlooChannel:
-    """A gloo group with the server's workers over a TCPStore this process hosts."""
+    """A gloo group with the server's workers. The rendezvous store listens on `host` only and takes
+    no request without its token (server_plugin/megatron_rl_vllm_store.py), which the workers get in
+    the keyed /init_weight_transfer_engine body; it stops listening once every worker has joined."""
 
     device = "cpu"
 
-    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int], None]):
+    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int, str | None], None]):
         import torch.distributed as dist
 
+        from megatron_rl.rollout.vllm.server_plugin.megatron_rl_vllm_store import SecretStoreServer
+
         timeout = datetime.timedelta(seconds=timeout_s)
-        # port 0: the kernel picks a free port and the store keeps it from then on (no race)
-        self.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(start_peers, self.store.port)  # the workers block in the rendezvous
-            try:
-                self.group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, self.store), 0, world_size, timeout)
-            finally:
-                joined.result()
+        self.store = SecretStoreServer(host, timeout_s)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                joined = pool.submit(start_peers, self.store.port, self.store.token)  # the workers block in the rendezvous
+                try:
+                    self.group = dist.ProcessGroupGloo(self.store.store, 0, world_size, timeout)
+                finally:
+                    joined.result()
+        finally:
+            self.store.close()  # the group's connections are made: nothing may join any more
 
     def broadcast(self, data: torch.Tensor) -> None:
         self.group.broadcast(data, 0).wait()
 
     def close(self) -> None:
-        self.group = self.store = None
+        self.group = None
 
 
-def _gloo_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float) -> dict:
+def _gloo_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float,
+                    token: str | None) -> dict:
     del bucket_bytes  # our engine receives each update as one broadcast, whatever its size
     return {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world_size,
-            "timeout_s": timeout_s}
+            "timeout_s": timeout_s, "store_token": token}
 
 
 class NcclChannel:
@@ -197,14 +208,14 @@ class NcclChannel:
 
     device = "cuda"
 
-    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int], None]):
+    def __init__(self, host: str, world_size: int, timeout_s: float, start_peers: Callable[[int, str | None], None]):
         try:
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
         except ImportError as e:
             raise VllmUnsupportedError(nccl_needs_vllm()) from e
         port = _free_port(host)  # vLLM's StatelessProcessGroup binds the port it is given
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(start_peers, port)
+            joined = pool.submit(start_peers, port, None)  # vLLM's rendezvous takes no token
             try:
                 self.comm = stateless_init_process_group(host, port, 0, world_size, torch.cuda.current_device())
             finally:
@@ -219,8 +230,9 @@ class NcclChannel:
         self.comm = None
 
 
-def _nccl_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float) -> dict:
-    del timeout_s  # vLLM's NCCL init info has none
+def _nccl_init_info(host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float,
+                    token: str | None) -> dict:
+    del timeout_s, token  # vLLM's NCCL init info has neither
     return {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world_size,
             "packed": True, "packed_buffer_size_bytes": bucket_bytes, "packed_num_buffers": 2}
 
@@ -267,25 +279,36 @@ class MemorySync:
         return request_json(self.server.url + path, body if body is not None else {}, timeout=timeout,
                             api_key=self.server.api_key)
 
-    def open(self, timeout: float) -> None:
-        """Join the server's workers into the broadcast group."""
+    def open(self, timeout: float, group_timeout: float | None = None) -> None:
+        """Join the server's workers into the broadcast group. timeout: each request and the
+        rendezvous; group_timeout (default: timeout): the group's, which bounds each broadcast
+        (rollout.vllm.sync_timeout_s: a broadcast to a hung worker that a push abandoned ends
+        by then, and never holds the trainer's exit longer)."""
         self.close()
+        # a fresh request thread: one abandoned by a failed push may still wait on the old process
+        self._rpc.shutdown(wait=False)
+        self._rpc = ThreadPoolExecutor(1, thread_name_prefix="vllm-weight-update")
         size = request_json(self.server.url + "/get_world_size", timeout=timeout, api_key=self.server.api_key)
         if not isinstance(size, dict) or not isinstance(size.get("world_size"), int):
             raise VllmError(f"{self.server.url}/get_world_size answered {size!r:.200}; in-memory weight sync needs a "
                             f"vLLM server with VLLM_SERVER_DEV_MODE=1")
         world = 1 + size["world_size"]
 
-        def start_peers(port: int) -> None:
-            info = self.backend.init_info(self.host, port, world, self.bucket_bytes, timeout)
+        def start_peers(port: int, token: str | None) -> None:
+            info = self.backend.init_info(self.host, port, world, self.bucket_bytes, group, token)
             self._post("/init_weight_transfer_engine", {"init_info": info}, timeout)
 
-        self.channel = self.backend.connect(self.host, world, timeout, start_peers)
+        group = timeout if group_timeout is None else group_timeout
+        self.channel = self.backend.connect(self.host, world, group, start_peers)
 
     def push(self, named: Named, version: int, timeout: float) -> float:
         """Send the whole stream as the server's weights `version`; seconds it took. The server
-        stays paused when a bucket fails (its weights are half updated): the caller stops."""
-        return push_all([self], named, version, timeout)
+        stays paused when a bucket fails (its weights are half updated): VllmError, and the caller
+        stops."""
+        pushed = push_all([self], named, version, timeout)
+        if pushed.failed:
+            raise VllmError(f"in-memory weight sync to {self.server.url} failed: {pushed.failed[self]}")
+        return pushed.seconds
 
     def begin(self, timeout: float, held: bool = False) -> None:
         if self.channel is None:
@@ -313,29 +336,104 @@ class MemorySync:
             self.channel = None
 
 
-def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float,
-             held: Collection[MemorySync] = ()) -> float:
-    """Send the stream to every server of `syncs` (each over its own group) as weights `version`;
-    seconds it took. held: those of them already paused (a partial rollout's /pause?mode=keep),
-    which stay so. The stream is read and packed once; each bucket goes to all servers at once
-    (one thread per server). The next bucket is gathered and packed into the same buffer while the
-    servers load this one (its bytes are sent once the broadcasts return), and is sent once they
-    have: a worker takes one update at a time. Any failure propagates, leaving the servers paused
-    and half updated (the caller stops the run)."""
-    t0 = time.perf_counter()
-    device = syncs[0].channel.device if syncs[0].channel is not None else "cpu"
-    with ThreadPoolExecutor(len(syncs), thread_name_prefix="vllm-push") as pool:
-        def each(fn, *args):
-            for f in [pool.submit(fn, s, *args, s in held) for s in syncs]:
-                f.result()
+@dataclass
+class Pushed:
+    """What push_all did: seconds it took, and the servers dropped on the way (their sync -> why)."""
 
-        each(MemorySync.begin, timeout)
-        loading: list[Future] = []  # the last bucket's loads, one per server
+    seconds: float
+    failed: dict[MemorySync, str]
+
+
+@dataclass
+class Watch:
+    """How push_all watches the servers: the whole push must end within `deadline_s` (the
+    setting's name goes in the error); while it waits on a server, `alive(sync)` is asked every
+    `interval_s` seconds (None: never)."""
+
+    deadline_s: float = math.inf
+    setting: str = "the sync's deadline"
+    alive: Callable[[MemorySync], bool] | None = None
+    interval_s: float = 5.0
+    health_setting: str = "the health check"
+
+
+def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float,
+             held: Collection[MemorySync] = (), watch: Watch | None = None) -> Pushed:
+    """Send the stream to every server of `syncs` (each over its own group) as weights `version`.
+    held: those of them already paused (a partial rollout's /pause?mode=keep), which stay so. The
+    stream is read and packed once; each bucket goes to all servers at once (one thread per
+    server). The next bucket is gathered and packed into the same buffer while the servers load
+    this one (its bytes are sent once the broadcasts return), and is sent once they have: a worker
+    takes one update at a time.
+
+    A server whose request or broadcast fails, that stops answering /health while the push waits
+    on it, or that has not done its part when `watch.deadline_s` (from the start) has passed, is
+    dropped: it gets nothing more, is left paused and half updated, and is named in
+    `Pushed.failed` (the caller restarts it before it serves again). Its stuck request or
+    broadcast is abandoned in its thread (it ends with the server, or at its own timeout), so the
+    push never waits for it. The deadline bounds the whole push: once it has passed, the servers
+    still live are dropped too (a hang that /health does not show fails the sync; the health
+    check is what lets the others finish). The push's wall time is so at most the deadline plus
+    the health checks then in progress (health_timeout_s each) and the tensor the export is then
+    gathering. Every HTTP request's timeout is `timeout` or what is left of the deadline. When
+    every server is dropped the rest of the stream is left unread. An error of the stream itself
+    propagates (every server is then half updated)."""
+    watch = watch or Watch()
+    t0 = time.perf_counter()
+    end_by = t0 + watch.deadline_s
+    live, failed = list(syncs), {}
+    device = syncs[0].channel.device if syncs[0].channel is not None else "cpu"
+    pool = ThreadPoolExecutor(len(syncs), thread_name_prefix="vllm-push")
+
+    def drop(s: MemorySync, why: str) -> None:
+        if s in live:
+            live.remove(s)
+            failed[s] = why
+
+    def settle(pending: dict[Future, MemorySync]) -> dict[MemorySync, object]:
+        """Wait for one step of every live server; drop those that fail, die or run past the deadline."""
+        results, checked = {}, time.perf_counter()
+        while pending:
+            left = end_by - time.perf_counter()
+            if left <= 0:
+                late = any(why.startswith("did not finish") for why in failed.values())
+                for s in set(pending.values()):
+                    drop(s, f"was left unfinished: {watch.setting}={watch.deadline_s:g} s ran out while the sync "
+                            f"waited on the server dropped first" if late else
+                            f"did not finish its part of the sync within {watch.setting}={watch.deadline_s:g} s")
+                break
+            done, _ = wait(pending, timeout=min(watch.interval_s, left), return_when=FIRST_COMPLETED)
+            for f in done:
+                s = pending.pop(f)
+                if f.exception() is not None:
+                    drop(s, f"{type(f.exception()).__name__}: {f.exception()}")
+                elif s in live:
+                    results[s] = f.result()
+            if pending and watch.alive is not None and time.perf_counter() - checked >= watch.interval_s:
+                checked = time.perf_counter()
+                for s in {s for s in pending.values() if not watch.alive(s)}:
+                    drop(s, f"stopped answering /health during the sync, hung or dead ({watch.health_setting})")
+            pending = {f: s for f, s in pending.items() if s in live}
+        return results
+
+    def step(call) -> dict[MemorySync, object]:
+        """call(sync, http_timeout) on every live server at once, settled."""
+        budget = max(0.001, min(timeout, end_by - time.perf_counter()))
+        return settle({pool.submit(call, s, budget): s for s in live})
+
+    try:
+        step(lambda s, t: s.begin(t, s in held))
+        loading: dict[MemorySync, Future] = {}  # the last bucket's loads, one per live server
         for metas, data in packed_buckets(named, syncs[0].bucket_bytes, device):  # packs while they load
-            for f in loading:
-                f.result()
-            loading = [f.result() for f in [pool.submit(MemorySync.send, s, metas, data, timeout) for s in syncs]]
-        for f in loading:
-            f.result()
-        each(MemorySync.end, version, timeout)
-    return time.perf_counter() - t0
+            settle({f: s for s, f in loading.items() if s in live})
+            if not live:
+                break
+            loading = step(lambda s, t, metas=metas, data=data: s.send(metas, data, t))
+        settle({f: s for s, f in loading.items() if s in live})
+        if live:
+            step(lambda s, t: s.end(version, t, s in held))
+    finally:
+        # an abandoned step stays in its thread (it may still read the buffer, which only a dropped
+        # server then receives); the others have returned
+        pool.shutdown(wait=False)
+    return Pushed(time.perf_counter() - t0, failed)

@@ -4,10 +4,14 @@
     updates.update_weights(named_tensors, version, reference)   # weight_sync=memory (transfer.py)
     updates.load_weights_from(model_dir, version, reference)    # reload / restart (weight_sync.py)
 
-The first sync starts the servers (fleet.py) on those weights. A server dead during a sync is
-restarted on the new weights (disk: a fresh start loads them; memory: the transfer has failed,
-the run stops) when `max_restarts` >= 1 (it bounds each sync as it bounds each generate()
-call). After every `probe_every`-th sync (the first too) each READY server answers the parity
+The first sync starts the servers (fleet.py) on those weights. Disk: a server dead during a
+sync is restarted on the new weights (a fresh start loads them) when `max_restarts` >= 1 (it
+bounds each sync as it bounds each generate() call). Memory: a server found dead before the
+sync, or dropped during it (failed, stopped answering /health, or past `sync_timeout_s`:
+transfer.push_all), is taken out and restarted in the background on random weights (STALE: it
+serves nothing) and filled by the next sync; the sync goes on to the others. When it reaches
+none, VllmServerDiedError names each server and why, and the servers it left half updated are
+FAILED (never resumed or served; the next sync restarts them). After every `probe_every`-th sync (the first too) each READY server answers the parity
 probe (probe.py) against `reference` (None: transformers fp32 on the folder, or on the stream
 for an in-memory sync); VllmParityError past `probe_tolerance`. A sync inside a partial rollout
 (`fleet.paused`: the servers whose requests the generation froze, generation.py) leaves them
@@ -41,7 +45,7 @@ from megatron_rl.rollout.vllm.probe import (
     probe_diff,
     probe_tokens,
 )
-from megatron_rl.rollout.vllm.transfer import push_all
+from megatron_rl.rollout.vllm.transfer import Watch, push_all
 from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
@@ -76,6 +80,9 @@ class WeightUpdates:
                     fleet.restart(r, fleet.config_dir(), r.why)
                 except (VllmError, OSError) as e:
                     log.warning("vLLM %s stays out of the pool: %s", r.name(), e)
+        for r in fleet.replicas:  # a server that died since the last call: out, restarted, not pushed to
+            if r.state in (READY, STALE) and not r.server.alive():
+                fleet.lose(r, r.epoch, f"found dead before the in-memory sync of version {version}")
         targets = [r for r in fleet.replicas if r.state in (READY, STALE)]
         if not targets:
             raise VllmServerDiedError("no vLLM server of the pool is up for the in-memory weight sync: " + "; ".join(
@@ -83,19 +90,38 @@ class WeightUpdates:
         probed = self._probes_next()
         streamed = StreamedReference(self.arch) if probed and reference is None else None
         named = streamed.tee(named_tensors) if streamed is not None else named_tensors
+        by_sync = {r.memory: r for r in targets}
+        watch = Watch(self.cfg.sync_timeout_s, "rollout.vllm.sync_timeout_s", lambda s: by_sync[s].server.alive(),
+                      self.cfg.health_interval_s, f"rollout.vllm.health_timeout_s={self.cfg.health_timeout_s:g} s")
         try:
-            self.stats["timing/vllm_memory_sync"] = push_all([r.memory for r in targets], named, version,
-                                                             self.cfg.request_timeout_s,
-                                                             held=[r.memory for r in targets if r.index in fleet.paused])
-        except (TransportError, HttpStatusError, RuntimeError) as e:
-            raise VllmServerDiedError(f"in-memory weight sync of version {version} to "
-                                      f"{', '.join(r.server.url for r in targets)} failed ({type(e).__name__}: {e}); "
-                                      f"the servers' weights are half updated. Logs: "
-                                      f"{', '.join(r.server.log_where for r in targets)}") from e
+            pushed = push_all(list(by_sync), named, version, self.cfg.request_timeout_s,
+                              held=[r.memory for r in targets if r.index in fleet.paused], watch=watch)
+        except Exception as e:
+            self._torn(targets, f"the in-memory sync of version {version} failed reading the trainer's weights "
+                                f"({type(e).__name__}: {e})")
+            raise
+        self.stats["timing/vllm_memory_sync"] = pushed.seconds
+        failed = {by_sync[s]: why for s, why in pushed.failed.items()}
+        if len(failed) == len(targets):
+            self._torn(targets, f"half updated by the failed in-memory sync of version {version}")
+            raise VllmServerDiedError(f"the in-memory weight sync of version {version} reached no vLLM server: " +
+                                      "; ".join(f"{r.name()} {why}" for r, why in failed.items()) +
+                                      f". Their weights are half updated. Logs: "
+                                      f"{', '.join(r.server.log_where for r in targets)}")
         for r in targets:
-            fleet.pool.set_state(r, READY)
+            if r not in failed:
+                fleet.pool.set_state(r, READY)
+        for r, why in failed.items():  # half updated: restarted before it serves again, filled by the next sync
+            log.warning("vLLM %s dropped from the in-memory sync of version %d: %s", r.name(), version, why)
+            fleet.lose(r, r.epoch, f"dropped from the in-memory sync of version {version}: {why}")
         self._synced(f"the in-memory sync of version {version}",
                      streamed.reference if streamed is not None else reference, probed, t0)
+
+    def _torn(self, targets: list[Replica], why: str) -> None:
+        """The servers a failed sync left half updated (and paused) serve nothing more (FAILED):
+        neither new requests nor a resume of their frozen ones; the next sync restarts them."""
+        for r in targets:
+            self.fleet.pool.set_state(r, FAILED, why)
 
     def load_weights_from(self, model_dir: str, version: int, reference: Reference | None) -> None:
         """Make every server serve the HF folder `model_dir` (see VllmEngine.load_weights_from)."""

@@ -18,6 +18,8 @@ from megatron_rl.config import ConfigError, load_config
     (["rollout.backend=vllm", "rollout.vllm={request_timeout_s: 0}"],
      r"rollout.vllm.request_timeout_s=0.0: must be a number > 0 \(seconds; 0 is not 'no timeout'"),
     (["rollout.backend=vllm", "rollout.vllm={health_timeout_s: 0}"], r"rollout.vllm.health_timeout_s=0.0: must be"),
+    (["rollout.backend=vllm", "rollout.vllm={sync_timeout_s: 0}"], r"rollout.vllm.sync_timeout_s=0.0: must be"),
+    (["rollout.backend=vllm", "rollout.vllm={sync_timeout_s: .inf}"], r"rollout.vllm.sync_timeout_s=inf: must be a finite"),
     (["rollout.backend=vllm", "rollout.vllm={gpu_memory_utilization: 90}"],
      r"rollout.vllm.gpu_memory_utilization=90.0: must be a number > 0 and <= 1"),
     (["rollout.backend=vllm", "rollout.vllm={max_num_seqs: 0}"], r"rollout.vllm.max_num_seqs=0: must be an integer >= 1"),

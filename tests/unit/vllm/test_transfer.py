@@ -144,12 +144,12 @@ def test_update_info_is_vllms_message():
 
 def test_init_info_carries_what_each_server_engine_reads():
     # vLLM's NCCLWeightTransferInitInfo fields, and our gloo engine's (server_plugin/megatron_rl_vllm_gloo.py)
-    nccl = BACKENDS["nccl"].init_info("10.0.0.1", 5000, 3, 1 << 20, 60.0)
+    nccl = BACKENDS["nccl"].init_info("10.0.0.1", 5000, 3, 1 << 20, 60.0, None)
     assert nccl == {"master_address": "10.0.0.1", "master_port": 5000, "rank_offset": 1, "world_size": 3,
                     "packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2}
-    gloo = BACKENDS["gloo"].init_info("127.0.0.1", 5000, 2, 1 << 20, 60.0)
+    gloo = BACKENDS["gloo"].init_info("127.0.0.1", 5000, 2, 1 << 20, 60.0, "s3cret")
     assert gloo == {"master_address": "127.0.0.1", "master_port": 5000, "rank_offset": 1, "world_size": 2,
-                    "timeout_s": 60.0}
+                    "timeout_s": 60.0, "store_token": "s3cret"}
 
 
 def test_the_backend_follows_cuda():
@@ -220,5 +220,22 @@ def test_a_dead_server_is_not_restarted_on_random_weights(tmp_path):
         with pytest.raises(VllmError, match="weight_sync=memory it is not restarted: the engine holds no copy"):
             engine.replicas[0].state = "ready"
             engine.fleet.lose(engine.replicas[0], 0, "died")
+    finally:
+        engine.close()
+
+
+def test_when_every_server_of_a_pool_is_out_the_error_says_so_and_gives_the_real_ways_out(tmp_path):
+    """A pool of 2 whose other server is already out: "use num_servers > 1" would be no advice."""
+    engine = VllmEngine(tiny_arch(), VllmConfig(device="cpu", num_servers=2), str(tmp_path),
+                        server=[_LaunchedServer(), _LaunchedServer()], device="cpu")
+    try:
+        engine.replicas[0].state = "ready"
+        engine.replicas[1].state, engine.replicas[1].why = "failed", "restart failed: out of memory"
+        with pytest.raises(VllmError) as e:
+            engine.fleet.lose(engine.replicas[0], 0, "server died")
+        message = str(e.value)
+        assert "every vLLM server of the pool of 2 is out" in message and "restart failed: out of memory" in message
+        assert "train.resume=true" in message and "rollout.vllm.weight_sync=reload" in message
+        assert "num_servers" not in message
     finally:
         engine.close()

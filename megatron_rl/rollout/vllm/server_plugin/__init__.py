@@ -8,4 +8,6 @@ library; vllm and torch for the weight-transfer engine), never megatron_rl:
 
     megatron_rl_vllm_auth.py   the bearer-key middleware (--middleware), standard library only
     megatron_rl_vllm_gloo.py   the gloo weight-transfer engine (--worker-extension-cls)
+    megatron_rl_vllm_store.py  its rendezvous store, served by the trainer to token holders only
+                               (torch and the standard library; the trainer imports it too)
 """

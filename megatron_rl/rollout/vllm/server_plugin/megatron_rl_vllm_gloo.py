@@ -9,8 +9,10 @@ engine needs CUDA (PyNcclCommunicator, CUDA streams) and so does the base class'
 speaks the same protocol (the update info is vLLM's own NCCLWeightTransferUpdateInfo, the bytes
 are packed the way vLLM's packed broadcast packs them) over a gloo process group instead:
 
-    init_info  {master_address, master_port, rank_offset, world_size, timeout_s}
-               the trainer hosts a TCPStore at master_address:master_port and is rank 0; worker w
+    init_info  {master_address, master_port, rank_offset, world_size, timeout_s, store_token}
+               the trainer hosts the rendezvous store at master_address:master_port (it answers
+               only a connection that opens with store_token: megatron_rl_vllm_store.py) and is
+               rank 0; worker w
                of the server joins as rank_offset + w (w = dp_rank * TP * PP + its rank, as vLLM's
                nccl engine numbers them), so several servers share one group with their offsets.
     update     {names, dtype_names, shapes}: the tensors of one bucket, in order. The worker
@@ -53,13 +55,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron_rl_vllm_store import SecretStoreClient  # this directory (server_plugin/__init__.py)
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
 BACKEND = "gloo"
-STORE_PREFIX = "megatron_rl_weights"  # the trainer's side (rollout/vllm/transfer.py) uses the same
 PROFILE_DIR_ENV = "MEGATRON_RL_VLLM_SYNC_PROFILE_DIR"  # benchmarks/weight_sync.py --profile-dir sets it
 
 
@@ -72,6 +74,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_s: float = 600.0
+    store_token: str = ""
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTransferUpdateInfo]):
@@ -93,10 +96,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, NCCLWeightTran
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         # a store and group of its own: the worker's default process group is vLLM's
-        store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
-                              is_master=False, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, init_info.world_size,
-                                           timeout)
+        store = SecretStoreClient(init_info.master_address, init_info.master_port, init_info.store_token,
+                                  init_info.timeout_s)
+        try:
+            self.group = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)
+        finally:
+            store.close()  # the trainer closes it too once every worker has joined
 
     def start_weight_update(self) -> None:
         if self.profile_dir:  # one cProfile per sync, start to finish (the receive included)
