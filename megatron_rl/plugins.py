@@ -149,3 +149,16 @@ def own_name(cls: type, name: str) -> None:
     decorator keeps the name its entries, seeds and metrics already use)."""
     if not cls.__dict__.get("name"):
         cls.name = name
+
+
+def class_slot(kind: str, base: type, entries: dict[str, type], where: str) -> PluginSlot:
+    """The slot of a registry of classes (tasks, environments): a concrete subclass of `base`,
+    registered under its import path and named by it unless it has a name of its own. `where`:
+    the file that defines `base`, for the message."""
+
+    def add(name: str, cls: type) -> None:
+        own_name(cls, name)
+        entries[name] = cls
+
+    return PluginSlot(kind=kind, expects=f"a concrete subclass of {base.__name__} ({where})", entries=entries,
+                      refuse=lambda obj: class_refusal(obj, base), add=add)

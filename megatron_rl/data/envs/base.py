@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from megatron_rl.data.types import Example
-from megatron_rl.plugins import PluginSlot, class_refusal, own_name
+from megatron_rl.plugins import class_slot
 
 T = TypeVar("T", bound=type)
 
@@ -135,11 +135,4 @@ def check_setting(env: str, key: str, value, annotation: str) -> None:
         raise TypeError(f"{env}'s setting {key}={value!r}: {want}")
 
 
-def _add_plugin(name: str, cls: type[Environment]) -> None:
-    own_name(cls, name)
-    ENVS[name] = cls
-
-
-ENV_PLUGINS = PluginSlot(
-    kind="environment", expects="a concrete subclass of Environment (megatron_rl/data/envs/base.py)", entries=ENVS,
-    refuse=lambda obj: class_refusal(obj, Environment), add=_add_plugin)
+ENV_PLUGINS = class_slot("environment", Environment, ENVS, "megatron_rl/data/envs/base.py")

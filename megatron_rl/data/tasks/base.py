@@ -24,7 +24,7 @@ from functools import cached_property
 from typing import ClassVar, TypeVar
 
 from megatron_rl.data.types import Example, derive_seed
-from megatron_rl.plugins import PluginSlot, class_refusal, own_name
+from megatron_rl.plugins import class_slot
 
 T = TypeVar("T", bound=type)
 
@@ -134,11 +134,4 @@ class Task(ABC):
         return frozenset(ex.prompt for ex in self._heldout)
 
 
-def _add_plugin(name: str, cls: type[Task]) -> None:
-    own_name(cls, name)
-    TASKS[name] = cls
-
-
-TASK_PLUGINS = PluginSlot(
-    kind="task", expects="a concrete subclass of Task (megatron_rl/data/tasks/base.py)", entries=TASKS,
-    refuse=lambda obj: class_refusal(obj, Task), add=_add_plugin)
+TASK_PLUGINS = class_slot("task", Task, TASKS, "megatron_rl/data/tasks/base.py")
