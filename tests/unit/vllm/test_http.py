@@ -14,6 +14,25 @@ GUARD_S = 600.0  # the server gives up after this at the latest (never hang CI)
 PACE_S = 0.05  # a trickle's pause before each byte: 400 bytes take 20 s, the deadline is 0.5 s
 
 
+def _read_request(conn) -> None:
+    """The whole request, head and body (Content-Length): closing a socket with unread bytes makes
+    the kernel reset the connection, which the client would see instead of the answer."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        body += chunk
+
+
 class RawServer:
     """Answers each connection with `head` (a trickle: one byte per PACE_S), then `body_block`
     `repeat` times as fast as the client reads. `sent`: the body bytes sent to the last client."""
@@ -31,7 +50,7 @@ class RawServer:
         conn, _ = self.sock.accept()
         conn.settimeout(GUARD_S)
         try:
-            conn.recv(65536)  # the request (small: one read)
+            _read_request(conn)
             for i in range(len(self.head)) if self.trickle else [None]:
                 if self.trickle and self.stop.wait(PACE_S):
                     return
