@@ -32,7 +32,11 @@ def test_a_process_without_the_token_reads_and_writes_nothing():
             intruder.get("0/0")
         with socket.create_connection(("127.0.0.1", server.port)) as raw:  # no token at all: a request line
             raw.sendall(b'{"op": "num_keys"}\n')
-            assert raw.recv(100) == b""  # closed unanswered
+            try:
+                answer = raw.recv(100)
+            except ConnectionResetError:  # closed with the request unread: the kernel resets
+                answer = b""
+            assert answer == b""  # closed unanswered
         assert server.refused == 2 and server.store.num_keys() == 1
         member = SecretStoreClient("127.0.0.1", server.port, server.token, timeout_s=GUARD_S)
         assert member.get("0/0") == b"rank 0's address"
