@@ -95,7 +95,7 @@ class Fp8Experts(nn.Module):
         hq = self.fmt.quantize_activation(torch.cat(inter))
         start = 0
         for e, top_k_pos, token_idx in hits:
-            rows = torch.arange(start, start + len(token_idx))
+            rows = torch.arange(start, start + len(token_idx), device=token_idx.device)
             start += len(token_idx)
             h = scaled_gemm(_rows(hq, rows), self.qdown[e]).to(dtype)
             h = h * top_k_weights[token_idx, top_k_pos, None]
