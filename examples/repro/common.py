@@ -12,8 +12,10 @@ A script compares *arms*: named lists of `section.field=value` overrides on the 
     3. `curve`, `mean_curve`, `write_report`, `plot_panels`: per-step series, averaged over seeds,
        a Markdown table and a matplotlib PNG.
 
-`--quick` (the e2e tier) runs each arm for a few steps with one seed and a small held-out set: it
-checks that the script still runs end to end, not the claim.
+`--quick` (the e2e tier) checks that the script still runs end to end, not the claim: every arm's
+configuration is loaded and checked in this process the way pretrain_rl.py does it (`check_arms`:
+a renamed field, recipe or value fails here, naming the arm), and only the script's `QUICK` arms,
+the ones whose code paths differ most, run, for a few steps with one seed and a small held-out set.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Scale:
     eval_every: int
     sft: tuple[str, ...] = ()
     jobs: int = 1  # arm runs at a time, each with cores // jobs threads
+    quick: bool = False  # run only the script's QUICK arms; check every arm's config (run_arms)
 
 
 def parse_args(description: str, steps: int, seeds: int = 2) -> tuple[argparse.Namespace, Scale]:
@@ -49,7 +52,8 @@ def parse_args(description: str, steps: int, seeds: int = 2) -> tuple[argparse.N
     p.add_argument("--out", default=None, help="output folder (default: runs/repro/<script>)")
     p.add_argument("--steps", type=int, default=steps, help=f"RL steps per arm (default {steps})")
     p.add_argument("--seeds", type=int, default=seeds, help=f"seeds per arm (default {seeds})")
-    p.add_argument("--quick", action="store_true", help="a few steps, one seed: checks the script runs, not the claim")
+    p.add_argument("--quick", action="store_true", help="checks the script runs, not the claim: every arm's config "
+                                                        "is checked, a few arms run a few steps with one seed")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, each with (CPU cores / jobs) threads "
                                                        "(default 2: on 2 cores, two one-thread runs finish sooner "
                                                        "than two two-thread runs in a row)")
@@ -64,7 +68,7 @@ def parse_args(description: str, steps: int, seeds: int = 2) -> tuple[argparse.N
         # a 16-problem SFT that stops at once: the arms then run from a barely trained model
         scale = Scale(steps=2, seeds=(0,), eval_size=16, eval_every=0,
                       sft=("sft.steps=2", "sft.batch_size=16", "sft.eval_every=0", "data.heldout_size=16"),
-                      jobs=args.jobs)
+                      jobs=args.jobs, quick=True)
     else:
         scale = Scale(steps=args.steps, seeds=tuple(range(args.seeds)), eval_size=500, eval_every=max(args.steps // 4, 1),
                       jobs=args.jobs)
@@ -120,6 +124,17 @@ class ArmRun:
     seconds: float
 
 
+def _arm_command(out: str, checkpoint: str, arm: str, overrides: list[str], seed: int,
+                 scale: Scale) -> tuple[str, list[str]]:
+    """(run folder, pretrain_rl.py overrides) of one arm x seed."""
+    run_dir = os.path.join(out, "runs", arm.replace(" ", "_").replace("/", "-"), f"seed{seed}")
+    cmd = [f"train.init_checkpoint={checkpoint}", "sft.steps=0", "train.resume=false",
+           f"train.steps={scale.steps}", f"train.seed={1234 + seed}",
+           f"train.eval_size={scale.eval_size}", f"train.eval_every={scale.eval_every}",
+           *([f"data.heldout_size={scale.eval_size}"] if scale.eval_size < 500 else []), *overrides]
+    return run_dir, cmd
+
+
 def run_arm(out: str, checkpoint: str, arm: str, overrides: list[str], seed: int, scale: Scale) -> ArmRun:
     """RL from the warm start with `overrides`; seed k sets train.seed (sampling). data.seed stays,
     so every arm and seed sees the same prompts and is scored on the same held-out problems.
@@ -127,11 +142,7 @@ def run_arm(out: str, checkpoint: str, arm: str, overrides: list[str], seed: int
     A run that already finished in its folder with the same command is read back instead of run
     again, so an interrupted script resumes at the first unfinished arm, and a second call only
     rebuilds the table and the plot."""
-    run_dir = os.path.join(out, "runs", arm.replace(" ", "_").replace("/", "-"), f"seed{seed}")
-    cmd = [f"train.init_checkpoint={checkpoint}", "sft.steps=0", "train.resume=false",
-           f"train.steps={scale.steps}", f"train.seed={1234 + seed}",
-           f"train.eval_size={scale.eval_size}", f"train.eval_every={scale.eval_every}",
-           *([f"data.heldout_size={scale.eval_size}"] if scale.eval_size < 500 else []), *overrides]
+    run_dir, cmd = _arm_command(out, checkpoint, arm, overrides, seed, scale)
     done = os.path.join(run_dir, "arm.json")
     if os.path.exists(done):
         with open(done) as f:
@@ -156,10 +167,41 @@ def _rl_rows(run_dir: str) -> list[dict]:
         return [r for r in map(json.loads, f) if r.get("phase") == "rl"]
 
 
-def run_arms(out: str, checkpoint: str, arms: dict[str, list[str]], scale: Scale) -> dict[str, list[ArmRun]]:
-    """Every arm x every seed, `scale.jobs` processes at a time; arm -> its runs (seed order)."""
+def check_arms(out: str, checkpoint: str, arms: dict[str, list[str]], scale: Scale) -> None:
+    """Every arm x seed's command through the product's own config loading and checks, as
+    pretrain_rl.py runs them at start-up (load_config, check_layout on one rank, check_paths), in
+    this process: an arm whose overrides no longer load or validate stops the script, naming it."""
+    if ROOT not in sys.path:  # this checkout's package, as _pretrain's processes get it (PYTHONPATH)
+        sys.path.insert(0, ROOT)
+    from megatron_rl.config import ConfigError, load_config
+
+    for arm, overrides in arms.items():
+        for seed in scale.seeds:
+            run_dir, cmd = _arm_command(out, checkpoint, arm, overrides, seed, scale)
+            try:
+                cfg = load_config(os.path.join(ROOT, CONFIG), [f"train.run_dir={run_dir}", *QUIET, *cmd])
+                cfg.check_layout(1)
+                cfg.check_paths()
+            except (ConfigError, ValueError, OSError) as e:
+                raise SystemExit(f"arm {arm!r}: config error: {e}") from None
+
+
+def run_arms(out: str, checkpoint: str, arms: dict[str, list[str]], scale: Scale,
+             quick: tuple[str, ...] = ()) -> dict[str, list[ArmRun]]:
+    """Every arm x every seed, `scale.jobs` processes at a time; arm -> its runs (seed order).
+
+    With --quick (scale.quick), every arm's config is checked in this process (check_arms) and only
+    the arms named in `quick` run (all of them if `quick` is empty)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    if scale.quick:
+        check_arms(out, checkpoint, arms, scale)
+        missing = [a for a in quick if a not in arms]
+        if missing:
+            raise SystemExit(f"--quick arms {missing} are not arms of this script: {list(arms)}")
+        run = [a for a in arms if a in quick] if quick else list(arms)
+        print(f"--quick: checked the config of {len(arms)} arms; running {len(run)}: {', '.join(run)}", flush=True)
+        arms = {a: arms[a] for a in run}
     with ThreadPoolExecutor(max_workers=scale.jobs) as pool:  # threads only wait on the processes
         futures = {arm: [pool.submit(run_arm, out, checkpoint, arm, overrides, seed, scale) for seed in scale.seeds]
                    for arm, overrides in arms.items()}

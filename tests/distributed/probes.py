@@ -2,11 +2,15 @@
 
     python -m tests.distributed.probes N [--without]
     python -m tests.distributed.probes all N1 N2 ...
+    python -m tests.distributed.probes without N1 N2 ...
 
 applies every workaround this process needs (all but N with --without), runs probe N, prints the
 outcome and exits 0 when the call worked, 3 when it raised (the message is printed). A fresh
 process per "--without" run, because patches are process-wide; `all` runs the listed probes one
-after another with every workaround applied (exit 3 if any raised, each outcome printed). Runs on CPU (gloo) and, for the workarounds
+after another with every workaround applied (exit 3 if any raised, each outcome printed);
+`without` runs `N --without` for each listed probe in a child forked from this process before it
+applies anything (what a fresh process has when main() starts: this module's imports, no patch,
+no process group), so the probes pay for one interpreter's imports, not one each. Runs on CPU (gloo) and, for the workarounds
 about Transformer Engine or Apex being absent, on a GPU (NCCL) too.
 """
 from __future__ import annotations
@@ -214,10 +218,34 @@ def _run_probe(number: int) -> bool:
     return True
 
 
+def _fork_each(numbers: list[int]) -> int:
+    """`N --without` for each of `numbers`, one forked child each, one at a time: prints
+    `FORK N`, the child's output, `EXIT N <its exit code>`. Exits 0 (the codes are the result)."""
+    for number in numbers:
+        print(f"FORK {number}", flush=True)
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the parent's code (nor runs its exit handlers)
+            code = 1
+            try:
+                code = main([str(number), "--without"])
+            except BaseException:  # noqa: BLE001 - reported as the child's exit code
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(f"EXIT {number} {os.waitstatus_to_exitcode(status)}", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """`N [--without]`: probe N with every workaround (but N); `all N1 N2 ...`: with every workaround,
     each probe in turn in this one process (the "sufficient" half needs no process per probe: the
     patches are the same for all), megatron's parallel state reset between them."""
+    if argv[0] == "without":
+        return _fork_each([int(n) for n in argv[1:]])
     warnings.filterwarnings("ignore")
     from megatron_rl.platform import apply_platform_workarounds
 

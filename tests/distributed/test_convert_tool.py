@@ -73,22 +73,38 @@ def _load_at(rank, world, path, arch_dict, sizes):
     return dict(export_hf_weights(model, arch, groups))
 
 
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    """family -> (arch, HF source, its checkpoint converted at one rank), made on first use: the
+    layouts that load one family's checkpoint share its conversion."""
+    from megatron_rl.model.presets import preset_arch
+
+    made = {}
+
+    def get(family):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            arch = preset_arch(family)
+            src = random_hf_dir(arch, root=str(root))
+            _run("--hf-dir", src, "--mcore-dir", str(root / "mcore"))
+            made[family] = arch, src, str(root / "mcore" / "iter_0000000")
+        return made[family]
+
+    return get
+
+
 @pytest.mark.parametrize("family,sizes", [("mixtral", {"tensor_model_parallel_size": 2}),
                                           ("mixtral", {"expert_model_parallel_size": 2}),
                                           pytest.param("deepseek_v3", {"tensor_model_parallel_size": 2},
                                                        marks=pytest.mark.mcore_api)],  # our MaterializingSave under 0.19's save()
                          ids=["tp2", "ep2", "deepseek_v3_tp2"])
-def test_streamed_checkpoint_loads_at_another_layout(tmp_path, family, sizes):
+def test_streamed_checkpoint_loads_at_another_layout(streamed, family, sizes):
     """DeepSeek-V3 adds MLA's duplicated down projections and the router's bias, a buffer that the
     meta-device model materialises like a parameter."""
-    from megatron_rl.model.presets import preset_arch
     from tests.spawn import run_ranks
 
-    arch = preset_arch(family)
-    src = random_hf_dir(arch, root=str(tmp_path))
-    _run("--hf-dir", src, "--mcore-dir", str(tmp_path / "mcore"))
-    loaded = run_ranks(_load_at, world_size=2, timeout=180, path=str(tmp_path / "mcore" / "iter_0000000"),
-                       arch_dict=arch.to_dict(), sizes=sizes)[0]
+    arch, src, ckpt = streamed(family)
+    loaded = run_ranks(_load_at, world_size=2, timeout=180, path=ckpt, arch_dict=arch.to_dict(), sizes=sizes)[0]
     ref = hf_tensors(src)
     assert loaded.keys() == ref.keys()
     assert all(torch.equal(loaded[k], ref[k]) for k in ref)

@@ -116,11 +116,19 @@ def _save_init(rank, world, hf_dir, root):
         close(ctx)
 
 
+@pytest.fixture(scope="module")
+def init_checkpoint(tmp_path_factory, hf_dir):
+    """(path, weights) of _save_init's checkpoint, shared by the dtypes that start from it (read only)."""
+    [(path, init)] = run_ranks(_save_init, world_size=1, timeout=300, hf_dir=hf_dir,
+                               root=str(tmp_path_factory.mktemp("init")))
+    return path, init
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_init_checkpoint_reaches_the_master_weights(tmp_path, hf_dir, dtype):
+def test_init_checkpoint_reaches_the_master_weights(tmp_path, init_checkpoint, dtype):
     """A bf16/fp16 model started from train.init_checkpoint trains from those weights: the
     optimizer's fp32 master copies are made after the load (not from the random init)."""
-    [(path, init)] = run_ranks(_save_init, world_size=1, timeout=300, hf_dir=hf_dir, root=str(tmp_path))
+    path, init = init_checkpoint
     [(_, snaps)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "rl"),
                              overrides=["train.steps=1", f"model.dtype={dtype}", f"train.init_checkpoint={path}",
                                         "optim.lr=1e-6"])

@@ -50,10 +50,26 @@ def _run(rank, world, overrides, run_dir, stop_after_first=False):
     return weights, steps
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """name -> (weights, metrics rows) of the schedule's uninterrupted single-rank run (SCHEDULES +
+    STEPS), made on first use and shared: the resumed run, the two-rank run and the policy check
+    all compare with it."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            [runs[name]] = run_ranks(_run, world_size=1, timeout=300, overrides=SCHEDULES[name] + STEPS,
+                                     run_dir=str(tmp_path_factory.mktemp(name)))
+        return runs[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_resume_mid_schedule_reproduces_the_uninterrupted_run(tmp_path, name):
+def test_resume_mid_schedule_reproduces_the_uninterrupted_run(tmp_path, name, uninterrupted):
     overrides = SCHEDULES[name] + STEPS
-    [(w_full, s_full)] = run_ranks(_run, world_size=1, timeout=300, overrides=overrides, run_dir=str(tmp_path / "f"))
+    w_full, s_full = uninterrupted(name)
     [(_, s_part)] = run_ranks(_run, world_size=1, timeout=300, overrides=overrides, run_dir=str(tmp_path / "p"),
                               stop_after_first=True)
     assert [s["step"] for s in s_part] == [1]
@@ -74,9 +90,9 @@ def test_resume_mid_schedule_reproduces_the_uninterrupted_run(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_two_data_parallel_ranks_match_one(tmp_path, name):
+def test_two_data_parallel_ranks_match_one(tmp_path, name, uninterrupted):
     overrides = SCHEDULES[name] + STEPS
-    [(w1, s1)] = run_ranks(_run, world_size=1, timeout=300, overrides=overrides, run_dir=str(tmp_path / "one"))
+    w1, s1 = uninterrupted(name)
     (w2, s2), _ = run_ranks(_run, world_size=2, timeout=600, overrides=overrides, run_dir=str(tmp_path / "two"))
     for a, b in zip(s1, s2, strict=True):
         assert a["schedule/staleness_mean"] == b["schedule/staleness_mean"]
@@ -92,17 +108,19 @@ def test_two_data_parallel_ranks_match_one(tmp_path, name):
 
 
 @pytest.mark.parametrize("name,stale_steps", [
-    ("sync", []), ("staged", [2]),
-    ("async", [2])])
-def test_which_policies_the_losses_compare(tmp_path, name, stale_steps):
+    ("sync", []), ("staged", [2, 4]),
+    ("async", [2, 3, 4])])
+def test_which_policies_the_losses_compare(tmp_path, name, stale_steps, uninterrupted):
     """fp32 engine and trainer: μ and π_old agree to ~1e-6 when the batch comes from the current
-    weights; a stale batch keeps its behaviour μ (version 0) while π_old is recomputed with the
+    weights; a stale batch keeps its behaviour μ (an older version) while π_old is recomputed with the
     current weights, so |log π_old − log μ| is the staleness (lr 1e-2 moves it well above 1e-3),
-    all of it in the staleness-1 split."""
-    overrides = {"sync": [], "staged": ["train.schedule=staged", "train.stages=1"],
-                 "async": ["train.schedule=async", "train.max_staleness=1"]}[name]
-    [(_, steps)] = run_ranks(_run, world_size=1, timeout=300, overrides=overrides + ["train.steps=2"],
-                             run_dir=str(tmp_path))
+    all of it in the staleness-1 split. Staged and async: the shared uninterrupted runs (2 stages of
+    2 steps; at most 1 version stale; the loss recipe does not enter π_old or μ)."""
+    if name == "sync":
+        [(_, steps)] = run_ranks(_run, world_size=1, timeout=300, overrides=["train.steps=2"], run_dir=str(tmp_path))
+    else:
+        _, steps = uninterrupted(name)
+    assert [s["step"] for s in steps] == ([1, 2] if name == "sync" else [1, 2, 3, 4])
     for s in steps:
         gap = s["mismatch/abs_logprob_diff"]
         if s["step"] in stale_steps:

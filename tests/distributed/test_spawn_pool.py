@@ -99,8 +99,10 @@ def _train_a_tp2_model(rank, world):
 def test_a_pooled_worker_keeps_its_threads_and_files_flat_over_many_calls():
     """Each call builds process groups and a DDP model: a worker must not keep them (gloo holds two
     threads and sockets per group and peer, megatron's DDP is never collected on its own). The
-    counts are taken as each call arrives, so they show what earlier calls left."""
-    arrivals = [run_ranks(_train_a_tp2_model, world_size=2) for _ in range(31)]
+    counts are taken as each call arrives, so they show what earlier calls left. Eleven calls: a leak
+    of even one thread or one file per call spreads the ten counts after the first by 9, past the
+    bounds (the leak this guards against was about 46 threads per call)."""
+    arrivals = [run_ranks(_train_a_tp2_model, world_size=2) for _ in range(11)]
     for rank in range(2):
         threads, fds, pids = zip(*(a[rank] for a in arrivals[1:]), strict=True)
         assert len(set(pids)) == 1, "the worker was replaced: the teardown left something behind"

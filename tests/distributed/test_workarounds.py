@@ -8,9 +8,10 @@ Per megatron-core release: a workaround whose defect a later release fixed names
 (0.16.1 and 0.19.2), so together they say which workarounds each release needs. When an upgrade
 fixes a line whose workaround has no `fixed_in`, the "needed" case fails here: record the release
 in `fixed_in`, and delete the workaround once the oldest supported release has the fix. Each "needed"
-case runs in a fresh interpreter because the patches are process-wide; the "sufficient" cases share
-one (every workaround applied, each probe in turn). The interpreters see this machine as it is (its
-CUDA devices included).
+case runs in a process of its own because the patches are process-wide: a child forked, before any
+patch, from one interpreter that has imported what a fresh probe process has (`probes without`);
+the "sufficient" cases share one (every workaround applied, each probe in turn). The interpreters
+see this machine as it is (its CUDA devices included).
 """
 import os
 import subprocess
@@ -73,6 +74,25 @@ def with_all() -> dict[int, str]:
     return out
 
 
+@pytest.fixture(scope="module")
+def without() -> tuple[dict[int, tuple[int, str]], str]:
+    """Every probe whose condition holds here, each without its own workaround in a forked child of
+    one fresh process: (probe number -> (exit code, output), the shared stderr)."""
+    caps = capabilities()
+    run = _probe("without", *(str(n) for n in NUMBERS if ALL[n].needed_when.holds(caps)))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out: dict[int, tuple[int, str]] = {}
+    number, lines = None, []
+    for line in run.stdout.splitlines():
+        if line.startswith("FORK "):
+            number, lines = int(line.split()[1]), []
+        elif line.startswith(f"EXIT {number} "):
+            out[number] = (int(line.split()[2]), "\n".join(lines))
+        else:
+            lines.append(line)
+    return out, run.stderr
+
+
 def _skip_unless_condition_holds(number: int) -> None:
     w, caps = ALL[number], capabilities()
     if not w.needed_when.holds(caps):
@@ -92,13 +112,15 @@ def test_every_workaround_has_a_probe():
 
 
 @pytest.mark.parametrize("number", NUMBERS)
-def test_still_needed(number):
+def test_still_needed(number, without):
     _skip_unless_condition_holds(number)
     _skip_if_fixed_here(number)
-    run = _probe(str(number), "--without")
-    assert run.returncode == 3, (f"probe {number} passed without its workaround on megatron-core "
-                                 f"{megatron_core_version()}: upstream fixed it? (set fixed_in)\n{run.stdout}")
-    assert any(text in run.stdout for text in _expected(number)), run.stdout + run.stderr[-3000:]
+    runs, stderr = without
+    assert number in runs, f"probe {number} did not run\n{stderr[-3000:]}"
+    code, stdout = runs[number]
+    assert code == 3, (f"probe {number} passed without its workaround on megatron-core "
+                       f"{megatron_core_version()}: upstream fixed it? (set fixed_in)\n{stdout}")
+    assert any(text in stdout for text in _expected(number)), stdout + stderr[-3000:]
 
 
 @pytest.mark.parametrize("number", NUMBERS)
@@ -109,14 +131,15 @@ def test_sufficient(number, with_all):
 
 
 @pytest.mark.parametrize("number", FIXED_UPSTREAM)
-def test_fixed_upstream(number):
+def test_fixed_upstream(number, without):
     """From the release named in `fixed_in` on, the probe passes without the workaround."""
     _skip_unless_condition_holds(number)
     w = ALL[number]
     if w.has_defect():
         pytest.skip(f"megatron-core {megatron_core_version()} predates {w.fixed_in}, the release that fixed "
                     f"workaround #{number} ({w.name}): test_still_needed[{number}] covers it")
-    run = _probe(str(number), "--without")
-    assert run.returncode == 0, (f"workaround #{number} ({w.name}) is marked fixed in megatron-core {w.fixed_in}, "
-                                 f"but its probe fails without it on {megatron_core_version()}:\n"
-                                 + run.stdout + run.stderr[-3000:])
+    runs, stderr = without
+    assert number in runs, f"probe {number} did not run\n{stderr[-3000:]}"
+    code, stdout = runs[number]
+    assert code == 0, (f"workaround #{number} ({w.name}) is marked fixed in megatron-core {w.fixed_in}, "
+                       f"but its probe fails without it on {megatron_core_version()}:\n" + stdout + stderr[-3000:])

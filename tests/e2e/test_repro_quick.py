@@ -1,7 +1,11 @@
-"""examples/repro/*.py --quick: each reproduction script runs end to end (a few steps per arm, one
-seed) and writes its table, its plot and every arm's TensorBoard logs. This keeps the scripts from
-rotting; the claims themselves are in their full runs (examples/repro/README.md)."""
+"""examples/repro/*.py --quick: each reproduction script checks every arm's configuration in its own
+process (the product's config loading and checks), runs its QUICK arms end to end (a few steps, one
+seed) and writes its table, its plot and those arms' TensorBoard logs. This keeps the scripts from
+rotting; the claims themselves are in their full runs (examples/repro/README.md). Every loss recipe
+the arms name also runs through the real RL step in tests/distributed/test_recipes_in_loop.py."""
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -10,7 +14,8 @@ import pytest
 from tests.cores import share
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPTS = {"minirl": 11, "mu_grpo": 5, "p3o": 5, "tim": 12}  # script -> arms it runs
+# script -> (arms whose config --quick checks, arms it runs)
+SCRIPTS = {"minirl": (11, 1), "mu_grpo": (5, 1), "p3o": (5, 1), "tim": (12, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +33,35 @@ def test_repro_script_quick(script, tmp_path, sft_dir):
                            "--sft-dir", str(sft_dir), "--jobs", str(min(2, share()))],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    quick = re.findall(r"^--quick: checked the config of (\d+) arms; running (\d+): (.*)$", proc.stdout, re.MULTILINE)
+    checked, ran = SCRIPTS[script]
+    assert sum(int(n) for n, _, _ in quick) == checked, quick
+    names = [a for _, k, listed in quick for a in listed.split(", ")]
+    assert len(names) == sum(int(k) for _, k, _ in quick) == ran, quick
     report = (out / "results.md").read_text()
     assert report.startswith("# ") and "| arm |" in report
     assert (out / "curves.png").stat().st_size > 10_000
     arms = sorted(p.name for p in (out / "runs").iterdir())
-    assert len(arms) == SCRIPTS[script], arms
+    assert arms == sorted(a.replace(" ", "_").replace("/", "-") for a in names), (arms, names)
     for arm in arms:
         assert any((out / "runs" / arm / "seed0" / "tensorboard").iterdir()), arm
     if script == "tim":
         assert (out / "buckets.png").stat().st_size > 10_000
+
+
+def test_quick_check_names_a_broken_arm(tmp_path, monkeypatch):
+    """What --quick does for the arms it does not run: a broken override stops the script, naming
+    the arm, before any run (in this process, no pretrain_rl.py started)."""
+    spec = importlib.util.spec_from_file_location("repro_common", os.path.join(ROOT, "examples", "repro", "common.py"))
+    common = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, common)  # dataclasses look their module up there
+    spec.loader.exec_module(common)
+    scale = common.Scale(steps=2, seeds=(0,), eval_size=16, eval_every=0, quick=True)
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    common.check_arms(str(tmp_path), ckpt, {"fine": ["loss.recipe=minirl_r3", "train.num_minibatches=4"]}, scale)
+    broken = {"fine": ["loss.recipe=grpo"], "renamed": ["loss.recipe=grpo", "loss.no_such_field=1"]}
+    with pytest.raises(SystemExit, match="arm 'renamed': config error: .*no_such_field"):
+        common.check_arms(str(tmp_path), ckpt, broken, scale)
+    with pytest.raises(SystemExit, match="arm 'gone': config error: .*train.init_checkpoint"):
+        common.check_arms(str(tmp_path), str(tmp_path / "missing"), {"gone": []}, scale)
