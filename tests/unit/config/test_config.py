@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from megatron_rl.config import ConfigError, LossSection, load_config
+from megatron_rl.config import ConfigError, LossSection
+from megatron_rl.configure import load_config
 from megatron_rl.losses.setup import resolve_loss
 
 
