@@ -134,7 +134,8 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():  # megatron's jit_fuser is torch.compile: minutes of CPU compiles
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    from megatron_rl.config import ConfigError, config_to_dict, load_config
+    from megatron_rl.config import ConfigError, config_to_dict
+    from megatron_rl.configure import load_config
 
     try:
         cfg = load_config(args.config, overrides)

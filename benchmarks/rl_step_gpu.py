@@ -380,7 +380,7 @@ def bench_preset(name: str, args, groups, info: dict | None = None) -> dict:
     estimate before anything is built, for the caller's record of a preset that fails."""
     import torch
 
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.trainer import phases
     from megatron_rl.trainer.loop import close
     from megatron_rl.trainer.passes import global_counts, logprob_pass

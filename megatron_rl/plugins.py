@@ -10,7 +10,7 @@ the module, reads the attribute, asks the slot whether it is what its registry h
 called as fn(prompt, response, label), a task is a Task subclass, ...), and registers it under the
 whole name, so every later use is an ordinary registry lookup. Each registry declares its
 `PluginSlot` beside itself (rewards/registry.py, data/tasks/base.py, data/envs/base.py,
-rollout/function.py); `config/plugins.py` resolves the config's names through them before the
+rollout/function.py); `configure/plugins.py` resolves the config's names through them before the
 config tree is built.
 
 This runs the user's code, by the user's choice: only what the current config names is ever

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from megatron_rl import checks
+
 S = TypeVar("S")
 
 
@@ -76,7 +78,7 @@ class ParamRules:
     """The value ranges an entry declares for its function's keyword parameters, checked at start-up
     (losses/setup.py: check_values).
 
-    limits: parameter -> keyword arguments of config.checks.number (lo, hi, lo_open, finite, hint).
+    limits: parameter -> keyword arguments of checks.number (lo, hi, lo_open, finite, hint).
     choices: parameter -> allowed values.
     band: (lo, hi): two parameters that must satisfy lo <= hi (else the kept band is empty).
     """
@@ -93,10 +95,8 @@ class ParamRules:
         if unknown:
             raise TypeError(f"{where}: declares rules for {unknown}, which are not keyword parameters of "
                             f"{getattr(fn, '__name__', fn)} ({', '.join(sorted(known)) or 'none'})")
-        from megatron_rl.config import checks
-
         allowed = set(inspect.signature(checks.number).parameters) - {"where", "value"}
         for name, bounds in self.limits.items():
             extra = sorted(set(bounds) - allowed)
             if extra:
-                raise TypeError(f"{where}: limits[{name!r}] has {extra}, not arguments of config.checks.number")
+                raise TypeError(f"{where}: limits[{name!r}] has {extra}, not arguments of checks.number")

@@ -93,7 +93,7 @@ def run_cases(rank: int, world: int, cases: dict[str, list[str]], run_root: str,
     """In a spawned rank (tests.spawn.run_ranks): run every case; return {"numerics": numerics(),
     "values": {case: [{key: value} for each step]}} with the values of KEYS each step reported.
     extra: overrides applied after every case's own (negative controls, experiments)."""
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import run

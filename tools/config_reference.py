@@ -47,6 +47,7 @@ def _default(f: dataclasses.Field) -> str:
 
 def render() -> str:
     sys.path.insert(0, ROOT)
+    import megatron_rl.rollout  # noqa: F401 - registers the engines and their sections (rollout.vllm)
     from megatron_rl.config.loader import MEGATRON_FLAGS
     from megatron_rl.config.schema import RunConfig
 
@@ -63,10 +64,10 @@ def render() -> str:
         nested = []
         for f in dataclasses.fields(cls):
             name = f"{path}.{f.name}"
-            value = getattr(default, f.name)
-            if dataclasses.is_dataclass(value):  # a section of its own (an engine's: rollout.vllm), after this one
-                nested.append((name, value))
-                out.append(f"| `{name}` | section `{name}` below | |")
+            if f.name == "engines" and path == "rollout":  # each registered engine's own section, after this one
+                for engine, section in default.engines.items():
+                    nested.append((f"{path}.{engine}", section))
+                    out.append(f"| `{path}.{engine}` | section `{path}.{engine}` below | |")
                 continue
             out.append(f"| `{name}` | `{_default(f)}` | {', '.join(flags.get(name, [])) or ''} |")
         doc = inspect.cleandoc(cls.__doc__ or "")

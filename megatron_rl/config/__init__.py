@@ -1,10 +1,13 @@
-"""Run configuration: dataclass tree (schema.py) + YAML/CLI loading (loader.py)."""
+"""Run configuration: dataclass tree (schema.py) + YAML/CLI reading (loader.py); the engines'
+own sections by registration (engine_sections.py). The whole start-up load, with the user's
+plugins and the rules across components, is megatron_rl.configure.load_config."""
 from megatron_rl.config.loader import (
     MEGATRON_FLAGS,
     ConfigError,
+    build_config,
     config_to_dict,
-    load_config,
     parse_overrides,
+    read_config,
 )
 from megatron_rl.config.schema import (
     DataSection,
@@ -34,7 +37,8 @@ __all__ = [
     "RunConfig",
     "SFTSection",
     "TrainSection",
+    "build_config",
     "config_to_dict",
-    "load_config",
     "parse_overrides",
+    "read_config",
 ]

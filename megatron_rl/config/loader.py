@@ -1,6 +1,10 @@
 """YAML + command-line overrides -> RunConfig, with errors that name the key and the fix.
 
-    cfg = load_config("examples/demo_cpu.yaml", ["train.steps=10", "--tensor-model-parallel-size", "2"])
+    data = read_config("examples/demo_cpu.yaml", ["train.steps=10", "--tensor-model-parallel-size", "2"])
+    cfg = build_config(data)      # every section checks its own values
+
+`megatron_rl.configure.load_config` is the whole start-up path: it also imports the user's plugins
+between the two and checks the rules across sections and registered components after.
 
 Overrides are `section.field=value` (value parsed as YAML: 3, 1e-4, true, [a, b], {C: 2}) or
 Megatron-style flags from MEGATRON_FLAGS. A mapping given as a value merges into the file's
@@ -18,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.engine_sections import engine_sections
+from megatron_rl.config.schema import RolloutSection, RunConfig
 from megatron_rl.precision import expand_precision
 
 # Megatron-LM flag -> config path (so `torchrun pretrain_rl.py --tensor-model-parallel-size 2` works)
@@ -99,6 +104,13 @@ def _build(cls, data: dict, where: str):
     names = _field_names(cls)
     kwargs = {}
     hints = {f.name: f for f in dataclasses.fields(cls)}
+    if cls is RolloutSection:  # each registered engine's own section instead of the `engines` field
+        engines = engine_sections()
+        names = [n for n in names if n != "engines"] + list(engines)
+        given = {k: data[k] for k in engines if k in data}
+        data = {k: v for k, v in data.items() if k not in engines}
+        kwargs["engines"] = {name: _section(section, given[name], f"{where}.{name}") if name in given else section()
+                             for name, section in engines.items()}
     for key, value in data.items():
         if key not in names:
             path = f"{where}.{key}" if where else key
@@ -112,10 +124,7 @@ def _build(cls, data: dict, where: str):
             hints[key].default
         path = f"{where}.{key}" if where else key
         if dataclasses.is_dataclass(default):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{path}={value!r}: {path} is a section, not a value; set one of its fields "
-                                  f"({path}.<field>=..., e.g. {path}.{_field_names(type(default))[0]}=...)")
-            kwargs[key] = _build(type(default), value, path)
+            kwargs[key] = _section(type(default), value, path)
         else:
             kwargs[key] = _coerce(str(hints[key].type), value, f"{where}.{key}" if where else key)
     try:
@@ -123,6 +132,14 @@ def _build(cls, data: dict, where: str):
     except (TypeError, ValueError) as e:
         msg = str(e)  # section checks name their field already; others get the section's name
         raise ConfigError(msg if not where or msg.startswith(where) else f"{where}: {msg}") from e
+
+
+def _section(cls, value: Any, path: str):
+    """A section (a dataclass) from its mapping."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}={value!r}: {path} is a section, not a value; set one of its fields "
+                          f"({path}.<field>=..., e.g. {path}.{_field_names(cls)[0]}=...)")
+    return _build(cls, value, path)
 
 
 def _coerce(annotation: str, value: Any, where: str) -> Any:
@@ -252,7 +269,9 @@ def _default(section: str, key: str):
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+def read_config(path: str | None = None, overrides: list[str] | None = None) -> dict:
+    """The config file (YAML) with the overrides on top and the precision and loss recipes
+    expanded, as plain data: what `build_config` builds and what the user's plugins are read from."""
     data: dict = {}
     if path:
         try:
@@ -274,10 +293,12 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             data = _merge(expand_precision(data), cli)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    data = expand_recipe(data)
-    from megatron_rl.config.plugins import load_plugins
+    return expand_recipe(data)
 
-    load_plugins(data)  # imports the user's modules: before any section checks their names
+
+def build_config(data: dict) -> RunConfig:
+    """The RunConfig of `read_config`'s data; every section checks its own values (ConfigError
+    naming the field). The rules across sections are `megatron_rl.configure.validate`'s."""
     return _build(RunConfig, data, "")
 
 
@@ -285,13 +306,21 @@ REDACTED = "<redacted>"
 
 
 def config_to_dict(cfg) -> dict:
-    """The config as plain data, for printing and for the copy each checkpoint keeps, with its
-    secrets replaced by "<redacted>": `rollout.vllm.api_key` and the values of `rollout.vllm.env`
-    (which may carry tokens such as HF_TOKEN). Checkpoints are copied and shared; keys are not."""
+    """The config as plain data, for printing and for the copy each checkpoint keeps: each engine's
+    section under its own name (`rollout.vllm`), with its secrets replaced by "<redacted>" (the
+    section's SECRET_FIELDS, e.g. `rollout.vllm.api_key`, and the values of its SECRET_MAPPINGS,
+    e.g. `rollout.vllm.env`, which may carry tokens such as HF_TOKEN). Checkpoints are copied and
+    shared; keys are not."""
     data = dataclasses.asdict(cfg)
-    vllm = data.get("rollout", {}).get("vllm") or {}
-    if vllm.get("api_key") is not None:
-        vllm["api_key"] = REDACTED
-    if isinstance(vllm.get("env"), dict):
-        vllm["env"] = {k: REDACTED for k in vllm["env"]}
+    rollout = data["rollout"]
+    engines = rollout.pop("engines")
+    for name, section in cfg.rollout.engines.items():
+        values = engines[name]
+        for key in getattr(section, "SECRET_FIELDS", ()):
+            if values.get(key) is not None:
+                values[key] = REDACTED
+        for key in getattr(section, "SECRET_MAPPINGS", ()):
+            if isinstance(values.get(key), dict):
+                values[key] = {k: REDACTED for k in values[key]}
+        rollout[name] = values
     return data

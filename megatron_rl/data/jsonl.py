@@ -46,15 +46,11 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
-from megatron_rl.data.types import Example, derive_seed
+from megatron_rl.data.types import DataError, Example, derive_seed
 
 REQUIRED = ("prompt", "label")
 _ROW_HINT = 'each line must be one JSON object like {"prompt": "...", "label": "..."}'
 _TABLE_HINT = 'each row needs "prompt" and "label" strings'
-
-
-class DataError(ValueError):
-    """A data file is malformed; the message names the file, the 1-based line and the fix."""
 
 
 class _Encoder(Protocol):  # both raise ValueError on text they cannot encode

@@ -12,7 +12,7 @@ env, env_settings; other columns are not read), without the optional ones that a
 per-row check and its message is JSONL's. Memory: one record batch
 of the file at a time beside the rows read so far; the caller keeps only the checked Examples.
 
-Raises DataError (data/jsonl.py) naming the path: a folder that is not a saved Dataset (a
+Raises DataError (data/types.py) naming the path: a folder that is not a saved Dataset (a
 DatasetDict's folder names its splits), a table without a "prompt" or "label" column, a file
 pyarrow cannot read, or pyarrow missing.
 """
@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+
+from megatron_rl.data.types import DataError
 
 COLUMNS = ("prompt", "label", "task", "env", "env_settings")
 SUFFIXES = (".parquet", ".arrow")
@@ -34,8 +36,6 @@ def is_table(path: str | os.PathLike) -> bool:
 
 def table_rows(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
     """(where, row) of every row of the table at `path`, in order."""
-    from megatron_rl.data.jsonl import DataError
-
     name = os.fspath(path)
     try:
         import pyarrow  # noqa: F401
@@ -52,8 +52,6 @@ def table_rows(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
 
 def _dataset_files(folder: str) -> list[str]:
     """The Arrow files of a folder written by `Dataset.save_to_disk`, in order (state.json)."""
-    from megatron_rl.data.jsonl import DataError
-
     if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
         splits = sorted(n for n in os.listdir(folder) if os.path.isdir(os.path.join(folder, n)))
         raise DataError(f"{folder}: a DatasetDict (splits {', '.join(splits) or 'none'}); name one split's folder, "
@@ -80,8 +78,6 @@ def _dataset_files(folder: str) -> list[str]:
 
 def _file_rows(name: str, file: str) -> Iterator[dict]:
     import pyarrow as pa
-
-    from megatron_rl.data.jsonl import DataError
 
     try:
         schema, batches = _batches(file)

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+class DataError(ValueError):
+    """A data file is malformed; the message names the file, the 1-based line and the fix."""
+
+
 @dataclass(frozen=True)
 class Example:
     """One prompt. prompt: the text the policy continues; label: what the reward checks the

@@ -13,7 +13,7 @@ Every correction logs the fraction of tokens (and sequences) it changed as `/num
 
 A correction declares its parameters' valid values where it registers, checked by
 `losses.setup.resolve_loss` at start-up (a threshold of 0 would fail mid-step in log(0), an empty
-band would silently drop every token): `limits` (parameter -> bounds of config.checks.number),
+band would silently drop every token): `limits` (parameter -> bounds of checks.number),
 `choices` (parameter -> allowed values), `band` (lo, hi): parameters that must satisfy lo <= hi.
 It also declares `reads_policy`: whether c_t and keep_t read π_θ (batch.logprobs, detached):
 True, False, or the name of the bool parameter that switches it on (tis_token's tis_use_rho). A

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl.config import checks
+from megatron_rl import checks
 from megatron_rl.losses.advantages import ADVANTAGES
 from megatron_rl.losses.aggregation import AGGREGATIONS, required_counts
 from megatron_rl.losses.corrections import CORRECTIONS

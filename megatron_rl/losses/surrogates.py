@@ -83,7 +83,7 @@ def get_surrogate(name: str) -> Callable[..., SurrogateOut]:
 
 
 # Value ranges a surrogate declares where it registers (`limits`: parameter -> bounds of
-# config.checks.number), checked by losses.setup.resolve_loss at start-up. The clip range is
+# checks.number), checked by losses.setup.resolve_loss at start-up. The clip range is
 # [1 − ε_low, 1 + ε_high] around a ratio ≥ 0: ε_low >= 1 is no lower bound (the "no clip" arms
 # write 1e9 for both), a large ε_high (or inf) no upper one; a negative ε would make the range empty.
 CLIP_LIMITS = {"eps_low": {"lo": 0, "finite": False, "hint": ">= 1 = no lower clip"},

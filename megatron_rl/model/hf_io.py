@@ -236,7 +236,6 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
     to: who gets which tensors across pipeline stages (TP and EP shards are always gathered
         within the stage, one tensor at a time):
         "all"   every tensor on every rank (PP broadcasts): checkpoint conversion, tests;
-        "stage" each rank its own stage's tensors, no PP traffic: a per-stage sender streams them;
         r (int) global rank r gets every tensor (point to point from the owning stage's rank in
             r's pipeline group); the others get their own stage's.
     Collective: all ranks must iterate it to the end together. Tensors come out in the model's
@@ -262,8 +261,6 @@ def export_hf_weights(model, arch: ModelArch, groups: ParallelGroups, dtype: tor
     def deliver(full, owner):
         if to == "all":
             return _from_stage(full, owner, groups, device)
-        if to == "stage":
-            return full
         return _to_rank(full, owner, groups, device, to)
 
     for param in mapping_for(arch):

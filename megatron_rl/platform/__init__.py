@@ -16,13 +16,12 @@ release has the fix.
 """
 from megatron_rl.platform.capabilities import Capabilities, Condition, capabilities
 from megatron_rl.platform.registry import (
-    Workaround,
     applied_workarounds,
     apply_platform_workarounds,
-    megatron_core_version,
     needed_workarounds,
     workarounds,
 )
+from megatron_rl.platform.workaround import Workaround, megatron_core_version
 
 __all__ = ["Capabilities", "Condition", "Workaround", "applied_workarounds", "apply_platform_workarounds",
            "capabilities", "megatron_core_version", "needed_workarounds", "workarounds"]

@@ -11,7 +11,7 @@ import types
 import torch
 
 from megatron_rl.platform.capabilities import Condition
-from megatron_rl.platform.registry import Workaround
+from megatron_rl.platform.workaround import Workaround
 
 
 def torch_proxy() -> types.ModuleType:

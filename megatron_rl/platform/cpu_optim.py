@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.platform.capabilities import Condition
 from megatron_rl.platform.cpu_model import torch_proxy
-from megatron_rl.platform.registry import Workaround
+from megatron_rl.platform.workaround import Workaround
 
 _CUDA_STRING_MODULES = (
     "megatron.core.optimizer.optimizer",

@@ -37,7 +37,7 @@ each processed position in the engine's own dtype; a Sample gets them as
 `routed_experts [P + R - 1, num_moe_layers, top_k]` int16, sorted ascending per position. A
 position's routing is the one of the first forward that processed it (after a partial-rollout
 resume, the re-prefill's routing of the earlier positions is not kept: router replay r3 refuses
-partial rollouts, config/validate.py).
+partial rollouts, configure/rules.py).
 """
 from __future__ import annotations
 

@@ -11,7 +11,10 @@ An engine is an object with the protocol's members; an `EngineSpec` says how to 
 the config and what it can do, so the trainer and the config check handle every engine alike:
 
     make              EngineRequest -> RolloutEngine (runs on the rank that holds the engine)
-    settings          its typed config section, `rollout.<name>` (e.g. VllmConfig), or None
+    settings          its typed config section, `rollout.<name>` (e.g. VllmConfig), or None;
+                      registering the engine registers the section with the config
+                      (config/engine_sections.py), which also says what a section may declare
+                      (secrets, `check_on_this_machine`)
     max_len           (rollout section, arch) -> the longest prompt + response it takes
     no_routing        (rollout section) -> why, as configured, its samples cannot carry routed
                       experts (router replay R3), or None (they can, or it is known only once
@@ -28,9 +31,6 @@ the config and what it can do, so the trainer and the config check handle every 
                       step boundary and reports each token's version; abort: ends it)
     no_in_flight      (rollout section, mode) -> why, as configured, it cannot take a mode it
                       lists (vLLM: pause with weight_sync=restart), or None
-    on_this_machine   (rollout section) -> None: what its settings need of the machine the run
-                      starts on, raising ValueError naming the field (vLLM: the transfer host
-                      resolves, the sync buffers fit in memory); RunConfig.check_paths calls it
 
 What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
 top-p/top-k sets, routed experts, an fp32 head), never by the engine reading the loss or MoE
@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from megatron_rl.config.engine_sections import register_engine_section, unregister_engine_section
 from megatron_rl.registry import Registry
 from megatron_rl.rollout.types import Sample, SamplingParams
 
@@ -174,7 +175,6 @@ class EngineSpec:
     may_change: tuple[str, ...] = ()
     in_flight_updates: tuple[str, ...] = ("wait",)
     no_in_flight: Callable[[Any, str], str | None] | None = None
-    on_this_machine: Callable[[Any], None] | None = None
 
     def __post_init__(self):
         if not callable(self.make):
@@ -190,4 +190,30 @@ class EngineSpec:
                 raise TypeError(f"EngineSpec.may_change: {unknown} are not fields of {self.settings.__name__}")
 
 
-ENGINES = Registry("rollout engine", EngineSpec)
+class EngineRegistry(Registry[EngineSpec]):
+    """`ENGINES`: registering an engine also registers its settings section with the config, so
+    `rollout.<name>.*` exists exactly for the registered engines."""
+
+    def add(self, name: str, entry: EngineSpec) -> EngineSpec:
+        super().add(name, entry)
+        if entry.settings is not None:
+            try:
+                register_engine_section(name, entry.settings)
+            except (TypeError, ValueError):
+                super().remove(name)
+                raise
+        return entry
+
+    def remove(self, name: str) -> None:
+        super().remove(name)
+        unregister_engine_section(name)
+
+
+ENGINES = EngineRegistry("rollout engine", EngineSpec)
+
+
+def weight_transport(cfg) -> str:
+    """The weight transport of a run (`cfg`: a RunConfig): rollout.weight_transport, else the one
+    its engine's settings call for, else the engine's default."""
+    spec = ENGINES.get(cfg.rollout.backend)
+    return cfg.rollout.weight_transport or spec.transport_for(cfg.rollout) or spec.transports[0]

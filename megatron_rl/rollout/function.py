@@ -83,7 +83,7 @@ def label_samples(inputs: RolloutFnInputs, examples: Sequence[Any]) -> list[Samp
 @dataclass(frozen=True)
 class RolloutFnSpec:
     """A registered rollout function: make(inputs) -> RolloutFn; check(run config) raises
-    ValueError naming the field when the config cannot drive it (config/validate.py calls it);
+    ValueError naming the field when the config cannot drive it (configure/rules.py calls it);
     max_trained(run config) -> the most trained (sampled) tokens one of its samples holds (the
     default L_norm of a constant-normaliser aggregation); supervised(inputs, examples) -> the
     samples the SFT warm start trains on, shaped as this function's samples are (trainer/sft.py:
@@ -108,3 +108,11 @@ ROLLOUT_FN_PLUGINS = PluginSlot(
     kind="rollout function", expects="a RolloutFnSpec (megatron_rl/rollout/function.py)", entries=ROLLOUT_FNS,
     refuse=lambda obj: None if isinstance(obj, RolloutFnSpec) else f"{describe(obj)}, not a RolloutFnSpec",
     add=ROLLOUT_FNS.add)
+
+
+def max_trained(cfg) -> int:
+    """The most trained tokens a sample of the run's rollout function holds (`cfg`: a RunConfig;
+    the default L_norm of the token-sum aggregation); rollout.max_tokens for an unknown function
+    (the start-up check names it)."""
+    fn = cfg.rollout.function
+    return ROLLOUT_FNS.get(fn).max_trained(cfg) if fn in ROLLOUT_FNS else cfg.rollout.max_tokens

@@ -106,7 +106,7 @@ class ScheduleInputs:
 @dataclasses.dataclass(frozen=True)
 class ScheduleSpec:
     """make: ScheduleInputs -> Schedule; check: the schedule's own rules on the TrainSection
-    (raise ValueError naming the field), run by config/validate.py."""
+    (raise ValueError naming the field), run by configure/rules.py."""
 
     make: Callable[[ScheduleInputs], Schedule]
     check: Callable[[object], None] = lambda train: None

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
-from megatron_rl.config.validate import max_trained, weight_transport
 from megatron_rl.data.hf_tokenizer import make_tokenizer
 from megatron_rl.losses.setup import resolve_loss
 from megatron_rl.metrics.sink import MetricsSink
@@ -38,6 +37,8 @@ from megatron_rl.rollout import (
     RolloutEngine,
     RolloutFnInputs,
 )
+from megatron_rl.rollout.engine import weight_transport
+from megatron_rl.rollout.function import max_trained
 from megatron_rl.trainer import run_dir as run_files
 from megatron_rl.trainer.batch import model_device
 from megatron_rl.trainer.checkpoint import latest_checkpoint

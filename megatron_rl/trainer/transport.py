@@ -3,9 +3,9 @@
     transport = TRANSPORTS.get(name).make(TransportInputs(groups, arch, run_dir))
     transport.push(policy, engine, version)     # every rank; the engine holds `version` after it
 
-A transport knows which ranks send (`senders`) and what the engine must implement to receive
-(its spec's `receiver`, a protocol of rollout/engine.py); an engine lists the transports it
-takes (EngineSpec.transports, the first is its default; rollout.weight_transport picks another).
+An engine lists the transports it takes (EngineSpec.transports, the first is its default;
+rollout.weight_transport picks another) and implements each one's receiving protocol
+(rollout/engine.py: TakesTensors for memory, TakesDirectory for disk).
 
     memory   rank 0 streams (HF name, tensor) pairs into the engine object it holds
              (TakesTensors.update_weights), no file: the embedded engine copies them on-device;
@@ -18,9 +18,7 @@ takes (EngineSpec.transports, the first is its default; rollout.weight_transport
 
 Both gather the model to global rank 0 only (`export_hf_weights(to=0)`: TP/EP shards within a
 stage, then point to point from each other stage to rank 0); no other rank materialises another
-stage's tensors. A transport that streams from every pipeline stage instead (NCCL into a pool of
-servers through vLLM's weight-transfer API) sends from `stage_senders(groups)`, each its own
-stage's tensors (`export_hf_weights(to="stage")`) in `buckets` of bounded bytes.
+stage's tensors.
 
 Every rank iterates the export to its end whatever the engine does (it is collective), and a
 failure on rank 0 reaches every rank as RolloutFailed. Cost: the model's bytes once per push
@@ -31,12 +29,11 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.model.hf_io import save_hf_checkpoint
 from megatron_rl.registry import Registry
@@ -47,9 +44,6 @@ Named = Iterable[tuple[str, torch.Tensor]]
 
 
 class WeightTransport(Protocol):
-    def senders(self) -> tuple[int, ...]:
-        """The global ranks whose tensors reach the engine."""
-
     def push(self, policy, engine, version: int) -> None:
         """Give `engine` (on the rank that holds it; None elsewhere) the policy's current weights as
         version `version`. Collective over every rank; raises RolloutFailed on every rank."""
@@ -67,11 +61,9 @@ class TransportInputs:
 
 @dataclass(frozen=True)
 class TransportSpec:
-    """make: TransportInputs -> WeightTransport; receiver: the protocol (rollout/engine.py) the
-    engine implements to receive from it."""
+    """make: TransportInputs -> WeightTransport."""
 
     make: Callable[[TransportInputs], WeightTransport]
-    receiver: type
 
     def __post_init__(self):
         if not callable(self.make):
@@ -104,9 +96,6 @@ class MemoryTransport:
     def __init__(self, inputs: TransportInputs):
         del inputs
 
-    def senders(self) -> tuple[int, ...]:
-        return (0,)
-
     def push(self, policy, engine: TakesTensors | None, version: int) -> None:
         _push(policy, engine, version, lambda named: engine.update_weights(named, version))
 
@@ -119,9 +108,6 @@ class DiskTransport:
         self.tag = uuid.uuid4().hex[:8]  # two runs sharing a run_dir never write the same folder
         self.written = 0
 
-    def senders(self) -> tuple[int, ...]:
-        return (0,)
-
     def write(self, named: Named, version: int) -> str:
         """One complete model folder (config.json + safetensors, atomic); its path."""
         self.written += 1
@@ -133,27 +119,6 @@ class DiskTransport:
         _push(policy, engine, version, lambda named: engine.load_weights_from(self.write(named, version), version))
 
 
-TRANSPORTS.add("memory", TransportSpec(MemoryTransport, receiver=TakesTensors))
-TRANSPORTS.add("disk", TransportSpec(DiskTransport, receiver=TakesDirectory))
+TRANSPORTS.add("memory", TransportSpec(MemoryTransport))
+TRANSPORTS.add("disk", TransportSpec(DiskTransport))
 
-
-def stage_senders(groups) -> tuple[int, ...]:
-    """One sender per pipeline stage: the global ranks of the pipeline group holding rank 0, in
-    stage order (collective: rank 0 says which they are)."""
-    return tuple(broadcast(dist.get_process_group_ranks(groups.pp_group) if dist.get_rank() == 0 else None))
-
-
-def buckets(named: Named, max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive (name, tensor) pairs grouped into lists of at most `max_bytes` (a larger tensor
-    is a bucket of its own): what a streaming transport sends per message, so its memory beyond
-    the model is bounded by `max_bytes` whatever the model's size."""
-    bucket, size = [], 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket

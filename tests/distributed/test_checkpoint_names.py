@@ -17,7 +17,7 @@ def _policy_after_load(rank, world, hf_dir, run_dir, ckpt, legacy_save_to=None):
     (wrapped names) to `legacy_save_to` first; perturb it, load `ckpt`, return its HF-named weights."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import load_checkpoint

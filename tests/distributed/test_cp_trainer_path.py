@@ -410,7 +410,7 @@ def test_cp2_megatron_ddp_step_matches_single_rank(recipe, forward_grads):
             torch.testing.assert_close(got["after"][k], ref["after"][k], rtol=2e-5, atol=1e-7)
 
 def _setup_cp2(rank, world):
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.setup import setup

@@ -17,7 +17,7 @@ from tests.unit.data.test_hf_tokenizer import write_tokenizer
 
 
 def _run(rank, world, overrides, run_dir, vocab):
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.data.hf_tokenizer import HfTokenizer
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds

@@ -15,7 +15,7 @@ def _run(rank, world, run_dir, backend="toy_replay", failing=True, steps=2, sche
     import os
     import threading
 
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.data.envs import ENVS, Environment, Step, register_env
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds

@@ -27,7 +27,7 @@ def _adam_steps(optimizer) -> list[int]:
 
 
 def _run(rank, world, run_dir, overrides, nan_loss_at=(), nan_grad_from=None, nan_weights_at=None):
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer import phases

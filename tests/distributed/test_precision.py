@@ -24,7 +24,7 @@ def hf_dir(tmp_path_factory):
 
 
 def _run(rank, world, overrides, run_dir, overflow_at_step=None):
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer import phases
@@ -99,7 +99,7 @@ def test_non_finite_gradient_without_a_loss_scaler_skips_the_update(tmp_path, hf
 
 def _save_init(rank, world, hf_dir, root):
     """An fp32 checkpoint of the HF weights (as an SFT warm start leaves one)."""
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import save_checkpoint

@@ -8,7 +8,7 @@ from tests.spawn import run_ranks
 def _each_recipe(rank, world, recipes, run_root, hf):
     import math
 
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import close, train

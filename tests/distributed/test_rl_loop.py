@@ -37,7 +37,7 @@ def hf_dir(tmp_path_factory):
 
 
 def _run(rank, world, overrides, run_dir):
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import close, train
@@ -135,7 +135,8 @@ def test_keep_sampling_mask_shares_the_action_space(tmp_path, hf_dir):
 
 
 def test_keep_sampling_mask_requires_truncation():
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import ConfigError
+    from megatron_rl.configure import load_config
 
     with pytest.raises(ConfigError, match="keep_sampling_mask needs truncated sampling"):
         load_config(None, ["loss.keep_sampling_mask=true"])
@@ -144,7 +145,7 @@ def test_keep_sampling_mask_requires_truncation():
 def _failing_engine(rank, world, run_dir, hf, where, stopping):
     import signal
 
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.checkpoint import latest_checkpoint
@@ -205,7 +206,7 @@ def _run_twice(rank, world, run_dir):
     import psutil
     import torch.distributed as dist
 
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import destroy_parallel, init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import run

@@ -50,7 +50,7 @@ class FakeEngine:
 def _schedule(overrides, hold):
     """The run's schedule over the real batch maker (prompts, the single-turn rollout function) and
     the memory transport, with the fake engine; no model (the policy exports nothing)."""
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.data import CharTokenizer, PromptStream, make_task
     from megatron_rl.rewards import RewardRunner
     from megatron_rl.rollout import RolloutFnInputs

@@ -24,7 +24,7 @@ STEPS = ["train.steps=4", "train.save_every=1"]
 
 
 def _run(rank, world, overrides, run_dir, stop_after_first=False):
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.trainer.loop import close, train

@@ -89,7 +89,7 @@ def _run(rank, world, run_dir):
     import json
     import os
 
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.parallel import init_parallel
     from megatron_rl.platform import apply_platform_workarounds
     from megatron_rl.rollout import ENGINES, ROLLOUT_FNS, EngineSpec, RolloutFnSpec

@@ -25,5 +25,14 @@ def test_every_field_is_listed_and_explained():
             assert re.search(rf"\b{re.escape(section.name)}:", RunConfig.__doc__ or ""), f"{section.name} has no words"
             continue
         for f in dataclasses.fields(cls):
+            if section.name == "rollout" and f.name == "engines":  # each registered engine's section instead
+                from megatron_rl.rollout import ENGINES
+
+                for engine in ENGINES.names():
+                    settings = ENGINES.get(engine).settings
+                    if settings is not None:
+                        assert f"## rollout.{engine}" in page
+                        assert all(f"| `rollout.{engine}.{g.name}` |" in page for g in dataclasses.fields(settings))
+                continue
             assert f"| `{section.name}.{f.name}` |" in page
             assert re.search(rf"\b{re.escape(f.name)}\b", cls.__doc__ or ""), f"{section.name}.{f.name} has no words"

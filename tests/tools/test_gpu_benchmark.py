@@ -74,7 +74,7 @@ def _args(mod, *argv):
 
 
 def test_config_overrides_make_a_valid_config(tmp_path):
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
 
     mod = _module()
     args = _args(mod, "--rows", "8", "--response-len", "4096", "--micro-batch-size", "2", "--num-minibatches", "2",
@@ -214,7 +214,7 @@ _MAKE_BATCH = """
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("rl_step_gpu", sys.argv[1])
 mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
-from megatron_rl.config import load_config
+from megatron_rl.configure import load_config
 from megatron_rl.parallel import destroy_parallel, init_distributed, init_parallel
 from megatron_rl.platform import apply_platform_workarounds
 from megatron_rl.trainer import phases

@@ -3,7 +3,7 @@ config change that would break the GPU lane shows up in the CPU suite too (nothi
 failed GPU-lane run reports its error in the test output (two runs that fail at start-up)."""
 import pytest
 
-from megatron_rl.config import load_config
+from megatron_rl.configure import load_config
 from megatron_rl.losses import RECIPES
 from tests.golden import register_reward
 from tests.gpu.runs import DEMO, DEMO_SHORT, DENSE_REWARD, ONE_STEP, ROOT

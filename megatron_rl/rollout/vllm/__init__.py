@@ -107,10 +107,6 @@ def _no_in_flight(rollout, mode: str) -> str | None:
     return None
 
 
-def _on_this_machine(rollout) -> None:
-    rollout.vllm.check_on_this_machine()
-
-
 # where the server runs and how it is reached, restarted and probed: not its dtype, quantization,
 # log-prob mode, seed, lengths or extra arguments, which change the samples (trainer/resume_check.py)
 MAY_CHANGE = ("url", "urls", "num_servers", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization",
@@ -122,8 +118,7 @@ VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, 
                   no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
                                   "or rollout.dtype=fp32 for the whole server",
                   transports=("memory", "disk"), transport_for=_transport, may_change=MAY_CHANGE,
-                  in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight,
-                  on_this_machine=_on_this_machine)
+                  in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight)
 
 
 __all__ = [

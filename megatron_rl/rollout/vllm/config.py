@@ -10,8 +10,9 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
-from megatron_rl.config import checks
+from megatron_rl import checks
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -152,6 +153,10 @@ class VllmConfig:
           request: ~30 s on CPU) so the first generate() is not charged for it.
     """
 
+    # what a checkpoint's copy of the config redacts (config_to_dict): the key, and the values of env
+    SECRET_FIELDS: ClassVar[tuple[str, ...]] = ("api_key",)
+    SECRET_MAPPINGS: ClassVar[tuple[str, ...]] = ("env",)
+
     url: str | None = None
     urls: list = field(default_factory=list)
     num_servers: int = 1
@@ -262,7 +267,7 @@ class VllmConfig:
 
     def check_on_this_machine(self) -> None:
         """What the in-memory sync needs of the machine the trainer starts on (the entry point's
-        start-up checks, RunConfig.check_paths): transfer_host resolves, and the buffers of
+        start-up checks: RunConfig.check_paths calls it under rollout.backend=vllm): transfer_host resolves, and the buffers of
         bucket_bytes (the trainer's, and one per worker of each server we launch, on this machine)
         fit in half of its memory. Raises ValueError naming the field; a disk sync needs neither."""
         if self.weight_sync != "memory":

@@ -1,8 +1,10 @@
 import json
+import os
 
 import pytest
 
-from megatron_rl.config import ConfigError, LossSection, load_config
+from megatron_rl.config import ConfigError, LossSection
+from megatron_rl.configure import load_config
 from megatron_rl.losses.setup import resolve_loss
 
 
@@ -112,3 +114,14 @@ def test_an_empty_mapping_on_the_command_line_replaces_the_files_mapping(tmp_pat
     path = tmp_path / "c.yaml"
     path.write_text("model: {overrides: {num_layers: 2}}\n")
     assert load_config(str(path), ["model.overrides={}"]).model.overrides == {}
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
+                        "examples")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".yaml")))
+def test_every_example_config_loads(name):
+    """Each examples/*.yaml is a valid config as shipped (what `--config` gets before any override)."""
+    cfg = load_config(os.path.join(EXAMPLES, name))
+    cfg.check_layout(1)

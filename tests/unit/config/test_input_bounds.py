@@ -2,8 +2,9 @@
 is validated whichever engine runs, and YAML is bounded before anything writes it out."""
 import pytest
 
-from megatron_rl.config import ConfigError, config_to_dict, load_config
+from megatron_rl.config import ConfigError, config_to_dict
 from megatron_rl.config.loader import MAX_CONFIG_DEPTH, MAX_CONFIG_SIZE
+from megatron_rl.configure import load_config
 
 
 def _bomb(levels: int = 7) -> str:

@@ -12,7 +12,8 @@ from dataclasses import fields
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config, schema
+from megatron_rl.config import ConfigError, schema
+from megatron_rl.configure import load_config
 from megatron_rl.losses import ADVANTAGES, AGGREGATIONS, CORRECTIONS, SURROGATES
 from megatron_rl.rollout.vllm.config import VllmConfig
 

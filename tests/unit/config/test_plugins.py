@@ -1,4 +1,4 @@
-"""Plugins by import path (megatron_rl/plugins.py, config/plugins.py): the user's reward, task,
+"""Plugins by import path (megatron_rl/plugins.py, configure/plugins.py): the user's reward, task,
 environment and rollout function, named as `module:attribute` or registered by a `plugins` module,
 are registered before the config is checked; every way one can be wrong is refused at load time,
 naming the field. Each test writes its plugin module to its own folder under a fresh name."""
@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from megatron_rl.config import ConfigError, config_to_dict, load_config
+from megatron_rl.config import ConfigError, config_to_dict
+from megatron_rl.configure import load_config
 from megatron_rl.data.envs import ENVS, make_env
 from megatron_rl.data.tasks import TASKS, make_task
 from megatron_rl.rewards import REWARDS, RewardRunner

@@ -2,7 +2,8 @@
 ones are accepted by megatron-core's TransformerConfig and refused here with the capability named."""
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError
+from megatron_rl.configure import load_config
 from megatron_rl.precision import PRECISION_RECIPES
 
 

@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError
+from megatron_rl.configure import load_config
 
 
 @pytest.mark.parametrize("overrides,msg", [

@@ -187,8 +187,8 @@ def test_make_tokenizer_choices(tmp_path):
 
 
 def test_config_refuses_hf_without_a_model_folder():
-    from megatron_rl.config.loader import load_config
     from megatron_rl.config.schema import RunConfig
+    from megatron_rl.configure import load_config
 
     with pytest.raises(ValueError, match="data.tokenizer=hf .*model.hf_dir is not set"):
         load_config(None, ["data.tokenizer=hf"])

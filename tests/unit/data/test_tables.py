@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_rl.config import load_config
+from megatron_rl.configure import load_config
 from megatron_rl.data import CharTokenizer, DataError, Example, JsonlPrompts, load_jsonl, load_prompts
 from megatron_rl.trainer.startup import make_prompts
 

@@ -9,7 +9,7 @@ from megatron_rl.platform import (
     needed_workarounds,
     workarounds,
 )
-from megatron_rl.platform.registry import parse_version
+from megatron_rl.platform.workaround import parse_version
 
 CPU = Capabilities(cuda=False, te=False, apex=False)
 GPU_BARE = Capabilities(cuda=True, te=False, apex=False)  # the H100 of the issue: no TE, no Apex

@@ -151,11 +151,11 @@ def test_the_render_check_reports_a_merge_across_a_turn_boundary():
 
 
 def test_the_config_names_the_environment_and_checks_its_settings():
-    from megatron_rl.config import load_config
     from megatron_rl.config.loader import ConfigError
     from megatron_rl.config.schema import LossSection
-    from megatron_rl.config.validate import max_trained
+    from megatron_rl.configure import load_config
     from megatron_rl.losses.setup import resolve_loss
+    from megatron_rl.rollout.function import max_trained
 
     with pytest.raises(ConfigError, match="set env.name"):
         load_config(None, ["rollout.function=multi_turn"])

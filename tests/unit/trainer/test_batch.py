@@ -81,7 +81,7 @@ def test_local_rows_keep_each_minibatch_global():
 
 def test_the_config_check_and_the_trainer_use_one_layout():
     """RunConfig.check_layout refuses exactly the layouts the trainer's split cannot make."""
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
 
     cfg = load_config(None, ["rollout.prompts_per_step=3", "rollout.group_size=4", "train.num_minibatches=2",
                              "train.micro_batch_size=2"])

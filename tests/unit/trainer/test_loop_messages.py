@@ -54,7 +54,7 @@ def test_progress_bars_only_when_both_streams_are_terminals(monkeypatch):
     still on a terminal, bars would leave the log with no step lines."""
     import sys
 
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.trainer import loop
 
     monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)

@@ -2,7 +2,7 @@
 naming an environment only with a rollout function that runs environments."""
 import pytest
 
-from megatron_rl.config import load_config
+from megatron_rl.configure import load_config
 from megatron_rl.data import CharTokenizer
 from megatron_rl.trainer.startup import make_prompts
 

@@ -132,7 +132,7 @@ class Runner:
 
 
 def _batches(prompts, max_oversample=3.0, oversample=True):
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
     from megatron_rl.trainer.rollouts import Batches
 
     over = [f"rollout.max_oversample={max_oversample}"] if oversample else []

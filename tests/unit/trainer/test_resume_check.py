@@ -3,8 +3,8 @@ import copy
 
 import pytest
 
-from megatron_rl.config import load_config
 from megatron_rl.config.loader import config_to_dict
+from megatron_rl.configure import load_config
 from megatron_rl.trainer.resume_check import (
     MAY_CHANGE,
     config_changes,

@@ -6,7 +6,8 @@ import torch
 
 
 def test_staged_needs_whole_stages():
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import ConfigError
+    from megatron_rl.configure import load_config
 
     with pytest.raises(ConfigError, match="train.steps=10 is not a multiple of train.stages=4"):
         load_config(None, ["train.schedule=staged", "train.stages=4", "train.steps=10"])

@@ -79,14 +79,15 @@ def test_token_versions_survive_the_checkpoint_format(tmp_path):
     (["train.in_flight_update=later"], "train.in_flight_update='later': choose one of wait, pause, abort"),
 ])
 def test_in_flight_update_refusals_name_the_field(overrides, match):
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import ConfigError
+    from megatron_rl.configure import load_config
 
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
 
 
 def test_pause_is_taken_by_vllm_with_an_in_place_sync():
-    from megatron_rl.config import load_config
+    from megatron_rl.configure import load_config
 
     for sync in ("memory", "reload"):
         cfg = load_config(None, ["train.in_flight_update=pause", "train.schedule=async", "rollout.backend=vllm",
@@ -95,7 +96,8 @@ def test_pause_is_taken_by_vllm_with_an_in_place_sync():
 
 
 def test_pause_refuses_r3_router_replay():
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import ConfigError
+    from megatron_rl.configure import load_config
 
     with pytest.raises(ConfigError, match="moe.router_replay=r3"):
         load_config(None, ["train.in_flight_update=pause", "train.schedule=async", "model.arch=qwen3_moe",

@@ -7,8 +7,9 @@ import threading
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, load_config
-from megatron_rl.config.validate import weight_transport
+from megatron_rl.config import ConfigError
+from megatron_rl.configure import load_config
+from megatron_rl.rollout.engine import weight_transport
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.transfer import (

@@ -1,18 +1,27 @@
 """The config's rules across sections, one component at a time: `validate(cfg)` runs each check.
 
-    validate(cfg)              # RunConfig.__post_init__ calls it; every rule names the field and the fix
+    validate(cfg)              # configure.load_config calls it; every rule names the field and the fix
     cfg.check_layout(world)    # the rules that need the world size, at launch (pretrain_rl.py)
 
-A section checks its own values (schema.py); what a registered component declares is checked
-here the same way for every entry of its registry: the loss (losses/setup.py: resolve_loss), the
-rollout engine (its EngineSpec's refusals), the rollout function and the schedule (their specs).
-A new engine, rollout function or schedule adds no rule here: it declares its facts in its spec.
+A section checks its own values (config/schema.py); what a registered component declares is
+checked here the same way for every entry of its registry: the loss (losses/setup.py:
+resolve_loss), the rollout engine (its EngineSpec's refusals), the rollout function and the
+schedule (their specs). A new engine, rollout function or schedule adds no rule here: it declares
+its facts in its spec. This module sits above the registries it reads (rollout, trainer), so the
+config layer below stays free of them.
 """
 from __future__ import annotations
 
 from dataclasses import fields
 
+from megatron_rl.losses.policy_loss import RECIPES, recipe_variant
+from megatron_rl.losses.setup import resolve_loss
+from megatron_rl.model.arch import FAMILIES
 from megatron_rl.parallel.layout import BatchLayout
+from megatron_rl.rollout import ENGINES, ROLLOUT_FNS
+from megatron_rl.rollout.function import max_trained
+from megatron_rl.trainer.schedule import SCHEDULES
+from megatron_rl.trainer.transport import TRANSPORTS
 
 
 def validate(cfg) -> None:
@@ -24,8 +33,6 @@ def validate(cfg) -> None:
 
 
 def check_loss(cfg) -> None:
-    from megatron_rl.losses.setup import resolve_loss
-
     try:
         resolve_loss(cfg.loss, max_trained(cfg))
     except KeyError as e:  # a registry's unknown name
@@ -57,15 +64,9 @@ def check_oversample(cfg) -> None:
 
 def check_engine(cfg) -> None:
     """rollout.backend names a registered engine, and the engine can give what the run needs."""
-    from megatron_rl.rollout import ENGINES
-
     if cfg.rollout.backend not in ENGINES:
         raise ValueError(f"rollout.backend={cfg.rollout.backend!r}: choose one of {', '.join(ENGINES.names())}")
     spec = ENGINES.get(cfg.rollout.backend)
-    sections = {f.name for f in fields(cfg.rollout)}
-    if spec.settings is not None and cfg.rollout.backend not in sections:
-        raise ValueError(f"rollout.backend={cfg.rollout.backend}: its settings section rollout.{cfg.rollout.backend} "
-                         f"is missing from RolloutSection")
     why = spec.no_routing(cfg.rollout) if cfg.moe.router_replay == "r3" else None
     if why:
         raise ValueError(f"moe.router_replay=r3 needs the rollout engine's routing, which {why}, or R2 "
@@ -79,13 +80,11 @@ def check_engine(cfg) -> None:
         raise ValueError(f"rollout.quantization={quant}: rollout.backend={cfg.rollout.backend} does not run it; use "
                          f"rollout.backend={' or '.join(_engines_with(quant)) or '(none registered)'}, or "
                          f"rollout.quantization=null{vllm}")
-    from megatron_rl.trainer.transport import TRANSPORTS
-
     unknown = [t for t in spec.transports if t not in TRANSPORTS]
     if unknown:
         raise ValueError(f"rollout.backend={cfg.rollout.backend}: its spec names weight transports {unknown}; "
                          f"registered: {', '.join(TRANSPORTS.names())}")
-    transport, default = cfg.rollout.weight_transport, _engine_transport(spec, cfg.rollout)
+    transport, default = cfg.rollout.weight_transport, spec.transport_for(cfg.rollout) or spec.transports[0]
     if transport is not None and transport not in spec.transports:
         raise ValueError(f"rollout.weight_transport={transport!r}: rollout.backend={cfg.rollout.backend} takes "
                          f"{', '.join(spec.transports)} (null = {default})")
@@ -96,35 +95,10 @@ def check_engine(cfg) -> None:
 
 
 def _engines_with(quant: str) -> list[str]:
-    from megatron_rl.rollout import ENGINES
-
     return [n for n in ENGINES.names() if quant in ENGINES.get(n).quantizations]
 
 
-def _engine_transport(spec, rollout) -> str:
-    return spec.transport_for(rollout) or spec.transports[0]
-
-
-def max_trained(cfg) -> int:
-    """The most trained tokens a sample of the run's rollout function holds (the default L_norm);
-    rollout.max_tokens for an unknown function (check_rollout_function then names it)."""
-    from megatron_rl.rollout import ROLLOUT_FNS
-
-    return ROLLOUT_FNS.get(cfg.rollout.function).max_trained(cfg) if cfg.rollout.function in ROLLOUT_FNS \
-        else cfg.rollout.max_tokens
-
-
-def weight_transport(cfg) -> str:
-    """The weight transport of the run: rollout.weight_transport, else the one the engine's
-    settings call for, else the engine's default."""
-    from megatron_rl.rollout import ENGINES
-
-    return cfg.rollout.weight_transport or _engine_transport(ENGINES.get(cfg.rollout.backend), cfg.rollout)
-
-
 def check_rollout_function(cfg) -> None:
-    from megatron_rl.rollout import ROLLOUT_FNS
-
     if cfg.rollout.function not in ROLLOUT_FNS:
         raise ValueError(f"rollout.function={cfg.rollout.function!r}: choose one of {', '.join(ROLLOUT_FNS.names())}")
     ROLLOUT_FNS.get(cfg.rollout.function).check(cfg)
@@ -132,8 +106,6 @@ def check_rollout_function(cfg) -> None:
 
 def check_schedule(cfg) -> None:
     """train.schedule names a registered schedule, and the schedule's own rules hold."""
-    from megatron_rl.trainer.schedule import SCHEDULES
-
     if cfg.train.schedule not in SCHEDULES:
         raise ValueError(f"train.schedule={cfg.train.schedule!r}: choose one of {', '.join(SCHEDULES.names())}")
     SCHEDULES.get(cfg.train.schedule).check(cfg.train)
@@ -143,8 +115,6 @@ def check_in_flight_update(cfg) -> None:
     """train.in_flight_update=pause|abort: the async schedule (the only one that generates while
     it updates), an engine whose spec says it can park its generation, and for pause no router
     replay r3 (a position's routing would differ before and after the update)."""
-    from megatron_rl.rollout import ENGINES
-
     mode = cfg.train.in_flight_update
     if mode == "wait":
         return
@@ -166,8 +136,6 @@ def check_in_flight_update(cfg) -> None:
 
 
 def check_router_replay(cfg) -> None:
-    from megatron_rl.model.arch import FAMILIES
-
     if cfg.moe.router_replay != "none" and cfg.model.hf_dir is None and not FAMILIES[cfg.model.arch].moe:
         raise ValueError(f"moe.router_replay={cfg.moe.router_replay} needs a MoE model; model.arch={cfg.model.arch}. "
                          f"Use model.arch=qwen3_moe (or mixtral, deepseek_v3) or {_router_replay_fix(cfg, 'none')}")
@@ -177,8 +145,6 @@ def _router_replay_fix(cfg, replay: str) -> str:
     """How to get router replay `replay`: a recipe that implies moe.router_replay is switched by the
     registered recipe that is the same loss with the other setting, not by the field (which the
     recipe would then contradict)."""
-    from megatron_rl.losses.policy_loss import RECIPES, recipe_variant
-
     recipe = cfg.loss.recipe
     if recipe in RECIPES and "moe.router_replay" in RECIPES.get(recipe).implies:
         other = recipe_variant(recipe, {"moe.router_replay": replay} if replay != "none" else {})

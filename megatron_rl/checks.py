@@ -1,4 +1,6 @@
-"""Value checks for the config sections: each failure names the field, the value and the fix.
+"""Value checks for configured values (the config sections, an engine's settings section, a
+registered component's parameters): each failure names the field, the value and the fix. It
+imports nothing of the project, so every layer may use it.
 
     integer("train.steps", -1, lo=0)   # ValueError: train.steps=-1: must be an integer >= 0
     number("rollout.top_p", 1.5, lo=0, hi=1, lo_open=True)

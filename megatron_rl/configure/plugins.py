@@ -1,7 +1,7 @@
 """The config's plugins, loaded before the config tree is built: its sections check their names
 against the registries in __post_init__, so what a plugin registers must be there first.
 
-    load_plugins(data)     # load_config calls it on the merged YAML + overrides, on every rank
+    load_plugins(data)     # configure.load_config calls it on the merged YAML + overrides, on every rank
 
 `plugins: [module, ...]` imports each module (for the entries it registers with register_reward,
 register_task, register_env or ROLLOUT_FNS.add); then each name written as an import path
@@ -16,8 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from megatron_rl.config.loader import ConfigError
+from megatron_rl.config import ConfigError
+from megatron_rl.data.envs.base import ENV_PLUGINS
+from megatron_rl.data.tasks.base import TASK_PLUGINS, TASKS
 from megatron_rl.plugins import PluginError, PluginSlot, import_module, is_import_path, resolve
+from megatron_rl.rewards.registry import REWARD_PLUGINS, REWARDS
+from megatron_rl.rollout.function import ROLLOUT_FN_PLUGINS
 
 
 def load_plugins(data: dict) -> None:
@@ -46,11 +50,6 @@ def _section(data: dict, name: str) -> dict:
 
 def _named(data: dict) -> Iterator[tuple[str, Any, PluginSlot]]:
     """(field, name, slot) of every registry name in `data` that may be an import path."""
-    from megatron_rl.data.envs.base import ENV_PLUGINS
-    from megatron_rl.data.tasks.base import TASK_PLUGINS
-    from megatron_rl.rewards.registry import REWARD_PLUGINS
-    from megatron_rl.rollout.function import ROLLOUT_FN_PLUGINS
-
     section = _section(data, "data")
     if is_import_path(section.get("reward")):
         yield "data.reward", section["reward"], REWARD_PLUGINS
@@ -69,9 +68,6 @@ def _named(data: dict) -> Iterator[tuple[str, Any, PluginSlot]]:
 def _check_task_rewards(data: dict) -> None:
     """Without data.reward each task is scored by its own `reward`, which must be registered (a
     plugin task may name one its module registers, or one by import path)."""
-    from megatron_rl.data.tasks.base import TASKS
-    from megatron_rl.rewards.registry import REWARD_PLUGINS, REWARDS
-
     section = _section(data, "data")
     tasks = section.get("tasks")
     if section.get("reward") is not None or section.get("jsonl") is not None or not isinstance(tasks, list):
