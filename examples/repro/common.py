@@ -173,7 +173,8 @@ def check_arms(out: str, checkpoint: str, arms: dict[str, list[str]], scale: Sca
     this process: an arm whose overrides no longer load or validate stops the script, naming it."""
     if ROOT not in sys.path:  # this checkout's package, as _pretrain's processes get it (PYTHONPATH)
         sys.path.insert(0, ROOT)
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import ConfigError
+    from megatron_rl.configure import load_config
 
     for arm, overrides in arms.items():
         for seed in scale.seeds:
