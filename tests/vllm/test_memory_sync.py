@@ -1,11 +1,12 @@
 """In-memory weight sync into the real CPU vLLM server (rollout.vllm.weight_sync=memory): after
 the weights are streamed over gloo, greedy outputs and their log-probs are exactly those the same
-server gives after loading the same weights from disk, for a dense model (disk reload in place)
-and a MoE model (a fresh start from the folder: vLLM's CPU MoE cannot reload in place from disk).
-The MoE case also proves the experts are repacked: it syncs twice without a restart.
+server gives after loading the same weights from disk, for a MoE model (a fresh start from the
+folder: vLLM's CPU MoE cannot reload in place from disk). It also proves the experts are
+repacked: it syncs three times without a restart. The dense model's case (disk: the first load and
+a reload in place) is test_server.py's test_memory_sync_equals_disk_loads, on that module's server.
 
-Each server start costs 30-170 s on a loaded 2-core machine: one start for the dense model, two
-for MoE (the in-memory one, then the disk reference)."""
+Each server start costs 30-170 s on a loaded 2-core machine: two here (the in-memory one, then the
+disk reference)."""
 import pytest
 import torch
 
@@ -57,26 +58,6 @@ def run(eng, syncs):
         return outs, eng.stats()
     finally:
         eng.close()
-
-
-def test_dense_memory_sync_equals_disk_reload(vllm_python, tmp_path):
-    arch = tiny_arch()
-    a = checkpoint_weights(arch, 0, tmp_path / "a")
-    b = checkpoint_weights(arch, 1, tmp_path / "b")
-    # 20 KB buckets: several per sync, and the embedding and head (32 KB each) each go alone
-    memory = engine(arch, vllm_python, tmp_path / "memory", bucket_bytes=20_000)
-    assert memory.cfg.weight_sync == "memory"  # the default
-    (memory_a, memory_b), stats = run(memory, [lambda e: e.update_weights(a, 0), lambda e: e.update_weights(b, 1)])
-    assert stats["vllm/probe_max_abs_diff"] < 1e-5 and stats["vllm/restarts"] == 0
-    assert any(not torch.equal(x[0], y[0]) for x, y in zip(memory_a, memory_b))  # the second sync changed the model
-    disk = engine(arch, vllm_python, tmp_path / "disk", weight_sync="reload")
-    (disk_a, disk_b), disk_stats = run(disk, [lambda e: e.load_weights_from(str(tmp_path / "a"), 0),
-                                              lambda e: e.load_weights_from(str(tmp_path / "b"), 1)])
-    assert "timing/vllm_reload" in disk_stats and disk_stats["vllm/restarts"] == 0  # in place
-    assert_same(memory_a, disk_a)  # vs the server's first load from disk
-    assert_same(memory_b, disk_b)  # vs a reload in place
-    print(f"\ndense: in-memory sync {stats['timing/vllm_memory_sync']:.3f} s, disk reload "
-          f"{disk_stats['timing/vllm_reload']:.3f} s (+ the write)")
 
 
 def test_moe_memory_sync_equals_a_fresh_load_from_disk(vllm_python, tmp_path):

@@ -1,10 +1,11 @@
 """In-memory weight sync from a model-parallel trainer into the real CPU vLLM server: a TP=2 dense
 and an EP=2 MoE megatron model, two gloo ranks (tests/spawn.py), pushed by the `memory`
 transport as a run does it (trainer/transport.py: every rank exports, rank 0 streams into the
-engine it holds). The server's greedy outputs and log-probs then equal those of a server loaded
-from disk with the same weights (the export gathered to rank 0 and written as an HF folder):
-reloaded in place for the dense model, started on the folder for MoE (vLLM's CPU MoE cannot
-reload in place from disk). Two server starts per model, one at a time."""
+engine it holds). The server's greedy outputs and log-probs then equal those the same server gives
+after a single-rank in-memory sync of the same weights (the export gathered to rank 0 and pushed
+as (name, tensor) pairs), which test_server.py (dense: test_memory_sync_equals_disk_loads) and
+test_memory_sync.py (MoE) prove equal to a load from disk: the parallel export and stream change
+nothing. One server start per model (the disk side of the comparison is in those files)."""
 import pytest
 
 from tests.spawn import run_ranks
@@ -14,11 +15,11 @@ pytestmark = pytest.mark.vllm
 PROMPTS = [[4 + (3 * i) % 40, 5 + i % 7, 14, 8 + i % 5] for i in range(4)]
 
 
-def _memory_then_disk(rank, world, arch_name, sizes, disk_sync, vllm_python, run_dir):
+def _parallel_then_single(rank, world, arch_name, sizes, vllm_python, run_dir):
     import torch
 
     from megatron_rl.model import BuildOptions, build_gpt_model
-    from megatron_rl.model.hf_io import export_hf_weights, save_hf_checkpoint
+    from megatron_rl.model.hf_io import export_hf_weights
     from megatron_rl.rollout.types import SamplingParams
     from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
     from megatron_rl.trainer.transport import MemoryTransport, TransportInputs
@@ -35,52 +36,46 @@ def _memory_then_disk(rank, world, arch_name, sizes, disk_sync, vllm_python, run
         def export(self, dtype=None, to="all"):
             return export_hf_weights(self.model, arch, groups, dtype=dtype, to=to)
 
-    def engine(**cfg):
-        if rank != 0:
-            return None
-        return VllmEngine(arch, VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=8, max_model_len=128,
-                                           health_timeout_s=60.0, **cfg), f"{run_dir}/{cfg.get('weight_sync', 'memory')}")
-
     def greedy(eng):
         out = eng.generate(PROMPTS, 1, SamplingParams(temperature=0.0, max_tokens=12))
         return [(g[0].response_ids, g[0].rollout_logprobs) for g in out]
 
+    def same(a, b):
+        return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
     first, second = Policy(seed=1), Policy(seed=2)
+    gathered = list(second.export(to=0))   # collective: rank 0 gets every tensor
     transport = MemoryTransport(TransportInputs(groups, arch, run_dir))
-    memory = engine()
-    try:
-        transport.push(first, memory, 0)
-        transport.push(second, memory, 1)   # a second sync, in place
-        memory_out = greedy(memory) if rank == 0 else None
-        probe = memory.stats()["vllm/probe_max_abs_diff"] if rank == 0 else None
-    finally:
-        if memory is not None:
-            memory.close()
-    folder = f"{run_dir}/hf"
-    named = second.export(to=0)   # collective: rank 0 gets every tensor
+    engine = None
     if rank == 0:
-        save_hf_checkpoint(folder, arch, named)
-    else:
-        for _ in named:
-            pass
-    if rank != 0:
-        return None
-    disk = engine(weight_sync=disk_sync)
+        engine = VllmEngine(arch, VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=8, max_model_len=128,
+                                             health_timeout_s=60.0), f"{run_dir}/memory")
     try:
-        disk.load_weights_from(folder, 1)   # the server starts on the folder
-        disk_out = greedy(disk)
+        if rank == 0:
+            engine.update_weights(gathered, 0)   # single-rank: the reference (== a load from disk)
+            single = greedy(engine)
+        transport.push(first, engine, 1)
+        first_out = greedy(engine) if rank == 0 else None
+        transport.push(second, engine, 2)   # a second sync, in place
+        if rank != 0:
+            return None
+        parallel = greedy(engine)
+        stats = engine.stats()
     finally:
-        disk.close()
-    same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(memory_out, disk_out))
-    return {"same": same, "probe": probe, "memory": memory_out, "disk": disk_out}
+        if engine is not None:
+            engine.close()
+    return {"same": same(parallel, single), "first_differs": not same(first_out, single),
+            "probe": stats["vllm/probe_max_abs_diff"], "restarts": stats["vllm/restarts"],
+            "parallel": parallel, "single": single}
 
 
-@pytest.mark.parametrize("arch_name,sizes,disk_sync", [
-    ("qwen3", {"tensor_model_parallel_size": 2}, "reload"),
-    ("qwen3_moe", {"expert_model_parallel_size": 2}, "restart"),
+@pytest.mark.parametrize("arch_name,sizes", [
+    ("qwen3", {"tensor_model_parallel_size": 2}),
+    ("qwen3_moe", {"expert_model_parallel_size": 2}),
 ], ids=["dense_tp2", "moe_ep2"])
-def test_model_parallel_trainer_syncs_in_memory_as_from_disk(arch_name, sizes, disk_sync, vllm_python, tmp_path):
-    r0, _ = run_ranks(_memory_then_disk, world_size=2, timeout=1500, arch_name=arch_name, sizes=sizes,
-                      disk_sync=disk_sync, vllm_python=vllm_python, run_dir=str(tmp_path))
-    assert r0["probe"] < 1e-5
-    assert r0["same"], (r0["memory"], r0["disk"])
+def test_model_parallel_trainer_syncs_in_memory_as_a_single_rank(arch_name, sizes, vllm_python, tmp_path):
+    r0, _ = run_ranks(_parallel_then_single, world_size=2, timeout=1500, arch_name=arch_name, sizes=sizes,
+                      vllm_python=vllm_python, run_dir=str(tmp_path))
+    assert r0["probe"] < 1e-5 and r0["restarts"] == 0
+    assert r0["first_differs"]  # the parallel syncs replaced the weights: the equality below is theirs
+    assert r0["same"], (r0["parallel"], r0["single"])

@@ -4,8 +4,8 @@ and the samples are those of the unkilled call (seeded sampling: a sample depend
 not on the server); the killed server restarts on random weights, stays out until the next sync
 reaches it, then serves again; one killed between generate and sync, or SIGSTOPped mid-sync,
 misses that sync (the other takes it, within rollout.vllm.sync_timeout_s), is restarted and
-filled by the next; and pretrain_rl.py completes RL steps on the same two servers as a pool of
-URLs (rollout.vllm.urls).
+filled by the next; and pretrain_rl.py completes RL steps under the staged schedule on the same
+two servers as a pool of URLs (rollout.vllm.urls).
 
 Two server starts for the module (one pool, module-scoped) plus a restart per fault. The
 kill is triggered by an event, never a timer: server 1 is killed once it has answered a request
@@ -25,7 +25,7 @@ from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.protocol import GENERATE
 from tests.vllm.conftest import fault_after_first_answer, hf_weights, tiny_arch
-from tests.vllm.test_trainer_loop import CONFIG, ROOT, _env
+from tests.vllm.test_trainer_loop import CONFIG, ROOT, _env, check_schedule
 
 pytestmark = pytest.mark.vllm
 
@@ -170,25 +170,25 @@ def test_a_server_stopped_or_killed_mid_sync_is_dropped_within_the_deadline(pool
     assert _same(engine.generate(PROMPTS, 2, SAMPLING), unkilled[0])
 
 
-def test_rl_steps_on_a_pool_of_server_urls(pool, tmp_path, vllm_python):
-    """pretrain_rl.py for two steps against the pool's two servers as rollout.vllm.urls (their
-    shared key in the environment): the trainer streams its weights into both (the mismatch is
-    ~0 in fp32) and both served its rollouts."""
+def test_rl_steps_on_a_pool_of_server_urls_under_the_staged_schedule(pool, tmp_path, vllm_python):
+    """pretrain_rl.py for four steps against the pool's two servers as rollout.vllm.urls (their
+    shared key in the environment), under the staged schedule (a stage's batches in one request
+    burst, then held-out evaluations): the trainer streams its weights into both (no weight file),
+    both served its rollouts, and the schedule's record holds (check_schedule: staleness 0, 1, 0,
+    1 in two generate calls; the tokens of the current weights match the fp32 trainer, ~0)."""
     engine, _, key = pool
     urls = ", ".join(f'"{r.server.url}"' for r in engine.replicas)
     config = tmp_path / "vllm_pool.yaml"
-    config.write_text(CONFIG.format(run_dir=tmp_path / "run").replace(
+    config.write_text(CONFIG.format(run_dir=tmp_path / "run").replace("steps: 2,", "steps: 4,").replace(
         "max_tokens: 8}", f"max_tokens: 8, vllm: {{urls: [{urls}]}}}}"))
     env = dict(_env(vllm_python), MEGATRON_RL_VLLM_API_KEY=key)
     summary_path = tmp_path / "summary.json"
     run = subprocess.run([sys.executable, "pretrain_rl.py", "--config", str(config), "--summary-json",
-                          str(summary_path), "train.eval_size=0"], check=False, cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+                          str(summary_path), "train.schedule=staged", "train.stages=2"], check=False, cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
-    assert summary["steps"] == 2
-    assert summary["last"]["mismatch/abs_logprob_diff"] < 1e-4, summary["last"]
-    with open(tmp_path / "run" / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if json.loads(line).get("phase") == "rl"]
+    assert json.loads(summary_path.read_text())["steps"] == 4
+    assert not os.path.exists(tmp_path / "run" / "weights")  # weights went in memory (the default): no file
+    rows = check_schedule(tmp_path / "run", [0, 1, 0, 1], 2, evaluates=True)
     assert all(rows[-1][f"vllm/server{k}/requests"] > 0 for k in (0, 1)), rows[-1]
     assert rows[-1]["vllm/restarts"] == 0

@@ -1,11 +1,12 @@
 """A real vLLM server (CPU lane, tiny dense Qwen3, fp32): log-prob parity, sampling semantics,
-weight sync with the parity probe, multi-turn trajectories equal to the embedded engine's, that
-it serves no one without its key, and abort or pause (partial rollouts) for an in-flight weight
-update. One server for the
-module (a start costs ~30-80 s)."""
+weight sync with the parity probe, in-memory sync into a second server equal to this one's loads
+from disk, multi-turn trajectories equal to the embedded engine's, that it serves no one without
+its key, and abort or pause (partial rollouts) for an in-flight weight update. One server for the
+module, and one more for the in-memory sync (a start costs ~30-80 s)."""
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ def engine(vllm_python, models, tmp_path_factory):
     eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_server")))
     (_, weights_a), _ = models
     push(eng, weights_a, 0)
+    eng.first_load = _greedy_pairs(eng)  # the server started on A's folder: test_memory_sync_equals_disk_loads
     yield eng
     eng.close()
 
@@ -57,6 +59,16 @@ def reference_logprobs(model, sample) -> torch.Tensor:
 
 def greedy(engine):
     return engine.generate(PROMPTS, 1, SamplingParams(temperature=0.0, max_tokens=12))
+
+
+def _greedy_pairs(engine):
+    return [(g[0].response_ids, g[0].rollout_logprobs) for g in greedy(engine)]
+
+
+def _assert_same(memory, disk):
+    for (ids_m, lp_m), (ids_d, lp_d) in zip(memory, disk):
+        assert torch.equal(ids_m, ids_d)
+        assert torch.equal(lp_m, lp_d), float((lp_m - lp_d).abs().max())
 
 
 def test_sampled_logprobs_equal_fp32_reference(engine, models):
@@ -110,6 +122,36 @@ def test_weight_sync_changes_outputs_and_restores_them_exactly(engine, models):
         assert torch.equal(x[0].rollout_logprobs, y[0].rollout_logprobs)
     print(f"\nweight sync (export + reload + probe): {stats['timing/vllm_weight_sync']:.2f} s, "
           f"probe diff {stats['vllm/probe_max_abs_diff']:.2e}")
+
+
+def test_memory_sync_equals_disk_loads(engine, models, vllm_python, tmp_path):
+    """In-memory weight sync (rollout.vllm.weight_sync=memory, the default) into a second server:
+    after A and then B are streamed over gloo in 20 KB buckets (several per sync; the embedding and
+    the head, 32 KB each, go alone), its greedy outputs and log-probs are exactly those of the
+    module's server after its start on A's folder and after its in-place reload of B's. (The MoE
+    case, where the disk side is a fresh start, is test_memory_sync.py.)"""
+    (_, weights_a), (_, weights_b) = models
+    cfg = replace(engine.cfg, weight_sync="memory", bucket_bytes=20_000)  # else as the module's server: the same batches
+    memory = VllmEngine(ARCH, cfg, str(tmp_path / "memory"))
+    assert memory.cfg.weight_sync == "memory"  # the default
+    try:
+        memory.update_weights(weights_a, 0)
+        memory_a = _greedy_pairs(memory)
+        memory.update_weights(weights_b, 1)
+        memory_b = _greedy_pairs(memory)
+        stats = memory.stats()
+    finally:
+        memory.close()
+    assert stats["vllm/probe_max_abs_diff"] < 1e-5 and stats["vllm/restarts"] == 0
+    assert any(not torch.equal(x[0], y[0]) for x, y in zip(memory_a, memory_b))  # the second sync changed the model
+    push(engine, weights_b, 5)
+    disk_b = _greedy_pairs(engine)
+    assert "timing/vllm_reload" in engine.stats() and engine.stats()["vllm/restarts"] == 0  # in place
+    push(engine, weights_a, 6)  # as the module's fixture left it
+    _assert_same(memory_a, engine.first_load)  # vs the server's first load from disk
+    _assert_same(memory_b, disk_b)  # vs a reload in place
+    print(f"\ndense: in-memory sync {stats['timing/vllm_memory_sync']:.3f} s, disk reload "
+          f"{engine.stats()['timing/vllm_reload']:.3f} s (+ the write)")
 
 
 def test_parity_probe_catches_a_server_on_other_weights(engine, models, tmp_path):

@@ -1,7 +1,8 @@
 """The RL loop with rollout.backend=vllm: pretrain_rl.py for a few steps on a dense tiny Qwen3 under
-each off-policy schedule, fp32 server against the fp32 megatron trainer (so the engine-trainer
-mismatch of the tokens from the current weights is ~0); and a
-trainer stopped by SIGTERM mid-run leaves no process of its vLLM server behind."""
+the async schedule with a server it launches (the staged schedule runs in test_pool.py, against a
+pool of two servers as URLs: one launch fewer), fp32 server against the fp32 megatron trainer (so
+the engine-trainer mismatch of the tokens from the current weights is ~0); and a trainer stopped by
+SIGTERM mid-run leaves no process of its vLLM server behind."""
 import json
 import os
 import re
@@ -36,26 +37,11 @@ def _env(vllm_python):
                 MASTER_PORT="0", MEGATRON_RL_VLLM_PYTHON=vllm_python)
 
 
-@pytest.mark.parametrize("schedule,staleness,generate_calls", [
-    (["train.schedule=staged", "train.stages=2"], [0, 1, 0, 1], 2),
-    (["train.schedule=async", "train.max_staleness=1", "train.eval_size=0"], [0, 1, 1, 1], 4),
-], ids=["staged", "async"])
-def test_rl_steps_with_the_vllm_backend(tmp_path, vllm_python, schedule, staleness, generate_calls):
-    """pretrain_rl.py against a real server under the off-policy schedules: staged generation (a
-    stage's batches in one request burst, then held-out evaluations) and async generation (the
-    client in a background thread while the trainer updates). The tokens generated from the
-    weights being trained (staleness 0) match the fp32 trainer."""
-    summary_path = tmp_path / "summary.json"
-    config = tmp_path / "vllm_cpu.yaml"
-    config.write_text(CONFIG.format(run_dir=tmp_path / "run").replace("steps: 2,", "steps: 4,"))
-    cmd = [sys.executable, "pretrain_rl.py", "--config", str(config), "--summary-json", str(summary_path), *schedule]
-    run = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(vllm_python), capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert json.loads(summary_path.read_text())["steps"] == 4
-    assert os.path.exists(tmp_path / "run" / "vllm" / "server.log")
-    assert not os.path.exists(tmp_path / "run" / "weights")  # weights went in memory (the default): no file
-    with open(tmp_path / "run" / "metrics.jsonl") as f:
+def check_schedule(run_dir, staleness, generate_calls, evaluates: bool) -> list:
+    """The off-policy schedule's record in a run's metrics.jsonl: the staleness of each step's
+    batch, the generate() calls, the tokens split by staleness, and the tokens generated from the
+    weights being trained (staleness 0) matching the fp32 trainer. Returns the rl rows."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if json.loads(line).get("phase") == "rl"]
     assert [r["schedule/staleness_max"] for r in rows] == staleness
     assert rows[-1]["schedule/generate_calls"] == generate_calls
@@ -63,8 +49,31 @@ def test_rl_steps_with_the_vllm_backend(tmp_path, vllm_python, schedule, stalene
                for r in rows)
     fresh = [r for r in rows if r["mismatch/staleness_0/tokens"]]
     assert fresh and all(r["mismatch/staleness_0/abs_logprob_diff"] < 1e-4 for r in fresh), fresh
-    if "train.eval_size=0" not in schedule:
+    if evaluates:
         assert "eval/heldout_accuracy" in rows[-1]
+    return rows
+
+
+# staged generation (a stage's batches in one request burst, then held-out evaluations) runs in
+# test_pool.py, against that module's two launched servers as a pool of URLs: [0, 1, 0, 1], 2 calls
+ASYNC = ["train.schedule=async", "train.max_staleness=1", "train.eval_size=0"]
+
+
+def test_rl_steps_with_the_vllm_backend_async(tmp_path, vllm_python):
+    """pretrain_rl.py against a server it launches under the async schedule (the client in a
+    background thread while the trainer updates). The tokens generated from the weights being
+    trained (staleness 0) match the fp32 trainer."""
+    summary_path = tmp_path / "summary.json"
+    config = tmp_path / "vllm_cpu.yaml"
+    config.write_text(CONFIG.format(run_dir=tmp_path / "run").replace("steps: 2,", "steps: 4,"))
+    cmd = [sys.executable, "pretrain_rl.py", "--config", str(config), "--summary-json", str(summary_path), *ASYNC]
+    run = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(vllm_python), capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert json.loads(summary_path.read_text())["steps"] == 4
+    assert os.path.exists(tmp_path / "run" / "vllm" / "server.log")
+    assert not os.path.exists(tmp_path / "run" / "weights")  # weights went in memory (the default): no file
+    check_schedule(tmp_path / "run", [0, 1, 1, 1], 4, evaluates=False)
 
 
 def test_sigterm_mid_run_leaves_no_server_process(tmp_path, vllm_python):
