@@ -23,6 +23,8 @@ import psutil
 import pytest
 import torch
 
+from tests.e2e.runner import run_pretrain
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HANG_GUARD_S = 600  # a deadline against hangs only; no assertion depends on speed
 
@@ -48,8 +50,15 @@ def cmd(run_dir, *overrides):
 
 
 def run(run_dir, *overrides) -> subprocess.CompletedProcess:
+    """`python pretrain_rl.py BASE train.run_dir=... OVERRIDES` as a kept worker runs it (tests/e2e/runner.py:
+    the exit code, stdout and stderr a new process would give, without its 11 s of imports)."""
+    return run_pretrain(cmd(run_dir, *overrides)[2:], ENV, HANG_GUARD_S)
+
+
+def run_process(run_dir, *overrides, **popen) -> subprocess.CompletedProcess:
+    """The same in a new `python pretrain_rl.py` process, for what only a process shows."""
     return subprocess.run(cmd(run_dir, *overrides), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S, check=False)
+                          timeout=HANG_GUARD_S, check=False, **popen)
 
 
 def ok(proc):
