@@ -32,6 +32,10 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_RUNS = 40
+# the drills' environment: one thread (the runs are tiny), torch.compile off as pretrain_rl.py has it
+# without CUDA; the tests that pass it share one worker
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+HANG_GUARD_S = 600  # a deadline against hangs only; no assertion depends on speed
 _WORKERS: dict[tuple, _Worker] = {}
 
 

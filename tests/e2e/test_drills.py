@@ -23,15 +23,13 @@ import psutil
 import pytest
 import torch
 
-from tests.e2e.runner import run_pretrain
+from tests.e2e.runner import ENV, HANG_GUARD_S, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HANG_GUARD_S = 600  # a deadline against hangs only; no assertion depends on speed
 
 BASE = ["--config", "examples/demo_cpu.yaml", "sft.steps=0", "rollout.prompts_per_step=2",
         "rollout.group_size=2", "train.micro_batch_size=2", "train.num_minibatches=1", "train.eval_size=4",
         "log.tensorboard=false"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
 
 
 def _writers_are_processes() -> bool:
