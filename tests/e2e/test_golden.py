@@ -20,10 +20,7 @@ CPUs' records, which are stale then):
     python tools/record_golden.py --add-cpu              # this CPU's record, the math unchanged
     MEGATRON_RL_REGEN_GOLDEN=1 python -m pytest tests/e2e/test_golden.py   # every case, via the test
 
-About 30-50 s on 2 CPU cores (the e2e tier: make test and CI, not make test-fast). Both tests'
-runs (every case for 3 steps on the recompute path, then every case for 1 step on the in-forward
-path) are made in one fresh process for the module: the cases' numbers do not depend on what ran
-before them in the process (see the tolerance below), and one interpreter's imports are saved.
+About 30-50 s on 2 CPU cores (the e2e tier: make test and CI, not make test-fast).
 """
 import os
 
@@ -32,11 +29,10 @@ import pytest
 from tests.golden import (
     GOLDEN_PATH,
     REGEN_ENV,
-    cases,
     compare,
     find_record,
     load_golden,
-    run_cases,
+    run_fresh,
     sanity,
     versions,
     write_golden,
@@ -53,27 +49,10 @@ from tests.golden import (
 # A change that alters float32 bits of the gradients or weights (even by reordering a sum) moves
 # steps 2-3 far beyond this: the bf16 engine re-rounds the weights and re-samples the responses.
 RTOL, ATOL = 1e-6, 1e-9
-IN_FORWARD = ["loss.head_gradients=auto", "train.steps=1"]
 
 
-def _both_paths(rank: int, world: int, run_root: str) -> dict:
-    """In the fresh rank: the golden run (recompute path), then the in-forward path's first steps."""
-    return {"recompute": run_cases(rank, world, cases(), run_root),
-            "in_forward": run_cases(rank, world, cases(), run_root, extra=IN_FORWARD)}
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """tests.golden.run_fresh for both tests at once: one fresh single-rank process."""
-    from tests.spawn import run_ranks
-
-    [out] = run_ranks(_both_paths, world_size=1, timeout=1200, fresh=True,
-                      run_root=str(tmp_path_factory.mktemp("golden")))
-    return out
-
-
-def test_golden_numbers(runs):
-    got = runs["recompute"]
+def test_golden_numbers(tmp_path):
+    got = run_fresh(str(tmp_path))
     degenerate = sanity(got["values"])
     assert not degenerate, "the golden run is degenerate:\n" + "\n".join(degenerate)
     if os.environ.get(REGEN_ENV) == "1":
@@ -107,11 +86,11 @@ def test_golden_numbers(runs):
 FIRST_STEP_RTOL, FIRST_STEP_ATOL = 1e-4, 1e-8
 
 
-def test_gradients_formed_in_the_forward_give_the_golden_first_step(runs):
+def test_gradients_formed_in_the_forward_give_the_golden_first_step(tmp_path):
     """Every recipe under loss.head_gradients=auto (all but gspo and mu_grpo take the in-forward
     path) against the recorded recompute numbers of step 1. Steps 2-3 are not compared: changed
     weight bits make the bf16 engine sample other responses."""
-    got = runs["in_forward"]
+    got = run_fresh(str(tmp_path), extra=["loss.head_gradients=auto", "train.steps=1"])
     assert not sanity(got["values"], steps=1), sanity(got["values"], steps=1)
     record = find_record(load_golden(), got["numerics"])
     if record is None:
