@@ -57,8 +57,7 @@ class _Worker:
             os.write(self.write_fd, (json.dumps({"argv": argv, "out": out, "err": err}) + "\n").encode())
             self.runs += 1
             reply = self._reply(timeout, argv, out, err)
-            with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
-                stdout, stderr = f_out.read(), f_err.read()
+            stdout, stderr = _read(out), _read(err)
         if reply.get("restart"):
             self.close()
         return subprocess.CompletedProcess([sys.executable, "pretrain_rl.py", *argv], reply["rc"], stdout, stderr)
@@ -75,7 +74,7 @@ class _Worker:
                 if not chunk:   # the worker died (a crash a real process would have died of too)
                     rc = self.proc.wait()
                     self.close()
-                    return {"rc": rc if rc >= 0 else 128 - rc, "restart": True}
+                    return {"rc": rc, "restart": True}   # -N: killed by signal N, as subprocess has it
                 self.buffer += chunk
         finally:
             sel.close()
@@ -97,12 +96,17 @@ class _Worker:
         self.proc.wait()
 
 
-def _tail(path: str) -> str:
+def _read(path: str) -> str:
+    """What a run wrote there; nothing if the worker died before it opened the file."""
     try:
         with open(path, errors="replace") as f:
-            return f.read()[-6000:]
+            return f.read()
     except OSError:
         return ""
+
+
+def _tail(path: str) -> str:
+    return _read(path)[-6000:]
 
 
 def run_pretrain(argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:

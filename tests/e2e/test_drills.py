@@ -64,6 +64,14 @@ def ok(proc):
     return proc
 
 
+def test_the_kept_worker_answers_as_the_process_would(tmp_path):
+    """run() (tests/e2e/runner.py) against `python pretrain_rl.py`: the same exit code and output."""
+    for override in ("train.steps=-1", "data.tasks=[sortin]"):
+        kept, process = run(tmp_path / "R", override), run_process(tmp_path / "R", override)
+        assert process.returncode == 2 and not (tmp_path / "R").exists()
+        assert (kept.returncode, kept.stdout, kept.stderr) == (process.returncode, process.stdout, process.stderr)
+
+
 def metric_steps(run_dir) -> list[int]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line)["step"] for line in f if json.loads(line).get("phase") == "rl"]
