@@ -23,13 +23,13 @@ import psutil
 import pytest
 import torch
 
+from tests.e2e.runner import ENV, HANG_GUARD_S, run_pretrain
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HANG_GUARD_S = 600  # a deadline against hangs only; no assertion depends on speed
 
 BASE = ["--config", "examples/demo_cpu.yaml", "sft.steps=0", "rollout.prompts_per_step=2",
         "rollout.group_size=2", "train.micro_batch_size=2", "train.num_minibatches=1", "train.eval_size=4",
         "log.tensorboard=false"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
 
 
 def _writers_are_processes() -> bool:
@@ -48,13 +48,28 @@ def cmd(run_dir, *overrides):
 
 
 def run(run_dir, *overrides) -> subprocess.CompletedProcess:
+    """`python pretrain_rl.py BASE train.run_dir=... OVERRIDES` as a kept worker runs it (tests/e2e/runner.py:
+    the exit code, stdout and stderr a new process would give, without its 11 s of imports)."""
+    return run_pretrain(cmd(run_dir, *overrides)[2:], ENV, HANG_GUARD_S)
+
+
+def run_process(run_dir, *overrides, **popen) -> subprocess.CompletedProcess:
+    """The same in a new `python pretrain_rl.py` process, for what only a process shows."""
     return subprocess.run(cmd(run_dir, *overrides), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S, check=False)
+                          timeout=HANG_GUARD_S, check=False, **popen)
 
 
 def ok(proc):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def test_the_kept_worker_answers_as_the_process_would(tmp_path):
+    """run() (tests/e2e/runner.py) against `python pretrain_rl.py`: the same exit code and output."""
+    for override in ("train.steps=-1", "data.tasks=[sortin]"):
+        kept, process = run(tmp_path / "R", override), run_process(tmp_path / "R", override)
+        assert process.returncode == 2 and not (tmp_path / "R").exists()
+        assert (kept.returncode, kept.stdout, kept.stderr) == (process.returncode, process.stdout, process.stderr)
 
 
 def metric_steps(run_dir) -> list[int]:

@@ -2,21 +2,16 @@
 demonstrations, 2 RL steps of multi-turn rollouts, the env/* statistics (per-turn rewards included) and the render
 check in metrics.jsonl."""
 import json
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.e2e.runner import ENV, HANG_GUARD_S, run_pretrain
 
 
 def test_the_multiturn_example_runs(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run([sys.executable, "pretrain_rl.py", "--config", "examples/multiturn_cpu.yaml",
-                           f"train.run_dir={tmp_path}", "train.steps=2", "train.eval_every=2", "train.eval_size=8",
-                           "rollout.prompts_per_step=4", "rollout.group_size=4", "train.micro_batch_size=16",
-                           "train.num_minibatches=1", "sft.steps=2", "sft.batch_size=16", "data.heldout_size=100",
-                           "log.progress=false"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = run_pretrain(["--config", "examples/multiturn_cpu.yaml",
+                         f"train.run_dir={tmp_path}", "train.steps=2", "train.eval_every=2", "train.eval_size=8",
+                         "rollout.prompts_per_step=4", "rollout.group_size=4", "train.micro_batch_size=16",
+                         "train.num_minibatches=1", "sft.steps=2", "sft.batch_size=16", "data.heldout_size=100",
+                         "log.progress=false"], ENV, HANG_GUARD_S)   # tests/e2e/runner.py
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r.get("phase") == "rl"]
