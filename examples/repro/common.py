@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,8 +48,12 @@ class Scale:
     quick: bool = False  # run only the script's QUICK arms; check every arm's config (run_arms)
 
 
-def parse_args(description: str, steps: int, seeds: int = 2) -> tuple[argparse.Namespace, Scale]:
+def parse_args(description: str, steps: int, seeds: int = 2,
+               more: Callable[[argparse.ArgumentParser], None] | None = None) -> tuple[argparse.Namespace, Scale]:
+    """The command line every script shares (`more` adds a script's own options) and its Scale."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if more is not None:
+        more(p)
     p.add_argument("--out", default=None, help="output folder (default: runs/repro/<script>)")
     p.add_argument("--steps", type=int, default=steps, help=f"RL steps per arm (default {steps})")
     p.add_argument("--seeds", type=int, default=seeds, help=f"seeds per arm (default {seeds})")

@@ -15,12 +15,12 @@ from tests.cores import share
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # script -> (arms whose config --quick checks, arms it runs)
-SCRIPTS = {"minirl": (11, 1), "mu_grpo": (5, 1), "p3o": (5, 1), "tim": (12, 2)}
+SCRIPTS = {"collapse": (8, 2), "minirl": (11, 1), "mu_grpo": (5, 1), "p3o": (5, 1), "tim": (12, 2)}
 
 
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory):
-    """One quick warm start for the four scripts: each finds it cached (common.warm_start)."""
+    """One quick warm start for the scripts: each finds it cached (common.warm_start)."""
     return tmp_path_factory.mktemp("sft")
 
 
@@ -45,8 +45,10 @@ def test_repro_script_quick(script, tmp_path, sft_dir):
     assert arms == sorted(a.replace(" ", "_").replace("/", "-") for a in names), (arms, names)
     for arm in arms:
         assert any((out / "runs" / arm / "seed0" / "tensorboard").iterdir()), arm
-    if script == "tim":
+    if script in ("tim", "collapse"):
         assert (out / "buckets.png").stat().st_size > 10_000
+    if script == "collapse":  # the verdict column and the mismatch pattern of the FP8 arm
+        assert "| control |" in report and "Mismatch pattern of the uncorrected FP8 engine" in report
 
 
 def test_quick_check_names_a_broken_arm(tmp_path, monkeypatch):
