@@ -110,7 +110,7 @@ def _no_in_flight(rollout, mode: str) -> str | None:
 # where the server runs and how it is reached, restarted and probed: not its dtype, quantization,
 # log-prob mode, seed, lengths or extra arguments, which change the samples (trainer/resume_check.py)
 MAY_CHANGE = ("url", "urls", "num_servers", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization",
-              "max_num_seqs", "kv_cache_space_gb", "weight_sync", "bucket_bytes", "transfer_host", "sync_timeout_s", "enforce_eager", "probe_every", "probe_tokens",
+              "max_num_seqs", "kv_cache_space_gb", "weight_sync", "affinity", "bucket_bytes", "transfer_host", "sync_timeout_s", "enforce_eager", "probe_every", "probe_tokens",
               "probe_tolerance", "keep_weight_dirs", "max_concurrency", "request_timeout_s", "startup_timeout_s",
               "health_timeout_s", "health_interval_s", "max_retries", "retry_backoff_s", "max_restarts", "warmup")
 

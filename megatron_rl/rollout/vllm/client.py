@@ -95,7 +95,7 @@ class VllmEngine:
         for s in servers:
             check_supported(arch, cfg.weight_sync, self.device, cfg.enable_return_routed_experts, s.can_restart)
         pool = ServerPool([Replica(k, s, MemorySync(s, self.backend, cfg.bucket_bytes, cfg.transfer_host)
-                                   if self.backend else None) for k, s in enumerate(servers)])
+                                   if self.backend else None) for k, s in enumerate(servers)], cfg.affinity)
         self.fleet = Fleet(arch, cfg, self.root, pool, stopping)
         self.generation = Generation(arch, cfg, self.fleet, self.logprobs_mode, self.max_model_len,
                                      self.max_logprobs)

@@ -141,6 +141,10 @@ class VllmConfig:
 
     Client behaviour:
       max_concurrency: requests in flight at once (one request per sample).
+      affinity: in a pool, send a request to the server that holds the longest known prefix of
+          its tokens (a prompt's samples, a trajectory's later turns: its prefix cache has them)
+          unless that server is well past the least loaded one (pool.py, affinity.py); false:
+          least work in flight only. Placement never changes a sample.
       request_timeout_s: one whole request, connect to last byte (a server that trickles its
           answer is hung too); a timeout counts as a hung server and triggers a restart.
       startup_timeout_s: server start until /health answers. health_timeout_s: one health check.
@@ -186,6 +190,7 @@ class VllmConfig:
     probe_tolerance: float | None = None
     keep_weight_dirs: int = 2
     max_concurrency: int = 64
+    affinity: bool = True
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 600.0
     health_timeout_s: float = 10.0

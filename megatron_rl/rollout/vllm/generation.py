@@ -343,7 +343,7 @@ class Generation:
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
         routed = self.arch.num_layers * self.arch.moe_topk if self.cfg.enable_return_routed_experts else 0
         cap = generate_answer_cap(len(prompt), sampling, num_logprobs, routed)
-        with self.fleet.pool.serving(len(prompt) + sampling.max_tokens, self.cfg.startup_timeout_s) as replica:
+        with self.fleet.pool.serving(len(prompt) + sampling.max_tokens, self.cfg.startup_timeout_s, prompt) as replica:
             epoch, server = replica.epoch, replica.server
             body = generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
             try:
@@ -358,7 +358,7 @@ class Generation:
                 raise _Failed(why, replica, epoch) from e
             except (TransportError, HttpStatusError, BadResponse) as e:
                 raise _Failed(e, replica, epoch) from e
-        self.fleet.pool.add_tokens(replica, len(out.ids))
+        self.fleet.pool.add_tokens(replica, len(out.ids), [*prompt, *out.ids.tolist()])
         routed_experts = None
         if self.cfg.enable_return_routed_experts:
             routed_experts = decode_routed_experts(out.routed, len(prompt) + len(out.ids) - 1, self.arch.moe_topk)

@@ -9,9 +9,13 @@ server's state and counters.
 Placement. A request is placed when a request thread is free to send it (not when generate()
 queues it), on the READY server with the least work in flight, work = prompt tokens + max_tokens
 (the KV cache it may need); ties go to the lower index. A slow server (fewer devices, a longer
-queue) so gets fewer requests, and a server that dies is simply not picked any more. Placement
-never changes a sample: request (i, j) carries its own seed (generation.py), so any server gives the
-same sample from the same weights.
+queue) so gets fewer requests, and a server that dies is simply not picked any more. With
+affinity (rollout.vllm.affinity, affinity.py), a request whose tokens start with a prefix the pool
+has sent to a READY server goes there instead (the n samples of a prompt, the later turns of a
+trajectory: that server's prefix cache holds the shared part), unless that server carries more than
+AFFINITY_SLACK requests' worth of work beyond the least loaded one. Placement never changes a
+sample: request (i, j) carries its own seed (generation.py), so any server gives the same sample
+from the same weights.
 
 States. READY serves. DOWN: found dead or hung, being stopped / restarted (not picked). STALE:
 restarted with `weight_sync=memory`, so it runs random weights until the next in-memory sync
@@ -20,7 +24,8 @@ FAILED: its restart failed, or it cannot be restarted (a server at a URL); not p
 When no server is READY, a request waits for one (a restart in progress) and fails with
 VllmServerDiedError once none can become READY.
 
-Cost: placement is O(servers) under one lock per request; nothing grows with model or batch.
+Cost: placement is O(servers + prompt / 16) under one lock per request; the prefix table is
+bounded (affinity.py); nothing grows with model or batch.
 """
 from __future__ import annotations
 
@@ -29,11 +34,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from megatron_rl.rollout.vllm.affinity import PrefixTable
 from megatron_rl.rollout.vllm.errors import VllmServerDiedError
 from megatron_rl.rollout.vllm.launcher import ServerHandle
 from megatron_rl.rollout.vllm.transfer import MemorySync
 
 READY, DOWN, STALE, FAILED = "ready", "down", "stale", "failed"
+# how far past the least loaded server a prefix's server may be and still take the request, in
+# multiples of the request's own work: a few requests' worth keeps the cache where it is without
+# letting one server take a whole batch
+AFFINITY_SLACK = 4
 
 
 @dataclass(eq=False)
@@ -61,9 +71,11 @@ class Replica:
 class ServerPool:
     """The replicas and the lock that guards their state and load (module docstring)."""
 
-    def __init__(self, replicas: list[Replica]):
+    def __init__(self, replicas: list[Replica], affinity: bool = True):
         self.replicas = replicas
         self._cond = threading.Condition()
+        self.prefixes = PrefixTable() if affinity and len(replicas) > 1 else None
+        self.affinity_requests = self.affinity_tokens = 0
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -75,6 +87,8 @@ class ServerPool:
     def set_state(self, replica: Replica, state: str, why: str = "") -> None:
         with self._cond:
             replica.state, replica.why = state, why
+            if state != READY and self.prefixes is not None:  # a restart empties its cache
+                self.prefixes.forget(replica.index)
             self._cond.notify_all()
 
     def hopeless(self) -> bool:
@@ -82,42 +96,69 @@ class ServerPool:
         with self._cond:
             return not any(r.state in (READY, DOWN) for r in self.replicas)
 
-    def _pick(self, timeout: float) -> Replica:
+    def _pick(self, timeout: float, work: int, tokens) -> Replica:
         with self._cond:
             while True:
                 ready = [r for r in self.replicas if r.state == READY]
                 if ready:
-                    return min(ready, key=lambda r: (r.in_flight, r.index))
+                    least = min(ready, key=lambda r: (r.in_flight, r.index))
+                    return self._prefix_owner(tokens, least, work) or least
                 if not any(r.state == DOWN for r in self.replicas):
                     raise VllmServerDiedError("no vLLM server of the pool can serve: " + "; ".join(
                         f"{r.name()} {r.state}: {r.why or '-'}" for r in self.replicas))
                 if not self._cond.wait(timeout):
                     raise VllmServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
 
+    def _prefix_owner(self, tokens, least: Replica, work: int) -> Replica | None:
+        """The READY server that holds the longest known prefix of `tokens`, if it is not too far
+        past `least` in load (under the lock)."""
+        if self.prefixes is None or tokens is None:
+            return None
+        found = self.prefixes.lookup(tokens)
+        if found is None:
+            return None
+        owner = self.replicas[found[0]]
+        if owner.state != READY or owner.in_flight - least.in_flight > AFFINITY_SLACK * work:
+            return None
+        self.affinity_requests += 1
+        self.affinity_tokens += found[1]
+        return owner
+
     @contextmanager
-    def serving(self, work: int, timeout: float) -> Iterator[Replica]:
-        """The replica a request of `work` goes to, counted in flight while the block runs."""
+    def serving(self, work: int, timeout: float, tokens=None) -> Iterator[Replica]:
+        """The replica a request of `work` (and prompt `tokens`, for affinity) goes to, counted in
+        flight while the block runs."""
         with self._cond:
-            replica = self._pick(timeout)
+            replica = self._pick(timeout, work, tokens)
             replica.in_flight += work
             replica.requests += 1
+            if self.prefixes is not None and tokens is not None:  # its siblings in flight find it
+                self.prefixes.record(tokens, replica.index)
         try:
             yield replica
         finally:
             with self._cond:
                 replica.in_flight -= work
 
-    def add_tokens(self, replica: Replica, tokens: int) -> None:
+    def add_tokens(self, replica: Replica, tokens: int, sequence=None) -> None:
+        """Count `tokens` generated by `replica`; `sequence` (prompt + response) is now in its cache."""
         with self._cond:
             replica.tokens += tokens
+            if self.prefixes is not None and sequence is not None and replica.state == READY:
+                self.prefixes.record(sequence, replica.index)
 
     def stats(self) -> dict[str, float]:
-        """vllm/server{k}/{requests,tokens,restarts,ready} per server (only for a pool of 2 or more:
-        the pool totals are the engine's vllm/requests, vllm/restarts)."""
+        """vllm/server{k}/{requests,tokens,restarts,ready} per server, and with affinity
+        vllm/affinity/{requests,matched_tokens} (requests placed on the server of their longest known
+        prefix, and the prefix tokens they matched) (only for a pool of 2 or more: the pool totals
+        are the engine's vllm/requests, vllm/restarts)."""
         if len(self.replicas) < 2:
             return {}
         with self._cond:
             out: dict[str, float] = {}
+            if self.prefixes is not None:
+                out.update({"vllm/affinity/requests": self.affinity_requests,
+                            "vllm/affinity/matched_tokens": self.affinity_tokens})
             for r in self.replicas:
                 p = f"vllm/server{r.index}/"
                 out.update({p + "requests": r.requests, p + "tokens": r.tokens, p + "restarts": r.restarts,
