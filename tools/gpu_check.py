@@ -522,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _stop)
+    # a part must be able to take the SIGINT that ends it at its limit (pytest then prints its
+    # summary) even when this process started with SIGINT ignored (nohup, a background job of a
+    # script): exec keeps an ignored signal ignored in the child but resets a handled one
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return Check(profile, parts, version, args.stop or profile.stop_s, args.part_limit, whl, out, python).main()
 
 

@@ -169,11 +169,14 @@ def make_server(host: str, port: int, key: str | None, service: EnvService | Non
             except Exception as e:  # noqa: BLE001 - the environment raised: the client's trajectory ends
                 answer, status = {"error": f"{type(e).__name__}: {e}"[:1000]}, 500
             data = json.dumps(answer).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout); it retries
+                self.close_connection = True
 
         def _body(self) -> dict:
             try:
