@@ -6,43 +6,57 @@ them by number of tests, which puts the one-test whole-run files (the short demo
 where one worker runs them alone while the other has finished. With the long files first, the many
 short ones fill in behind them and the two workers end together (greedy longest-first).
 
-LONG_FILES: seconds per file on a fresh clone's CI run (2-core AMD EPYC, idle, 2026-11-29 at
-51fb84f; `make ci-time`), the files over 15 s, lowered by the CPU seconds measured for the files
-cut since (the repro scripts' --quick, the drills' kept worker, shared vLLM servers). A file not listed keeps its collection place after them; an
-outdated number only makes the schedule less even, never a test wrong.
+LONG_FILES: seconds per file on a fresh clone's CI run (2-core AMD EPYC, 2026-11-29 at 47d77dd;
+`make ci-time`), the files over 15 s (test_repro_quick with the collapse script's quick run added
+since). A file not listed keeps its collection place after them; an outdated number only makes the
+schedule less even, never a test wrong.
 """
 from __future__ import annotations
 
 LONG_FILES = {
     "vllm/test_pool.py": 520,
-    "e2e/test_demo_short.py": 342,
-    "e2e/test_drills.py": 250,
-    "vllm/test_restart.py": 250,
-    "vllm/test_families.py": 249,
-    "e2e/test_repro_quick.py": 230,
-    "vllm/test_server.py": 200,
-    "vllm/test_memory_sync_parallel.py": 200,
-    "e2e/test_gpu_lane_on_cpu.py": 200,
-    "distributed/test_convert_tool.py": 189,
-    "vllm/test_trainer_loop.py": 185,
-    "distributed/test_replay_in_loop.py": 136,
-    "vllm/test_reaping.py": 132,
-    "e2e/test_golden.py": 132,
-    "vllm/test_memory_sync.py": 130,
-    "distributed/test_workarounds.py": 110,
-    "distributed/test_schedules.py": 95,
-    "e2e/test_drills_round3.py": 90,
-    "distributed/test_rl_loop.py": 74,
-    "distributed/test_precision.py": 70,
-    "distributed/test_spawn_pool.py": 70,
-    "distributed/test_recipes_in_loop.py": 61,
-    "distributed/test_compiled_math_inductor.py": 55,
-    "e2e/test_plugins.py": 53,
-    "e2e/test_drills_inputs.py": 45,
-    "e2e/test_ratio_reference.py": 40,
-    "tools/test_gpu_benchmark.py": 40,
+    "e2e/test_demo_short.py": 374,
+    "vllm/test_restart.py": 266,
+    "e2e/test_repro_quick.py": 235,
+    "e2e/test_drills.py": 192,
+    "vllm/test_families.py": 177,
+    "distributed/test_convert_tool.py": 171,
+    "vllm/test_trainer_loop.py": 169,
+    "vllm/test_memory_sync_parallel.py": 140,
+    "vllm/test_server.py": 138,
+    "vllm/test_memory_sync.py": 127,
+    "vllm/test_reaping.py": 127,
+    "e2e/test_golden.py": 124,
+    "e2e/test_gpu_lane_on_cpu.py": 119,
+    "distributed/test_replay_in_loop.py": 116,
+    "distributed/test_workarounds.py": 98,
+    "distributed/test_recipes_in_loop.py": 86,
+    "distributed/test_precision.py": 74,
+    "e2e/test_drills_round3.py": 67,
+    "distributed/test_spawn_pool.py": 66,
+    "distributed/test_rl_loop.py": 66,
+    "distributed/test_schedules.py": 47,
+    "e2e/test_plugins.py": 43,
+    "distributed/test_compiled_math_inductor.py": 42,
     "distributed/test_partial_rollouts.py": 39,
-    "distributed/test_model_parallel.py": 37,
+    "tools/test_gpu_benchmark.py": 38,
+    "distributed/test_model_parallel.py": 36,
+    "tools/test_gpu_check_script.py": 33,
+    "unit/platform/test_gpu_logprob_compiles.py": 26,
+    "distributed/test_cp_trainer_path.py": 24,
+    "distributed/test_checkpoint_names.py": 23,
+    "distributed/test_nonfinite_updates.py": 22,
+    "e2e/test_ratio_reference.py": 21,
+    "distributed/test_dist_checkpoint.py": 20,
+    "distributed/test_logprobs_peak_memory.py": 20,
+    "vllm/test_launcher.py": 20,
+    "tools/test_slurm_example.py": 19,
+    "distributed/test_metrics_over_ranks.py": 19,
+    "distributed/test_oversample_run.py": 19,
+    "vllm/test_client_faults.py": 18,
+    "tools/test_gpu_run_configs.py": 18,
+    "distributed/test_router_replay.py": 16,
+    "distributed/test_multi_turn_loop.py": 16,
 }
 
 
