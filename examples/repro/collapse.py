@@ -96,7 +96,7 @@ def verdict(arm: str, runs: list[c.ArmRun], control: list[c.ArmRun]) -> str:
     if gap >= DEGRADE and all(m < r for m, r in zip(mine, ref)):
         return f"degrades ({100 * gap:.1f} points below the control)"
     if gap <= DEGRADE / 2:
-        return f"holds ({100 * gap:+.1f} points vs the control)"
+        return f"holds ({-100 * gap:+.1f} points vs the control's gain)"
     return f"between ({100 * gap:.1f} points below the control)"
 
 
