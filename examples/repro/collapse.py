@@ -40,6 +40,7 @@ import math
 import os
 
 import common as c
+from tim import buckets, plot_buckets
 
 SEARCH = [f"lr {lr} {fmt}" for lr in ("1e-4", "3e-4") for fmt in ("fp8_tensor", "fp8_block", "mxfp8")]
 DEFAULT_SETTING = "lr 1e-4 fp8_tensor"
@@ -116,7 +117,7 @@ def pattern(runs: list[c.ArmRun]) -> list[str]:
     for r in runs:
         kl = [row.get("mismatch/kl_k3", math.nan) for row in r.rows]
         entropy = [row.get("mismatch/entropy", math.nan) for row in r.rows]
-        first, last = buckets(r.rows[0]), buckets(r.rows[-1])
+        first, last = buckets(r, r.rows[0]), buckets(r, r.rows[-1])
         low = min(first, key=lambda b: float(b.split("-")[0]), default=None)
         high = max(first, key=lambda b: float(b.split("-")[0]), default=None)
         lines.append(f"- seed {r.seed}: KL k3 {kl[0]:.2e} → {kl[-1]:.2e} (× {kl[-1] / kl[0]:.2f}); "
@@ -124,10 +125,6 @@ def pattern(runs: list[c.ArmRun]) -> list[str]:
                      f"{first.get(high, math.nan):.2e}, at the last step {low} {last.get(low, math.nan):.2e}; "
                      f"Pearson(KL, entropy) over steps {pearson(kl, entropy):+.2f}")
     return lines
-
-
-def buckets(row: dict) -> dict[str, float]:
-    return {k.split("/")[2]: v for k, v in row.items() if k.startswith("mismatch/bucket/") and k.endswith("/kl_k3")}
 
 
 def table(runs: dict[str, list[c.ArmRun]]) -> list[list[str]]:
@@ -197,8 +194,6 @@ def main() -> None:
                              ("sampled reward", "rollout/reward_mean", runs),
                              ("engine-vs-trainer KL k3", "mismatch/kl_k3", runs),
                              ("entropy of π_old", "mismatch/entropy", runs)])
-    from tim import plot_buckets
-
     plot_buckets(args.out, runs["fp8 engine"][0])
 
 
