@@ -567,6 +567,13 @@ class EnvSection:
     observation_prefix / observation_suffix: text put around every observation before it is
         tokenized, alone (a chat template's turn delimiters, e.g. "<|im_start|>user\\n" and
         "<|im_end|>\\n<|im_start|>assistant\\n" for ChatML); "" for the character tokenizer.
+    turns: how trajectories reach the engine (rollout/requests.py): "async" (default): each
+        trajectory goes turn -> environment -> turn on its own, and the engine batches the
+        requests pending whenever it is free, so none waits for the slowest environment (a
+        sample's numbers then depend on which requests shared its batch, by the engine's
+        batch-shape noise: fp32 ~1e-6); "lockstep": every engine call holds one request of every
+        running trajectory (each waits for the slowest environment), so calls, and a resumed
+        run, are bit-exact.
     check_render: also re-encode every trajectory's text and count the trajectories whose ids
         differ from the kept ones (env/render_drift, of which env/render_unencodable could not be
         encoded at all; never corrected: the kept ids are trained). With an HF tokenizer that has
@@ -584,9 +591,11 @@ class EnvSection:
     observation_prefix: str = ""
     observation_suffix: str = ""
     check_render: bool = False
+    turns: str = "async"
 
     def __post_init__(self):
         checks.integer("env.max_turns", self.max_turns, lo=1)
+        checks.choice("env.turns", self.turns, ("async", "lockstep"))
         checks.integer("env.max_tokens", self.max_tokens, lo=1)
         checks.number("env.timeout_s", self.timeout_s, lo=0, lo_open=True)
         checks.integer("env.max_stuck_calls", self.max_stuck_calls, lo=0,

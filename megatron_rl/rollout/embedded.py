@@ -8,8 +8,10 @@ The model runs in its own dtype through transformers' modelling code (eager atte
 default), a genuinely different numeric path from the fp32 megatron trainer, which is what
 makes the training-inference mismatch real on CPU.
 
-Decoding: sequences (prompt i, sample j) are decoded in chunks of `max_batch_size`. A chunk
-prefills each distinct prompt once (left padding, attention mask, explicit position ids), the
+Decoding: one sequence per request (rollout/types.py `Request`; a generate() call's sequence
+(prompt i, sample j) is request (i, j) of `requests_of`); the requests of a call with equal sampling
+settings are decoded in chunks of `max_batch_size`, in their order. A chunk prefills each distinct
+prompt once (left padding, attention mask, explicit position ids), the
 KV cache is then expanded to one row per sequence, and every step feeds one token per running
 row; a row that hits a stop token or max_tokens is dropped from the batch and its cache.
 
@@ -41,7 +43,7 @@ partial rollouts, configure/rules.py).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -50,7 +52,16 @@ from megatron_rl.rollout.engine import EngineRequest, EngineSpec
 from megatron_rl.rollout.fp8_modules import quantize_model
 from megatron_rl.rollout.hf_state import load_checkpoint_tensors, rules_for
 from megatron_rl.rollout.pausing import DecodeGate
-from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
+from megatron_rl.rollout.types import (
+    Request,
+    Sample,
+    SamplingParams,
+    check_prompts,
+    check_requests,
+    grouped,
+    requests_of,
+    stream_seed,
+)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -224,17 +235,28 @@ class EmbeddedEngine:
         self.policy_version = version
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
-        """n samples per prompt; result[i][j] is sample j of prompt i (see the module docstring).
-        Parks between decode steps and between chunks while `pause()` holds it."""
+        """n samples per prompt; result[i][j] is sample j of prompt i (see the module docstring):
+        the requests of `requests_of(prompts, n, sampling)`."""
         check_prompts(prompts, n, self.arch.vocab_size, self.arch.max_position_embeddings, sampling.max_tokens)
-        seqs = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        out: list[list[Sample | None]] = [[None] * n for _ in prompts]
+        return grouped(self.generate_requests(requests_of(prompts, n, sampling)), len(prompts), n)
+
+    def generate_requests(self, requests: Sequence[Request]) -> list[Sample]:
+        """One sample per request, in order. Requests with equal SamplingParams are decoded
+        together, in chunks of max_batch_size in their order (a chunk prefills each distinct
+        (stream prompt index, prompt) once); each draws from its own stream. Parks between decode
+        steps and between chunks while `pause()` holds it."""
+        check_requests(list(requests), self.arch.vocab_size, self.arch.max_position_embeddings)
+        by_params: dict[SamplingParams, list[int]] = {}
+        for k, r in enumerate(requests):
+            by_params.setdefault(r.sampling, []).append(k)
+        out: list[Sample | None] = [None] * len(requests)
         with self.gate.generating():
-            for start in range(0, len(seqs), self.max_batch_size):
-                self.gate.boundary(-1)  # a chunk's prefill never runs while the weights change
-                chunk = seqs[start:start + self.max_batch_size]
-                for (i, j), sample in zip(chunk, self._generate_chunk(prompts, chunk, sampling)):
-                    out[i][j] = sample
+            for sampling, ks in by_params.items():
+                for start in range(0, len(ks), self.max_batch_size):
+                    self.gate.boundary(-1)  # a chunk's prefill never runs while the weights change
+                    chunk = ks[start:start + self.max_batch_size]
+                    for k, sample in zip(chunk, self._generate_chunk([requests[k] for k in chunk], sampling)):
+                        out[k] = sample
         return out
 
     # ---- Pausable (partial rollouts: rollout/pausing.py) ---------------------------------------
@@ -286,24 +308,29 @@ class EmbeddedEngine:
         return logits, mask, self._take_routes(len(prompts))
 
     @torch.no_grad()
-    def _generate_chunk(self, prompts, seqs, sampling: SamplingParams) -> list[Sample]:
+    def _generate_chunk(self, requests: list[Request], sampling: SamplingParams) -> list[Sample]:
+        """Decode `requests` (all with `sampling`) as one batch; one sample each, in order."""
         from transformers import DynamicCache
 
         if self.model is None:
             raise RuntimeError("the engine is closed")
         steps = sampling.max_tokens
         dev = self.device
+        seqs = [r.stream for r in requests]
         uniforms = stream_uniforms(sampling.seed, seqs, steps).to(dev)
         stops = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
 
-        uniq = sorted({i for i, _ in seqs})
+        # each distinct prompt prefilled once, in order of its stream's prompt index
+        prompts = [list(r.prompt_ids) for r in requests]
+        uniq = sorted({(r.stream[0], r.prompt_ids) for r in requests})
         cache = DynamicCache(config=self.model.config)
-        logits, mask, prompt_routes = self._prefill([prompts[i] for i in uniq], cache)
+        logits, mask, prompt_routes = self._prefill([list(p) for _, p in uniq], cache)
         width = mask.shape[1]
 
         # one row per sequence
-        row_of = {i: r for r, i in enumerate(uniq)}
-        rows = torch.tensor([row_of[i] for i, _ in seqs], device=dev)
+        row_of = {u: r for r, u in enumerate(uniq)}
+        prefill_row = [row_of[(r.stream[0], r.prompt_ids)] for r in requests]
+        rows = torch.tensor(prefill_row, device=dev)
         cache.batch_select_indices(rows)
         mask, logits = mask[rows], logits[rows]
         next_pos = mask.sum(-1)
@@ -340,7 +367,7 @@ class EmbeddedEngine:
             if self.gate.boundary(t) and self.policy_version != version:  # new weights while parked
                 version = self.policy_version
                 cache = DynamicCache(config=self.model.config)
-                rows_ids = [prompts[seqs[s][0]] + tokens[s, :t + 1].tolist() for s in alive.tolist()]
+                rows_ids = [prompts[s] + tokens[s, :t + 1].tolist() for s in alive.tolist()]
                 logits, mask, new_routes = self._prefill(rows_ids, cache)
                 next_pos = mask.sum(-1)
                 if routes is not None:  # the one position no earlier forward processed: token t's
@@ -363,10 +390,10 @@ class EmbeddedEngine:
             r = int(length[s])
             routed = None
             if routes is not None:
-                p = len(prompts[i])
-                routed = torch.cat([prompt_routes[row_of[i], width - p:], routes[s, :r - 1]])
+                p = len(prompts[s])
+                routed = torch.cat([prompt_routes[prefill_row[s], width - p:], routes[s, :r - 1]])
             samples.append(Sample(
-                prompt_ids=torch.tensor(prompts[i], dtype=torch.long), response_ids=tokens[s, :r].clone(),
+                prompt_ids=torch.tensor(prompts[s], dtype=torch.long), response_ids=tokens[s, :r].clone(),
                 rollout_logprobs=logprobs[s, :r].clone(), finish_reason="stop" if stopped[s] else "length",
                 policy_version=int(versions[s, 0]), prompt_index=i, sample_index=j,
                 routed_experts=routed, kept_ids=kept_ids[s], token_versions=_mixed(versions[s, :r])))

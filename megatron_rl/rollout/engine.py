@@ -5,6 +5,7 @@
     engine = spec.make(EngineRequest(arch, cfg.rollout, run_dir, needs=EngineNeeds.of(cfg)))
     transport.push(policy, engine, version)              # weights in (trainer/transport.py)
     groups = engine.generate(prompt_ids, n=8, sampling=params)    # token ids in, Samples out
+    samples = engine.generate_requests([Request(ids, params, stream=(k, 0)), ...])   # one each
     engine.stats()                                       # counters the trainer logs as they are
 
 An engine is an object with the protocol's members; an `EngineSpec` says how to build one from
@@ -39,7 +40,7 @@ rollout/registered.py (docs/architecture.md).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,7 +48,7 @@ import torch
 
 from megatron_rl.config.engine_sections import register_engine_section, unregister_engine_section
 from megatron_rl.registry import Registry
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import Request, Sample, SamplingParams
 
 if TYPE_CHECKING:
     from megatron_rl.model.arch import ModelArch
@@ -67,7 +68,13 @@ class RolloutEngine(Protocol):
     def max_len(self) -> int: ...
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
-        """n samples for each prompt (token ids in, token ids out); result[i][j] is sample j of prompt i."""
+        """n samples for each prompt (token ids in, token ids out); result[i][j] is sample j of prompt i:
+        the samples of generate_requests(requests_of(prompts, n, sampling)) (rollout/types.py)."""
+
+    def generate_requests(self, requests: Sequence[Request]) -> list[Sample]:
+        """One sample per request, in order; requests may differ in prompt and sampling settings,
+        each draws from its own stream (Request.stream). The engine batches them as it sees fit;
+        rollout/requests.py hands it whatever requests are pending."""
 
     def stats(self) -> dict[str, float]:
         """Counters and timings since construction (namespaced: `vllm/restarts`); {} when none."""

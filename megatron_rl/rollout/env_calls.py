@@ -2,21 +2,22 @@
 until so many of its calls are stuck that it would take the trainer down with it.
 
     calls = EnvCalls(timeout_s=10.0, max_stuck=32)
-    results = calls.run([lambda: env.step(text, ids) for env, ... in ...], ["calculator.step", ...])
-    results[k].value            # what call k returned, or None when it failed
-    results[k].failure          # None, "timeout", or "error: ValueError: ..."
+    result = await calls.call(lambda: env.step(text, ids), "calculator.step")   # in a coroutine
+    result.value                # what the call returned, or None when it failed
+    result.failure              # None, "timeout", or "error: ValueError: ..."
+    calls.run([...], [...])     # a batch of calls at once, from outside an event loop
     calls.stuck()               # calls past their deadline that are still running
 
-Every call of a batch runs in its own daemon thread (environments are plain Python on rank 0);
-the batch waits at most `timeout_s` from the start for all of them. A call still running then is
-abandoned: its trajectory fails ("timeout"), but Python cannot stop a thread, so the call keeps
-its thread, and a busy-looping one keeps a share of the interpreter's lock, until it returns.
-`EnvCalls` keeps the abandoned calls it has not seen end; when, after a batch, more than
-`max_stuck` of them still run, it raises `StuckEnvironment` naming the environments (by label) and
-the settings (env.timeout_s, env.max_stuck_calls): a hanging environment then costs at most
-max_stuck + one batch of threads, and a looping one at most that many threads slowing the trainer,
-instead of a thread per trajectory per step for the rest of the run. A call that returns late
-frees its place.
+Every call runs in its own daemon thread (environments are plain Python on rank 0) and is awaited
+for at most `timeout_s`, so the event loop (the other trajectories, the engine's requests) goes on
+meanwhile. A call still running then is abandoned: its trajectory fails ("timeout"), but Python
+cannot stop a thread, so the call keeps its thread, and a busy-looping one keeps a share of the
+interpreter's lock, until it returns. `EnvCalls` keeps the abandoned calls it has not seen end;
+when one more is abandoned while max_stuck of them still run, it raises `StuckEnvironment`
+naming the environments (by label) and the settings (env.timeout_s, env.max_stuck_calls): a
+hanging environment then costs at most max_stuck + the calls in flight (one per running
+trajectory) of threads, instead of a thread per trajectory per step for the rest of the run. A
+call that returns late frees its place.
 
 Why threads and a bound rather than a killable worker process per environment: an environment is
 a stateful object per trajectory, registered in the trainer's process (register_env, from any
@@ -29,13 +30,13 @@ holds the interpreter's lock inside C code (a huge integer power) stalls everyth
 an environment bounds such work itself (the calculator takes 9-digit operands).
 
 Daemon threads, not a ThreadPoolExecutor, whose workers the interpreter joins at exit: a call that
-never returns must not keep the finished run's process alive. Cost: one thread per call per turn,
-plus the abandoned ones (at most max_stuck + a batch).
+never returns must not keep the finished run's process alive. Cost: one thread per call (a trajectory's reset, each of its steps),
+plus the abandoned ones (at most max_stuck + the calls in flight).
 """
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,12 +70,41 @@ class EnvCalls:
         self._stuck = [(t, label) for t, label in self._stuck if t.is_alive()]
         return len(self._stuck)
 
+    async def call(self, fn: Callable[[], Any], label: str) -> CallResult:
+        """Run `fn` in its own daemon thread and await it for at most timeout_s (label names its
+        environment and method, e.g. "calculator.step"): its value, or why it has none. A call
+        past its deadline is abandoned ("timeout") and kept; raises StuckEnvironment when more
+        than max_stuck abandoned calls then still run."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = CallResult(value=fn())
+            except Exception as e:  # noqa: BLE001 - any failure of the environment's code, reported for its trajectory
+                result = CallResult(failure=f"error: {type(e).__name__}: {e}")
+            try:
+                loop.call_soon_threadsafe(_settle, future, result)
+            except RuntimeError:  # an abandoned call that ended after its rollout's loop closed
+                pass
+
+        thread = threading.Thread(target=run, name=f"env-call {label}", daemon=True)
+        thread.start()
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except TimeoutError:
+            self._stuck.append((thread, label))
+            self._check()
+            return CallResult(failure="timeout")
+
     def run(self, calls: Sequence[Callable[[], Any]], labels: Sequence[str]) -> list[CallResult]:
-        """Run `calls` concurrently (labels[k] names call k's environment and method, e.g.
-        "calculator.step"); result k is call k's value or why it has none. Raises StuckEnvironment
-        when, after the batch, more than max_stuck abandoned calls still run."""
-        results, threads = _run(calls, self.timeout_s)
-        self._stuck += [(t, label) for t, label in zip(threads, labels, strict=True) if t.is_alive()]
+        """`call` for each of `calls` at once, from outside an event loop; result k is call k's."""
+        async def all_calls():
+            return await asyncio.gather(*(self.call(c, label) for c, label in zip(calls, labels, strict=True)))
+
+        return list(asyncio.run(all_calls()))
+
+    def _check(self) -> None:
         if self.stuck() > self.max_stuck:
             which = ", ".join(f"{label} x{n}" for label, n in Counter(label for _, label in self._stuck).most_common())
             raise StuckEnvironment(
@@ -83,25 +113,8 @@ class EnvCalls:
                 f"stopped, keeps its thread and slows the trainer. Fix the environment (every reset and step must "
                 f"return within env.timeout_s), raise env.timeout_s if it is only slow, or raise "
                 f"env.max_stuck_calls")
-        return results
 
 
-def _run(calls: Sequence[Callable[[], Any]], timeout_s: float) -> tuple[list[CallResult], list[threading.Thread]]:
-    results: list[CallResult | None] = [None] * len(calls)
-
-    def run(k: int) -> None:
-        try:
-            results[k] = CallResult(value=calls[k]())
-        except Exception as e:  # noqa: BLE001 - any failure of the environment's code, reported for its trajectory
-            results[k] = CallResult(failure=f"error: {type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=run, args=(k,), name=f"env-call-{k}", daemon=True) for k in range(len(calls))]
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    # a finished thread has written its result before it ended; a running one is abandoned
-    out = [CallResult(failure="timeout") if t.is_alive() else (r or CallResult(failure="error: the call did not return"))
-           for t, r in zip(threads, results, strict=True)]
-    return out, threads
+def _settle(future, result: CallResult) -> None:
+    if not future.done():
+        future.set_result(result)

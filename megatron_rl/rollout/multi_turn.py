@@ -10,12 +10,20 @@
     response as context with loss_mask False; reward = the sum of the environment's rewards
     (advantages stay per trajectory); each turn's own reward is kept and logged by turn
 
-Turn 0 is one engine call of the n samples of every example, exactly as `single_turn` calls it
-(same prompts, seed and streams): an environment that ends every trajectory after one turn
-reproduces the single-turn samples. A later turn is one call of all running trajectories, one
-sample each, with the sampling seed of its turn (a stream per (turn, position in the call)); each
-turn samples at most rollout.max_tokens, and fewer where the trajectory's budget
-(env.max_tokens, and the engine's maximum length) leaves less.
+Every trajectory is a coroutine (env.turns=async, the default): its turns go to the engine as
+single requests (rollout/requests.py: the engine batches the requests pending whenever it is
+free), its environment calls run in threads with their deadline, and it goes on as soon as its own
+environment answers, beside trajectories at other turns: none waits for the slowest. With
+env.turns=lockstep every engine call holds one request of every running trajectory (bit-exact
+calls and resumes, each turn waiting for the slowest environment).
+
+The resets all run first; turn 0 is then one engine call of the n samples of every example, exactly
+as `single_turn` calls it (same prompts, seed and streams (i, j)): an environment that ends every
+trajectory after one turn reproduces the single-turn samples. Turn m >= 1 of trajectory k draws
+from stream (k, 0) of a seed derived from (rollout seed, m), so a sample depends on its own
+trajectory, never on which others share its batch; each turn samples at most rollout.max_tokens,
+and fewer where the trajectory's budget (env.max_tokens, and the engine's maximum length) leaves
+less.
 
 An example may name its own environment (a JSONL record's "env" and "env_settings", data/jsonl.py);
 the others run in env.name with env.settings. A trajectory ends when its environment says done,
@@ -44,15 +52,17 @@ env/turn/{k}/reward (their mean reward: the environment's reward for that turn, 
 turn of a failed trajectory 0), so the rewards by turn of a call sum to its trajectories' rewards.
 
 A call that outlives env.timeout_s keeps its thread (Python cannot stop one); once more than
-env.max_stuck_calls of them still run after a batch of calls, the rollout raises StuckEnvironment
-naming the environment (rollout/env_calls.py says why threads and a bound, not processes).
+env.max_stuck_calls of them still run, the rollout raises StuckEnvironment naming the environment
+(rollout/env_calls.py says why threads and a bound, not processes).
 
-Cost: one engine call per turn (turns <= env.max_turns), one environment call per trajectory and
-turn (threads, rollout/env_calls.py; at most env.max_stuck_calls + one batch of them abandoned),
-O(trajectory length) host memory per trajectory.
+Cost: at most one engine call per trajectory turn (usually far fewer: each call takes every
+request pending), one environment call per trajectory and turn (a thread each,
+rollout/env_calls.py; at most env.max_stuck_calls + one per trajectory abandoned), O(trajectory
+length) host memory per trajectory; one event loop per rollout call.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -68,8 +78,9 @@ from megatron_rl.metrics.mismatch import turn_labels
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.env_calls import CallResult, EnvCalls
 from megatron_rl.rollout.function import Generated, RolloutFnInputs, RolloutFnSpec
+from megatron_rl.rollout.requests import RequestQueue
 from megatron_rl.rollout.trajectory import Turn, assemble, continuation, drift, rerender, rerender_chat
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import Request, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +136,19 @@ class MultiTurn:
             name, settings = env_of(examples[k // n], cfg)
             env = make_env(name, **settings)
             trajs.append(_Trajectory(env, min(cfg.max_turns, env.max_turns)))
-        resets = self.calls.run([functools.partial(t.env.reset, examples[k // n]) for k, t in enumerate(trajs)],
-                                [f"{t.env.name}.reset" for t in trajs])
+        try:
+            asyncio.run(self._rollout(engine, examples, trajs, n, sampling))
+        except BaseExceptionGroup as group:  # an engine error (every request of its call has it), StuckEnvironment
+            raise group.exceptions[0] from None
+        samples = [assemble(t.prompt_ids, t.turns) for t in trajs]
+        rewards = [t.reward for t in trajs]
+        return Generated(samples, lambda: rewards, self._stats(trajs))
+
+    async def _rollout(self, engine, examples: Sequence, trajs: list[_Trajectory], n: int,
+                       sampling: SamplingParams) -> None:
+        """Every reset, then one coroutine per trajectory (module docstring)."""
+        resets = await asyncio.gather(*(self.calls.call(functools.partial(t.env.reset, examples[k // n]),
+                                                        f"{t.env.name}.reset") for k, t in enumerate(trajs)))
         for k, (t, r) in enumerate(zip(trajs, resets, strict=True)):
             t.prompt_text = examples[k // n].prompt  # checked at start-up: the fallback of a failed reset
             if r.failure is not None or not isinstance(r.value, str):
@@ -138,25 +160,17 @@ class MultiTurn:
                     t.fail(f"error: the first observation cannot be encoded: {e}")
             if t.failure is not None:
                 t.prompt_ids = self.tokenizer.encode_prompt(t.prompt_text)
-        self._first_turn(engine, trajs, n, sampling)
-        turn = 0
-        while True:
-            self._step(trajs, turn, engine.max_len)
-            running = [t for t in trajs if t.ended_by is None]
-            if not running:
-                break
-            turn += 1
-            self._next_turn(engine, running, turn, sampling)
-        samples = [assemble(t.prompt_ids, t.turns) for t in trajs]
-        rewards = [t.reward for t in trajs]
-        return Generated(samples, lambda: rewards, self._stats(trajs))
+        self._share_first_prompts(trajs, n)
+        queue = RequestQueue(engine, together=self.env.turns == "lockstep")
+        first = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, self.env.max_tokens))
+        async with asyncio.TaskGroup() as tasks:
+            for k, t in enumerate(trajs):
+                tasks.create_task(self._trajectory(queue, engine.max_len, t, k, n, first, sampling))
 
-    # ---- turns ----------------------------------------------------------------------------------
-    def _first_turn(self, engine, trajs: list[_Trajectory], n: int, sampling: SamplingParams) -> None:
+    def _share_first_prompts(self, trajs: list[_Trajectory], n: int) -> None:
         """Turn 0 as single_turn samples it: the n samples of each example from one prompt, the
         first successful reset's (a group compares responses to one prompt); a reset that gave
         another first observation fails its trajectory."""
-        prompts = []
         for i in range(0, len(trajs), n):
             group = trajs[i:i + n]
             ref = next((t for t in group if t.failure is None), group[0])
@@ -165,38 +179,30 @@ class MultiTurn:
                     if t.failure is None:
                         t.fail("reset gave a different first observation than the rest of its group")
                     t.prompt_text, t.prompt_ids = ref.prompt_text, ref.prompt_ids
-            prompts.append(ref.prompt_ids)
-        budget = min(sampling.max_tokens, self.env.max_tokens)
-        groups = engine.generate(prompts, n, dataclasses.replace(sampling, max_tokens=budget))
-        for t, s in zip(trajs, [s for g in groups for s in g], strict=True):
-            t.turns.append(Turn(s))
 
-    def _next_turn(self, engine, running: list[_Trajectory], turn: int, sampling: SamplingParams) -> None:
-        """One sample for each running trajectory from its ids so far; trajectories that may
-        sample different lengths (their budgets) go in separate engine calls."""
-        seed = derive_seed(sampling.seed, "turn", turn) % 2**31
-        by_len: dict[int, list[_Trajectory]] = {}
-        for t in running:
-            by_len.setdefault(self._room(t, engine.max_len, sampling.max_tokens), []).append(t)
-        for length, group in sorted(by_len.items()):
-            params = dataclasses.replace(sampling, max_tokens=length, seed=seed + length)
-            for t, [s] in zip(group, engine.generate([t.ids() for t in group], 1, params), strict=True):
-                t.turns.append(Turn(s))
+    # ---- one trajectory ---------------------------------------------------------------------------
+    async def _trajectory(self, queue: RequestQueue, max_len: int, t: _Trajectory, k: int, n: int,
+                          first: SamplingParams, sampling: SamplingParams) -> None:
+        """Trajectory k (sample k % n of example k // n): turn 0 from its prompt with `first`, on
+        stream (k // n, k % n) as single_turn's; then turn -> environment -> turn until it ends,
+        turn m on stream (k, 0) of the seed derived for turn m."""
+        async with queue.member():
+            t.turns.append(Turn(await queue.sample(Request(t.prompt_ids, first, (k // n, k % n)))))
+            turn = 0
+            while t.ended_by is None:
+                ids = t.turns[-1].sample.response_ids.tolist()
+                step = functools.partial(t.env.step, self.tokenizer.decode(ids), ids)
+                self._take(t, await self.calls.call(step, f"{t.env.name}.step"), turn, max_len)
+                if t.ended_by is not None:
+                    return
+                turn += 1
+                seed = derive_seed(sampling.seed, "turn", turn) % 2**31
+                params = dataclasses.replace(sampling, max_tokens=self._room(t, max_len, sampling.max_tokens), seed=seed)
+                t.turns.append(Turn(await queue.sample(Request(t.ids(), params, (k, 0)))))
 
     def _room(self, t: _Trajectory, max_len: int, max_tokens: int) -> int:
         """How many tokens trajectory t's next turn may sample."""
         return min(max_tokens, self.env.max_tokens - t.response_len(), max_len - len(t.ids()))
-
-    def _step(self, trajs: list[_Trajectory], turn: int, max_len: int) -> None:
-        """Every trajectory that sampled turn `turn` shows it to its environment."""
-        live = [t for t in trajs if len(t.turns) == turn + 1 and t.ended_by is None]
-        calls = []
-        for t in live:  # decoded here, on the calling thread: the threads run environment code only
-            ids = t.turns[-1].sample.response_ids.tolist()
-            calls.append(functools.partial(t.env.step, self.tokenizer.decode(ids), ids))
-        results = self.calls.run(calls, [f"{t.env.name}.step" for t in live])
-        for t, r in zip(live, results, strict=True):
-            self._take(t, r, turn, max_len)
 
     def _take(self, t: _Trajectory, r: CallResult, turn: int, max_len: int) -> None:
         """Apply one environment answer to its trajectory."""

@@ -55,6 +55,36 @@ class SamplingParams:
             raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
 
 
+@dataclass(frozen=True)
+class Request:
+    """One sequence to sample: the unit of work of the request-level engine API
+    (`generate_requests`, rollout/requests.py), where the engine batches whatever requests it has.
+
+    prompt_ids: the token ids so far (a prompt, or a trajectory's prompt + turns + observations).
+    sampling: its own settings (requests of one call may differ, e.g. in max_tokens).
+    stream: (i, j), its random stream: `stream_seed(sampling.seed, i, j)`, the stream sample j of
+        prompt i of a `generate` call uses, so a request's sample does not depend on which other
+        requests share its batch. The Sample it gets has prompt_index i, sample_index j.
+    """
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stream: tuple[int, int] = (0, 0)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+
+
+def requests_of(prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Request]:
+    """A `generate(prompts, n, sampling)` call as requests: (prompt i, sample j) at index i·n + j."""
+    return [Request(tuple(p), sampling, (i, j)) for i, p in enumerate(prompts) for j in range(n)]
+
+
+def grouped(samples: list[Sample], num_prompts: int, n: int) -> list[list[Sample]]:
+    """requests_of's flat samples back as generate's result[i][j]."""
+    return [samples[i * n:(i + 1) * n] for i in range(num_prompts)]
+
+
 @dataclass
 class Sample:
     """One response to one prompt.
@@ -122,6 +152,15 @@ def check_prompts(prompts: list[list[int]], n: int, vocab_size: int, max_len: in
         if max_len is not None and len(p) + max_tokens > max_len:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_tokens={max_tokens} that exceeds the "
                              f"engine's maximum length {max_len}")
+
+
+def check_requests(requests: list[Request], vocab_size: int, max_len: int | None = None) -> None:
+    """check_prompts for each request (its own max_tokens); an error names the request's index."""
+    for k, r in enumerate(requests):
+        try:
+            check_prompts([list(r.prompt_ids)], 1, vocab_size, max_len, r.sampling.max_tokens)
+        except ValueError as e:
+            raise ValueError(f"request {k}: {e}") from None
 
 
 def stream_seed(seed: int, prompt_index: int, sample_index: int) -> int:

@@ -14,7 +14,7 @@ MAX_TOKENS = 3
 
 class ToyEngine:
     """RolloutEngine (and the memory transport's TakesTensors) that samples no model: the tokens of
-    sample (i, j) are drawn from stream_seed(seed, i, j) over ids 8..63, each reported at log-prob -2."""
+    a request with stream (i, j) are drawn from stream_seed(seed, i, j) over ids 8..63, each reported at log-prob -2."""
 
     def __init__(self, request):
         self.arch, self.policy_version, self.versions = request.arch, -1, []
@@ -24,21 +24,23 @@ class ToyEngine:
         return self.arch.max_position_embeddings
 
     def generate(self, prompts, n, sampling):
+        from megatron_rl.rollout.types import grouped, requests_of
+
+        return grouped(self.generate_requests(requests_of(prompts, n, sampling)), len(prompts), n)
+
+    def generate_requests(self, requests):
         import torch
 
         from megatron_rl.rollout import Sample
         from megatron_rl.rollout.types import stream_seed
 
         out = []
-        for i, prompt in enumerate(prompts):
-            group = []
-            for j in range(n):
-                g = torch.Generator().manual_seed(stream_seed(sampling.seed, i, j))
-                ids = torch.randint(8, 64, (sampling.max_tokens,), generator=g)
-                group.append(Sample(prompt_ids=torch.tensor(prompt), response_ids=ids,
-                                    rollout_logprobs=torch.full((len(ids),), -2.0), finish_reason="length",
-                                    policy_version=self.policy_version, prompt_index=i, sample_index=j))
-            out.append(group)
+        for r in requests:
+            g = torch.Generator().manual_seed(stream_seed(r.sampling.seed, *r.stream))
+            ids = torch.randint(8, 64, (r.sampling.max_tokens,), generator=g)
+            out.append(Sample(prompt_ids=torch.tensor(r.prompt_ids), response_ids=ids,
+                              rollout_logprobs=torch.full((len(ids),), -2.0), finish_reason="length",
+                              policy_version=self.policy_version, prompt_index=r.stream[0], sample_index=r.stream[1]))
         return out
 
     def update_weights(self, named_tensors, version):

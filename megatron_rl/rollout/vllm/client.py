@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from megatron_rl.model.arch import ModelArch
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import Request, Sample, SamplingParams, check_prompts, grouped, requests_of
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.fleet import Fleet
@@ -154,7 +154,14 @@ class VllmEngine:
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Sample]]:
         """n samples per prompt; result[i][j] is sample j of prompt i (generation.py). Raises
         GenerationAborted when abort() ends it."""
-        return self.generation.generate(prompts, n, sampling, lambda: self.policy_version)
+        check_prompts(prompts, n, self.arch.vocab_size)
+        return grouped(self.generate_requests(requests_of(prompts, n, sampling)), len(prompts), n)
+
+    def generate_requests(self, requests: Sequence[Request]) -> list[Sample]:
+        """One sample per request, in order (each request's own sampling settings and stream),
+        spread over the servers as single requests (generation.py). Raises GenerationAborted when
+        abort() ends it."""
+        return self.generation.generate(requests, lambda: self.policy_version)
 
     def abort(self) -> None:
         """Make the generate() call in flight raise GenerationAborted; return once it has ended,

@@ -1,18 +1,20 @@
 """One generate() call of a VllmEngine: the requests, their retries, and a weight update in the middle.
 
     gen = Generation(arch, cfg, fleet, logprobs_mode, max_model_len, max_logprobs)
-    groups = gen.generate(prompts, n, sampling, version)   # result[i][j]: sample j of prompt i
+    samples = gen.generate(requests, version)      # one per rollout/types.py Request, in order
     gen.abort() | gen.pause(); push the weights; gen.resume()       # trainer thread, while it runs
 
-Requests. One vLLM token-in/token-out request (`/inference/v1/generate`, protocol.py) per sample
-(prompt i, sample j): token ids in; token ids, per-token sampled log-probs and each token's
-weight version out; up to `max_concurrency` in flight from a thread pool; a server batches them
-(continuous batching). Request (i, j) carries the seed `stream_seed(sampling.seed, i, j)`, the
+Requests. One vLLM token-in/token-out request (`/inference/v1/generate`, protocol.py) per
+`Request` of the call (rollout/types.py; a generate() call's sample j of prompt i is request (i, j)
+of `requests_of`), each with its own sampling settings: token ids in; token ids, per-token sampled
+log-probs and each token's weight version out; up to `max_concurrency` in flight from a thread
+pool; a server batches them (continuous batching). A request with stream (i, j) carries the seed
+`stream_seed(sampling.seed, i, j)`, the
 same derivation the embedded engine uses, so a sample depends on (weights, prompt, seed, i, j)
 only: not on batching, concurrency, retries or which server ran it. (The two engines draw
 different numbers from their streams, so their samples differ.)
 
-Failures. Results are kept by (i, j) as they arrive; a key is stored once and the call returns
+Failures. Results are kept by request index as they arrive; a key is stored once and the call returns
 only when every key has a validated sample.
 - bad answer (malformed JSON, wrong lengths, missing / non-finite log-probs, inconsistent finish
   reason, longer than any valid answer to its request: protocol.generate_answer_cap, read no
@@ -55,14 +57,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.pausing import GenerationAborted
-from megatron_rl.rollout.types import Sample, SamplingParams, check_prompts, stream_seed
+from megatron_rl.rollout.types import Request, Sample, check_requests, stream_seed
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import (
     AnswerTooLarge,
@@ -87,7 +89,7 @@ from megatron_rl.rollout.vllm.protocol import (
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
-Key = tuple[int, int]
+Key = int  # a request's index in its call
 
 
 class _Failed(Exception):
@@ -207,20 +209,20 @@ class Generation:
                 log.info("vLLM %s did not abort its requests (%s): they run to their end", r.name(), e)
 
     # ---- the call -------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                 version: Callable[[], int]) -> list[list[Sample]]:
-        """n samples per prompt, each tagged `version()` (read once the call may start: a call held
-        by abort() runs on the weights pushed meanwhile); result[i][j] is sample j of prompt i."""
-        self._check_args(prompts, n, sampling)
-        check_served(self.logprobs_mode, sampling, self.arch.vocab_size)
+    def generate(self, requests: Sequence[Request], version: Callable[[], int]) -> list[Sample]:
+        """One sample per request, in order, each tagged `version()` (read once the call may start:
+        a call held by abort() runs on the weights pushed meanwhile)."""
+        self._check_args(requests)
+        for sampling in {r.sampling for r in requests}:
+            check_served(self.logprobs_mode, sampling, self.arch.vocab_size)
         self._begin()
         try:
-            return self._generate(prompts, n, sampling, version())
+            return self._generate(list(requests), version())
         finally:
             self._end()
 
-    def _generate(self, prompts, n: int, sampling: SamplingParams, policy_version: int) -> list[list[Sample]]:
-        keys = [(i, j) for i in range(len(prompts)) for j in range(n)]
+    def _generate(self, requests: list[Request], policy_version: int) -> list[Sample]:
+        keys = list(range(len(requests)))
         done: dict[Key, Sample] = {}
         tries = dict.fromkeys(keys, 0)
         backoff = self.cfg.retry_backoff_s
@@ -232,7 +234,7 @@ class Generation:
             if self._aborting.is_set():
                 self._aborted()
             pending = [k for k in keys if k not in done]
-            ok, failed = self._round(pending, prompts, sampling, policy_version)
+            ok, failed = self._round(pending, requests, policy_version)
             for k, s in ok.items():
                 if k in done:
                     raise AssertionError(f"sample {k} arrived twice")
@@ -246,7 +248,7 @@ class Generation:
         seconds = time.perf_counter() - t0
         for r, before in zip(replicas, tokens0):
             r.extra["tokens_per_s"] = (r.tokens - before) / seconds
-        return [[done[(i, j)] for j in range(n)] for i in range(len(prompts))]
+        return [done[k] for k in keys]
 
     def _aborted(self):
         with self.fleet.lock:
@@ -274,14 +276,14 @@ class Generation:
             raise VllmServerDiedError(f"{len(over)} samples kept failing after {self.cfg.max_retries} retries: "
                                       f"{reasons}")
 
-    def _round(self, keys: list[Key], prompts, sampling: SamplingParams, policy_version: int):
+    def _round(self, keys: list[Key], requests: list[Request], policy_version: int):
         """Send `keys` once. -> (samples by key, failures by key to retry after a backoff). A
         request lost with its server is sent again at once (placed on a server that is READY);
         the server is taken out and restarted (fleet.lose). On abort: waits for every request
         sent, then raises GenerationAborted."""
         def send(key: Key) -> Future:
             self.stats["vllm/requests"] += 1
-            return self._pool.submit(self._one, prompts[key[0]], key[0], key[1], sampling, policy_version)
+            return self._pool.submit(self._one, requests[key], policy_version)
 
         futures: dict[Future, Key] = {send(k): k for k in keys}
         ok: dict[Key, Sample] = {}
@@ -337,9 +339,10 @@ class Generation:
         self.fleet.lose(replica, epoch, reason)
         return True
 
-    def _one(self, prompt: list[int], i: int, j: int, sampling: SamplingParams, policy_version: int) -> Sample:
+    def _one(self, request: Request, policy_version: int) -> Sample:
         if self._aborting.is_set():
             raise _Dropped()
+        prompt, sampling, (i, j) = list(request.prompt_ids), request.sampling, request.stream
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
         routed = self.arch.num_layers * self.arch.moe_topk if self.cfg.enable_return_routed_experts else 0
         cap = generate_answer_cap(len(prompt), sampling, num_logprobs, routed)
@@ -370,17 +373,18 @@ class Generation:
                       prompt_index=i, sample_index=j, routed_experts=routed_experts, kept_ids=out.kept,
                       token_versions=versions if mixed else None)
 
-    def _check_args(self, prompts, n: int, sampling: SamplingParams) -> None:
+    def _check_args(self, requests: Sequence[Request]) -> None:
         if not self.fleet.started:
             raise VllmError("the vLLM engine has no weights yet: call load_weights_from() first (the server starts "
                             "on the first weights it is given)")
-        check_prompts(prompts, n, self.arch.vocab_size)
-        for i, p in enumerate(prompts):
-            if len(p) + sampling.max_tokens > self.max_model_len:
-                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_tokens={sampling.max_tokens} exceeds "
-                                 f"max_model_len={self.max_model_len} (rollout.vllm.max_model_len)")
-        if sampling.return_kept_ids and self.max_logprobs < 1:
-            raise VllmUnsupportedError("return_kept_ids needs rollout.vllm.max_logprobs >= 1")
+        check_requests(list(requests), self.arch.vocab_size)
+        for k, r in enumerate(requests):
+            if len(r.prompt_ids) + r.sampling.max_tokens > self.max_model_len:
+                raise ValueError(f"request {k}: prompt of {len(r.prompt_ids)} tokens + max_tokens="
+                                 f"{r.sampling.max_tokens} exceeds max_model_len={self.max_model_len} "
+                                 f"(rollout.vllm.max_model_len)")
+            if r.sampling.return_kept_ids and self.max_logprobs < 1:
+                raise VllmUnsupportedError("return_kept_ids needs rollout.vllm.max_logprobs >= 1")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -5,7 +5,7 @@ import torch
 
 from megatron_rl.data.envs import Environment, Step
 from megatron_rl.data.tokenizer import CharTokenizer
-from megatron_rl.rollout.types import Sample, stream_seed
+from megatron_rl.rollout.types import Sample, grouped, requests_of, stream_seed
 
 TOK = CharTokenizer()
 
@@ -18,7 +18,8 @@ def fake_logprob(context_len: int, token: int) -> float:
 class ScriptedEngine:
     """RolloutEngine whose every response is `script(context text)`, then the ids `tail`, then <eos>,
     truncated to max_tokens, each token at log-prob fake_logprob; with `random_ids`, sample (i, j) is instead
-    max_tokens ids drawn from stream_seed(seed, i, j). Records every call's prompts."""
+    max_tokens ids drawn from stream_seed(seed, i, j) (a request's stream (i, j)). Records every call's
+    prompts and sampling settings."""
 
     def __init__(self, script=None, random_ids=False, max_len=512, tail=()):
         self.script, self.random_ids, self.calls, self._max_len, self.tail = script, random_ids, [], max_len, list(tail)
@@ -36,18 +37,20 @@ class ScriptedEngine:
         return (TOK.encode(self.script(text)) + self.tail + [TOK.eos_id])[:sampling.max_tokens]
 
     def generate(self, prompts, n, sampling):
-        self.calls.append(([list(p) for p in prompts], n, sampling))
+        return grouped(self.generate_requests(requests_of(prompts, n, sampling)), len(prompts), n)
+
+    def generate_requests(self, requests):
+        """One sample per request; records the call as (prompts, their SamplingParams)."""
+        self.calls.append(([list(r.prompt_ids) for r in requests], [r.sampling for r in requests]))
         out = []
-        for i, p in enumerate(prompts):
-            group = []
-            for j in range(n):
-                ids = self._ids(p, i, j, sampling)
-                lp = [fake_logprob(len(p) + r, t) for r, t in enumerate(ids)]
-                group.append(Sample(prompt_ids=torch.tensor(p), response_ids=torch.tensor(ids),
-                                    rollout_logprobs=torch.tensor(lp), policy_version=self.policy_version,
-                                    finish_reason="stop" if ids[-1] == TOK.eos_id else "length",
-                                    prompt_index=i, sample_index=j))
-            out.append(group)
+        for r in requests:
+            p, (i, j) = list(r.prompt_ids), r.stream
+            ids = self._ids(p, i, j, r.sampling)
+            lp = [fake_logprob(len(p) + k, t) for k, t in enumerate(ids)]
+            out.append(Sample(prompt_ids=torch.tensor(p), response_ids=torch.tensor(ids),
+                              rollout_logprobs=torch.tensor(lp), policy_version=self.policy_version,
+                              finish_reason="stop" if ids[-1] == TOK.eos_id else "length",
+                              prompt_index=i, sample_index=j))
         return out
 
 

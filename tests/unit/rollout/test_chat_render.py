@@ -49,10 +49,10 @@ class TurnEngine:
     def __init__(self, tok):
         self.ids = tok.encode(TURN) + [tok.eos_id]
 
-    def generate(self, prompts, n, sampling):
-        return [[Sample(prompt_ids=torch.tensor(p), response_ids=torch.tensor(self.ids),
-                        rollout_logprobs=torch.zeros(len(self.ids)), finish_reason="stop", policy_version=0,
-                        prompt_index=i, sample_index=j) for j in range(n)] for i, p in enumerate(prompts)]
+    def generate_requests(self, requests):
+        return [Sample(prompt_ids=torch.tensor(r.prompt_ids), response_ids=torch.tensor(self.ids),
+                       rollout_logprobs=torch.zeros(len(self.ids)), finish_reason="stop", policy_version=0,
+                       prompt_index=r.stream[0], sample_index=r.stream[1]) for r in requests]
 
 
 @pytest.fixture

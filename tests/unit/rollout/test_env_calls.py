@@ -18,7 +18,7 @@ def test_values_errors_and_a_hang_each_get_their_result_and_the_hung_thread_is_a
 
     try:
         out = EnvCalls(timeout_s=0.5, max_stuck=1).run([lambda: 1, boom, hang, lambda: "x"], "abcd")
-        stuck = [t for t in threading.enumerate() if t.name == "env-call-2"]
+        stuck = [t for t in threading.enumerate() if t.name == "env-call c"]
         assert stuck and all(t.daemon for t in stuck)  # it cannot keep a finished run's process alive
     finally:
         release.set()

@@ -79,7 +79,7 @@ def test_the_token_budget_caps_a_turn_and_ends_before_an_observation_that_leaves
     engine = ScriptedEngine(_calculator_script)
     # prompt 7 ids; turn 1: 9 ids, obs 6 ids -> 15; a budget of 16 leaves 1 id for the answer
     gen = _multi(max_tokens=16)(engine, [Example("123*45=", "5535", "multiplication")], 1, SAMPLING)
-    assert len(gen.samples[0].response_ids) == 16 and engine.calls[1][2].max_tokens == 1
+    assert len(gen.samples[0].response_ids) == 16 and engine.calls[1][1][0].max_tokens == 1
     assert gen.samples[0].finish_reason == "length"
     gen = _multi(max_tokens=15)(ScriptedEngine(_calculator_script), [Example("123*45=", "5535", "m")], 1, SAMPLING)
     assert len(gen.samples[0].response_ids) == 9 and gen.stats["env/budget_ends"] == 1
