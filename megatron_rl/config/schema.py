@@ -567,13 +567,15 @@ class EnvSection:
     observation_prefix / observation_suffix: text put around every observation before it is
         tokenized, alone (a chat template's turn delimiters, e.g. "<|im_start|>user\\n" and
         "<|im_end|>\\n<|im_start|>assistant\\n" for ChatML); "" for the character tokenizer.
-    turns: how trajectories reach the engine (rollout/requests.py): "async" (default): each
-        trajectory goes turn -> environment -> turn on its own, and the engine batches the
-        requests pending whenever it is free, so none waits for the slowest environment (a
-        sample's numbers then depend on which requests shared its batch, by the engine's
-        batch-shape noise: fp32 ~1e-6); "lockstep": every engine call holds one request of every
-        running trajectory (each waits for the slowest environment), so calls, and a resumed
-        run, are bit-exact.
+    turns: how trajectories reach the engine (rollout/requests.py): "lockstep" (default): every
+        engine call holds one request of every running trajectory (each turn waits for the
+        slowest environment), so calls, and a resumed run, are bit-exact; "async": each trajectory
+        goes turn -> environment -> turn on its own, and the engine gets the requests pending
+        whenever it is free, so none waits for the slowest environment (a sample's numbers then
+        depend on which requests shared its batch, by the engine's batch-shape noise: fp32 ~1e-6).
+        Lockstep stays the default until the engines batch at every decode step: with batching by
+        call, the embedded engine pays a whole decode per call and async is not yet faster
+        (benchmarks/rollout_throughput.py).
     check_render: also re-encode every trajectory's text and count the trajectories whose ids
         differ from the kept ones (env/render_drift, of which env/render_unencodable could not be
         encoded at all; never corrected: the kept ids are trained). With an HF tokenizer that has
@@ -591,7 +593,7 @@ class EnvSection:
     observation_prefix: str = ""
     observation_suffix: str = ""
     check_render: bool = False
-    turns: str = "async"
+    turns: str = "lockstep"
 
     def __post_init__(self):
         checks.integer("env.max_turns", self.max_turns, lo=1)

@@ -10,12 +10,12 @@
     response as context with loss_mask False; reward = the sum of the environment's rewards
     (advantages stay per trajectory); each turn's own reward is kept and logged by turn
 
-Every trajectory is a coroutine (env.turns=async, the default): its turns go to the engine as
-single requests (rollout/requests.py: the engine batches the requests pending whenever it is
-free), its environment calls run in threads with their deadline, and it goes on as soon as its own
-environment answers, beside trajectories at other turns: none waits for the slowest. With
-env.turns=lockstep every engine call holds one request of every running trajectory (bit-exact
-calls and resumes, each turn waiting for the slowest environment).
+Every trajectory is a coroutine: its turns go to the engine as single requests
+(rollout/requests.py), its environment calls run in threads with their deadline. With
+env.turns=async it goes on as soon as its own environment answers, beside trajectories at other
+turns (the engine gets the requests pending whenever it is free): none waits for the slowest. With
+env.turns=lockstep (the default) every engine call holds one request of every running trajectory
+(bit-exact calls and resumes, each turn waiting for the slowest environment).
 
 The resets all run first; turn 0 is then one engine call of the n samples of every example, exactly
 as `single_turn` calls it (same prompts, seed and streams (i, j)): an environment that ends every

@@ -122,8 +122,9 @@ def test_a_resumed_multi_turn_run_reproduces_the_uninterrupted_one(tmp_path):
     """Embedded engine, two-turn trajectories: 3 steps in one go vs 2 steps, then a resume to 3."""
     import torch
 
-    # lockstep: each engine call holds every running trajectory, whatever the environments' timing
-    # (async calls batch what is pending, so their numbers move by the engine's batch-shape noise)
+    # lockstep (the default, named here because it is the point): each engine call holds every running
+    # trajectory, whatever the environments' timing (async calls take what is pending, so their
+    # numbers move by the engine's batch-shape noise)
     kw = {"backend": "embedded", "failing": False, "schedule": ["env.turns=lockstep"]}
     [(_, full, w_full)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "full"), steps=3, **kw)
     run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "part"), steps=2, **kw)

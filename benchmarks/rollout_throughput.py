@@ -1,0 +1,185 @@
+"""Multi-turn rollouts, async against lockstep (env.turns), with a heavy-tailed environment.
+
+One run, the same model, prompts, seeds and environment latencies for both modes:
+
+- multi-turn: `--trajectories` trajectories (examples x group size), each ending after 1 to 4 policy
+  turns (by example), every environment step sleeping a latency drawn from a lognormal of median
+  `--median-ms` and 99th percentile `--p99-ms` (fixed per trajectory and turn, so both modes
+  wait exactly the same times);
+- single-turn shaped: the same batch with one turn and no latency, through the request path
+  (multi_turn, async) against `single_turn`'s one generate() call: the request layer's overhead.
+
+Per mode: wall seconds per batch (best of `--repeats`), the engine's busy fraction (time inside
+generate_requests / wall), sampled tokens per second, and the engine calls it took.
+
+    python benchmarks/rollout_throughput.py                  # embedded engine, tiny Qwen3, fp32
+    python benchmarks/rollout_throughput.py --out benchmarks/results/rollout_throughput_cpu.md
+
+Only the embedded engine so far: the vLLM pool's column (prefix-cache hit rate with and without
+affinity) is not built yet. The embedded engine batches by call (each generate_requests call
+decodes its requests together, start to end), so async pays a whole decode for every smaller call;
+joining requests at every decode step is what would let it overlap decoding with the environments.
+The machine may be shared: the table prints the 1-minute load average.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import threading
+import time
+from typing import ClassVar
+
+import torch
+
+from megatron_rl.config.schema import EnvSection
+from megatron_rl.data.envs import ENVS, Environment, Step, register_env
+from megatron_rl.data.tokenizer import CharTokenizer
+from megatron_rl.data.types import Example
+from megatron_rl.model.parity import random_hf_model
+from megatron_rl.model.presets import preset_arch
+from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rollout.function import RolloutFnInputs
+from megatron_rl.rollout.multi_turn import MultiTurn
+from megatron_rl.rollout.single_turn import SingleTurn
+from megatron_rl.rollout.types import SamplingParams
+
+TOK = CharTokenizer()
+
+
+def latency_s(median_ms: float, p99_ms: float, key: str) -> float:
+    """A lognormal draw, fixed by `key`: median exp(mu) = median_ms, p99 exp(mu + 2.326 sigma) = p99_ms."""
+    mu, sigma = math.log(median_ms / 1000), math.log(p99_ms / median_ms) / 2.3263
+    return random.Random(key).lognormvariate(mu, sigma)
+
+
+class Latency(Environment):
+    """Ends after the number of turns its example's label says; each step sleeps its latency."""
+
+    max_turns = 8
+    median_ms, p99_ms = 50.0, 1000.0
+
+    seen: ClassVar[dict[str, int]] = {}  # resets per example so far: the group's members get latency streams 0..n-1
+    lock = threading.Lock()
+
+    def reset(self, example):
+        with Latency.lock:
+            self.nth = Latency.seen.get(example.prompt, 0)
+            Latency.seen[example.prompt] = self.nth + 1
+        self.key, self.turns, self.target = example.prompt, 0, int(example.label)
+        return example.prompt
+
+    def step(self, generated_text, generated_ids):
+        self.turns += 1
+        if self.median_ms > 0:
+            time.sleep(latency_s(self.median_ms, self.p99_ms, f"{self.key}/{self.nth}/{self.turns}"))
+        return Step(",", None, self.turns >= self.target)
+
+
+class Timed:
+    """The engine, with the seconds spent inside generate_requests / generate and the calls counted."""
+
+    def __init__(self, engine):
+        self.engine, self.busy, self.calls = engine, 0.0, 0
+
+    @property
+    def max_len(self):
+        return self.engine.max_len
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy += time.perf_counter() - t0
+            self.calls += 1
+
+    def generate_requests(self, requests):
+        return self._timed(self.engine.generate_requests, requests)
+
+    def generate(self, prompts, n, sampling):
+        return self._timed(self.engine.generate, prompts, n, sampling)
+
+
+def measure(fn, engine, examples, n, sampling, repeats: int) -> dict:
+    best = None
+    for _ in range(repeats):
+        Latency.seen = {}  # every repeat draws the same latencies
+        timed = Timed(engine)
+        t0 = time.perf_counter()
+        out = fn(timed, examples, n, sampling)
+        wall = time.perf_counter() - t0
+        sampled = sum(s.num_trained() for s in out.samples)
+        row = {"wall_s": wall, "busy": timed.busy / wall, "tokens_per_s": sampled / wall, "calls": timed.calls,
+               "turns": out.stats.get("env/turns", 1.0)}
+        if best is None or wall < best["wall_s"]:
+            best = row
+    return best
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trajectories", type=int, default=64, help="examples x group size (default 64 = 16 x 4)")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--median-ms", type=float, default=50.0, help="median environment latency (default 50)")
+    p.add_argument("--p99-ms", type=float, default=1000.0, help="99th percentile environment latency (default 1000)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per policy turn (default 8)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", default=None, help="also write the table to this file")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    arch = preset_arch("qwen3", "tiny")
+    engine = EmbeddedEngine(arch, dtype="fp32")
+    engine.update_weights(random_hf_model(arch, seed=0).state_dict().items(), version=0)
+    register_env("latency")(Latency)
+    n = args.group_size
+    num = args.trajectories // n
+    turns_of = [1 + k % 4 for k in range(num)]
+    examples = [Example(f"{k}+{k}=", str(turns_of[k]), "addition") for k in range(num)]
+    sampling = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop_token_ids=TOK.stop_ids, seed=1)
+
+    def multi(turns, examples):
+        env = EnvSection(name="latency", max_turns=8, max_tokens=8 * args.max_tokens, timeout_s=600.0, turns=turns)
+        return MultiTurn(RolloutFnInputs(TOK, rewards=None, env=env))
+
+    rows = []
+    Latency.median_ms, Latency.p99_ms = args.median_ms, args.p99_ms
+    for turns in ("lockstep", "async"):
+        rows.append((f"multi-turn, {turns}", measure(multi(turns, examples), engine, examples, n, sampling, args.repeats)))
+    one = [Example(e.prompt, "1", e.task) for e in examples]
+    Latency.median_ms = 0.0
+    rows.append(("single-turn, single_turn's generate()",
+                 measure(SingleTurn(RolloutFnInputs(TOK, lambda items: [0.0] * len(items))), engine, one, n, sampling,
+                         args.repeats)))
+    rows.append(("single-turn, requests (multi_turn, async)", measure(multi("async", one), engine, one, n, sampling,
+                                                                      args.repeats)))
+    ENVS.pop("latency")
+
+    speedup = rows[0][1]["wall_s"] / rows[1][1]["wall_s"]
+    overhead = rows[3][1]["wall_s"] / rows[2][1]["wall_s"] - 1
+    title = (f"# Multi-turn rollouts, async vs lockstep ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, "
+             f"load {os.getloadavg()[0]:.2f}, torch threads {torch.get_num_threads()})")
+    setup = (f"Embedded engine, tiny Qwen3 fp32, {num} examples x {n} = {num * n} trajectories of 1-4 turns, "
+             f"{args.max_tokens} tokens per turn; environment latency lognormal, median {args.median_ms:g} ms, "
+             f"p99 {args.p99_ms:g} ms; best of {args.repeats}.")
+    lines = [title, "", setup, "",
+             "| mode | wall s | engine busy | sampled tokens/s | engine calls | turns per trajectory |",
+             "|---|---|---|---|---|---|"]
+    for name, r in rows:
+        lines.append(f"| {name} | {r['wall_s']:.2f} | {r['busy']:.0%} | {r['tokens_per_s']:.0f} | {r['calls']} | "
+                     f"{r['turns']:.2f} |")
+    lines += ["", (f"async / lockstep speed-up (multi-turn): **{speedup:.2f}x**; request path vs generate() "
+                   f"(single-turn shaped): **{overhead:+.1%}** wall")]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
