@@ -98,6 +98,21 @@ class Timed:
     def generate_requests(self, requests):
         return self._timed(self.engine.generate_requests, requests)
 
+    def serve(self, inbox):
+        """The serving loop, its waits for requests not counted as busy."""
+        timed = self
+
+        class Waits:
+            def take(self, block):
+                t0 = time.perf_counter()
+                try:
+                    return inbox.take(block)
+                finally:
+                    if block:
+                        timed.busy -= time.perf_counter() - t0
+
+        return self._timed(self.engine.serve, Waits())
+
     def generate(self, prompts, n, sampling):
         return self._timed(self.engine.generate, prompts, n, sampling)
 

@@ -43,11 +43,12 @@ partial rollouts, configure/rules.py).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.decoding import Decoding, Inbox, class_of
 from megatron_rl.rollout.engine import EngineRequest, EngineSpec
 from megatron_rl.rollout.fp8_modules import quantize_model
 from megatron_rl.rollout.hf_state import load_checkpoint_tensors, rules_for
@@ -60,84 +61,9 @@ from megatron_rl.rollout.types import (
     check_requests,
     grouped,
     requests_of,
-    stream_seed,
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# ---- sampling: pure functions on [B, V] logits ----------------------------------------------
-def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits / T; T = 0 (greedy) leaves them at T = 1."""
-    logits = logits.float()
-    return logits if temperature == 0 else logits / temperature
-
-
-def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep-mask [B, V] of the k largest logits per row (k = -1: all). Ties with the k-th are kept."""
-    if k == -1 or k >= logits.shape[-1]:
-        return torch.ones_like(logits, dtype=torch.bool)
-    kth = logits.topk(k, dim=-1).values[..., -1:]
-    return logits >= kth
-
-
-def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep-mask [B, V] of the nucleus: the most likely tokens whose mass first reaches p.
-
-    A token is kept when the probability mass strictly before it (descending order, ties in
-    id order) is < p, so the top token is always kept. p = 1: all.
-    """
-    if p >= 1.0:
-        return torch.ones_like(logits, dtype=torch.bool)
-    probs = torch.softmax(logits.float(), dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    before = sorted_probs.cumsum(-1) - sorted_probs
-    keep_sorted = before < p
-    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-
-
-def truncation_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """top-k, then top-p on the renormalised top-k distribution (vLLM's order)."""
-    keep = top_k_mask(logits, top_k)
-    if top_p < 1.0:
-        keep &= top_p_mask(logits.masked_fill(~keep, float("-inf")), top_p)
-    return keep
-
-
-def sample_inverse_cdf(logits: torch.Tensor, keep: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token ids [B]: draw from softmax(logits) restricted to `keep`, with uniforms u [B] in [0, 1).
-
-    Picks the first token whose cumulative (fp64) probability exceeds u * total; never a token
-    outside `keep` or of zero probability.
-    """
-    probs = torch.softmax(logits.double().masked_fill(~keep, float("-inf")), dim=-1)
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u.to(cdf.device, torch.float64) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
-    last_positive = torch.where(probs > 0, ids, -1).amax(-1)
-    return torch.minimum(idx, last_positive)
-
-
-def sample_step(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParams):
-    """One decoding step for rows of logits [B, V] -> (tokens [B], logprobs [B] fp32, keep [B, V])."""
-    scaled = apply_temperature(logits, sampling.temperature)
-    keep = truncation_mask(scaled, sampling.top_k, sampling.top_p)
-    if sampling.temperature == 0:
-        tokens = scaled.argmax(-1)
-    else:
-        tokens = sample_inverse_cdf(scaled, keep, u)
-    dist = scaled.masked_fill(~keep, float("-inf")) if sampling.logprobs_mode == "processed" else scaled
-    logprobs = torch.log_softmax(dist, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs, keep
-
-
-def stream_uniforms(seed: int, seqs: list[tuple[int, int]], steps: int) -> torch.Tensor:
-    """[N, steps] fp64 uniforms: row s is the stream of sequence seqs[s] = (i, j)."""
-    out = torch.empty(len(seqs), steps, dtype=torch.float64)
-    for s, (i, j) in enumerate(seqs):
-        gen = torch.Generator().manual_seed(stream_seed(seed, i, j))
-        out[s] = torch.rand(steps, generator=gen, dtype=torch.float64)
-    return out
 
 
 # ---- the engine -------------------------------------------------------------------------------
@@ -241,23 +167,70 @@ class EmbeddedEngine:
         return grouped(self.generate_requests(requests_of(prompts, n, sampling)), len(prompts), n)
 
     def generate_requests(self, requests: Sequence[Request]) -> list[Sample]:
-        """One sample per request, in order. Requests with equal SamplingParams are decoded
-        together, in chunks of max_batch_size in their order (a chunk prefills each distinct
-        (stream prompt index, prompt) once); each draws from its own stream. Parks between decode
+        """One sample per request, in order. Requests of one sampling class (equal SamplingParams
+        but for max_tokens and seed) are decoded together, in chunks of max_batch_size in their
+        order (rollout/decoding.py: a chunk prefills each distinct (stream prompt index, prompt)
+        once); each draws from its own stream and stops at its own max_tokens. Parks between decode
         steps and between chunks while `pause()` holds it."""
         check_requests(list(requests), self.arch.vocab_size, self.arch.max_position_embeddings)
-        by_params: dict[SamplingParams, list[int]] = {}
+        by_class: dict[SamplingParams, list[int]] = {}
         for k, r in enumerate(requests):
-            by_params.setdefault(r.sampling, []).append(k)
+            by_class.setdefault(class_of(r.sampling), []).append(k)
         out: list[Sample | None] = [None] * len(requests)
         with self.gate.generating():
-            for sampling, ks in by_params.items():
+            for sampling, ks in by_class.items():
                 for start in range(0, len(ks), self.max_batch_size):
                     self.gate.boundary(-1)  # a chunk's prefill never runs while the weights change
                     chunk = ks[start:start + self.max_batch_size]
-                    for k, sample in zip(chunk, self._generate_chunk([requests[k] for k in chunk], sampling)):
-                        out[k] = sample
+                    d = self._decoding(sampling)
+                    d.join([requests[k] for k in chunk])
+                    step = 0
+                    while d.running():
+                        for s in d.step(step):
+                            out[chunk[s]] = d.sample(s)
+                        step += 1
         return out
+
+    def serve(self, inbox: Inbox) -> None:
+        """Decode the requests put into `inbox` until it is closed (continuous batching): requests
+        that arrive while a batch decodes join it at the next step boundary when they share its
+        sampling class and it has room (max_batch_size), else start the next batch once it is done;
+        each sample is delivered as soon as its sequence finishes. An error (GenerationAborted, a
+        closed engine) is delivered to every request it leaves unfinished, then raised."""
+        held: list = []  # (request, deliver) waiting for a batch of their class
+        deliver: dict[int, Callable] = {}
+        try:
+            while True:
+                more = inbox.take(block=not held)
+                if more is None and not held:
+                    return
+                held += more or []
+                cls = class_of(held[0][0].sampling)
+                d = self._decoding(cls, trim=True)
+                with self.gate.generating():
+                    step = 0
+                    while True:
+                        joining = [x for x in held if class_of(x[0].sampling) == cls][:d.room()]
+                        if joining:
+                            held = [x for x in held if all(x is not y for y in joining)]
+                            base = len(d.requests)
+                            deliver.update({base + k: f for k, (_, f) in enumerate(joining)})
+                            d.join([r for r, _ in joining])
+                        if not d.running():
+                            break
+                        for s in d.step(step):
+                            deliver.pop(s)(d.sample(s))
+                        step += 1
+                        held += inbox.take(block=False) or []
+        except BaseException as e:
+            for f in list(deliver.values()) + [f for _, f in held] + [f for _, f in inbox.take(block=False) or []]:
+                f(e)
+            raise
+
+    def _decoding(self, sampling: SamplingParams, trim: bool = False) -> Decoding:
+        if self.model is None:
+            raise RuntimeError("the engine is closed")
+        return Decoding(self, sampling, trim)
 
     # ---- Pausable (partial rollouts: rollout/pausing.py) ---------------------------------------
     def pause(self) -> None:
@@ -306,120 +279,6 @@ class EmbeddedEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(ids, mask, pos, cache)
         return logits, mask, self._take_routes(len(prompts))
-
-    @torch.no_grad()
-    def _generate_chunk(self, requests: list[Request], sampling: SamplingParams) -> list[Sample]:
-        """Decode `requests` (all with `sampling`) as one batch; one sample each, in order."""
-        from transformers import DynamicCache
-
-        if self.model is None:
-            raise RuntimeError("the engine is closed")
-        steps = sampling.max_tokens
-        dev = self.device
-        seqs = [r.stream for r in requests]
-        uniforms = stream_uniforms(sampling.seed, seqs, steps).to(dev)
-        stops = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
-
-        # each distinct prompt prefilled once, in order of its stream's prompt index
-        prompts = [list(r.prompt_ids) for r in requests]
-        uniq = sorted({(r.stream[0], r.prompt_ids) for r in requests})
-        cache = DynamicCache(config=self.model.config)
-        logits, mask, prompt_routes = self._prefill([list(p) for _, p in uniq], cache)
-        width = mask.shape[1]
-
-        # one row per sequence
-        row_of = {u: r for r, u in enumerate(uniq)}
-        prefill_row = [row_of[(r.stream[0], r.prompt_ids)] for r in requests]
-        rows = torch.tensor(prefill_row, device=dev)
-        cache.batch_select_indices(rows)
-        mask, logits = mask[rows], logits[rows]
-        next_pos = mask.sum(-1)
-
-        num = len(seqs)
-        tokens = torch.full((num, steps), -1, dtype=torch.long, device=dev)
-        logprobs = torch.zeros(num, steps, dtype=torch.float32, device=dev)
-        length = torch.zeros(num, dtype=torch.long, device=dev)
-        stopped = torch.zeros(num, dtype=torch.bool, device=dev)
-        routes = None
-        if prompt_routes is not None:
-            routes = torch.zeros(num, max(steps - 1, 1), *prompt_routes.shape[2:], dtype=torch.int16, device=dev)
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (running rows, their keep masks) per step
-        alive = torch.arange(num, device=dev)  # sequence index of each row of the running batch
-        version = self.policy_version  # of the weights that computed `logits`
-        versions = torch.full((num, steps), version, dtype=torch.int32, device=dev)
-
-        for t in range(steps):
-            tok, lp, keep = sample_step(logits, uniforms[alive, t], sampling)
-            tokens[alive, t], logprobs[alive, t] = tok, lp
-            versions[alive, t] = version
-            length[alive] = t + 1
-            if sampling.return_kept_ids:
-                kept.append((alive, keep))
-            hit = torch.isin(tok, stops)
-            stopped[alive] = hit
-            go = ~hit
-            if t == steps - 1 or not bool(go.any()):
-                break
-            if not bool(go.all()):
-                idx = go.nonzero().squeeze(-1)
-                cache.batch_select_indices(idx)
-                alive, tok, mask, next_pos = alive[idx], tok[idx], mask[idx], next_pos[idx]
-            if self.gate.boundary(t) and self.policy_version != version:  # new weights while parked
-                version = self.policy_version
-                cache = DynamicCache(config=self.model.config)
-                rows_ids = [prompts[s] + tokens[s, :t + 1].tolist() for s in alive.tolist()]
-                logits, mask, new_routes = self._prefill(rows_ids, cache)
-                next_pos = mask.sum(-1)
-                if routes is not None:  # the one position no earlier forward processed: token t's
-                    routes[alive, t] = new_routes[:, -1]
-                continue
-            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=dev)], dim=-1)
-            logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
-            next_pos = next_pos + 1
-            if routes is not None:
-                routes[alive, t] = self._take_routes(len(alive))[:, 0]
-
-        kept_ids = self._kept_ids(kept, num) if sampling.return_kept_ids else [None] * num
-        # samples are broadcast to every rank: host tensors
-        tokens, logprobs, length, stopped, versions = (tokens.cpu(), logprobs.cpu(), length.cpu(), stopped.cpu(),
-                                                       versions.cpu())
-        if routes is not None:
-            routes, prompt_routes = routes.cpu(), prompt_routes.cpu()
-        samples = []
-        for s, (i, j) in enumerate(seqs):
-            r = int(length[s])
-            routed = None
-            if routes is not None:
-                p = len(prompts[s])
-                routed = torch.cat([prompt_routes[prefill_row[s], width - p:], routes[s, :r - 1]])
-            samples.append(Sample(
-                prompt_ids=torch.tensor(prompts[s], dtype=torch.long), response_ids=tokens[s, :r].clone(),
-                rollout_logprobs=logprobs[s, :r].clone(), finish_reason="stop" if stopped[s] else "length",
-                policy_version=int(versions[s, 0]), prompt_index=i, sample_index=j,
-                routed_experts=routed, kept_ids=kept_ids[s], token_versions=_mixed(versions[s, :r])))
-        return samples
-
-    @staticmethod
-    def _kept_ids(kept, num: int) -> list[torch.Tensor]:
-        """Per sequence [R, K] kept token ids (ascending), padded with -1 to the widest position."""
-        per_seq: list[list[torch.Tensor]] = [[] for _ in range(num)]
-        for alive, keep in kept:
-            keep = keep.cpu()
-            for row, s in enumerate(alive.tolist()):
-                per_seq[s].append(keep[row].nonzero().squeeze(-1))
-        out = []
-        for ids in per_seq:
-            width = max(len(x) for x in ids)
-            padded = torch.full((len(ids), width), -1, dtype=torch.long)
-            for t, x in enumerate(ids):
-                padded[t, :len(x)] = x
-            out.append(padded)
-        return out
-
-
-def _mixed(versions: torch.Tensor) -> torch.Tensor | None:
-    """A sample's [R] int32 token versions when they differ (it crossed a weight update), else None."""
-    return versions.clone() if bool((versions != versions[0]).any()) else None
 
 
 def make_embedded_engine(request: EngineRequest) -> EmbeddedEngine:

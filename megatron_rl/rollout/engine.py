@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -98,6 +98,16 @@ class TakesDirectory(Protocol):
     def load_weights_from(self, model_dir: str, version: int) -> None:
         """Serve the weights in `model_dir` (config.json + safetensors); set policy_version. The
         engine owns the folder from then on and deletes it once it no longer needs it."""
+
+
+@runtime_checkable
+class Serves(Protocol):
+    """An engine that batches continuously: requests join its running batch at decode-step boundaries
+    (rollout/requests.py hands them over as they come; rollout/decoding.py's Inbox)."""
+
+    def serve(self, inbox) -> None:
+        """Decode what `inbox` holds, delivering each sample as its sequence ends, until the inbox is
+        closed and empty."""
 
 
 class Pausable(Protocol):

@@ -161,9 +161,8 @@ class MultiTurn:
             if t.failure is not None:
                 t.prompt_ids = self.tokenizer.encode_prompt(t.prompt_text)
         self._share_first_prompts(trajs, n)
-        queue = RequestQueue(engine, together=self.env.turns == "lockstep")
         first = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, self.env.max_tokens))
-        async with asyncio.TaskGroup() as tasks:
+        async with RequestQueue(engine, together=self.env.turns == "lockstep") as queue, asyncio.TaskGroup() as tasks:
             for k, t in enumerate(trajs):
                 tasks.create_task(self._trajectory(queue, engine.max_len, t, k, n, first, sampling))
 

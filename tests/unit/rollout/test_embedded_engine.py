@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from megatron_rl.rollout.embedded import EmbeddedEngine, truncation_mask
+from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rollout.sampling import truncation_mask
 from megatron_rl.rollout.types import SamplingParams
 from tests.unit.rollout.conftest import prompts_of
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.rollout.embedded import (
+from megatron_rl.rollout.sampling import (
     apply_temperature,
     sample_inverse_cdf,
     sample_step,
@@ -103,7 +103,7 @@ def test_streams_are_per_sequence():
 def test_processed_logprobs_are_renormalised_over_the_kept_set():
     import torch
 
-    from megatron_rl.rollout.embedded import sample_step
+    from megatron_rl.rollout.sampling import sample_step
     from megatron_rl.rollout.types import SamplingParams
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))

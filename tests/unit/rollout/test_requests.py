@@ -5,6 +5,8 @@ reaches the caller as itself, and the embedded engine's requests equal its gener
 
 The environments wait on events the other trajectories set; their deadline (env.timeout_s) only
 ends a test that would otherwise hang."""
+import dataclasses
+import itertools
 import threading
 
 import pytest
@@ -95,6 +97,90 @@ def test_async_and_lockstep_give_the_same_greedy_trajectories_on_a_real_model(tu
     for a, b in zip(*(r.samples for r in runs), strict=True):
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.loss_mask, b.loss_mask)
         torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, rtol=0, atol=1e-5)
+
+
+def test_async_on_a_serving_engine_a_trajectory_goes_on_while_another_environment_is_busy(turns_env, moe_checkpoint):
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    arch, _, ckpt = moe_checkpoint
+    engine = EmbeddedEngine(arch)
+    engine.update_weights(ckpt.items(), version=1)
+    gen = _rollout(engine, ["slow:1", "fast:3", "fast:2"], "async", n=2)
+    assert gen.stats["env/failures"] == 0 and gen.stats["env/turns"] == (1 + 3 + 2) / 3
+
+
+def _engine(moe_checkpoint, **kw):
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    arch, _, ckpt = moe_checkpoint
+    engine = EmbeddedEngine(arch, **kw)
+    engine.update_weights(ckpt.items(), version=1)
+    return engine
+
+
+def _same(got, want):
+    assert torch.equal(got.response_ids, want.response_ids), (got.response_ids, want.response_ids)
+    torch.testing.assert_close(got.rollout_logprobs, want.rollout_logprobs, rtol=0, atol=1e-5)
+    assert torch.equal(got.routed_experts, want.routed_experts) and torch.equal(got.kept_ids, want.kept_ids)
+    assert (got.finish_reason, got.prompt_index, got.sample_index) == (want.finish_reason, want.prompt_index,
+                                                                       want.sample_index)
+
+
+KEEP = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=4, return_kept_ids=True, logprobs_mode="processed")
+
+
+@pytest.mark.parametrize("trim", [False, True])
+def test_a_request_that_joins_a_running_batch_gets_what_it_gets_alone(moe_checkpoint, trim):
+    """A decodes 4 steps alone, then B (a longer prompt: the caches are padded) and C join it; A and
+    B leave together (trim: C's padding columns are dropped)."""
+    from megatron_rl.rollout.decoding import Decoding
+
+    engine = _engine(moe_checkpoint)
+    a = Request([5, 9, 13], KEEP, (0, 0))
+    b = Request([7, 8, 2, 2, 2, 2, 2, 11], dataclasses.replace(KEEP, max_tokens=6, seed=8), (1, 0))
+    c = Request([7, 8], KEEP, (2, 1))
+    alone = {r.stream: engine.generate_requests([r])[0] for r in (a, b, c)}
+    d, got, step, widths = Decoding(engine, KEEP, trim=trim), {}, 0, []
+    d.join([a])
+    while d.running():
+        if step == 4:
+            d.join([b, c])
+        widths.append(d.mask.shape[1])
+        for s in d.step(step):
+            got[d.requests[s].stream] = d.sample(s)
+        step += 1
+    assert sorted(got) == sorted(alone)
+    for stream, sample in got.items():
+        _same(sample, alone[stream])
+    # A and B leave after step 9; C's 2-token prompt was padded by 6 to B's 8: those columns go
+    assert (widths[10] - widths[9] == 1 - 6) if trim else all(w2 - w1 == 1 for w1, w2 in itertools.pairwise(widths[4:]))
+
+
+def test_serve_delivers_each_sample_and_hands_an_error_to_what_it_leaves(moe_checkpoint):
+    from megatron_rl.rollout.decoding import Inbox
+
+    engine = _engine(moe_checkpoint, max_batch_size=2)
+    other = dataclasses.replace(KEEP, temperature=0.5)  # another sampling class: a batch of its own
+    requests = [Request([5, 9, 13], KEEP, (0, 0)), Request([7, 8], other, (1, 0)), Request([4, 4, 6], KEEP, (2, 0)),
+                Request([9], KEEP, (3, 0))]
+    inbox, got = Inbox(), {}
+    inbox.put([(r, lambda out, k=k: got.__setitem__(k, out)) for k, r in enumerate(requests)])
+    inbox.close()
+    engine.serve(inbox)
+    assert sorted(got) == [0, 1, 2, 3]
+    for k, r in enumerate(requests):
+        _same(got[k], engine.generate_requests([r])[0])
+
+    inbox, got = Inbox(), {}
+    inbox.put([(r, lambda out, k=k: got.__setitem__(k, out)) for k, r in enumerate(requests)])
+    engine.gate.park_after(2)  # the first batch parks after decode step 2, and is aborted there
+    thread = threading.Thread(target=lambda: pytest.raises(GenerationAborted, engine.serve, inbox))
+    thread.start()
+    assert engine.gate.wait_parked(60)
+    engine.abort()
+    thread.join(60)
+    assert sorted(got) == [0, 1, 2, 3] and all(isinstance(x, GenerationAborted) for x in got.values())
+    engine.resume()
 
 
 class Aborting(ScriptedEngine):
