@@ -21,5 +21,5 @@ def test_a_small_run_writes_the_table(tmp_path, capsys):
     rows = [line for line in out.read_text().splitlines() if line.startswith(("| multi-turn", "| single-turn"))]
     assert len(rows) == 4
     turns = [row.split("|")[-2].strip() for row in rows]
-    assert turns[0] == turns[1] == "2.50" and turns[2] == turns[3] == "1.00"
+    assert turns[0] == turns[1] == "2.50" and turns[2] == turns[3] == "1.00"   # single-turn: one per sample
     assert "speed-up (multi-turn)" in capsys.readouterr().out
