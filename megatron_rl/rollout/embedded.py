@@ -8,16 +8,20 @@ The model runs in its own dtype through transformers' modelling code (eager atte
 default), a genuinely different numeric path from the fp32 megatron trainer, which is what
 makes the training-inference mismatch real on CPU.
 
-Decoding: one sequence per request (rollout/types.py `Request`; a generate() call's sequence
-(prompt i, sample j) is request (i, j) of `requests_of`); the requests of a call with equal sampling
-settings are decoded in chunks of `max_batch_size`, in their order. A chunk prefills each distinct
-prompt once (left padding, attention mask, explicit position ids), the
-KV cache is then expanded to one row per sequence, and every step feeds one token per running
-row; a row that hits a stop token or max_tokens is dropped from the batch and its cache.
+Decoding (rollout/decoding.py): one sequence per request (rollout/types.py `Request`; a generate()
+call's sequence (prompt i, sample j) is request (i, j) of `requests_of`). generate_requests decodes
+the requests of one sampling class in chunks of `max_batch_size`, in their order: a chunk prefills
+each distinct prompt once (left padding, attention mask, explicit position ids), the KV cache is
+then expanded to one row per sequence, and every step feeds one token per running row; a row that
+hits a stop token or its max_tokens is dropped from the batch and its cache. `serve(inbox)` is the
+same loop kept running (continuous batching): requests that arrive join the running batch at the
+next step boundary and each sample is delivered as its row ends (rollout/requests.py uses it for
+env.turns=async).
 
-Sampling (one step, pure functions below): logits / T -> reported log-prob = log_softmax of the
-sampled token in fp32 before truncation -> top-k then top-p keep-mask -> inverse-CDF draw
-from the renormalised kept distribution. T = 0 is greedy argmax (log-prob and kept set at T = 1).
+Sampling (one step, pure functions in rollout/sampling.py): logits / T -> reported log-prob =
+log_softmax of the sampled token in fp32 before truncation -> top-k then top-p keep-mask ->
+inverse-CDF draw from the renormalised kept distribution. T = 0 is greedy argmax (log-prob and
+kept set at T = 1).
 
 Randomness: sequence (i, j) owns a torch.Generator seeded with a hash of (seed, i, j) and draws
 one uniform per generated position, so a sample depends only on (weights, prompt, seed, i, j),
