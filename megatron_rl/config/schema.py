@@ -239,8 +239,9 @@ class DataSection:
     jsonl: a prompt file instead of tasks: JSONL ({"prompt", "label", optional "task"} per line),
         Parquet (.parquet; those columns), or a folder saved by HF datasets' save_to_disk
         (megatron_rl/data/jsonl.py; reading a table needs pyarrow, the `data` extra).
-    reward: reward function name for every prompt ("exact_match", "math", or the user's
-        "package.module:function"); null = each task's own reward (JSONL rows: exact_match).
+    reward: reward function name for every prompt ("exact_match", "math", the user's
+        "package.module:function", or "judge": a judge model scores each response, see the judge
+        section); null = each task's own reward (JSONL rows: exact_match).
     heldout_size: held-out problems of each task, never drawn for training; evaluations use the
         first train.eval_size of them (JSONL prompts have none). Default 1000: the size every run
         used before this setting reached the tasks. seed: data seed (0 to 2**32 - 1).
@@ -271,7 +272,7 @@ class DataSection:
             for i, t in enumerate(self.tasks):
                 checks.choice(f"data.tasks[{i}]", t, sorted(TASKS))
         if self.reward is not None:
-            checks.choice("data.reward", self.reward, sorted(REWARDS))
+            checks.choice("data.reward", self.reward, sorted([*REWARDS, "judge"]))
         checks.integer("data.heldout_size", self.heldout_size, lo=0)
         if self.jsonl is None:
             from megatron_rl.data.tasks import make_task
@@ -621,6 +622,68 @@ class EnvSection:
                 raise ValueError(f"env.settings: {e}{hint}") from None
 
 
+JUDGE_TEMPLATE = ("Question: {prompt}\nReference answer: {label}\nResponse: {response}\n"
+                  "Rate the response from 0 to 10. Score:")
+
+
+@dataclass
+class JudgeSection:
+    """A judge model as the reward (data.reward=judge; megatron_rl/rollout/vllm/judge.py): a vLLM
+    server apart from the rollout pool scores every response, one completion per response.
+
+    model: an HF model folder (with its tokenizer) to serve, launched with the run and stopped with
+        it (rollout.vllm.python's kind of environment: python, default the CPU lane's .venv-vllm);
+        or url: a vLLM (OpenAI-compatible) server someone else runs; its key in
+        $MEGATRON_RL_JUDGE_API_KEY. Exactly one of the two with data.reward=judge.
+    template: the judge's prompt, with {prompt}, {response} and {label} filled in.
+    pattern: a regular expression; its first match in the answer (its first group, when it has
+        one) is the score; scale: the reward is score / scale. An answer without a match scores 0,
+        counted in rewards/errors/JudgeUnparsable.
+    max_tokens, temperature (0: greedy): the judge's sampling. timeout_s: one request's deadline
+        (connect to last byte). max_in_flight: requests at a time (the server batches them).
+    dtype, max_model_len, startup_timeout_s: a launched judge's server.
+    """
+
+    model: str | None = None
+    url: str | None = None
+    python: str | None = None
+    template: str = JUDGE_TEMPLATE
+    pattern: str = r"(-?\d+(?:\.\d+)?)"
+    scale: float = 10.0
+    max_tokens: int = 8
+    temperature: float = 0.0
+    timeout_s: float = 60.0
+    max_in_flight: int = 16
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        import re
+
+        for key in ("model", "url", "python"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
+                raise TypeError(f"judge.{key}={getattr(self, key)!r}: a string or null")
+        if self.model is not None and self.url is not None:
+            raise ValueError("judge.model and judge.url are both set: launch a judge (model) or use one (url)")
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"judge.pattern={self.pattern!r} is not a regular expression: {e}") from None
+        try:
+            self.template.format(prompt="", response="", label="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"judge.template: only {{prompt}}, {{response}} and {{label}} may be filled in ({e!r}); "
+                             f"write a literal brace as {{{{ or }}}}") from None
+        checks.number("judge.scale", self.scale, lo=0, lo_open=True)
+        checks.integer("judge.max_tokens", self.max_tokens, lo=1)
+        checks.number("judge.temperature", self.temperature, lo=0)
+        checks.number("judge.timeout_s", self.timeout_s, lo=0, lo_open=True)
+        checks.integer("judge.max_in_flight", self.max_in_flight, lo=1, hi=1024)
+        checks.integer("judge.max_model_len", self.max_model_len, lo=16)
+        checks.number("judge.startup_timeout_s", self.startup_timeout_s, lo=0, lo_open=True)
+
+
 @dataclass
 class LogSection:
     """Where metrics go. tensorboard / jsonl: write under run_dir.
@@ -667,11 +730,15 @@ class RunConfig:
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     log: LogSection = field(default_factory=LogSection)
     env: EnvSection = field(default_factory=EnvSection)
+    judge: JudgeSection = field(default_factory=JudgeSection)
     plugins: list = field(default_factory=list)
 
     def __post_init__(self):
         if not isinstance(self.plugins, list) or not all(isinstance(m, str) and m for m in self.plugins):
             raise TypeError(f"plugins={self.plugins!r}: a list of module names to import, e.g. [my_rewards]")
+        if self.data.reward == "judge" and (self.judge.model is None) == (self.judge.url is None):
+            raise ValueError("data.reward=judge needs a judge: set judge.model (an HF model folder to serve) or "
+                             "judge.url (a vLLM server someone runs)")
 
     def check_paths(self) -> None:
         """The files and folders the config names, as this machine sees them (the entry point calls
@@ -701,6 +768,10 @@ class RunConfig:
         if os.path.exists(self.train.run_dir) and not os.path.isdir(self.train.run_dir):
             raise ValueError(f"train.run_dir={self.train.run_dir} is a file; choose a directory (it is created "
                              f"if missing)")
+        judge = self.judge.model if self.data.reward == "judge" else None
+        if judge is not None and not os.path.isfile(os.path.join(judge, "config.json")):
+            raise ValueError(f"judge.model={judge}: no config.json there; name a Hugging Face model folder (config.json, "
+                             f"safetensors, tokenizer files)")
         on_this_machine = getattr(self.rollout.engines.get(self.rollout.backend), "check_on_this_machine", None)
         if on_this_machine is not None:
             on_this_machine()

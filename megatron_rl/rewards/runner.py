@@ -51,8 +51,28 @@ class RewardRunner:
         return self._by_task.get(task, self._default)
 
     def __call__(self, items: Iterable[tuple[str, str, str, str]]) -> list[float]:
-        """items: (prompt, response, label, task) tuples. Returns one reward per item."""
-        return [self.score(*item) for item in items]
+        """items: (prompt, response, label, task) tuples. Returns one reward per item. A reward
+        function with a `score_batch(items) -> [value or exception]` (the judge,
+        rollout/vllm/judge.py) gets all of its items in one call."""
+        items = list(items)
+        out: list[float | None] = [None] * len(items)
+        batched: dict[int, list[int]] = {}
+        for k, (_, _, _, task) in enumerate(items):
+            fn = self.reward_fn(task)
+            if fn is not None and hasattr(fn, "score_batch"):
+                batched.setdefault(id(fn), []).append(k)
+            else:
+                out[k] = self.score(*items[k])
+        for ks in batched.values():
+            fn = self.reward_fn(items[ks[0]][3])
+            try:
+                values = fn.score_batch([items[k][:3] for k in ks])
+            except Exception as e:  # noqa: BLE001 - a reward must never stop training
+                values = [e] * len(ks)
+            for k, value in zip(ks, values, strict=True):
+                self._counts["rewards/count"] += 1
+                out[k] = self._checked(value, items[k][3])
+        return out
 
     def score(self, prompt: str, response: str, label: str, task: str) -> float:
         """One sample's reward; 0.0 (counted) on any failure."""
@@ -63,7 +83,19 @@ class RewardRunner:
         try:
             value = fn(prompt, response, label)
         except Exception as e:  # noqa: BLE001 - a reward must never stop training
-            return self._failed(type(e).__name__, f"reward for task {task!r} raised", exc=e)
+            value = e
+        return self._checked(value, task)
+
+    def close(self) -> None:
+        """Release what the reward functions hold (a judge's server)."""
+        for fn in {id(f): f for f in [*self._by_task.values(), self._default] if f is not None}.values():
+            if hasattr(fn, "close"):
+                fn.close()
+
+    def _checked(self, value, task: str) -> float:
+        """A reward function's return value (or the exception it raised) as the sample's reward."""
+        if isinstance(value, Exception):
+            return self._failed(type(value).__name__, f"reward for task {task!r} raised", exc=value)
         try:
             value = float(value)
         except (TypeError, ValueError):

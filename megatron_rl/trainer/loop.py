@@ -52,6 +52,7 @@ def close(ctx: RunContext) -> None:
         ctx.sink.close()
         if ctx.engine is not None:
             ctx.engine.close()
+        ctx.rewards.close()
     finally:
         ctx.policy.release()
         if ctx.run_dir_lock is not None:

@@ -115,9 +115,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, stop: StopSignals | No
         print(f"model.overrides {sorted(cfg.model.overrides)} ignored: model.hf_dir's config.json sets the "
               f"architecture", file=sys.stderr, flush=True)
     prompts = make_prompts(cfg, tokenizer, max_sequence_length(cfg, arch))
-    # data.reward for every row, else each task's own reward (JSONL rows: exact match)
-    rewards = RewardRunner(cfg.data.reward) if cfg.data.reward is not None else \
-        RewardRunner(prompts.rewards(), default="exact_match")
+    rewards = make_rewards(cfg, prompts, rank0)
     mode = cfg.moe.router_replay
     if mode != "none" and not arch.is_moe:
         raise ValueError(f"moe.router_replay={mode} needs a MoE model; model arch is {arch.arch}")
@@ -152,6 +150,24 @@ def _check_start(cfg: RunConfig) -> bool:
     if not resuming and init and (problem := init_checkpoint_problem(init)):
         raise ValueError(problem)
     return resuming
+
+
+def make_rewards(cfg: RunConfig, prompts, rank0: bool) -> RewardRunner:
+    """data.reward for every row, else each task's own reward (JSONL rows: exact match). The judge
+    (data.reward=judge) is launched, or reached, on rank 0 alone, where rollouts are scored."""
+    if cfg.data.reward == "judge":
+        if not rank0:
+            return RewardRunner(_scored_on_rank0)
+        from megatron_rl.rollout.vllm.judge import Judge
+
+        return RewardRunner(Judge(cfg.judge, cfg.train.run_dir))
+    if cfg.data.reward is not None:
+        return RewardRunner(cfg.data.reward)
+    return RewardRunner(prompts.rewards(), default="exact_match")
+
+
+def _scored_on_rank0(prompt: str, response: str, label: str) -> float:
+    raise RuntimeError("the judge scores on rank 0 only")
 
 
 def _assemble(cfg: RunConfig, groups: ParallelGroups, tokenizer, prompts, rewards: RewardRunner, policy: Policy,

@@ -47,3 +47,36 @@ def test_bad_returns_and_unknown_task():
 def test_unknown_reward_name_fails_at_construction():
     with pytest.raises(KeyError, match="unknown reward"):
         RewardRunner({"addition": "exact_matchh"})
+
+
+class BatchJudge:
+    """A reward with a batch path (as rollout/vllm/judge.py's): the length of the response, an
+    exception for "raise", a non-number for "nan"; records its calls and whether it was closed."""
+
+    def __init__(self):
+        self.calls, self.closed = [], False
+
+    def __call__(self, prompt, response, label):
+        raise AssertionError("the runner must use score_batch")
+
+    def score_batch(self, items):
+        self.calls.append([r for _, r, _ in items])
+        return [ValueError("unparsable") if r == "raise" else float("nan") if r == "nan" else float(len(r))
+                for _, r, _ in items]
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_batch_reward_gets_its_items_in_one_call_and_its_failures_are_counted():
+    judge = BatchJudge()
+    runner = RewardRunner({"a": judge, "b": "exact_match"})
+    items = [("p", "xyz", "l", "a"), ("p", "5", "5", "b"), ("p", "raise", "l", "a"), ("p", "nan", "l", "a"),
+             ("p", "ab", "l", "a")]
+    assert runner(items) == [3.0, 1.0, 0.0, 0.0, 2.0]
+    assert judge.calls == [["xyz", "raise", "nan", "ab"]]
+    stats = runner.stats()
+    assert stats["rewards/count"] == 5 and stats["rewards/errors"] == 2
+    assert stats["rewards/errors/ValueError"] == 1 and stats["rewards/errors/BadReturn"] == 1
+    runner.close()
+    assert judge.closed
