@@ -77,9 +77,12 @@ def metric_steps(run_dir) -> list[int]:
         return [json.loads(line)["step"] for line in f if json.loads(line).get("phase") == "rl"]
 
 
-def wait_for(predicate, what: str):
+def wait_for(predicate, what: str, proc: subprocess.Popen | None = None):
+    """Until predicate(); fails at once, naming its exit code, when `proc` (the trainer the wait is
+    about) has ended meanwhile: a broken run fails its test rather than waiting out the hang guard."""
     deadline = time.monotonic() + HANG_GUARD_S
     while not predicate():
+        assert proc is None or proc.poll() is None, f"the trainer exited ({proc.returncode}) before {what}"
         assert time.monotonic() < deadline, f"hang guard: still waiting for {what}"
         time.sleep(0.005)
 
@@ -270,7 +273,7 @@ def test_6_7_sigkill_mid_save_leaves_no_process_and_no_duplicate_rows(tmp_path):
         caught = None
         for k in range(2, 40):  # freeze it inside the save of step k (tmp dir present, not yet published)
             tmp, final = r / "checkpoints" / f"iter_{k:07d}.tmp", r / "checkpoints" / f"iter_{k:07d}"
-            wait_for(lambda tmp=tmp, final=final: tmp.exists() or final.exists(), f"the save of step {k}")
+            wait_for(lambda tmp=tmp, final=final: tmp.exists() or final.exists(), f"the save of step {k}", proc)
             os.kill(proc.pid, signal.SIGSTOP)
             if not final.exists():
                 caught = k
@@ -304,7 +307,7 @@ def test_6_sigterm_finishes_the_step_saves_and_reaps(tmp_path):
     r = tmp_path / "R"
     proc = subprocess.Popen(cmd(r, "train.steps=200", "train.save_every=1000"), cwd=ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: (r / "metrics.jsonl").exists() and metric_steps(r), "the first step")
+    wait_for(lambda: (r / "metrics.jsonl").exists() and metric_steps(r), "the first step", proc)
     children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=HANG_GUARD_S)
@@ -324,7 +327,7 @@ def test_6_sigterm_to_the_whole_job_still_saves(tmp_path):
     r = tmp_path / "R"
     proc = subprocess.Popen(cmd(r, "train.steps=200", "train.save_every=2"), cwd=ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for(lambda: (r / "checkpoints" / "latest").exists(), "the first periodic save (the helper exists)")
+    wait_for(lambda: (r / "checkpoints" / "latest").exists(), "the first periodic save (the helper exists)", proc)
     helpers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=HANG_GUARD_S)
@@ -351,7 +354,7 @@ def test_7_a_writer_of_a_killed_trainer_dies_and_frees_the_run_dir(tmp_path):
     try:
         # after the first save the writer's helper exists (spawned: a child with this command line
         # only until it execs), so from then on a child with the trainer's command line is a fork
-        wait_for(lambda: (r / "checkpoints" / "latest").exists(), "the first save")
+        wait_for(lambda: (r / "checkpoints" / "latest").exists(), "the first save", proc)
         trainer = psutil.Process(proc.pid)
 
         def freeze_a_writer() -> bool:

@@ -96,7 +96,7 @@ def test_3_a_dead_checkpoint_writer_fails_the_save_and_the_run_names_the_newest_
         # trainer's command line only until it execs), so a child with the trainer's command line
         # is a forked writer: each is SIGKILLed on sight, as the OOM killer would. One killed after
         # it reported changes nothing (that save succeeds), so the next save's are killed too.
-        wait_for(lambda: (r / "checkpoints" / "latest").exists(), "the first save")
+        wait_for(lambda: (r / "checkpoints" / "latest").exists(), "the first save", proc)
         trainer = psutil.Process(proc.pid)
 
         def kill_the_writers() -> bool:
