@@ -35,6 +35,7 @@ LONG_FILES = {
     "e2e/test_drills_round3.py": 67,
     "distributed/test_spawn_pool.py": 66,
     "distributed/test_rl_loop.py": 66,
+    "vllm/test_judge.py": 60,
     "distributed/test_schedules.py": 47,
     "e2e/test_plugins.py": 43,
     "distributed/test_compiled_math_inductor.py": 42,
