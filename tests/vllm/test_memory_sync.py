@@ -14,7 +14,7 @@ from megatron_rl.model.hf_io import SafetensorsReader
 from megatron_rl.model.parity import random_hf_model
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from tests.vllm.conftest import tiny_arch
+from tests.vllm.conftest import ONE_PROCESS_ENGINE, tiny_arch
 
 pytestmark = pytest.mark.vllm
 
@@ -43,7 +43,7 @@ def assert_same(memory, disk):
 
 def engine(arch, vllm_python, run_dir, **overrides):
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=8, max_model_len=128, health_timeout_s=60.0,
-                     **overrides)
+                     env=ONE_PROCESS_ENGINE, **overrides)
     return VllmEngine(arch, cfg, str(run_dir))
 
 

@@ -24,7 +24,7 @@ def _parallel_then_single(rank, world, arch_name, sizes, vllm_python, run_dir):
     from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
     from megatron_rl.trainer.transport import MemoryTransport, TransportInputs
     from tests.mcore_setup import setup_parallel
-    from tests.vllm.conftest import tiny_arch
+    from tests.vllm.conftest import ONE_PROCESS_ENGINE, tiny_arch
 
     groups = setup_parallel(**sizes)
     arch = tiny_arch(arch_name)
@@ -49,7 +49,7 @@ def _parallel_then_single(rank, world, arch_name, sizes, vllm_python, run_dir):
     engine = None
     if rank == 0:
         engine = VllmEngine(arch, VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=8, max_model_len=128,
-                                             health_timeout_s=60.0), f"{run_dir}/memory")
+                                             health_timeout_s=60.0, env=ONE_PROCESS_ENGINE), f"{run_dir}/memory")
     try:
         if rank == 0:
             engine.update_weights(gathered, 0)   # single-rank: the reference (== a load from disk)
