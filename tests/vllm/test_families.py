@@ -9,7 +9,7 @@ from megatron_rl.model.hf_io import SafetensorsReader
 from megatron_rl.model.parity import random_hf_model
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from tests.vllm.conftest import push, tiny_arch
+from tests.vllm.conftest import ONE_PROCESS_ENGINE, push, tiny_arch
 
 pytestmark = pytest.mark.vllm
 
@@ -44,7 +44,7 @@ def test_family_serves_the_exported_weights(family, vllm_python, tmp_path):
     if family == "mixtral":
         assert any(".block_sparse_moe.experts.3.w3." in name for name, _ in weights)
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=16, max_model_len=256,
-                     health_timeout_s=120.0, weight_sync=weight_sync)
+                     health_timeout_s=120.0, weight_sync=weight_sync, env=ONE_PROCESS_ENGINE)
     engine = VllmEngine(arch, cfg, str(tmp_path / "server"))
     try:
         push(engine, weights, 0)  # runs the parity probe: raises if vLLM computes otherwise

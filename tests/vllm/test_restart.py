@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from tests.vllm.conftest import fault_after_first_answer, hf_weights, push, tiny_arch
+from tests.vllm.conftest import ONE_PROCESS_ENGINE, fault_after_first_answer, hf_weights, push, tiny_arch
 
 pytestmark = pytest.mark.vllm
 
@@ -28,7 +28,7 @@ def engine(vllm_python, tmp_path_factory):
     # never answers, so this only sets how fast the freeze is seen; it is generous so that a busy
     # server on a loaded machine is never taken for a frozen one.
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=64, max_model_len=256, weight_sync="restart",
-                     health_interval_s=2.0, health_timeout_s=30.0, max_restarts=1)
+                     health_interval_s=2.0, health_timeout_s=30.0, max_restarts=1, env=ONE_PROCESS_ENGINE)
     eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_restart")))
     push(eng, hf_weights(ARCH, seed=0)[1], 0)
     yield eng

@@ -24,7 +24,7 @@ from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError, Vl
 from megatron_rl.rollout.vllm.http import HttpStatusError, request, request_json
 from megatron_rl.rollout.vllm.probe import hf_reference
 from megatron_rl.rollout.vllm.protocol import GENERATE, generate_body
-from tests.vllm.conftest import HOLD_GUARD_S, hf_weights, push, tiny_arch
+from tests.vllm.conftest import HOLD_GUARD_S, ONE_PROCESS_ENGINE, hf_weights, push, tiny_arch
 
 pytestmark = pytest.mark.vllm
 
@@ -41,7 +41,7 @@ def models():
 def engine(vllm_python, models, tmp_path_factory):
     # health_timeout_s: generous, so a busy server on a loaded machine never counts as hung
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, max_model_len=256, health_timeout_s=120.0,
-                     weight_sync="reload")
+                     weight_sync="reload", env=ONE_PROCESS_ENGINE)
     eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_server")))
     (_, weights_a), _ = models
     push(eng, weights_a, 0)

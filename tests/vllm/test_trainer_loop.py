@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.cores import share
+from tests.vllm.conftest import ONE_PROCESS_ENGINE
 from tests.vllm.test_launcher import group
 
 pytestmark = pytest.mark.vllm
@@ -67,8 +68,8 @@ def test_rl_steps_with_the_vllm_backend_async(tmp_path, vllm_python):
     config = tmp_path / "vllm_cpu.yaml"
     config.write_text(CONFIG.format(run_dir=tmp_path / "run").replace("steps: 2,", "steps: 4,"))
     cmd = [sys.executable, "pretrain_rl.py", "--config", str(config), "--summary-json", str(summary_path), *ASYNC]
-    run = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(vllm_python), capture_output=True, text=True,
-                         timeout=900)
+    env = dict(_env(vllm_python), **ONE_PROCESS_ENGINE)  # its server inherits the trainer's environment
+    run = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert json.loads(summary_path.read_text())["steps"] == 4
     assert os.path.exists(tmp_path / "run" / "vllm" / "server.log")
@@ -78,7 +79,8 @@ def test_rl_steps_with_the_vllm_backend_async(tmp_path, vllm_python):
 
 def test_sigterm_mid_run_leaves_no_server_process(tmp_path, vllm_python):
     """SIGTERM to pretrain_rl.py once its vLLM server is up (the event: the server's log says
-    so): the trainer ends and every process of the server's group is gone. (Whether it stops at
+    so): the trainer ends and every process of the server's group is gone (the production layout:
+    API server, engine core and its worker process). (Whether it stops at
     once or after finishing and saving its step is the trainer's business: either is fine here.)"""
     run_dir = tmp_path / "run"
     config = tmp_path / "vllm_cpu.yaml"
