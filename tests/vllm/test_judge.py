@@ -44,7 +44,7 @@ def test_scores_are_parsed_and_scaled_and_each_failure_scores_0_counted(fake, tm
                 "hang": _completion("9"), "ten": _completion("10")}[response]
 
     fake.completions = answer
-    judge = Judge(JudgeSection(url=fake.url, timeout_s=2.0), str(tmp_path))
+    judge = Judge(JudgeSection(url=fake.url, timeout_s=5.0), str(tmp_path))  # the others answer in ms
     runner = RewardRunner(judge)
     items = [("12+3=", r, "15", "addition") for r in ("good", "garbage", "words", "hang", "ten")]
     try:
