@@ -110,7 +110,7 @@ class Decoding:
         e, dev = self.engine, self.dev
         first, num = len(self.requests), len(requests)
         steps = max(r.sampling.max_tokens for r in requests)
-        uniforms = torch.zeros(num, steps, dtype=torch.float64)
+        uniforms = torch.zeros(num, steps, dtype=torch.float64)  # host: the streams are CPU generators; copied below
         for s, r in enumerate(requests):
             uniforms[s, :r.sampling.max_tokens] = stream_uniforms(r.sampling.seed, [r.stream], r.sampling.max_tokens)[0]
         self.uniforms = _grow(self.uniforms, num, steps, 0.0)
