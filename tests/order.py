@@ -31,7 +31,6 @@ LONG_FILES = {
     "distributed/test_precision.py": 80,
     "vllm/test_judge.py": 67,
     "distributed/test_spawn_pool.py": 62,
-    "distributed/test_recipes_in_loop.py": 60,
     "distributed/test_rl_loop.py": 58,
     "distributed/test_schedules.py": 56,
     "e2e/test_drills_round3.py": 46,

@@ -54,7 +54,7 @@ CURES = {
     "fp8 + R3": ["loss.recipe=grpo", "moe.router_replay=r3"],
 }
 # --quick runs these (the others' configs are only checked): the control and the uncorrected FP8
-# engine are the experiment's two sides; every cure's recipe runs in tests/distributed/test_recipes_in_loop.py
+# engine are the experiment's two sides; every cure's recipe runs in tests/e2e/test_golden.py
 QUICK = ("fp32 engine", "fp8 engine")
 
 

@@ -36,7 +36,7 @@ PRECISION = {f"precision {r}": [f"precision.recipe={r}", "model.dtype=null", "ro
 PRECISION_STEPS = 5
 # --quick runs these (the others' configs are only checked): the uncorrected lr 1e-3 run (the buckets
 # plot's) and the precision recipe that changes most, fp16 in both engines with an fp32 head (every
-# correction recipe runs through the RL step in tests/distributed/test_recipes_in_loop.py)
+# correction recipe runs through the RL step in tests/e2e/test_golden.py)
 QUICK = ("lr 1e-3",)
 QUICK_PRECISION = ("precision fp16_fp32head",)
 

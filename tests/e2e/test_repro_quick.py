@@ -2,7 +2,7 @@
 process (the product's config loading and checks), runs its QUICK arms end to end (a few steps, one
 seed) and writes its table, its plot and those arms' TensorBoard logs. This keeps the scripts from
 rotting; the claims themselves are in their full runs (examples/repro/README.md). Every loss recipe
-the arms name also runs through the real RL step in tests/distributed/test_recipes_in_loop.py."""
+the arms name also runs through the real RL step in tests/e2e/test_golden.py."""
 import importlib.util
 import os
 import re

@@ -1,9 +1,9 @@
 """A real vLLM server's whole process group (API server, engine core, its worker, the resource
-tracker) is gone once the trainer that launched it ends: by SIGTERM (the launcher's handler stops
-the group, then the signal takes its default course) or by SIGKILL (nothing of the trainer runs;
-the kernel sends the API server SIGTERM through PR_SET_PDEATHSIG and vLLM takes its engine core
-down). Exits, Ctrl-C and the handlers' details are covered with a stand-in server in
-test_launcher.py.
+tracker) is gone once the trainer that launched it is SIGKILLed: nothing of the trainer runs; the
+kernel sends the API server SIGTERM through PR_SET_PDEATHSIG and vLLM takes its engine core down.
+SIGTERM with a real server is test_trainer_loop.py's test_sigterm_mid_run_leaves_no_server_process
+(pretrain_rl.py itself, the same production layout); exits, Ctrl-C and the handlers' details are
+covered with a stand-in server in test_launcher.py.
 
 The "trainer" is a child process that starts the engine the way the trainer does
 (the `disk` transport's write and VllmEngine.load_weights_from) and prints the server's pid once it is up: the test waits for that
@@ -37,8 +37,8 @@ signal.pause()
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_the_servers_process_group_dies_with_the_trainer(vllm_python, tmp_path, sig):
+def test_the_servers_process_group_dies_with_a_killed_trainer(vllm_python, tmp_path):
+    sig = signal.SIGKILL
     code = TRAINER.format(root=ROOT, python=vllm_python, run_dir=str(tmp_path / "run"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
