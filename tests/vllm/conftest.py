@@ -15,10 +15,8 @@ from megatron_rl.rollout.vllm.errors import VllmError
 # is 0. The same code loads, samples and syncs (the worker extension, gloo, reload, abort, pause),
 # for the same CPU seconds, but a start idles ~20 s less on 2 cores (45 s wall instead of 64 s).
 # The production layout (API server, EngineCore, Worker) stays where processes are the point:
-# test_reaping.py (the whole group dies with the trainer), test_trainer_loop.py's SIGTERM test and
-# test_pool.py (a server SIGKILLed mid-sync must fail the trainer's transfer, not only its /health:
-# in this layout the health check saw it first); a server with tensor_parallel_size > 1 runs it
-# regardless.
+# test_reaping.py (the whole group dies with the trainer) and test_trainer_loop.py's SIGTERM test;
+# a server with tensor_parallel_size > 1 runs it regardless.
 ONE_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 

@@ -15,6 +15,7 @@ from megatron_rl.config.schema import JudgeSection, RunConfig
 from megatron_rl.configure import load_config
 from megatron_rl.rewards import RewardRunner
 from megatron_rl.rollout.vllm.judge import ENV_JUDGE_KEY, Judge
+from tests.vllm.conftest import ONE_PROCESS_ENGINE
 from tests.vllm.fake_server import HANG_GUARD_S, FakeVllm
 
 
@@ -124,7 +125,9 @@ def _judge_model(folder):
 
 
 @pytest.mark.vllm
-def test_a_launched_judge_scores_through_its_own_tokenizer(vllm_python, tmp_path):
+def test_a_launched_judge_scores_through_its_own_tokenizer(vllm_python, tmp_path, monkeypatch):
+    for name, value in ONE_PROCESS_ENGINE.items():  # the launched server inherits the trainer's environment
+        monkeypatch.setenv(name, value)
     folder = _judge_model(tmp_path / "judge")
     section = JudgeSection(model=str(folder), python=vllm_python, dtype="float32", max_model_len=256, max_tokens=1,
                            max_in_flight=4)

@@ -7,7 +7,9 @@ misses that sync (the other takes it, within rollout.vllm.sync_timeout_s), is re
 filled by the next; and pretrain_rl.py completes RL steps under the staged schedule on the same
 two servers as a pool of URLs (rollout.vllm.urls).
 
-Two server starts for the module (one pool, module-scoped) plus a restart per fault. The
+Two server starts for the module (one pool, module-scoped) plus a restart per fault. The servers
+run the model in their EngineCore process (ONE_PROCESS_ENGINE, conftest.py): the layout's own
+faults (the whole group dying with the trainer) are test_reaping.py's and test_trainer_loop.py's. The
 kill is triggered by an event, never a timer: server 1 is killed once it has answered a request
 of the call, while the first request sent to it is held back until then, so the call cannot end
 before the kill however fast or slow the machine."""
@@ -24,7 +26,7 @@ import torch
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.protocol import GENERATE
-from tests.vllm.conftest import fault_after_first_answer, hf_weights, tiny_arch
+from tests.vllm.conftest import ONE_PROCESS_ENGINE, fault_after_first_answer, hf_weights, tiny_arch
 from tests.vllm.test_trainer_loop import CONFIG, ROOT, _env, check_schedule
 
 pytestmark = pytest.mark.vllm
@@ -40,7 +42,7 @@ def pool(vllm_python, tmp_path_factory):
     """Two launched servers sharing one key (so that a trainer in another process can reach both
     as URLs, given the key), on the weights of seed 0."""
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, num_servers=2, health_interval_s=2.0,
-                     health_timeout_s=30.0, max_restarts=1, sync_timeout_s=120.0)
+                     health_timeout_s=30.0, max_restarts=1, sync_timeout_s=120.0, env=ONE_PROCESS_ENGINE)
     engine = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_pool")))
     key = secrets.token_urlsafe(16)
     for r in engine.replicas:
@@ -133,10 +135,12 @@ def test_a_server_killed_between_generate_and_sync_misses_one_sync_and_is_filled
     assert _same(again, unkilled[0]) and engine.replicas[1].requests > requests
 
 
-# killed: its /update_weights is refused (TransportError) or its broadcast is cut (gloo's error),
-# whichever the trainer sees first
+# killed: its /update_weights is refused (TransportError), its broadcast is cut (gloo's error) or
+# its /health fails during the broadcast, whichever the trainer sees first (a race: all three name
+# the server and drop it); stopped: only the health watch can tell
 @pytest.mark.parametrize("sig, causes", [(signal.SIGSTOP, ("stopped answering /health",)),
-                                         (signal.SIGKILL, ("TransportError", "gloo", "onnection"))],
+                                         (signal.SIGKILL, ("TransportError", "gloo", "onnection",
+                                                           "stopped answering /health"))],
                          ids=["stopped", "killed"])
 def test_a_server_stopped_or_killed_mid_sync_is_dropped_within_the_deadline(pool, unkilled, caplog, sig, causes):
     """SIGSTOPped (or SIGKILLed) as its first bucket goes out: the sync ends on the other server,
