@@ -16,9 +16,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
 
 
+def _main_in_rank(rank, world, argv):
+    """The tool's main(argv) in a pooled gloo rank: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from tools.convert_hf_to_mcore import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
 def _tool(*args, nproc=1) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc > 1 else [sys.executable]
+    """The tool on `nproc` ranks: several as the script under torchrun (the launch users run); one
+    as its main() in a pooled rank of tests/spawn.py (the same code after the script's first line,
+    which hides GPUs this machine has none of; an interpreter's start-up saved per call)."""
+    if nproc == 1:
+        from tests.spawn import run_ranks
+
+        [(code, out, err)] = run_ranks(_main_in_rank, world_size=1, timeout=300, argv=args)
+        return subprocess.CompletedProcess(args, code, out, err)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(launcher + ["tools/convert_hf_to_mcore.py", *args], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300, check=False)
 
