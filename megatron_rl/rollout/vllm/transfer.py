@@ -244,9 +244,9 @@ def _free_port(host: str) -> int:
 
 
 def nccl_needs_vllm() -> str:
-    return ("rollout.vllm.weight_sync=memory with CUDA uses vLLM's nccl weight-transfer engine, which the trainer "
+    return ("rollout.weight_sync=memory with CUDA uses vLLM's nccl weight-transfer engine, which the trainer "
             "drives with vLLM's own communicator: install vLLM in the trainer's environment (pip install .[vllm]), "
-            "or set rollout.vllm.weight_sync=reload")
+            "or set rollout.weight_sync=reload")
 
 
 BACKENDS = {
