@@ -321,19 +321,6 @@ class VllmConfig:
                 raise ValueError(f"{where}={value!r}: must be a mapping of names to values, e.g. "
                                  f"{{HF_TOKEN: ...}}")
 
-    @classmethod
-    def from_dict(cls, values: dict | None) -> VllmConfig:
-        """From the `rollout.vllm` mapping of a YAML config; unknown keys are an error."""
-        if values is not None and not isinstance(values, dict):
-            raise ValueError(f"rollout.vllm={values!r}: must be a mapping of its settings, e.g. "
-                             f"{{tensor_parallel_size: 2}}")
-        values = dict(values or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in values if k not in known)
-        if unknown:
-            raise ValueError(f"unknown rollout.vllm keys {unknown}; known: {sorted(known)}")
-        return cls(**values)
-
     def resolved_dtype(self, rollout_dtype: str | None) -> str:
         """The vLLM --dtype: this field, or rollout.dtype's vLLM name when it is "auto"."""
         if self.dtype != "auto" or rollout_dtype is None:

@@ -46,7 +46,7 @@ from megatron_rl.rollout.vllm.probe import (
     probe_tokens,
 )
 from megatron_rl.rollout.vllm.transfer import Watch, push_all
-from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync
+from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, WeightSync
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
@@ -60,7 +60,7 @@ class WeightUpdates:
         self.arch, self.cfg, self.weight_sync, self.fleet, self.backend = arch, cfg, weight_sync, fleet, backend
         self.max_model_len = max_model_len
         self.stats = fleet.stats
-        self.sync = RestartSync() if weight_sync == "restart" else DiskReloadSync()
+        self.sync: WeightSync = RestartSync() if weight_sync == "restart" else DiskReloadSync()
         self._syncs = 0
         self._deferred_probe: tuple[str, Reference] | None = None  # a paused sync's, run by after_resume()
 

@@ -144,8 +144,6 @@ def test_prompt_logprobs():
 
 
 def test_config_validation_and_resolution():
-    with pytest.raises(ValueError, match="unknown rollout.vllm keys"):
-        VllmConfig.from_dict({"tensor_parallel": 2})
     with pytest.raises(ValueError, match="weight_sync"):
         VllmEngine(tiny_arch(), VllmConfig(url="http://127.0.0.1:9"), "unused", weight_sync="nccl")
     assert VllmConfig(dtype="bf16").dtype == "bfloat16"

@@ -19,6 +19,7 @@ from megatron_rl.rollout.vllm.transfer import (
     backend_for,
     copy_bytes,
     packed_buckets,
+    push_all,
     update_info,
     weight_transfer_args,
 )
@@ -128,7 +129,7 @@ def test_push_packs_the_next_bucket_while_the_server_loads_one():
 
     sync = MemorySync(None, BACKENDS["gloo"], bucket_bytes=32, host="127.0.0.1")
     sync.channel, sync._post = _Channel(log), post
-    sync.push(stream(), 0, timeout=60)
+    assert not push_all([sync], stream(), 0, timeout=60).failed
     assert loads == [[name] for name, _ in tensors]
     for (_, want), got in zip(tensors, sync.channel.sent):
         assert torch.equal(got.view(torch.float32), want)
