@@ -6,7 +6,7 @@ CPU attention needs; `--size small` for the bigger preset), the same prompts and
 per-token log-probs. Tokens/s is generated tokens over wall time of one `generate()` call
 (best of `--repeats`, after a warm-up call). Weight sync is each engine's own transport
 (trainer/transport.py) with a second set of weights: the embedded engine copies tensors
-in-process (`memory`); vLLM gets its default, rollout.vllm.weight_sync=memory (the tensors
+in-process (`memory`); vLLM gets its default, rollout.weight_sync=memory (the tensors
 streamed to the server's workers over gloo, benchmarks/weight_sync.py compares it with the disk
 syncs), and runs the parity probe (listed separately).
 
@@ -105,8 +105,7 @@ def main() -> None:
         finally:
             eng.close()
         if args.restart_sync:
-            cfg.weight_sync = "restart"
-            eng = VllmEngine(arch, cfg, run_dir)
+            eng = VllmEngine(arch, cfg, run_dir, weight_sync="restart")
             try:
                 timed_sync(eng, w0, 0)
                 rows["vllm"]["restart_sync_s"] = timed_sync(eng, w1, 1)

@@ -4,11 +4,11 @@ CPU (--device cpu, the default). For a dense and a MoE shape (Qwen3 / Qwen3-MoE,
 weights, sized for a CPU machine: the parameter counts are printed), one server at a time, as
 rank 0 of a run does it:
 
-    memory    rollout.vllm.weight_sync=memory: the tensors streamed to the server's workers in
+    memory    rollout.weight_sync=memory: the tensors streamed to the server's workers in
               buckets of --bucket-mib over vLLM's weight-transfer API (gloo on CPU; no file)
-    reload    weight_sync=reload: an HF folder written (DiskTransport), reloaded in place
+    reload    rollout.weight_sync=reload: an HF folder written (DiskTransport), reloaded in place
               (dense only: vLLM's CPU MoE cannot reload in place from disk, refused at start-up)
-    restart   weight_sync=restart: the folder written, a fresh server started on it (MoE only
+    restart   rollout.weight_sync=restart: the folder written, a fresh server started on it (MoE only
               here: for the dense shape it would cost the same full start)
 
 GPU (--device cuda, two GPUs). Real presets (megatron_rl/model/presets.py; default qwen3-1.7b
@@ -121,7 +121,7 @@ def not_run_reason(device: str) -> str | None:
     if device != "cuda":
         return None
     if importlib.util.find_spec("vllm") is None:
-        return (f"no vllm ({sys.executable} cannot import vllm; weight_sync=memory with CUDA drives vLLM's nccl "
+        return (f"no vllm ({sys.executable} cannot import vllm; rollout.weight_sync=memory with CUDA drives vLLM's nccl "
                 f"engine from the trainer's process: pip install .[vllm])")
     import torch
 
@@ -197,8 +197,8 @@ def run_cpu(args, tmp: str) -> str:
         base = None
         for kind in SYNCS[shape]:
             repeats = args.restart_repeats if kind == "restart" else args.repeats
-            cfg = runs.server_config(kind, args.bucket_mib << 20, args.vllm_python)
-            seconds, mib = zip(*runs.bench(arch, cfg, weights, repeats, tmp))
+            cfg = runs.server_config(args.bucket_mib << 20, args.vllm_python)
+            seconds, mib = zip(*runs.bench(arch, kind, cfg, weights, repeats, tmp))
             median = statistics.median(seconds)
             base = base or median
             table.append(f"| {shape} | {kind} | {median:.3f} | {max(mib):.0f} | {median / base:.1f} |")
@@ -230,9 +230,9 @@ def run_cuda(args, tmp: str) -> tuple[str, str]:
             base, done = None, []
             for kind in CUDA_SYNCS["moe" if arch.is_moe else "dense"]:
                 repeats = args.restart_repeats if kind == "restart" else args.repeats
-                cfg = runs.server_config(kind, args.bucket_mib << 20, args.vllm_python, "cuda", server_gpu,
+                cfg = runs.server_config(args.bucket_mib << 20, args.vllm_python, "cuda", server_gpu,
                                          args.gpu_memory_utilization)
-                seconds, host, gpu = zip(*runs.bench(arch, cfg, weights, repeats, tmp, cuda=True))
+                seconds, host, gpu = zip(*runs.bench(arch, kind, cfg, weights, repeats, tmp, cuda=True))
                 median = statistics.median(seconds)
                 base = base or median
                 table.append(f"| {name} x {arch.num_layers} | {kind} | {median:.3f} | {max(gpu):.0f} | "

@@ -92,30 +92,30 @@ def measured(fn, cuda: bool = False) -> tuple[float, ...]:
 
 def sync_fn(engine, named, version: int, run_dir: str):
     """One sync as rank 0 does it: the `memory` transport, or `disk` (write, then hand over)."""
-    if engine.backend is not None:  # weight_sync=memory
+    if engine.backend is not None:  # rollout.weight_sync=memory
         return lambda: engine.update_weights(named, version)
     disk = DiskTransport(TransportInputs(None, engine.arch, run_dir))
     return lambda: engine.load_weights_from(disk.write(named, version), version)
 
 
-def server_config(kind: str, bucket_bytes: int, python: str | None, device: str = "cpu",
+def server_config(bucket_bytes: int, python: str | None, device: str = "cpu",
                   server_gpus: str | None = None, gpu_memory_utilization: float | None = None) -> VllmConfig:
     """The server of one row: fp32 on CPU, bf16 on a GPU (CUDA_VISIBLE_DEVICES=server_gpus: not
     the trainer's); short context, parity probe off."""
     return VllmConfig(python=python, device="cuda" if device == "cuda" else "auto",
                       env={"CUDA_VISIBLE_DEVICES": server_gpus} if server_gpus else {},
                       dtype="bfloat16" if device == "cuda" else "float32", max_model_len=256, max_num_seqs=8,
-                      probe_every=0, weight_sync=kind, bucket_bytes=bucket_bytes,
+                      probe_every=0, bucket_bytes=bucket_bytes,
                       gpu_memory_utilization=gpu_memory_utilization, startup_timeout_s=1800.0,
                       request_timeout_s=1800.0, health_timeout_s=120.0)
 
 
-def bench(arch, cfg: VllmConfig, weights: list, repeats: int, tmp: str, cuda: bool = False) -> list[tuple]:
-    """`repeats` syncs of one engine (cfg.weight_sync), alternating the two weight versions; the
-    server's first start, on weights[0], is not a sync and is not counted. One measured() tuple a sync."""
-    kind = cfg.weight_sync
+def bench(arch, kind: str, cfg: VllmConfig, weights: list, repeats: int, tmp: str, cuda: bool = False) -> list[tuple]:
+    """`repeats` syncs of one engine taking weights by `kind` (rollout.weight_sync: memory, reload,
+    restart), alternating the two weight versions; the server's first start, on weights[0], is not
+    a sync and is not counted. One measured() tuple a sync."""
     run_dir = tempfile.mkdtemp(prefix=f"{kind}-", dir=tmp)
-    engine = VllmEngine(arch, cfg, run_dir)
+    engine = VllmEngine(arch, cfg, run_dir, weight_sync=kind)
     rows = []
     try:
         sync_fn(engine, weights[0], 0, run_dir)()  # starts the server: not a sync

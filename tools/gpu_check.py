@@ -150,7 +150,7 @@ QUICK = Profile(
         Part("recipes", "every loss recipe, one step each (14 runs in one process)",
              70, "pytest", (f"{RL}::test_every_recipe_one_step",)),
         Part("weight_sync", "benchmarks/weight_sync.py --device cuda: in-memory weight sync into vLLM over NCCL "
-             "(weight_sync=memory with CUDA) vs disk reload and restart, qwen3-1.7b cut to 4 layers and "
+             "(rollout.weight_sync=memory with CUDA) vs disk reload and restart, qwen3-1.7b cut to 4 layers and "
              "qwen3-moe-30b-a3b to 2 (s per sync, peak extra trainer GPU memory; the server on a second GPU); "
              "`not run: no vllm` where vLLM is not installed (the device machine today)",
              5, "script", ("benchmarks/weight_sync.py", "--device", "cuda", "--out", "{result}"), ext="md"),

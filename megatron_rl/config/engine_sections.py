@@ -11,7 +11,8 @@ own values in `__post_init__` and may declare:
 
     SECRET_FIELDS       fields whose value is replaced by "<redacted>" in the config a checkpoint keeps
     SECRET_MAPPINGS     mapping fields whose values are (their keys stay)
-    check_on_this_machine()   what it needs of the machine the run starts on (RunConfig.check_paths)
+    check_on_this_machine(rollout)   what it needs of the machine the run starts on, given the
+                        rollout section it is part of (RunConfig.check_paths)
 """
 from __future__ import annotations
 

@@ -52,6 +52,13 @@ _BOOL_FLAGS = {"--use-distributed-optimizer"}
 # settings that moved, with what to use instead
 MOVED = {"optim.dtype": "the training precision is model.dtype (the optimizer keeps fp32 master weights "
                         "for bf16/fp16 models)"}
+# settings that were renamed: the old name -> the new setting for the value it was given
+RENAMED = {
+    "rollout.vllm.weight_sync": lambda value: f"rollout.weight_sync={value}",
+    "rollout.weight_transport": lambda value: ("rollout.weight_sync=reload (or restart: a fresh vLLM server on "
+                                               "each folder)" if value == "disk" else
+                                               f"rollout.weight_sync={'auto' if value is None else value}"),
+}
 
 
 class ConfigError(ValueError):
@@ -114,6 +121,8 @@ def _build(cls, data: dict, where: str):
     for key, value in data.items():
         if key not in names:
             path = f"{where}.{key}" if where else key
+            if path in RENAMED:
+                raise ConfigError(f"{path} was renamed: use {RENAMED[path](value)}")
             if path in MOVED:
                 raise ConfigError(f"{path} is no longer a setting: {MOVED[path]}")
             close = difflib.get_close_matches(key, names, n=1)

@@ -152,11 +152,20 @@ class RolloutSection:
         "single_turn" (default: n responses per prompt, each scored by the task's reward); an
         agent loop registers its own (rollout/function.py), or is named as
         "package.module:SPEC", a RolloutFnSpec of the user's (see plugins).
-    weight_transport: how the trainer's weights reach the engine, a name in
-        megatron_rl.trainer.transport.TRANSPORTS that the engine takes: null (default) = the
-        engine's own ("memory" for embedded: tensors handed over in-process; for vllm the one
-        rollout.vllm.weight_sync takes: "memory" for memory, its default, streamed to the server;
-        "disk" for reload / restart, an HF folder). A value its settings contradict is refused.
+    weight_sync: how the trainer's weights reach the engine after each update, a name in
+        megatron_rl.rollout.WEIGHT_SYNCS that the engine takes (rollout/registered.py);
+        "auto" (default; null too) = the engine's own default, "memory" for both built-in ones:
+        "memory" (embedded, vllm): rank 0 streams the tensors, no file. Embedded: copied into its
+            model in-process, on-device. vLLM: over its weight-transfer API in buckets of
+            rollout.vllm.bucket_bytes, over gloo without CUDA and vLLM's NCCL with it. Per sync:
+            one bucketed stream of the model's bytes; O(bucket) extra memory.
+        "reload" (vllm): rank 0 writes an HF folder, the servers reload it in place
+            (/collective_rpc reload_weights; dense models only on a CPU server).
+        "restart" (vllm): rank 0 writes an HF folder, each server is restarted on it (about a
+            minute on a CPU; the fallback for MoE models on a CPU server from disk).
+        Per sync, reload and restart cost a full HF folder on disk per version (the engine keeps
+            the newest rollout.vllm.keep_weight_dirs) and one write and read of the model.
+        A name the engine does not take is refused at start-up.
     <engine>: each registered engine's own settings section (rollout.vllm: the vLLM engine's,
         megatron_rl/rollout/vllm/config.py), checked under every backend; the engine registers it
         with itself (config/engine_sections.py). vLLM's "auto" fields follow this section. On the
@@ -181,7 +190,7 @@ class RolloutSection:
     max_batch_size: int = 256
     device: str | None = None
     function: str = "single_turn"
-    weight_transport: str | None = None
+    weight_sync: str | None = "auto"
     engines: dict = field(default_factory=lambda: {name: cls() for name, cls in engine_sections().items()},
                           repr=False)
 
@@ -204,8 +213,11 @@ class RolloutSection:
             raise TypeError(f"rollout.backend={self.backend!r}: name a rollout engine, e.g. embedded or vllm")
         if not isinstance(self.function, str):
             raise TypeError(f"rollout.function={self.function!r}: name a rollout function, e.g. single_turn")
-        if self.weight_transport is not None and not isinstance(self.weight_transport, str):
-            raise TypeError(f"rollout.weight_transport={self.weight_transport!r}: name a weight transport, or null")
+        if self.weight_sync is None:
+            self.weight_sync = "auto"
+        if not isinstance(self.weight_sync, str):
+            raise TypeError(f"rollout.weight_sync={self.weight_sync!r}: name a weight sync (e.g. memory, reload, "
+                            f"restart), or auto")
         checks.choice("rollout.dtype", self.dtype, DTYPES)
         if self.quantization is not None:
             checks.choice("rollout.quantization", self.quantization, FP8_FORMATS.names())
@@ -417,7 +429,7 @@ class TrainSection:
         Sample.token_versions, staleness per token) | "abort" (the generation in flight is
         dropped and done again with the new weights). pause / abort need schedule=async and an
         engine that supports them: embedded both; vllm both (pause through vLLM's /pause?mode=keep,
-        not with rollout.vllm.weight_sync=restart).
+        not with rollout.weight_sync=restart).
     max_nonfinite_updates: optimizer updates in a row whose loss or gradient norm is inf or NaN
         before the run stops (>= 1; default 3). Each such update is skipped: the weights and the
         optimizer state stay as they were, `optim/nonfinite_updates` counts it and stderr names the
@@ -743,8 +755,8 @@ class RunConfig:
     def check_paths(self) -> None:
         """The files and folders the config names, as this machine sees them (the entry point calls
         this at start-up; the config itself may be written elsewhere), and what the rollout engine's
-        settings need of this machine (its section's `check_on_this_machine`, if it has one): raises
-        naming the field."""
+        settings need of this machine (its section's `check_on_this_machine`, if it has one, given
+        this rollout section): raises naming the field."""
         path = self.data.jsonl
         saved_dataset = path is not None and os.path.isdir(path) and (
             os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json")))
@@ -774,7 +786,7 @@ class RunConfig:
                              f"safetensors, tokenizer files)")
         on_this_machine = getattr(self.rollout.engines.get(self.rollout.backend), "check_on_this_machine", None)
         if on_this_machine is not None:
-            on_this_machine()
+            on_this_machine(self.rollout)
 
     def layout(self, dp: int) -> BatchLayout:
         """The RL batch's split over `dp` data-parallel ranks (parallel/layout.py)."""

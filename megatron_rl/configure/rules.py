@@ -18,7 +18,7 @@ from megatron_rl.losses.policy_loss import RECIPES, recipe_variant
 from megatron_rl.losses.setup import resolve_loss
 from megatron_rl.model.arch import FAMILIES
 from megatron_rl.parallel.layout import BatchLayout
-from megatron_rl.rollout import ENGINES, ROLLOUT_FNS
+from megatron_rl.rollout import ENGINES, ROLLOUT_FNS, WEIGHT_SYNCS
 from megatron_rl.rollout.function import max_trained
 from megatron_rl.trainer.schedule import SCHEDULES
 from megatron_rl.trainer.transport import TRANSPORTS
@@ -80,18 +80,24 @@ def check_engine(cfg) -> None:
         raise ValueError(f"rollout.quantization={quant}: rollout.backend={cfg.rollout.backend} does not run it; use "
                          f"rollout.backend={' or '.join(_engines_with(quant)) or '(none registered)'}, or "
                          f"rollout.quantization=null{vllm}")
-    unknown = [t for t in spec.transports if t not in TRANSPORTS]
+    check_weight_sync(cfg.rollout.backend, cfg.rollout.weight_sync)
+
+
+def check_weight_sync(backend: str, name: str) -> None:
+    """rollout.weight_sync names a registered weight sync that engine `backend` takes ("auto": its
+    default), sent by a registered transport. The registries are the only source: WEIGHT_SYNCS says
+    each one's transport, the engine's spec which names it takes."""
+    spec = ENGINES.get(backend)
+    unknown = [n for n in spec.weight_syncs if n not in WEIGHT_SYNCS or WEIGHT_SYNCS.get(n).transport not in TRANSPORTS]
     if unknown:
-        raise ValueError(f"rollout.backend={cfg.rollout.backend}: its spec names weight transports {unknown}; "
-                         f"registered: {', '.join(TRANSPORTS.names())}")
-    transport, default = cfg.rollout.weight_transport, spec.transport_for(cfg.rollout) or spec.transports[0]
-    if transport is not None and transport not in spec.transports:
-        raise ValueError(f"rollout.weight_transport={transport!r}: rollout.backend={cfg.rollout.backend} takes "
-                         f"{', '.join(spec.transports)} (null = {default})")
-    if transport is not None and spec.transport_for(cfg.rollout) not in (None, transport):
-        raise ValueError(f"rollout.weight_transport={transport!r} contradicts rollout.{cfg.rollout.backend}'s own "
-                         f"settings, which take {default!r} (e.g. rollout.vllm.weight_sync); set "
-                         f"rollout.weight_transport to null (it follows them) or change them")
+        raise ValueError(f"rollout.backend={backend}: its spec names weight syncs {unknown} that are not registered "
+                         f"with a registered transport; weight syncs: {', '.join(WEIGHT_SYNCS.names())}; "
+                         f"transports: {', '.join(TRANSPORTS.names())}")
+    if spec.weight_sync(name) not in spec.weight_syncs:
+        others = [n for n in ENGINES.names() if name in ENGINES.get(n).weight_syncs]
+        taken = f"; rollout.backend={' or '.join(others)} takes it" if others else ""
+        raise ValueError(f"rollout.weight_sync={name!r}: rollout.backend={backend} takes "
+                         f"{', '.join(spec.weight_syncs)} (auto = {spec.weight_syncs[0]}){taken}")
 
 
 def _engines_with(quant: str) -> list[str]:

@@ -22,16 +22,22 @@ the config and what it can do, so the trainer and the config check handle every 
                       the engine finds its server, which then refuses)
     no_fp32_lm_head   why it cannot run the LM head alone in fp32 (precision.fp32_lm_head), or None
     quantizations     the FP8 formats it runs for rollout.quantization (precision/fp8.py); () = none
-    transports        the weight transports it receives from (trainer/transport.py), first = default;
-                      it implements each one's receiver protocol (TakesTensors, TakesDirectory)
-    transport_for     (rollout section) -> the transport its own settings call for (vLLM: memory
-                      for weight_sync=memory, disk for reload / restart), or None: transports[0]
+    weight_syncs      the weight syncs it takes (rollout.weight_sync, names in WEIGHT_SYNCS below),
+                      first = its default ("auto"); it implements the receiver protocol of each
+                      one's transport (TakesTensors for memory, TakesDirectory for disk)
     may_change        fields of its section a resume may change (where it runs, how it is reached)
     in_flight_updates the train.in_flight_update modes it supports: "wait" always; "pause" and
                       "abort" when it implements `Pausable` (pause: parks its generation at a
                       step boundary and reports each token's version; abort: ends it)
     no_in_flight      (rollout section, mode) -> why, as configured, it cannot take a mode it
-                      lists (vLLM: pause with weight_sync=restart), or None
+                      lists (vLLM: pause with rollout.weight_sync=restart), or None
+
+How weights reach an engine is one name, `rollout.weight_sync`, in one registry, WEIGHT_SYNCS
+(rollout/registered.py adds each): its `WeightSyncSpec` says which trainer transport sends it
+(trainer/transport.py: memory or disk); the engine's spec says which names it takes:
+
+    sync = weight_sync(cfg.rollout)                  # "auto" resolved to the engine's default
+    WEIGHT_SYNCS.get(sync).transport                 # "memory" | "disk": what the trainer sends
 
 What the trainer needs from any engine is stated once, in engine terms (`EngineNeeds`: kept
 top-p/top-k sets, routed experts, an fp32 head), never by the engine reading the loss or MoE
@@ -84,7 +90,7 @@ class RolloutEngine(Protocol):
 
 
 # How an engine receives weights: one protocol per weight transport (trainer/transport.py). An
-# engine implements those of the transports its spec lists.
+# engine implements those of the transports of the weight syncs its spec lists.
 class TakesTensors(Protocol):
     """The `memory` transport's receiver: an engine in the trainer's process."""
 
@@ -172,9 +178,27 @@ def routes(rollout) -> str | None:
     return None
 
 
-def no_transport_setting(rollout) -> str | None:
-    """An engine whose settings do not choose its transport."""
-    return None
+@dataclass(frozen=True)
+class WeightSyncSpec:
+    """A way the trainer's weights reach an engine, `rollout.weight_sync=<name>` (module docstring).
+
+    transport: the trainer's side of it, a name in trainer/transport.py's TRANSPORTS: "memory"
+        (rank 0 streams the tensors to the engine: TakesTensors; per sync one bucketed stream,
+        O(bucket) extra memory) or "disk" (rank 0 writes an HF folder per sync and hands its path
+        over: TakesDirectory; per sync a full HF folder on disk per version).
+    What the engine then does with it is the engine's (the RolloutSection docstring lists the
+    built-in names, which engine takes each and what each costs).
+    """
+
+    transport: str
+
+    def __post_init__(self):
+        if not isinstance(self.transport, str) or not self.transport:
+            raise TypeError(f"WeightSyncSpec.transport: name a weight transport (memory, disk), got {self.transport!r}")
+
+
+WEIGHT_SYNCS = Registry("weight sync", WeightSyncSpec)
+AUTO = "auto"  # rollout.weight_sync's default: the engine's first
 
 
 @dataclass(frozen=True)
@@ -187,8 +211,7 @@ class EngineSpec:
     no_routing: Callable[[Any], str | None] = routes
     no_fp32_lm_head: str | None = None
     quantizations: tuple[str, ...] = ()
-    transports: tuple[str, ...] = ("memory",)
-    transport_for: Callable[[Any], str | None] = no_transport_setting
+    weight_syncs: tuple[str, ...] = ("memory",)
     may_change: tuple[str, ...] = ()
     in_flight_updates: tuple[str, ...] = ("wait",)
     no_in_flight: Callable[[Any, str], str | None] | None = None
@@ -196,8 +219,9 @@ class EngineSpec:
     def __post_init__(self):
         if not callable(self.make):
             raise TypeError(f"EngineSpec.make must be a factory EngineRequest -> RolloutEngine, got {self.make!r}")
-        if not self.transports or not all(isinstance(t, str) for t in self.transports):
-            raise TypeError(f"EngineSpec.transports: name the weight transports it takes, got {self.transports!r}")
+        if not self.weight_syncs or not all(isinstance(t, str) and t != AUTO for t in self.weight_syncs):
+            raise TypeError(f"EngineSpec.weight_syncs: name the weight syncs it takes (WEIGHT_SYNCS), got "
+                            f"{self.weight_syncs!r}")
         if self.may_change and self.settings is None:
             raise TypeError("EngineSpec.may_change names fields of a settings section, and the engine has none")
         if self.settings is not None:
@@ -205,6 +229,11 @@ class EngineSpec:
             unknown = sorted(set(self.may_change) - known)
             if unknown:
                 raise TypeError(f"EngineSpec.may_change: {unknown} are not fields of {self.settings.__name__}")
+
+    def weight_sync(self, name: str | None) -> str:
+        """The weight sync `rollout.weight_sync=name` means for this engine: its default for "auto"
+        (or null), else the name (configure/rules.py refuses one it does not take)."""
+        return self.weight_syncs[0] if name in (None, AUTO) else name
 
 
 class EngineRegistry(Registry[EngineSpec]):
@@ -229,8 +258,7 @@ class EngineRegistry(Registry[EngineSpec]):
 ENGINES = EngineRegistry("rollout engine", EngineSpec)
 
 
-def weight_transport(cfg) -> str:
-    """The weight transport of a run (`cfg`: a RunConfig): rollout.weight_transport, else the one
-    its engine's settings call for, else the engine's default."""
-    spec = ENGINES.get(cfg.rollout.backend)
-    return cfg.rollout.weight_transport or spec.transport_for(cfg.rollout) or spec.transports[0]
+def weight_sync(rollout) -> str:
+    """The weight sync of a rollout section (a RolloutSection): rollout.weight_sync, with "auto"
+    resolved to its engine's (rollout.backend's) default."""
+    return ENGINES.get(rollout.backend).weight_sync(rollout.weight_sync)

@@ -37,7 +37,7 @@ from megatron_rl.rollout import (
     RolloutEngine,
     RolloutFnInputs,
 )
-from megatron_rl.rollout.engine import weight_transport
+from megatron_rl.rollout.engine import WEIGHT_SYNCS, weight_sync
 from megatron_rl.rollout.function import max_trained
 from megatron_rl.trainer import run_dir as run_files
 from megatron_rl.trainer.batch import model_device
@@ -177,7 +177,8 @@ def _assemble(cfg: RunConfig, groups: ParallelGroups, tokenizer, prompts, reward
     sink = MetricsSink(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.log.tensorboard, jsonl=cfg.log.jsonl,
                        stdout_keys=STDOUT_KEYS)
     rollout_fn = ROLLOUT_FNS.get(cfg.rollout.function).make(RolloutFnInputs(tokenizer, rewards, cfg.env))
-    transport = TRANSPORTS.get(weight_transport(cfg)).make(TransportInputs(groups, policy.arch, cfg.train.run_dir))
+    sent_by = WEIGHT_SYNCS.get(weight_sync(cfg.rollout)).transport   # rollout.weight_sync's trainer side
+    transport = TRANSPORTS.get(sent_by).make(TransportInputs(groups, policy.arch, cfg.train.run_dir))
     batches = Batches(cfg, prompts, tokenizer, rollout_fn, rewards, engine)
     schedule = SCHEDULES.get(cfg.train.schedule).make(ScheduleInputs(cfg.train, batches,
                                                                      EngineWeights(policy, transport, engine)))

@@ -1,20 +1,22 @@
 """The weight-transport seam: how the trainer's weights reach the rollout engine.
 
+    name = WEIGHT_SYNCS.get(weight_sync(cfg.rollout)).transport   # rollout.weight_sync's sender
     transport = TRANSPORTS.get(name).make(TransportInputs(groups, arch, run_dir))
     transport.push(policy, engine, version)     # every rank; the engine holds `version` after it
 
-An engine lists the transports it takes (EngineSpec.transports, the first is its default;
-rollout.weight_transport picks another) and implements each one's receiving protocol
-(rollout/engine.py: TakesTensors for memory, TakesDirectory for disk).
+The config names how weights reach the engine once, `rollout.weight_sync` (rollout/engine.py:
+WEIGHT_SYNCS; each entry says which transport here sends it, each engine's spec which names it
+takes); the engine implements the receiving protocol of each one's transport (rollout/engine.py:
+TakesTensors for memory, TakesDirectory for disk).
 
     memory   rank 0 streams (HF name, tensor) pairs into the engine object it holds
              (TakesTensors.update_weights), no file: the embedded engine copies them on-device;
              the vLLM engine forwards them to its server's workers in bounded buckets over vLLM's
-             weight-transfer API (rollout/vllm/transfer.py; rollout.vllm.weight_sync=memory).
+             weight-transfer API (rollout/vllm/transfer.py; rollout.weight_sync=memory).
     disk     rank 0 writes an HF model folder under <run_dir>/weights (config.json + safetensors,
              atomically) and hands its path over (TakesDirectory.load_weights_from): the vLLM
-             server reloads it in place or restarts on it; the engine owns the folder from then
-             on and deletes it when no longer needed.
+             server reloads it in place or restarts on it (rollout.weight_sync=reload|restart);
+             the engine owns the folder from then on and deletes it when no longer needed.
 
 Both gather the model to global rank 0 only (`export_hf_weights(to=0)`: TP/EP shards within a
 stage, then point to point from each other stage to rank 0); no other rank materialises another

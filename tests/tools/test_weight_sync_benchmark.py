@@ -25,7 +25,7 @@ from tests.vllm.conftest import tiny_arch
 @pytest.mark.parametrize(("kind", "call"), [("memory", "update_weights"), ("reload", "load_weights_from"),
                                             ("restart", "load_weights_from")])
 def test_each_sync_kind_uses_its_engine_call(tmp_path, monkeypatch, kind, call):
-    engine = VllmEngine(tiny_arch(), VllmConfig(weight_sync=kind, dtype="float32"), str(tmp_path))
+    engine = VllmEngine(tiny_arch(), VllmConfig(dtype="float32"), str(tmp_path), weight_sync=kind)
     calls = []
     monkeypatch.setattr(engine, "update_weights", lambda named, version: calls.append(("update_weights", version)))
     monkeypatch.setattr(engine, "load_weights_from", lambda path, version: calls.append(("load_weights_from", version)))
@@ -68,10 +68,10 @@ def test_presets_are_cut_to_a_few_layers_and_sent_in_bf16(capsys):
     assert round(params / 1e9, 2) == 0.51
     assert rows[2] == f"| qwen3-1.7b | qwen3 | 4 of 28 | 2048 | - | 0.51e9 | {2 * params / 2**30:.2f} |"
     assert rows[3].startswith("| qwen3-moe-30b-a3b | qwen3_moe | 2 of 48 | 2048 | 128 | 1.87e9 | 3.4")
-    cfg = runs.server_config("memory", 1 << 30, None, "cuda", "1", 0.5)   # the server on a GPU of its own
+    cfg = runs.server_config(1 << 30, None, "cuda", "1", 0.5)   # the server on a GPU of its own
     assert (cfg.dtype, cfg.device, cfg.env, cfg.gpu_memory_utilization) == ("bfloat16", "cuda",
                                                                             {"CUDA_VISIBLE_DEVICES": "1"}, 0.5)
-    cpu = runs.server_config("memory", 1 << 26, None)   # the CPU rows' server, as before
+    cpu = runs.server_config(1 << 26, None)   # the CPU rows' server, as before
     assert (cpu.dtype, cpu.env, cpu.probe_every, cfg.probe_every) == ("float32", {}, 0, 0)
     with pytest.raises(SystemExit, match="qwen3-1.7b has 28 layers"):
         bench.cut_preset("qwen3-1.7b", 29)
@@ -112,9 +112,9 @@ def test_the_gpu_rows_and_summary(tmp_path, monkeypatch):
     seconds = {"memory": [1.0, 3.0, 2.0], "reload": [6.0, 5.0, 7.0]}
     seen = []
 
-    def fake_bench(arch, cfg, weights, repeats, tmp, cuda):
-        seen.append((cfg.weight_sync, cfg.env, cfg.dtype, repeats, cuda))
-        return [(s, 3.0, 1024.0 if cfg.weight_sync == "memory" else 0.0) for s in seconds[cfg.weight_sync]]
+    def fake_bench(arch, kind, cfg, weights, repeats, tmp, cuda):
+        seen.append((kind, cfg.env, cfg.dtype, repeats, cuda))
+        return [(s, 3.0, 1024.0 if kind == "memory" else 0.0) for s in seconds[kind]]
 
     monkeypatch.setattr(runs, "bench", fake_bench)
     monkeypatch.setattr(runs, "device_weights", lambda shapes, seed, device, dtype: [])

@@ -31,8 +31,8 @@ def make_engine(tmp_path, weights, hold, **fake_options):
     """An engine on a fake whose answers hang while `hold` is non-empty (until an abort or release)."""
     fake = FakeVllm(ARCH.vocab_size, lambda body, answer: "hang" if hold else answer, **fake_options)
     cfg = VllmConfig(warmup=False, probe_every=0, retry_backoff_s=0.01, health_interval_s=0.5, health_timeout_s=120.0,
-                     weight_sync="reload", max_concurrency=4)
-    engine = VllmEngine(ARCH, cfg, str(tmp_path), server=fake, device="cpu")
+                     max_concurrency=4)
+    engine = VllmEngine(ARCH, cfg, str(tmp_path), weight_sync="reload", server=fake, device="cpu")
     push(engine, weights, 3)
     return engine, fake
 

@@ -36,9 +36,9 @@ def weights():
 def make_engine(tmp_path, weights, behaviour=None, **cfg):
     fake = FakeVllm(ARCH.vocab_size, behaviour)
     options = {"warmup": False, "probe_every": 0, "retry_backoff_s": 0.01, "health_interval_s": 0.5,
-               "health_timeout_s": 120.0, "weight_sync": "reload"}
+               "health_timeout_s": 120.0}
     options.update(cfg)
-    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), server=fake, device="cpu")
+    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), weight_sync="reload", server=fake, device="cpu")
     push(engine, weights, 3)
     return engine, fake
 
@@ -248,22 +248,22 @@ def test_every_request_carries_the_key_and_none_passes_without_it(tmp_path, weig
 def test_a_server_at_a_url_takes_its_key_from_the_config_or_the_environment(tmp_path, weights, monkeypatch):
     fake = FakeVllm(ARCH.vocab_size)
     fake.start("unused")
-    options = {"url": fake.url, "warmup": False, "probe_every": 0, "health_timeout_s": 120.0, "weight_sync": "reload"}
+    options = {"url": fake.url, "warmup": False, "probe_every": 0, "health_timeout_s": 120.0}
     try:
         monkeypatch.delenv("MEGATRON_RL_VLLM_API_KEY", raising=False)
         with pytest.raises(VllmStartError, match="refused a request without an API key.*MEGATRON_RL_VLLM_API_KEY"):
-            push(VllmEngine(ARCH, VllmConfig(**options), str(tmp_path)), weights, 0)
+            push(VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), weight_sync="reload"), weights, 0)
         with pytest.raises(VllmStartError, match="refused the API key we sent"):
-            push(VllmEngine(ARCH, VllmConfig(**options, api_key="wrong"), str(tmp_path)), weights, 0)
+            push(VllmEngine(ARCH, VllmConfig(**options, api_key="wrong"), str(tmp_path), weight_sync="reload"), weights, 0)
         cfg = VllmConfig(**options, api_key=fake.api_key)
         assert fake.api_key not in repr(cfg)
-        engine = VllmEngine(ARCH, cfg, str(tmp_path))
+        engine = VllmEngine(ARCH, cfg, str(tmp_path), weight_sync="reload")
         push(engine, weights, 0)
         assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
         assert fake.api_key not in repr(engine.server)
         engine.close()
         monkeypatch.setenv("MEGATRON_RL_VLLM_API_KEY", fake.api_key)
-        engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path))
+        engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), weight_sync="reload")
         push(engine, weights, 0)
         push(engine, weights, 1)  # the weight sync's /collective_rpc carries it too
         assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
@@ -276,8 +276,8 @@ def test_a_server_at_a_url_is_used_but_never_restarted(tmp_path, weights):
     fake = FakeVllm(ARCH.vocab_size)
     fake.start("unused")
     cfg = VllmConfig(url=fake.url, api_key=fake.api_key, warmup=False, probe_every=0, health_interval_s=0.5,
-                     health_timeout_s=120.0, weight_sync="reload")
-    engine = VllmEngine(ARCH, cfg, str(tmp_path))
+                     health_timeout_s=120.0)
+    engine = VllmEngine(ARCH, cfg, str(tmp_path), weight_sync="reload")
     push(engine, weights, 0)
     assert engine.server.model_name == "fake" and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
     fake.behaviour = lambda body, answer: "drop"

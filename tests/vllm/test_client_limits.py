@@ -31,8 +31,9 @@ def weights():
 def make_engine(tmp_path, weights, behaviour=None, reference=None, **cfg):
     fake = FakeVllm(ARCH.vocab_size, behaviour)
     options = {"warmup": False, "probe_every": 0, "retry_backoff_s": 0.01, "health_interval_s": 0.5,
-               "health_timeout_s": 120.0, "weight_sync": "reload", **cfg}
-    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), server=fake, device="cpu", reference=reference)
+               "health_timeout_s": 120.0, **cfg}
+    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), weight_sync="reload", server=fake, device="cpu",
+                        reference=reference)
     return engine, fake
 
 

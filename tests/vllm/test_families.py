@@ -44,8 +44,8 @@ def test_family_serves_the_exported_weights(family, vllm_python, tmp_path):
     if family == "mixtral":
         assert any(".block_sparse_moe.experts.3.w3." in name for name, _ in weights)
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=16, max_model_len=256,
-                     health_timeout_s=120.0, weight_sync=weight_sync, env=ONE_PROCESS_ENGINE)
-    engine = VllmEngine(arch, cfg, str(tmp_path / "server"))
+                     health_timeout_s=120.0, env=ONE_PROCESS_ENGINE)
+    engine = VllmEngine(arch, cfg, str(tmp_path / "server"), weight_sync=weight_sync)
     try:
         push(engine, weights, 0)  # runs the parity probe: raises if vLLM computes otherwise
         assert engine.stats()["vllm/probe_max_abs_diff"] < 1e-3

@@ -83,7 +83,7 @@ def _greedy_from_disk(arch_name, vllm_python, folder, run_dir):
 
     engine = VllmEngine(tiny_arch(arch_name), VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=8,
                                                          max_model_len=128, health_timeout_s=60.0,
-                                                         weight_sync="restart", env=ONE_PROCESS_ENGINE), run_dir)
+                                                         env=ONE_PROCESS_ENGINE), run_dir, weight_sync="restart")
     try:
         engine.load_weights_from(folder, 0)
         out = engine.generate(PROMPTS, 1, SamplingParams(temperature=0.0, max_tokens=12))

@@ -91,18 +91,18 @@ def test_in_memory_sync_over_nccl_refuses_a_server_on_the_trainer_s_gpu(monkeypa
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     nccl = BACKENDS["nccl"]
     with pytest.raises(VllmUnsupportedError, match=r"weight_sync=memory with CUDA .* one GPU \(0\).*weight_sync=reload"):
-        servers.make_servers(ARCH, VllmConfig(), str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)
+        servers.make_servers(ARCH, VllmConfig(), "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)
     own = VllmConfig(env={"CUDA_VISIBLE_DEVICES": "1"})
-    launched, device = servers.make_servers(ARCH, own, str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)
+    launched, device = servers.make_servers(ARCH, own, "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)
     assert device == "cuda" and len(launched) == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4")  # the trainer's device 0 is physical 2
     with pytest.raises(VllmUnsupportedError, match=r"vLLM server 0 on one GPU \(2\)"):  # server k: k-th of 2,3,4
-        servers.make_servers(ARCH, VllmConfig(num_servers=2), str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8,
+        servers.make_servers(ARCH, VllmConfig(num_servers=2), "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8,
                              trainer_gpu=0)
     pool = VllmConfig(num_servers=2, env={"CUDA_VISIBLE_DEVICES": "3,4"})  # servers 0 and 1 on 3 and 4
-    assert len(servers.make_servers(ARCH, pool, str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)[0]) == 2
+    assert len(servers.make_servers(ARCH, pool, "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)[0]) == 2
     with pytest.raises(VllmUnsupportedError, match=r"vLLM server 1 on one GPU \(4\)"):
-        servers.make_servers(ARCH, pool, str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=2)
+        servers.make_servers(ARCH, pool, "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=2)
 
 
 def test_each_launched_server_gets_devices_of_its_own():
@@ -115,9 +115,9 @@ def test_each_launched_server_gets_devices_of_its_own():
 def make_pool(tmp_path, weights, behaviours, **cfg):
     fakes = [FakeVllm(ARCH.vocab_size, b) for b in behaviours]
     options = {"warmup": False, "probe_every": 0, "retry_backoff_s": 0.01, "health_interval_s": 0.5,
-               "health_timeout_s": 120.0, "weight_sync": "reload", "max_concurrency": 4}
+               "health_timeout_s": 120.0, "max_concurrency": 4}
     options.update(cfg)
-    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), server=fakes, device="cpu")
+    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), weight_sync="reload", server=fakes, device="cpu")
     push(engine, weights, 3)
     return engine, fakes
 

@@ -28,9 +28,8 @@ from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from tests.vllm.conftest import push, hf_weights, tiny_arch
 
 arch = tiny_arch()
-cfg = VllmConfig(python={python!r}, dtype="float32", max_model_len=128, warmup=False, probe_every=0,
-                 weight_sync="reload")
-engine = VllmEngine(arch, cfg, {run_dir!r})
+cfg = VllmConfig(python={python!r}, dtype="float32", max_model_len=128, warmup=False, probe_every=0)
+engine = VllmEngine(arch, cfg, {run_dir!r}, weight_sync="reload")
 push(engine, hf_weights(arch, seed=0)[1], 0)
 print(engine.server.pid, flush=True)
 signal.pause()

@@ -27,9 +27,9 @@ def engine(vllm_python, tmp_path_factory):
     # health_timeout_s: how long /health may take before the server counts as hung. A frozen server
     # never answers, so this only sets how fast the freeze is seen; it is generous so that a busy
     # server on a loaded machine is never taken for a frozen one.
-    cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=64, max_model_len=256, weight_sync="restart",
+    cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=64, max_model_len=256,
                      health_interval_s=2.0, health_timeout_s=30.0, max_restarts=1, env=ONE_PROCESS_ENGINE)
-    eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_restart")))
+    eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_restart")), weight_sync="restart")
     push(eng, hf_weights(ARCH, seed=0)[1], 0)
     yield eng
     eng.close()

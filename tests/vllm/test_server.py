@@ -41,8 +41,8 @@ def models():
 def engine(vllm_python, models, tmp_path_factory):
     # health_timeout_s: generous, so a busy server on a loaded machine never counts as hung
     cfg = VllmConfig(python=vllm_python, dtype="float32", max_num_seqs=32, max_model_len=256, health_timeout_s=120.0,
-                     weight_sync="reload", env=ONE_PROCESS_ENGINE)
-    eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_server")))
+                     env=ONE_PROCESS_ENGINE)
+    eng = VllmEngine(ARCH, cfg, str(tmp_path_factory.mktemp("vllm_server")), weight_sync="reload")
     (_, weights_a), _ = models
     push(eng, weights_a, 0)
     eng.first_load = _greedy_pairs(eng)  # the server started on A's folder: test_memory_sync_equals_disk_loads
@@ -125,15 +125,15 @@ def test_weight_sync_changes_outputs_and_restores_them_exactly(engine, models):
 
 
 def test_memory_sync_equals_disk_loads(engine, models, vllm_python, tmp_path):
-    """In-memory weight sync (rollout.vllm.weight_sync=memory, the default) into a second server:
+    """In-memory weight sync (rollout.weight_sync=memory, the default) into a second server:
     after A and then B are streamed over gloo in 20 KB buckets (several per sync; the embedding and
     the head, 32 KB each, go alone), its greedy outputs and log-probs are exactly those of the
     module's server after its start on A's folder and after its in-place reload of B's. (The MoE
     case, where the disk side is a fresh start, is test_memory_sync.py.)"""
     (_, weights_a), (_, weights_b) = models
-    cfg = replace(engine.cfg, weight_sync="memory", bucket_bytes=20_000)  # else as the module's server: the same batches
+    cfg = replace(engine.cfg, bucket_bytes=20_000)  # else as the module's server: the same batches
     memory = VllmEngine(ARCH, cfg, str(tmp_path / "memory"))
-    assert memory.cfg.weight_sync == "memory"  # the default
+    assert memory.weight_sync == "memory"  # the default
     try:
         memory.update_weights(weights_a, 0)
         memory_a = _greedy_pairs(memory)

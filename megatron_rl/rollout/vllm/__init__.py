@@ -16,7 +16,7 @@ talks to it over HTTP on 127.0.0.1:
     generation.py   a generate() call: requests, retries, failover, abort for a weight update
     updates.py      weight syncs into the servers and the parity probe after each
     transfer.py     MemorySync: in-memory weight sync over vLLM's weight-transfer API (default)
-    weight_sync.py  WeightSync (DiskReloadSync, RestartSync) of a weights folder, the refusals
+    weight_sync.py  the weight syncs it takes (TAKES); DiskReloadSync, RestartSync of a weights folder; the refusals
     server_plugin/  code the server imports: the bearer-key middleware, the gloo transfer engine
     probe.py        the post-sync parity probe
 
@@ -42,7 +42,7 @@ from megatron_rl.rollout.vllm.errors import (
     VllmUnsupportedError,
 )
 from megatron_rl.rollout.vllm.protocol import server_logprobs_mode
-from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, WeightSync
+from megatron_rl.rollout.vllm.weight_sync import TAKES
 
 
 def resolve_config(request: EngineRequest) -> VllmConfig:
@@ -73,7 +73,8 @@ def _check_kept_sets_fit(keep: bool, top_k: int, max_logprobs: int | None, vocab
 
 
 def make_vllm_engine(request: EngineRequest) -> VllmEngine:
-    """The trainer's vLLM engine (see resolve_config); the server starts on the first weights."""
+    """The trainer's vLLM engine (see resolve_config), taking weights as rollout.weight_sync says
+    ("auto": memory); the server starts on the first weights."""
     vcfg = resolve_config(request)
     if vcfg.quantization == "fp8" and not torch.cuda.is_available():
         raise RuntimeError("rollout.vllm.quantization=fp8 (precision.recipe=fp8_rollout) needs a vLLM server on a "
@@ -81,16 +82,12 @@ def make_vllm_engine(request: EngineRequest) -> VllmEngine:
                            "AMX (Intel Sapphire Rapids or newer), and its AMX FP8 linear kernels keep activations in "
                            "bf16 (W8A16), unlike a GPU server's FP8 GEMMs. On the CPU use the embedded engine's FP8: "
                            "precision.recipe=fp8_tensor (vLLM's online fp8 format), fp8_block or mxfp8")
-    return VllmEngine(request.arch, vcfg, request.run_dir, stopping=request.stopping)
+    return VllmEngine(request.arch, vcfg, request.run_dir, weight_sync=VLLM.weight_sync(request.rollout.weight_sync),
+                      stopping=request.stopping)
 
 
 def _max_len(rollout, arch) -> int:
     return rollout.vllm.max_model_len or arch.max_position_embeddings
-
-
-def _transport(rollout) -> str:
-    """memory for weight_sync=memory (tensors streamed in), disk for reload / restart (a folder)."""
-    return "memory" if rollout.vllm.weight_sync == "memory" else "disk"
 
 
 def _no_routing(rollout) -> str | None:
@@ -101,28 +98,28 @@ def _no_routing(rollout) -> str | None:
 
 
 def _no_in_flight(rollout, mode: str) -> str | None:
-    if mode == "pause" and rollout.vllm.weight_sync == "restart":
-        return ("a pause keeps the requests in the servers, and rollout.vllm.weight_sync=restart replaces the servers; "
-                "use weight_sync=memory or reload, or train.in_flight_update=abort")
+    if mode == "pause" and VLLM.weight_sync(rollout.weight_sync) == "restart":
+        return ("a pause keeps the requests in the servers, and rollout.weight_sync=restart replaces the servers; "
+                "use rollout.weight_sync=memory or reload, or train.in_flight_update=abort")
     return None
 
 
 # where the server runs and how it is reached, restarted and probed: not its dtype, quantization,
 # log-prob mode, seed, lengths or extra arguments, which change the samples (trainer/resume_check.py)
 MAY_CHANGE = ("url", "urls", "num_servers", "api_key", "python", "device", "env", "tensor_parallel_size", "gpu_memory_utilization",
-              "max_num_seqs", "kv_cache_space_gb", "weight_sync", "affinity", "bucket_bytes", "transfer_host", "sync_timeout_s", "enforce_eager", "probe_every", "probe_tokens",
+              "max_num_seqs", "kv_cache_space_gb", "affinity", "bucket_bytes", "transfer_host", "sync_timeout_s", "enforce_eager", "probe_every", "probe_tokens",
               "probe_tolerance", "keep_weight_dirs", "max_concurrency", "request_timeout_s", "startup_timeout_s",
               "health_timeout_s", "health_interval_s", "max_retries", "retry_backoff_s", "max_restarts", "warmup")
 
 VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, no_routing=_no_routing,
                   no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
                                   "or rollout.dtype=fp32 for the whole server",
-                  transports=("memory", "disk"), transport_for=_transport, may_change=MAY_CHANGE,
+                  weight_syncs=TAKES, may_change=MAY_CHANGE,
                   in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight)
 
 
 __all__ = [
-    "VLLM", "DiskReloadSync", "RestartSync", "VllmBadResponseError", "VllmConfig", "VllmEngine", "VllmError",
+    "VLLM", "VllmBadResponseError", "VllmConfig", "VllmEngine", "VllmError",
     "VllmParityError", "VllmProbeError", "VllmRequestError", "VllmServerDiedError", "VllmStartError", "VllmUnsupportedError",
-    "WeightSync", "make_vllm_engine", "resolve_config",
+    "make_vllm_engine", "resolve_config",
 ]

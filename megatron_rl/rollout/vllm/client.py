@@ -1,6 +1,6 @@
 """`VllmEngine`: the RolloutEngine contract on one vLLM OpenAI-compatible server or a pool of them.
 
-    engine = VllmEngine(arch, VllmConfig(dtype="float32"), run_dir="runs/x")
+    engine = VllmEngine(arch, VllmConfig(dtype="float32"), run_dir="runs/x", weight_sync="memory")
     engine.update_weights(named_tensors, version=0)    # in memory (the `memory` transport's; weight_sync=memory)
     engine.load_weights_from(model_dir, version=0)     # or an HF folder (the `disk` transport's; reload / restart)
                                                        # the first weights start the servers
@@ -40,7 +40,7 @@ from megatron_rl.rollout.vllm.probe import Reference
 from megatron_rl.rollout.vllm.servers import make_servers, server_devices
 from megatron_rl.rollout.vllm.transfer import MemorySync, backend_for, nccl_needs_vllm
 from megatron_rl.rollout.vllm.updates import WeightUpdates
-from megatron_rl.rollout.vllm.weight_sync import WeightDirs, check_supported
+from megatron_rl.rollout.vllm.weight_sync import TAKES, WeightDirs, check_supported
 
 __all__ = ["VllmEngine", "server_devices"]
 
@@ -51,10 +51,11 @@ class VllmEngine:
     arch: the policy's architecture (vocab size, MoE or not). cfg: VllmConfig; its "auto"
     fields should be resolved by the caller (make_vllm_engine does it): here dtype "auto" lets
     vLLM use the checkpoint's dtype and logprobs_mode "auto" means raw_logprobs.
-    run_dir: server logs (`<run_dir>/vllm/server.log`, `server1.log`, ... for a pool). Weights
-        arrive by the transport that cfg.weight_sync takes (trainer/transport.py): `memory`
-        streams tensors into update_weights (transfer.py); `disk` hands HF folders to
-        load_weights_from, of which the engine keeps the newest keep_weight_dirs.
+    run_dir: server logs (`<run_dir>/vllm/server.log`, `server1.log`, ... for a pool).
+    weight_sync: how weights arrive, a name of TAKES (rollout.weight_sync, resolved; the trainer
+        sends by its transport, trainer/transport.py): "memory" streams tensors into
+        update_weights (transfer.py); "reload" and "restart" take HF folders in
+        load_weights_from (weight_sync.py), of which the engine keeps the newest keep_weight_dirs.
     reference: the parity probe's reference (tokens -> log-probs [len - 1]); None = transformers
         fp32 on the weights' folder.
     server, device: inject a ServerHandle (tests; a list of them for a pool) and its device
@@ -70,12 +71,16 @@ class VllmEngine:
     """
 
     def __init__(self, arch: ModelArch, cfg: VllmConfig | None = None, run_dir: str = "runs/vllm", *,
-                 reference: Reference | None = None, server: ServerHandle | list[ServerHandle] | None = None,
+                 weight_sync: str = TAKES[0], reference: Reference | None = None,
+                 server: ServerHandle | list[ServerHandle] | None = None,
                  device: str | None = None, stopping: Callable[[], bool] = lambda: False):
         self.arch = arch
         cfg = cfg or VllmConfig()
+        if weight_sync not in TAKES:
+            raise ValueError(f"rollout.weight_sync={weight_sync!r}: the vLLM engine takes {', '.join(TAKES)}")
+        self.weight_sync = weight_sync
         # with CUDA the trainer drives vLLM's own nccl engine: refused before anything starts
-        self.backend = backend_for(torch.cuda.is_available()) if cfg.weight_sync == "memory" else None
+        self.backend = backend_for(torch.cuda.is_available()) if weight_sync == "memory" else None
         if self.backend is not None and self.backend.name == "nccl" and importlib.util.find_spec("vllm") is None:
             raise VllmUnsupportedError(nccl_needs_vllm())
         self.cfg = cfg
@@ -88,18 +93,18 @@ class VllmEngine:
         servers = [server] if server is not None and not isinstance(server, list) else server
         if servers is None:
             nccl = self.backend is not None and self.backend.name == "nccl"  # this rank sends: its GPU
-            servers, device = make_servers(arch, cfg, self.root, device, self.backend, self.max_model_len,
-                                           self.logprobs_mode, self.max_logprobs,
+            servers, device = make_servers(arch, cfg, weight_sync, self.root, device, self.backend,
+                                           self.max_model_len, self.logprobs_mode, self.max_logprobs,
                                            torch.cuda.current_device() if nccl else None)
         self.device = device or (cfg.device if cfg.device != "auto" else "unknown")
         for s in servers:
-            check_supported(arch, cfg.weight_sync, self.device, cfg.enable_return_routed_experts, s.can_restart)
+            check_supported(arch, weight_sync, self.device, cfg.enable_return_routed_experts, s.can_restart)
         pool = ServerPool([Replica(k, s, MemorySync(s, self.backend, cfg.bucket_bytes, cfg.transfer_host)
                                    if self.backend else None) for k, s in enumerate(servers)], cfg.affinity)
         self.fleet = Fleet(arch, cfg, self.root, pool, stopping)
         self.generation = Generation(arch, cfg, self.fleet, self.logprobs_mode, self.max_model_len,
                                      self.max_logprobs)
-        self.updates = WeightUpdates(arch, cfg, self.fleet, self.backend, self.max_model_len)
+        self.updates = WeightUpdates(arch, cfg, weight_sync, self.fleet, self.backend, self.max_model_len)
 
     @property
     def max_len(self) -> int:
@@ -143,7 +148,7 @@ class VllmEngine:
 
     def load_weights_from(self, model_dir: str, version: int) -> None:
         """Make every server serve the HF folder `model_dir` (start them on the first one; then
-        reload in place or restart, rollout.vllm.weight_sync, all at once; a server that is down
+        reload in place or restart, as weight_sync says, all at once; a server that is down
         is restarted on it), probe parity on each against the reference, then set
         policy_version. The engine owns the folder from now on. Raises VllmParityError when a
         probe differs by more than the tolerance; VllmServerDiedError when no server took it."""

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 from megatron_rl import checks
+from megatron_rl.rollout.engine import weight_sync
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("auto", "raw_logprobs", "processed_logprobs")
-WEIGHT_SYNCS = ("memory", "reload", "restart")
 DEVICES = ("auto", "cpu", "cuda")
 # vLLM's flags that carry a secret (`vllm serve --help`; the S3 ones are its model loader's) and a
 # name that says it is one (--hf-token, --db-password): never on the server's command line
@@ -103,22 +103,15 @@ class VllmConfig:
           go in `env`, which `ps` does not show; not --api-key: the launched server's key is ours).
           env: extra environment.
 
-    Weight sync:
-      weight_sync: how new weights reach the server (rollout/vllm/transfer.py, weight_sync.py):
-          "memory" (default): streamed from the trainer's memory in buckets over vLLM's
-              weight-transfer API (gloo without CUDA, vLLM's nccl with it); no file, no restart,
-              MoE included. The server starts on random weights (--load-format dummy) and the
-              first sync fills it. Takes the `memory` weight transport (rollout.weight_transport).
-              A server at `url` must run with VLLM_SERVER_DEV_MODE=1 and, without CUDA, the
-              flags weight_transfer_args() gives (--weight-transfer-config '{"backend": "gloo"}'
-              --worker-extension-cls megatron_rl_vllm_gloo.RegistersGlooEngine, the server_plugin
-              directory on its PYTHONPATH). A server that dies restarts on random weights and
-              serves again once the next sync has reached it; a lone one is not restarted (the
-              engine holds no copy of the weights to start it on: the run stops and resumes).
-          "reload": write an HF folder, /collective_rpc reload_weights (dense models only on CPU).
-          "restart": write an HF folder, start a fresh server on it (about a minute on a CPU).
-          Both take the `disk` weight transport; the launched server of "restart" runs without
-          the development endpoints.
+    Weight sync (rollout.weight_sync picks how: memory, reload or restart; these tune it):
+      A server at `url` synced in memory must run with VLLM_SERVER_DEV_MODE=1 and, without CUDA,
+          the flags weight_transfer_args() gives (--weight-transfer-config '{"backend": "gloo"}'
+          --worker-extension-cls megatron_rl_vllm_gloo.RegistersGlooEngine, the server_plugin
+          directory on its PYTHONPATH). A launched server synced in memory starts on random
+          weights (--load-format dummy) and the first sync fills it; one that dies restarts on
+          random weights and serves again once the next sync has reached it; a lone one is not
+          restarted (the engine holds no copy of the weights to start it on: the run stops and
+          resumes). The launched server of "restart" runs without the development endpoints.
       bucket_bytes: the most bytes of one in-memory transfer (one /update_weights and one
           broadcast): the trainer's extra memory for a sync is this buffer (default 1 GiB, at
           most 16 GiB). At start-up the trainer's buffer and one per worker of the servers we
@@ -181,7 +174,6 @@ class VllmConfig:
     kv_cache_space_gb: int = 1
     extra_args: list = field(default_factory=list)
     env: dict = field(default_factory=dict)
-    weight_sync: str = "memory"
     bucket_bytes: int = 1 << 30
     transfer_host: str = "127.0.0.1"
     sync_timeout_s: float = 300.0
@@ -209,8 +201,6 @@ class VllmConfig:
         self.dtype = _DTYPES.get(self.dtype, self.dtype)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"rollout.vllm.logprobs_mode={self.logprobs_mode!r}; choose one of {LOGPROBS_MODES}")
-        if self.weight_sync not in WEIGHT_SYNCS:
-            raise ValueError(f"rollout.vllm.weight_sync={self.weight_sync!r}; choose one of {WEIGHT_SYNCS}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"rollout.vllm.url={self.url!r} must start with http:// or https://")
         self._check_pool()
@@ -270,12 +260,13 @@ class VllmConfig:
                              f"(rollout.vllm.url/urls): servers at URLs are not launched; drop num_servers or make "
                              f"it len(urls)")
 
-    def check_on_this_machine(self) -> None:
+    def check_on_this_machine(self, rollout) -> None:
         """What the in-memory sync needs of the machine the trainer starts on (the entry point's
-        start-up checks: RunConfig.check_paths calls it under rollout.backend=vllm): transfer_host resolves, and the buffers of
-        bucket_bytes (the trainer's, and one per worker of each server we launch, on this machine)
-        fit in half of its memory. Raises ValueError naming the field; a disk sync needs neither."""
-        if self.weight_sync != "memory":
+        start-up checks: RunConfig.check_paths calls it under rollout.backend=vllm with the rollout
+        section): transfer_host resolves, and the buffers of bucket_bytes (the trainer's, and one
+        per worker of each server we launch, on this machine) fit in half of its memory. Raises
+        ValueError naming the field; a disk sync (rollout.weight_sync=reload|restart) needs neither."""
+        if weight_sync(rollout) != "memory":
             return
         try:
             socket.getaddrinfo(self.transfer_host, None)
@@ -329,19 +320,6 @@ class VllmConfig:
             elif "dict" in kinds and not (isinstance(value, dict) and all(map(_scalar, value.values()))):
                 raise ValueError(f"{where}={value!r}: must be a mapping of names to values, e.g. "
                                  f"{{HF_TOKEN: ...}}")
-
-    @classmethod
-    def from_dict(cls, values: dict | None) -> VllmConfig:
-        """From the `rollout.vllm` mapping of a YAML config; unknown keys are an error."""
-        if values is not None and not isinstance(values, dict):
-            raise ValueError(f"rollout.vllm={values!r}: must be a mapping of its settings, e.g. "
-                             f"{{tensor_parallel_size: 2}}")
-        values = dict(values or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in values if k not in known)
-        if unknown:
-            raise ValueError(f"unknown rollout.vllm keys {unknown}; known: {sorted(known)}")
-        return cls(**values)
 
     def resolved_dtype(self, rollout_dtype: str | None) -> str:
         """The vLLM --dtype: this field, or rollout.dtype's vLLM name when it is "auto"."""

@@ -200,15 +200,15 @@ class Fleet:
         """Why the last server of an in-memory-synced pool is not restarted, and the ways out."""
         server = replica.server
         why = ("the engine holds no copy of the weights to start it on, and no other server of the pool has them: "
-               "resume the run from its last checkpoint (train.resume=true), or set rollout.vllm.weight_sync=reload "
+               "resume the run from its last checkpoint (train.resume=true), or set rollout.weight_sync=reload "
                "(restarts from the newest weight folder)")
         if len(self.replicas) == 1:
-            return (f"vLLM server at {server.url} failed ({reason}); with rollout.vllm.weight_sync=memory it is not "
+            return (f"vLLM server at {server.url} failed ({reason}); with rollout.weight_sync=memory it is not "
                     f"restarted: {why}, or use rollout.vllm.num_servers > 1 so that the others carry on while it "
                     f"restarts. Log: {server.log_where}")
         others = "; ".join(f"{r.name()} {r.state}: {r.why or '-'}" for r in self.replicas if r is not replica)
         return (f"every vLLM server of the pool of {len(self.replicas)} is out: {replica.name()} failed ({reason}), "
-                f"and the others cannot serve ({others}). With rollout.vllm.weight_sync=memory none is restarted: "
+                f"and the others cannot serve ({others}). With rollout.weight_sync=memory none is restarted: "
                 f"{why}. Logs: {', '.join(r.server.log_where for r in self.replicas)}")
 
     def _restart_in_background(self, replica: Replica, reason: str) -> None:

@@ -1,6 +1,7 @@
 """The servers of a VllmEngine as configured: their command-line flags, environment and devices.
 
-    servers, device = make_servers(arch, cfg, root, device, backend, max_model_len, logprobs_mode, max_logprobs)
+    servers, device = make_servers(arch, cfg, weight_sync, root, device, backend, max_model_len, logprobs_mode,
+                                   max_logprobs)
 
 `rollout.vllm.urls` gives one RemoteServer per URL (never restarted by us); otherwise
 `num_servers` LocalServers are launched from the vLLM environment (env.py), server k logging to
@@ -25,11 +26,12 @@ from megatron_rl.rollout.vllm.transfer import weight_transfer_args
 from megatron_rl.rollout.vllm.weight_sync import check_supported
 
 
-def make_servers(arch: ModelArch, cfg: VllmConfig, root: str, device: str | None, backend, max_model_len: int,
-                 logprobs_mode: str, max_logprobs: int, trainer_gpu: int | None = None
+def make_servers(arch: ModelArch, cfg: VllmConfig, weight_sync: str, root: str, device: str | None, backend,
+                 max_model_len: int, logprobs_mode: str, max_logprobs: int, trainer_gpu: int | None = None
                  ) -> tuple[list[ServerHandle], str | None]:
     """The servers of cfg and their device: one RemoteServer per URL, else num_servers LocalServers
     (a configuration refused on the device is refused before the environment is looked for).
+    weight_sync: how they take weights (rollout.weight_sync, resolved: memory, reload, restart).
     trainer_gpu: the CUDA device index of the rank that sends the weights, when it sends over NCCL."""
     if cfg.server_urls:
         key = cfg.api_key or os.environ.get(ENV_API_KEY) or None
@@ -37,13 +39,13 @@ def make_servers(arch: ModelArch, cfg: VllmConfig, root: str, device: str | None
                 device or (cfg.device if cfg.device != "auto" else "unknown"))
     device = device or (cfg.device if cfg.device != "auto" else None)
     if device is not None:  # refuse before looking for (or installing) the environment
-        check_supported(arch, cfg.weight_sync, device, cfg.enable_return_routed_experts, True)
+        check_supported(arch, weight_sync, device, cfg.enable_return_routed_experts, True)
     python = ensure_vllm_python(cfg.python)
     device = device or detect_device(python)
     if device == "cuda" and trainer_gpu is not None:
         check_own_gpus(cfg, trainer_gpu)
     args = server_args(cfg, backend, max_model_len, logprobs_mode, max_logprobs)
-    return [LocalServer(python, args, server_env(cfg, device, k),
+    return [LocalServer(python, args, server_env(cfg, device, k, dev=weight_sync in ("reload", "memory")),
                         os.path.join(root, "server.log" if k == 0 else f"server{k}.log"),
                         cfg.startup_timeout_s, cfg.health_timeout_s) for k in range(cfg.num_servers)], device
 
@@ -69,10 +71,9 @@ def server_args(c: VllmConfig, backend, max_model_len: int, logprobs_mode: str, 
     return args + list(c.extra_args)
 
 
-def server_env(c: VllmConfig, device: str, k: int = 0) -> dict[str, str]:
-    """The environment of launched server k."""
-    # the development endpoints (/collective_rpc, the weight-transfer ones) only where a sync uses them
-    dev = c.weight_sync in ("reload", "memory")
+def server_env(c: VllmConfig, device: str, k: int = 0, *, dev: bool) -> dict[str, str]:
+    """The environment of launched server k. dev: open the development endpoints (/collective_rpc,
+    the weight-transfer ones): only where the weight sync uses them (memory, reload; not restart)."""
     env = {"VLLM_HOST_IP": HOST, "VLLM_SERVER_DEV_MODE": "1" if dev else "0"}
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(c.kv_cache_space_gb)
@@ -86,17 +87,17 @@ def server_env(c: VllmConfig, device: str, k: int = 0) -> dict[str, str]:
 
 def check_own_gpus(cfg: VllmConfig, trainer_gpu: int) -> None:
     """Refuse launched servers that would run on the GPU of the trainer's sender (CUDA device
-    `trainer_gpu`) when the weights go over NCCL (weight_sync=memory with CUDA)."""
+    `trainer_gpu`) when the weights go over NCCL (rollout.weight_sync=memory with CUDA)."""
     trainer_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     for k in range(cfg.num_servers):
-        visible = server_env(cfg, "cuda", k).get("CUDA_VISIBLE_DEVICES") or trainer_visible
+        visible = server_env(cfg, "cuda", k, dev=False).get("CUDA_VISIBLE_DEVICES") or trainer_visible
         gpu = shared_gpu(visible, cfg.tensor_parallel_size, trainer_visible, trainer_gpu)
         if gpu is not None:
             raise VllmUnsupportedError(
-                f"rollout.vllm.weight_sync=memory with CUDA streams the weights over NCCL, which cannot join "
+                f"rollout.weight_sync=memory with CUDA streams the weights over NCCL, which cannot join "
                 f"the trainer's rank 0 and vLLM server {k} on one GPU ({gpu}): give the servers GPUs of their own "
                 f"(fewer trainer ranks per node and rollout.vllm.env={{CUDA_VISIBLE_DEVICES: ...}}, or "
-                f"rollout.vllm.urls), or set rollout.vllm.weight_sync=reload")
+                f"rollout.vllm.urls), or set rollout.weight_sync=reload")
 
 
 def shared_gpu(server_visible: str | None, per_server: int, trainer_visible: str | None, trainer_gpu: int) -> str | None:

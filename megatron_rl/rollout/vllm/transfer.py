@@ -2,7 +2,7 @@
 
     sync = MemorySync(server, backend_for(torch.cuda.is_available()), bucket_bytes=1 << 30, host=HOST)
     sync.open(timeout)                          # once per server process: the rendezvous
-    seconds = sync.push(named, version, timeout)  # per sync: no file, no restart
+    pushed = push_all([sync, ...], named, version, timeout)   # per sync, to every server: no file, no restart
 
 Control plane: HTTP to the server's RL endpoints (VLLM_SERVER_DEV_MODE=1; every request carries
 the server's bearer key like all others, launcher.py Access). Per sync:
@@ -244,9 +244,9 @@ def _free_port(host: str) -> int:
 
 
 def nccl_needs_vllm() -> str:
-    return ("rollout.vllm.weight_sync=memory with CUDA uses vLLM's nccl weight-transfer engine, which the trainer "
+    return ("rollout.weight_sync=memory with CUDA uses vLLM's nccl weight-transfer engine, which the trainer "
             "drives with vLLM's own communicator: install vLLM in the trainer's environment (pip install .[vllm]), "
-            "or set rollout.vllm.weight_sync=reload")
+            "or set rollout.weight_sync=reload")
 
 
 BACKENDS = {
@@ -268,7 +268,8 @@ def weight_transfer_args(backend: Backend) -> list[str]:
 # ---- the control plane -------------------------------------------------------------------------
 class MemorySync:
     """Streams weights into one server over `backend` (module docstring). `open` once per server
-    process (again after the server restarts); `push` per sync, on the engine's rank."""
+    process (again after the server restarts); per sync, push_all drives its begin / send / end
+    on the engine's rank."""
 
     def __init__(self, server: ServerHandle, backend: Backend, bucket_bytes: int, host: str):
         self.server, self.backend, self.bucket_bytes, self.host = server, backend, bucket_bytes, host
@@ -300,15 +301,6 @@ class MemorySync:
 
         group = timeout if group_timeout is None else group_timeout
         self.channel = self.backend.connect(self.host, world, group, start_peers)
-
-    def push(self, named: Named, version: int, timeout: float) -> float:
-        """Send the whole stream as the server's weights `version`; seconds it took. The server
-        stays paused when a bucket fails (its weights are half updated): VllmError, and the caller
-        stops."""
-        pushed = push_all([self], named, version, timeout)
-        if pushed.failed:
-            raise VllmError(f"in-memory weight sync to {self.server.url} failed: {pushed.failed[self]}")
-        return pushed.seconds
 
     def begin(self, timeout: float, held: bool = False) -> None:
         if self.channel is None:

@@ -1,6 +1,6 @@
 """New weights into a VllmEngine's servers, each sync checked by the parity probe.
 
-    updates = WeightUpdates(arch, cfg, fleet, backend, max_model_len)
+    updates = WeightUpdates(arch, cfg, weight_sync, fleet, backend, max_model_len)
     updates.update_weights(named_tensors, version, reference)   # weight_sync=memory (transfer.py)
     updates.load_weights_from(model_dir, version, reference)    # reload / restart (weight_sync.py)
 
@@ -46,20 +46,21 @@ from megatron_rl.rollout.vllm.probe import (
     probe_tokens,
 )
 from megatron_rl.rollout.vllm.transfer import Watch, push_all
-from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync
+from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, WeightSync
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
 
 class WeightUpdates:
-    """The engine's two weight receivers (module docstring). `backend`: the in-memory sync's
-    transfer backend, None for disk syncs."""
+    """The engine's two weight receivers (module docstring). weight_sync: rollout.weight_sync
+    (resolved: memory, reload, restart). `backend`: the in-memory sync's transfer backend, None for
+    disk syncs."""
 
-    def __init__(self, arch: ModelArch, cfg: VllmConfig, fleet: Fleet, backend, max_model_len: int):
-        self.arch, self.cfg, self.fleet, self.backend = arch, cfg, fleet, backend
+    def __init__(self, arch: ModelArch, cfg: VllmConfig, weight_sync: str, fleet: Fleet, backend, max_model_len: int):
+        self.arch, self.cfg, self.weight_sync, self.fleet, self.backend = arch, cfg, weight_sync, fleet, backend
         self.max_model_len = max_model_len
         self.stats = fleet.stats
-        self.sync = RestartSync() if cfg.weight_sync == "restart" else DiskReloadSync()
+        self.sync: WeightSync = RestartSync() if weight_sync == "restart" else DiskReloadSync()
         self._syncs = 0
         self._deferred_probe: tuple[str, Reference] | None = None  # a paused sync's, run by after_resume()
 
@@ -68,7 +69,7 @@ class WeightUpdates:
         VllmEngine.update_weights)."""
         fleet = self.fleet
         if self.backend is None:
-            raise VllmError(f"rollout.vllm.weight_sync={self.cfg.weight_sync} takes HF folders (load_weights_from, the "
+            raise VllmError(f"rollout.weight_sync={self.weight_sync} takes HF folders (load_weights_from, the "
                             f"disk transport), not tensors in memory")
         t0 = time.perf_counter()
         if not fleet.started:
@@ -127,7 +128,7 @@ class WeightUpdates:
         """Make every server serve the HF folder `model_dir` (see VllmEngine.load_weights_from)."""
         fleet = self.fleet
         if self.backend is not None:
-            raise VllmError("rollout.vllm.weight_sync=memory takes tensors in memory (update_weights, the memory "
+            raise VllmError("rollout.weight_sync=memory takes tensors in memory (update_weights, the memory "
                             "transport), not folders")
         t0 = time.perf_counter()
         fleet.dirs.add(model_dir)

@@ -1,4 +1,5 @@
-"""Making the vLLM server serve new weights from an HF model folder: one `WeightSync` backend.
+"""The weight syncs the vLLM engine takes, and making a server serve new weights from an HF model
+folder: one `WeightSync` backend per disk sync.
 
     sync.apply(server, model_dir, timeout, warmup)   # -> {"timing/vllm_reload": s} or {"timing/vllm_restart": s}
     dirs = WeightDirs(keep=2); dirs.add(model_dir); dirs.prune(); dirs.clear()
@@ -7,7 +8,8 @@ The folder comes from the trainer's weight transport (trainer/transport.py: `dis
 hands it to VllmEngine.load_weights_from); the engine owns it from then on (`WeightDirs`: the
 newest `keep` stay, for restarts and the parity probe's reference).
 
-Backends (rollout.vllm.weight_sync):
+TAKES, the rollout.weight_sync names it takes (rollout/registered.py registers each; the first is
+its default): "memory" (transfer.py), "reload" and "restart" (below). Backends:
 - `DiskReloadSync` (dense models; any device): vLLM's `reload_weights` collective RPC reads the
   new safetensors in place (VLLM_SERVER_DEV_MODE=1), then the prefix cache (KV computed with
   the old weights) is dropped. Both requests carry the server's key: the development endpoints
@@ -18,7 +20,7 @@ Backends (rollout.vllm.weight_sync):
   restarted on the new folder, which is always correct but costs a full start (~50 s on a
   2-core CPU). Measured as `timing/vllm_restart`.
 
-These are the disk fallbacks: the default, rollout.vllm.weight_sync=memory, streams the tensors
+These are the disk fallbacks: the default, rollout.weight_sync=memory, streams the tensors
 into the server with no folder and no restart (transfer.py, MemorySync; MoE included).
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ from megatron_rl.rollout.vllm.launcher import ServerHandle
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
+TAKES = ("memory", "reload", "restart")
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
 
 
@@ -122,12 +125,12 @@ def check_supported(arch: ModelArch, weight_sync: str, device: str, routed_exper
         raise VllmUnsupportedError(
             f"in-place weight reload of a MoE model is refused on {where}: vLLM's CPU backend leaves the expert "
             f"weights wrong after reload_weights (checksums differ from a fresh load), so rollouts would come "
-            f"from a different policy than the trainer's. Use rollout.vllm.weight_sync=memory (the default: the "
-            f"in-memory sync repacks the experts), or rollout.vllm.weight_sync=restart (RestartSync: "
+            f"from a different policy than the trainer's. Use rollout.weight_sync=memory (the default: the "
+            f"in-memory sync repacks the experts), or rollout.weight_sync=restart (RestartSync: "
             f"restarts the server on the new weights every sync, ~1 min each on a 2-core CPU, timed as "
             f"timing/vllm_restart), or run the server on GPUs.")
     if weight_sync == "restart" and not can_restart:
-        raise VllmUnsupportedError("rollout.vllm.weight_sync=restart needs a server we launch; it cannot "
+        raise VllmUnsupportedError("rollout.weight_sync=restart needs a server we launch; it cannot "
                                    "restart the server at rollout.vllm.url")
     if routed_experts:
         if not arch.is_moe:

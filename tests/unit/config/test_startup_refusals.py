@@ -196,6 +196,7 @@ def test_the_machine_must_hold_the_buckets_and_resolve_the_transfer_host(monkeyp
     with pytest.raises(ValueError, match=r"rollout.vllm.transfer_host='no-such-host.invalid' does not resolve on this "
                                          r"machine \(Name or service not known\)"):
         load_config(None, [*run, "rollout.vllm={transfer_host: no-such-host.invalid}"]).check_paths()
-    load_config(None, [*run, "rollout.vllm={transfer_host: no-such-host.invalid, weight_sync: reload}"]).check_paths()
+    load_config(None, [*run, "rollout.vllm={transfer_host: no-such-host.invalid}",
+                       "rollout.weight_sync=reload"]).check_paths()
     load_config(None, [*run, "rollout.vllm={transfer_host: no-such-host.invalid}",
                        "rollout.backend=embedded"]).check_paths()

@@ -45,7 +45,7 @@ def test_a_change_to_what_the_steps_compute_is_named(saved, edit):
 @pytest.mark.parametrize("edit", [
     {"train__steps": 400}, {"train__save_every": 5}, {"train__eval_every": 0}, {"train__micro_batch_size": 8},
     {"parallel__tensor_model_parallel_size": 2}, {"log__tensorboard": False}, {"sft__steps": 0},
-    {"rollout__device": "cpu"}, {"train__run_dir": "elsewhere"},
+    {"rollout__device": "cpu"}, {"train__run_dir": "elsewhere"}, {"rollout__weight_sync": "memory"},
 ])
 def test_where_and_how_often_may_change(saved, edit):
     assert config_changes(saved, changed(saved, **edit)) == []

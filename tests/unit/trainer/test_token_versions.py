@@ -74,7 +74,7 @@ def test_token_versions_survive_the_checkpoint_format(tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     (["train.in_flight_update=pause"], "train.in_flight_update=pause .* train.schedule=async"),
-    (["train.in_flight_update=pause", "train.schedule=async", "rollout.backend=vllm", "rollout.vllm.weight_sync=restart"],
+    (["train.in_flight_update=pause", "train.schedule=async", "rollout.backend=vllm", "rollout.weight_sync=restart"],
      "in_flight_update=pause with rollout.backend=vllm: .*weight_sync=restart replaces the servers"),
     (["train.in_flight_update=later"], "train.in_flight_update='later': choose one of wait, pause, abort"),
 ])
@@ -91,7 +91,7 @@ def test_pause_is_taken_by_vllm_with_an_in_place_sync():
 
     for sync in ("memory", "reload"):
         cfg = load_config(None, ["train.in_flight_update=pause", "train.schedule=async", "rollout.backend=vllm",
-                                 f"rollout.vllm.weight_sync={sync}"])
+                                 f"rollout.weight_sync={sync}"])
         assert cfg.train.in_flight_update == "pause"
 
 

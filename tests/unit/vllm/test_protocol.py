@@ -8,7 +8,7 @@ import torch
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import VllmConfig, VllmUnsupportedError, resolve_config
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError, resolve_config
 from megatron_rl.rollout.vllm.errors import BadResponse
 from megatron_rl.rollout.vllm.protocol import (
     check_served,
@@ -144,10 +144,8 @@ def test_prompt_logprobs():
 
 
 def test_config_validation_and_resolution():
-    with pytest.raises(ValueError, match="unknown rollout.vllm keys"):
-        VllmConfig.from_dict({"tensor_parallel": 2})
     with pytest.raises(ValueError, match="weight_sync"):
-        VllmConfig(weight_sync="nccl")
+        VllmEngine(tiny_arch(), VllmConfig(url="http://127.0.0.1:9"), "unused", weight_sync="nccl")
     assert VllmConfig(dtype="bf16").dtype == "bfloat16"
     cfg = RunConfig()
     cfg.rollout.dtype, cfg.rollout.temperature, cfg.rollout.max_batch_size = "fp32", 0.7, 32

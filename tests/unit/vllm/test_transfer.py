@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl.config import ConfigError
 from megatron_rl.configure import load_config
-from megatron_rl.rollout.engine import weight_transport
+from megatron_rl.rollout.engine import WEIGHT_SYNCS, weight_sync
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.transfer import (
@@ -19,6 +19,7 @@ from megatron_rl.rollout.vllm.transfer import (
     backend_for,
     copy_bytes,
     packed_buckets,
+    push_all,
     update_info,
     weight_transfer_args,
 )
@@ -128,7 +129,7 @@ def test_push_packs_the_next_bucket_while_the_server_loads_one():
 
     sync = MemorySync(None, BACKENDS["gloo"], bucket_bytes=32, host="127.0.0.1")
     sync.channel, sync._post = _Channel(log), post
-    sync.push(stream(), 0, timeout=60)
+    assert not push_all([sync], stream(), 0, timeout=60).failed
     assert loads == [[name] for name, _ in tensors]
     for (_, want), got in zip(tensors, sync.channel.sent):
         assert torch.equal(got.view(torch.float32), want)
@@ -161,19 +162,22 @@ def test_the_backend_follows_cuda():
     assert weight_transfer_args(backend_for(True)) == ["--weight-transfer-config", '{"backend": "nccl"}']
 
 
+def _transport(overrides: list[str]) -> str:
+    """The trainer's transport for a config (trainer/setup.py reads it so)."""
+    return WEIGHT_SYNCS.get(weight_sync(load_config(None, ["rollout.backend=vllm", *overrides]).rollout)).transport
+
+
 def test_memory_is_the_default_and_picks_the_memory_transport():
-    assert VllmConfig().weight_sync == "memory" and VllmConfig().bucket_bytes == 1 << 30
-    assert weight_transport(load_config(None, ["rollout.backend=vllm"])) == "memory"
-    assert weight_transport(load_config(None, ["rollout.backend=vllm", "rollout.vllm={weight_sync: reload}"])) == "disk"
-    assert weight_transport(load_config(None, ["rollout.backend=vllm", "rollout.vllm={weight_sync: restart}",
-                                               "rollout.weight_transport=disk"])) == "disk"
+    assert VllmEngine(tiny_arch(), VllmConfig(url=NOWHERE, device="cpu"), "unused").weight_sync == "memory"
+    assert VllmConfig().bucket_bytes == 1 << 30
+    assert weight_sync(load_config(None, ["rollout.backend=vllm"]).rollout) == "memory"
+    assert _transport([]) == "memory" and _transport(["rollout.weight_sync=auto"]) == "memory"
+    assert _transport(["rollout.weight_sync=reload"]) == "disk"
+    assert _transport(["rollout.weight_sync=restart"]) == "disk"
 
 
 @pytest.mark.parametrize("overrides,msg", [
-    (["rollout.vllm={weight_sync: reload}", "rollout.weight_transport=memory"],
-     r"rollout.weight_transport='memory' contradicts rollout.vllm's own settings, which take 'disk'"),
-    (["rollout.weight_transport=disk"], r"rollout.weight_transport='disk' contradicts .* take 'memory'"),
-    (["rollout.vllm={weight_sync: nccl}"], r"rollout.vllm.weight_sync='nccl'; choose one of \('memory', 'reload'"),
+    (["rollout.weight_sync=nccl"], r"rollout.weight_sync='nccl': rollout.backend=vllm takes memory, reload, restart"),
     (["rollout.vllm={bucket_bytes: 0}"], r"rollout.vllm.bucket_bytes must be >= 1"),
 ])
 def test_contradictions_are_refused_at_startup(overrides, msg):
@@ -193,7 +197,7 @@ def test_memory_with_cuda_needs_vllm_in_the_trainer(monkeypatch):
 
 def test_each_sync_takes_only_its_own_kind_of_weights(tmp_path):
     memory = VllmEngine(tiny_arch(), VllmConfig(url=NOWHERE, device="cpu"), str(tmp_path))
-    disk = VllmEngine(tiny_arch(), VllmConfig(url=NOWHERE, device="cpu", weight_sync="reload"), str(tmp_path))
+    disk = VllmEngine(tiny_arch(), VllmConfig(url=NOWHERE, device="cpu"), str(tmp_path), weight_sync="reload")
     try:
         with pytest.raises(VllmError, match="weight_sync=memory takes tensors in memory"):
             memory.load_weights_from(str(tmp_path), 0)
@@ -236,7 +240,7 @@ def test_when_every_server_of_a_pool_is_out_the_error_says_so_and_gives_the_real
             engine.fleet.lose(engine.replicas[0], 0, "server died")
         message = str(e.value)
         assert "every vLLM server of the pool of 2 is out" in message and "restart failed: out of memory" in message
-        assert "train.resume=true" in message and "rollout.vllm.weight_sync=reload" in message
+        assert "train.resume=true" in message and "rollout.weight_sync=reload" in message
         assert "num_servers" not in message
     finally:
         engine.close()
