@@ -2,7 +2,7 @@
 
     python -m tests.distributed.probes N [--without]
     python -m tests.distributed.probes all N1 N2 ...
-    python -m tests.distributed.probes without N1 N2 ...
+    python -m tests.distributed.probes without N1 N2 ... [all M1 M2 ...]
 
 applies every workaround this process needs (all but N with --without), runs probe N, prints the
 outcome and exits 0 when the call worked, 3 when it raised (the message is printed). A fresh
@@ -11,7 +11,8 @@ after another with every workaround applied (exit 3 if any raised, each outcome 
 `without` runs `N --without` for each listed probe in a child forked from this process before it
 applies anything (the modules the probes use imported, as pretrain_rl.py imports the trainer before
 it applies the workarounds; no patch, no process group), so the probes pay for one interpreter's
-imports, not one each. Runs on CPU (gloo) and, for the workarounds about Transformer Engine or Apex
+imports, not one each; `all` after them then runs in that process, patched only now (an ALL_MARKER line
+starts its output). Runs on CPU (gloo) and, for the workarounds about Transformer Engine or Apex
 being absent, on a GPU (NCCL) too.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+ALL_MARKER = "WITH EVERY WORKAROUND"  # `without ... all ...`: the line between the forks' output and all's
 
 
 def _device() -> torch.device:
@@ -264,8 +267,13 @@ def main(argv: list[str]) -> int:
     """`N [--without]`: probe N with every workaround (but N); `all N1 N2 ...`: with every workaround,
     each probe in turn in this one process (the "sufficient" half needs no process per probe: the
     patches are the same for all), megatron's parallel state reset between them."""
-    if argv[0] == "without":
-        return _fork_each([int(n) for n in argv[1:]])
+    if argv[0] == "without":  # `without N1 N2 ... [all M1 M2 ...]`: the forks, then `all` in this process
+        cut = argv.index("all") if "all" in argv else len(argv)
+        _fork_each([int(n) for n in argv[1:cut]])
+        if cut == len(argv):
+            return 0
+        print(ALL_MARKER, flush=True)
+        return main(argv[cut:])
     warnings.filterwarnings("ignore")
     from megatron_rl.platform import apply_platform_workarounds
 
