@@ -144,17 +144,28 @@ def test_init_checkpoint_reaches_the_master_weights(tmp_path, init_checkpoint, d
     assert worst < 0.02, worst  # a step of lr 1e-6 from the checkpoint; the random init is ~0.2 away
 
 
+def _resume_from_step(tmp_path, overrides: list[str], step: int):
+    """The run of `overrides` (train.save_every=1) uninterrupted in tmp_path/f, and again resumed from
+    that run's step-`step` checkpoint in a run folder of its own, tmp_path/p: ((rows, snapshots) of
+    each). (tests/distributed/test_rl_loop.py resumes a run stopped at the end of its train.steps.)"""
+    overrides = [*overrides, "train.save_every=1"]
+    [full] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "f"), overrides=overrides)
+    name = f"iter_{step:07d}"
+    shutil.copytree(tmp_path / "f" / "checkpoints" / name, tmp_path / "p" / "checkpoints" / name)
+    [resumed] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"),
+                          overrides=[*overrides, "train.resume=true"])
+    return full, resumed
+
+
 @pytest.mark.mcore_api  # the bf16 optimizer's sharded_state_dict and bf16 routing (0.19)
 def test_bf16_resume_reproduces_the_uninterrupted_run(tmp_path, hf_dir):
     """The fp32 master weights and Adam state travel in the checkpoint: a resumed bf16 run is the
     uninterrupted one, bit for bit."""
-    common = [f"model.hf_dir={hf_dir}", "model.dtype=bf16"]
-    [(full, w_full)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "f"),
-                                 overrides=common + ["train.steps=3"])
-    run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"), overrides=common + ["train.steps=2"])
-    [(res, w_res)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"),
-                               overrides=common + ["train.steps=3", "train.resume=true"])
-    assert res[2]["loss/policy"] == full[2]["loss/policy"] and res[2]["optim/grad_norm"] == full[2]["optim/grad_norm"]
+    (full, w_full), (res, w_res) = _resume_from_step(
+        tmp_path, [f"model.hf_dir={hf_dir}", "model.dtype=bf16", "train.steps=3"], step=2)
+    [resumed] = res  # only step 3 ran
+    assert resumed["step"] == full[2]["step"]
+    assert resumed["loss/policy"] == full[2]["loss/policy"] and resumed["optim/grad_norm"] == full[2]["optim/grad_norm"]
     for k in w_full[-1]:
         assert torch.equal(w_full[-1][k], w_res[-1][k]), k
 
@@ -164,14 +175,9 @@ def test_bf16_resume_reproduces_the_uninterrupted_run(tmp_path, hf_dir):
 def test_fp8_rollout_resume_reproduces_the_uninterrupted_run(tmp_path, hf_dir, recipe):
     """An FP8 engine quantizes the weights it is synced, on resume as at every step: the resumed run's
     step 2 samples with the same μ (its mismatch KL) and makes the same update as the uninterrupted run's."""
-    common = [f"model.hf_dir={hf_dir}", f"precision.recipe={recipe}", "rollout.dtype=bf16", "train.steps=2",
-              "train.save_every=1"]
-    [(full, w_full)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "f"), overrides=common)
-    # the interrupted run: the uninterrupted one's step-1 checkpoint (the bf16 test above resumes a run
-    # stopped at the end of its train.steps), resumed in a run folder of its own
-    shutil.copytree(tmp_path / "f" / "checkpoints" / "iter_0000001", tmp_path / "p" / "checkpoints" / "iter_0000001")
-    [(res, w_res)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"),
-                               overrides=common + ["train.resume=true"])
+    (full, w_full), (res, w_res) = _resume_from_step(
+        tmp_path, [f"model.hf_dir={hf_dir}", f"precision.recipe={recipe}", "rollout.dtype=bf16", "train.steps=2"],
+        step=1)
     assert full[1]["mismatch/kl_k3"] > 0
     [resumed] = res  # only step 2 ran
     for key in ("step", "mismatch/kl_k3", "loss/policy", "optim/grad_norm"):
