@@ -2,16 +2,18 @@
 
     python -m tests.distributed.probes N [--without]
     python -m tests.distributed.probes all N1 N2 ...
-    python -m tests.distributed.probes without N1 N2 ...
+    python -m tests.distributed.probes without N1 N2 ... [all M1 M2 ...]
 
 applies every workaround this process needs (all but N with --without), runs probe N, prints the
 outcome and exits 0 when the call worked, 3 when it raised (the message is printed). A fresh
 process per "--without" run, because patches are process-wide; `all` runs the listed probes one
 after another with every workaround applied (exit 3 if any raised, each outcome printed);
 `without` runs `N --without` for each listed probe in a child forked from this process before it
-applies anything (what a fresh process has when main() starts: this module's imports, no patch,
-no process group), so the probes pay for one interpreter's imports, not one each. Runs on CPU (gloo) and, for the workarounds
-about Transformer Engine or Apex being absent, on a GPU (NCCL) too.
+applies anything (the modules the probes use imported, as pretrain_rl.py imports the trainer before
+it applies the workarounds; no patch, no process group), so the probes pay for one interpreter's
+imports, not one each; `all` after them then runs in that process, patched only now (an ALL_MARKER line
+starts its output). Runs on CPU (gloo) and, for the workarounds about Transformer Engine or Apex
+being absent, on a GPU (NCCL) too.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+ALL_MARKER = "WITH EVERY WORKAROUND"  # `without ... all ...`: the line between the forks' output and all's
 
 
 def _device() -> torch.device:
@@ -220,7 +224,26 @@ def _run_probe(number: int) -> bool:
 
 def _fork_each(numbers: list[int]) -> int:
     """`N --without` for each of `numbers`, one forked child each, one at a time: prints
-    `FORK N`, the child's output, `EXIT N <its exit code>`. Exits 0 (the codes are the result)."""
+    `FORK N`, the child's output, `EXIT N <its exit code>`. Exits 0 (the codes are the result).
+
+    The modules the probes use are imported here, once, before the fork and before any patch (the
+    registry's contract is "before megatron-core builds anything", and pretrain_rl.py too imports
+    the trainer before it applies them): each child then pays for its probe, not for the imports."""
+    warnings.filterwarnings("ignore")
+    import megatron.core.dist_checkpointing
+    import megatron.core.models.common.embeddings.rotary_pos_embedding
+    import megatron.core.optimizer.grad_scaler
+    import megatron.core.process_groups_config
+    import megatron.core.transformer.moe.token_dispatcher
+    import megatron.core.transformer.torch_norm  # noqa: F401
+
+    import megatron_rl.model
+    import megatron_rl.parallel
+    import megatron_rl.platform
+    import megatron_rl.trainer.checkpoint
+    import megatron_rl.trainer.loop
+    import megatron_rl.trainer.stack  # noqa: F401
+
     for number in numbers:
         print(f"FORK {number}", flush=True)
         sys.stderr.flush()
@@ -244,8 +267,13 @@ def main(argv: list[str]) -> int:
     """`N [--without]`: probe N with every workaround (but N); `all N1 N2 ...`: with every workaround,
     each probe in turn in this one process (the "sufficient" half needs no process per probe: the
     patches are the same for all), megatron's parallel state reset between them."""
-    if argv[0] == "without":
-        return _fork_each([int(n) for n in argv[1:]])
+    if argv[0] == "without":  # `without N1 N2 ... [all M1 M2 ...]`: the forks, then `all` in this process
+        cut = argv.index("all") if "all" in argv else len(argv)
+        _fork_each([int(n) for n in argv[1:cut]])
+        if cut == len(argv):
+            return 0
+        print(ALL_MARKER, flush=True)
+        return main(argv[cut:])
     warnings.filterwarnings("ignore")
     from megatron_rl.platform import apply_platform_workarounds
 

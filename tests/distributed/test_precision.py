@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -62,10 +63,18 @@ def _run(rank, world, overrides, run_dir, overflow_at_step=None):
     return steps, snapshots
 
 
-def test_fp16_overflow_skips_the_update_and_halves_the_scale(tmp_path, hf_dir):
-    [(steps, snaps)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path),
+@pytest.fixture(scope="module")
+def fp16_overflow_run(tmp_path_factory, hf_dir):
+    """(metrics rows, weight snapshots) of a 3-step fp16 run whose step-2 gradient overflows; its first
+    step is an ordinary fp16 step (what test_fp16_tracks_fp32 compares with fp32)."""
+    [(steps, snaps)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path_factory.mktemp("fp16")),
                                  overrides=["train.steps=3", "model.dtype=fp16", "optim.hysteresis=1",
                                             f"model.hf_dir={hf_dir}"], overflow_at_step=2)
+    return steps, snaps
+
+
+def test_fp16_overflow_skips_the_update_and_halves_the_scale(fp16_overflow_run):
+    steps, snaps = fp16_overflow_run
     assert [s["optim/skipped_steps"] for s in steps] == [0, 1, 0]
     assert [s["optim/loss_scale"] for s in steps] == [65536.0, 32768.0, 32768.0]
     changed = [any(not torch.equal(a[k], b[k]) for k in a) for a, b in itertools.pairwise(snaps)]
@@ -73,13 +82,11 @@ def test_fp16_overflow_skips_the_update_and_halves_the_scale(tmp_path, hf_dir):
     assert all(math.isfinite(s["loss/policy"]) for s in steps)
 
 
-def test_fp16_tracks_fp32(tmp_path, hf_dir):
-    common = ["train.steps=2", f"model.hf_dir={hf_dir}"]
+def test_fp16_tracks_fp32(tmp_path, hf_dir, fp16_overflow_run):
+    """Step 1 of the fp16 run above (before its overflow) against step 1 of the same run in fp32."""
     [(fp32, _)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "a"),
-                            overrides=common + ["model.dtype=fp32"])
-    [(fp16, _)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "b"),
-                            overrides=common + ["model.dtype=fp16"])
-    a, b = fp32[0], fp16[0]
+                            overrides=["train.steps=1", f"model.hf_dir={hf_dir}", "model.dtype=fp32"])
+    a, b = fp32[0], fp16_overflow_run[0][0]
     assert a["rollout/reward_mean"] == b["rollout/reward_mean"]  # the same samples
     assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=2e-2, abs=1e-4)
     assert b["optim/grad_norm"] == pytest.approx(a["optim/grad_norm"], rel=2e-2)
@@ -137,17 +144,28 @@ def test_init_checkpoint_reaches_the_master_weights(tmp_path, init_checkpoint, d
     assert worst < 0.02, worst  # a step of lr 1e-6 from the checkpoint; the random init is ~0.2 away
 
 
+def _resume_from_step(tmp_path, overrides: list[str], step: int):
+    """The run of `overrides` (train.save_every=1) uninterrupted in tmp_path/f, and again resumed from
+    that run's step-`step` checkpoint in a run folder of its own, tmp_path/p: ((rows, snapshots) of
+    each). (tests/distributed/test_rl_loop.py resumes a run stopped at the end of its train.steps.)"""
+    overrides = [*overrides, "train.save_every=1"]
+    [full] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "f"), overrides=overrides)
+    name = f"iter_{step:07d}"
+    shutil.copytree(tmp_path / "f" / "checkpoints" / name, tmp_path / "p" / "checkpoints" / name)
+    [resumed] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"),
+                          overrides=[*overrides, "train.resume=true"])
+    return full, resumed
+
+
 @pytest.mark.mcore_api  # the bf16 optimizer's sharded_state_dict and bf16 routing (0.19)
 def test_bf16_resume_reproduces_the_uninterrupted_run(tmp_path, hf_dir):
     """The fp32 master weights and Adam state travel in the checkpoint: a resumed bf16 run is the
     uninterrupted one, bit for bit."""
-    common = [f"model.hf_dir={hf_dir}", "model.dtype=bf16"]
-    [(full, w_full)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "f"),
-                                 overrides=common + ["train.steps=3"])
-    run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"), overrides=common + ["train.steps=2"])
-    [(res, w_res)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"),
-                               overrides=common + ["train.steps=3", "train.resume=true"])
-    assert res[2]["loss/policy"] == full[2]["loss/policy"] and res[2]["optim/grad_norm"] == full[2]["optim/grad_norm"]
+    (full, w_full), (res, w_res) = _resume_from_step(
+        tmp_path, [f"model.hf_dir={hf_dir}", "model.dtype=bf16", "train.steps=3"], step=2)
+    [resumed] = res  # only step 3 ran
+    assert resumed["step"] == full[2]["step"]
+    assert resumed["loss/policy"] == full[2]["loss/policy"] and resumed["optim/grad_norm"] == full[2]["optim/grad_norm"]
     for k in w_full[-1]:
         assert torch.equal(w_full[-1][k], w_res[-1][k]), k
 
@@ -157,14 +175,12 @@ def test_bf16_resume_reproduces_the_uninterrupted_run(tmp_path, hf_dir):
 def test_fp8_rollout_resume_reproduces_the_uninterrupted_run(tmp_path, hf_dir, recipe):
     """An FP8 engine quantizes the weights it is synced, on resume as at every step: the resumed run's
     step 2 samples with the same μ (its mismatch KL) and makes the same update as the uninterrupted run's."""
-    common = [f"model.hf_dir={hf_dir}", f"precision.recipe={recipe}", "rollout.dtype=bf16"]
-    [(full, w_full)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "f"),
-                                 overrides=common + ["train.steps=2"])
-    run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"), overrides=common + ["train.steps=1"])
-    [(res, w_res)] = run_ranks(_run, world_size=1, timeout=300, run_dir=str(tmp_path / "p"),
-                               overrides=common + ["train.steps=2", "train.resume=true"])
+    (full, w_full), (res, w_res) = _resume_from_step(
+        tmp_path, [f"model.hf_dir={hf_dir}", f"precision.recipe={recipe}", "rollout.dtype=bf16", "train.steps=2"],
+        step=1)
     assert full[1]["mismatch/kl_k3"] > 0
-    for key in ("mismatch/kl_k3", "loss/policy", "optim/grad_norm"):
-        assert res[1][key] == full[1][key], key
+    [resumed] = res  # only step 2 ran
+    for key in ("step", "mismatch/kl_k3", "loss/policy", "optim/grad_norm"):
+        assert resumed[key] == full[1][key], key
     for k in w_full[-1]:
         assert torch.equal(w_full[-1][k], w_res[-1][k]), k

@@ -9,8 +9,9 @@ Per megatron-core release: a workaround whose defect a later release fixed names
 fixes a line whose workaround has no `fixed_in`, the "needed" case fails here: record the release
 in `fixed_in`, and delete the workaround once the oldest supported release has the fix. Each "needed"
 case runs in a process of its own because the patches are process-wide: a child forked, before any
-patch, from one interpreter that has imported what a fresh probe process has (`probes without`);
-the "sufficient" cases share one (every workaround applied, each probe in turn). The interpreters
+patch, from one interpreter that has imported what the probes use (`probes without`); the
+"sufficient" cases then run in that interpreter itself, every workaround applied only after the
+forks, each probe in turn. The interpreters
 see this machine as it is (its CUDA devices included).
 """
 import os
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from megatron_rl.platform import capabilities, megatron_core_version, workarounds
+from tests.distributed.probes import ALL_MARKER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # every probe calls a private megatron-core name this project patches: each lane checks its own release
@@ -60,12 +62,24 @@ def _probe(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def with_all() -> dict[int, str]:
-    """Every probe with every workaround applied, in one fresh process: probe number -> its output."""
-    run = _probe("all", *map(str, NUMBERS))
+def probed() -> tuple[subprocess.CompletedProcess, str, str]:
+    """One fresh process for both halves: every probe whose condition holds here, each without its own
+    workaround in a forked child (forked before any patch), then every probe with every workaround
+    applied, in the parent: (the run, the children's output, the patched probes' output)."""
+    caps = capabilities()
+    run = _probe("without", *(str(n) for n in NUMBERS if ALL[n].needed_when.holds(caps)), "all", *map(str, NUMBERS))
+    lines = run.stdout.splitlines()
+    assert ALL_MARKER in lines, "the forked probes did not finish\n" + run.stdout[-3000:] + run.stderr[-3000:]
+    cut = lines.index(ALL_MARKER)
+    return run, "\n".join(lines[:cut]), "\n".join(lines[cut + 1:])
+
+
+@pytest.fixture(scope="module")
+def with_all(probed) -> dict[int, str]:
+    """Every probe with every workaround applied: probe number -> its output."""
     out: dict[int, str] = {}
     number = None
-    for line in run.stdout.splitlines():
+    for line in probed[2].splitlines():
         if line.startswith("PROBE "):
             number = int(line.split()[1])
             out[number] = ""
@@ -75,15 +89,13 @@ def with_all() -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def without() -> tuple[dict[int, tuple[int, str]], str]:
-    """Every probe whose condition holds here, each without its own workaround in a forked child of
-    one fresh process: (probe number -> (exit code, output), the shared stderr)."""
-    caps = capabilities()
-    run = _probe("without", *(str(n) for n in NUMBERS if ALL[n].needed_when.holds(caps)))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def without(probed) -> tuple[dict[int, tuple[int, str]], str]:
+    """Every probe whose condition holds here, each without its own workaround in a forked child:
+    (probe number -> (exit code, output), the shared stderr)."""
+    run, forks, _ = probed
     out: dict[int, tuple[int, str]] = {}
     number, lines = None, []
-    for line in run.stdout.splitlines():
+    for line in forks.splitlines():
         if line.startswith("FORK "):
             number, lines = int(line.split()[1]), []
         elif line.startswith(f"EXIT {number} "):

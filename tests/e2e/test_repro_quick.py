@@ -1,9 +1,12 @@
-"""examples/repro/*.py --quick: each reproduction script checks every arm's configuration in its own
-process (the product's config loading and checks), runs its QUICK arms end to end (a few steps, one
-seed) and writes its table, its plot and those arms' TensorBoard logs. This keeps the scripts from
-rotting; the claims themselves are in their full runs (examples/repro/README.md). Every loss recipe
-the arms name also runs through the real RL step in tests/e2e/test_golden.py."""
+"""examples/repro/*.py --quick: each reproduction script checks every arm's configuration (the
+product's config loading and checks), runs its QUICK arms end to end (a few steps, one seed) and
+writes its table, its plot and those arms' TensorBoard logs. This keeps the scripts from rotting;
+the claims themselves are in their full runs (examples/repro/README.md). Every loss recipe the arms
+name also runs through the real RL step in tests/e2e/test_golden.py. The five scripts run one after
+another in one interpreter (tests/e2e/repro_driver.py), each as `__main__`; their arms'
+pretrain_rl.py runs are processes of their own, as always."""
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -19,21 +22,29 @@ SCRIPTS = {"collapse": (8, 2), "minirl": (11, 1), "mu_grpo": (5, 1), "p3o": (5, 
 
 
 @pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory):
-    """One quick warm start for the scripts: each finds it cached (common.warm_start)."""
-    return tmp_path_factory.mktemp("sft")
+def quick_runs(tmp_path_factory) -> tuple[dict[str, dict], object]:
+    """Every script's --quick in one interpreter (tests.e2e.repro_driver; each script as `__main__`, the
+    runs it starts processes of their own), one warm start for all (each after the first finds it
+    cached, common.warm_start): (script -> its exit code and output, the output root)."""
+    root = tmp_path_factory.mktemp("repro")
+    # one arm at a time per core of this module's share, each on one thread
+    spec = {script: ["--quick", "--out", str(root / script), "--sft-dir", str(root / "sft"),
+                     "--jobs", str(min(2, share()))] for script in sorted(SCRIPTS)}
+    (root / "runs.json").write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+    proc = subprocess.run([sys.executable, "-m", "tests.e2e.repro_driver", str(root / "runs.json"),
+                           str(root / "results.json")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=3600, check=False)
+    assert (root / "results.json").exists(), f"driver died: exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    return json.loads((root / "results.json").read_text()), root
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_repro_script_quick(script, tmp_path, sft_dir):
-    out = tmp_path / script
-    # one arm at a time per core of this test's share, each on one thread
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run([sys.executable, f"examples/repro/{script}.py", "--quick", "--out", str(out),
-                           "--sft-dir", str(sft_dir), "--jobs", str(min(2, share()))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    quick = re.findall(r"^--quick: checked the config of (\d+) arms; running (\d+): (.*)$", proc.stdout, re.MULTILINE)
+def test_repro_script_quick(script, quick_runs):
+    results, root = quick_runs
+    out, proc = root / script, results[script]
+    assert proc["code"] == 0, proc["stdout"][-3000:] + proc["stderr"][-3000:]
+    quick = re.findall(r"^--quick: checked the config of (\d+) arms; running (\d+): (.*)$", proc["stdout"], re.MULTILINE)
     checked, ran = SCRIPTS[script]
     assert sum(int(n) for n, _, _ in quick) == checked, quick
     names = [a for _, k, listed in quick for a in listed.split(", ")]
