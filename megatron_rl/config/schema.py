@@ -573,6 +573,10 @@ class EnvSection:
         together (each turn samples at most rollout.max_tokens of them).
     timeout_s: how long one environment call (reset or step) may take; a call that raises or takes
         longer ends its trajectory with reward 0, counted in env/failures and env/timeouts.
+    max_calls_in_flight: the most environment calls (resets and steps of all trajectories) that
+        run at once (default 64, >= 1): each runs in a thread of its own, so this bounds the
+        threads (and a remote environment server's concurrent requests); a call waits for a place
+        before its timeout_s starts. A call abandoned at its deadline frees its place.
     max_stuck_calls: the most calls past timeout_s that may still run (default 32, >= 0): a
         thread cannot be stopped, so a call that hangs or loops keeps its thread and slows the
         trainer; one more stops the run naming the environment (rollout/env_calls.py). A call
@@ -603,6 +607,7 @@ class EnvSection:
     max_turns: int = 4
     max_tokens: int = 64
     timeout_s: float = 10.0
+    max_calls_in_flight: int = 64
     max_stuck_calls: int = 32
     observation_prefix: str = ""
     observation_suffix: str = ""
@@ -614,6 +619,7 @@ class EnvSection:
         checks.choice("env.turns", self.turns, ("async", "lockstep"))
         checks.integer("env.max_tokens", self.max_tokens, lo=1)
         checks.number("env.timeout_s", self.timeout_s, lo=0, lo_open=True)
+        checks.integer("env.max_calls_in_flight", self.max_calls_in_flight, lo=1)
         checks.integer("env.max_stuck_calls", self.max_stuck_calls, lo=0,
                        hint="0 stops the run at the first call that outlives env.timeout_s")
         checks.boolean("env.check_render", self.check_render)

@@ -1,7 +1,7 @@
 """Environment calls with a deadline: a failing or hanging environment ends its trajectory, never the run,
 until so many of its calls are stuck that it would take the trainer down with it.
 
-    calls = EnvCalls(timeout_s=10.0, max_stuck=32)
+    calls = EnvCalls(timeout_s=10.0, max_stuck=32, max_in_flight=64)
     result = await calls.call(lambda: env.step(text, ids), "calculator.step")   # in a coroutine
     result.value                # what the call returned, or None when it failed
     result.failure              # None, "timeout", or "error: ValueError: ..."
@@ -10,7 +10,8 @@ until so many of its calls are stuck that it would take the trainer down with it
 
 Every call runs in its own daemon thread (environments are plain Python on rank 0) and is awaited
 for at most `timeout_s`, so the event loop (the other trajectories, the engine's requests) goes on
-meanwhile. A call still running then is abandoned: its trajectory fails ("timeout"), but Python
+meanwhile. At most `max_in_flight` calls run at once (env.max_calls_in_flight): the others wait
+for a place, in the order they were made, before their deadline starts. A call still running then is abandoned: its trajectory fails ("timeout"), but Python
 cannot stop a thread, so the call keeps its thread, and a busy-looping one keeps a share of the
 interpreter's lock, until it returns. `EnvCalls` keeps the abandoned calls it has not seen end;
 when one more is abandoned while max_stuck of them still run, it raises `StuckEnvironment`
@@ -31,7 +32,7 @@ an environment bounds such work itself (the calculator takes 9-digit operands).
 
 Daemon threads, not a ThreadPoolExecutor, whose workers the interpreter joins at exit: a call that
 never returns must not keep the finished run's process alive. Cost: one thread per call (a trajectory's reset, each of its steps),
-plus the abandoned ones (at most max_stuck + the calls in flight).
+at most max_in_flight at once, plus the abandoned ones (at most max_stuck more).
 """
 from __future__ import annotations
 
@@ -58,12 +59,23 @@ class StuckEnvironment(RuntimeError):
 
 class EnvCalls:
     """Batches of environment calls under one deadline each, and the calls they abandoned.
-    timeout_s: a batch's deadline (env.timeout_s); max_stuck: the most abandoned calls that may
-    still run after a batch (env.max_stuck_calls)."""
+    timeout_s: a call's deadline (env.timeout_s); max_stuck: the most abandoned calls that may
+    still run after a batch (env.max_stuck_calls); max_in_flight: the most calls running at once
+    (env.max_calls_in_flight)."""
 
-    def __init__(self, timeout_s: float, max_stuck: int):
-        self.timeout_s, self.max_stuck = timeout_s, max_stuck
+    def __init__(self, timeout_s: float, max_stuck: int, max_in_flight: int = 64):
+        if max_in_flight < 1:
+            raise ValueError(f"EnvCalls: max_in_flight={max_in_flight}, needs at least 1")
+        self.timeout_s, self.max_stuck, self.max_in_flight = timeout_s, max_stuck, max_in_flight
         self._stuck: list[tuple[threading.Thread, str]] = []
+        # an asyncio.Semaphore belongs to the loop that first waits on it; each rollout runs its own
+        self._places: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._places is None or self._places[0] is not loop:
+            self._places = (loop, asyncio.Semaphore(self.max_in_flight))
+        return self._places[1]
 
     def stuck(self) -> int:
         """Abandoned calls still running (those that ended since are forgotten)."""
@@ -74,7 +86,11 @@ class EnvCalls:
         """Run `fn` in its own daemon thread and await it for at most timeout_s (label names its
         environment and method, e.g. "calculator.step"): its value, or why it has none. A call
         past its deadline is abandoned ("timeout") and kept; raises StuckEnvironment when more
-        than max_stuck abandoned calls then still run."""
+        than max_stuck abandoned calls then still run. Waits first for one of max_in_flight places."""
+        async with self._semaphore():
+            return await self._call(fn, label)
+
+    async def _call(self, fn: Callable[[], Any], label: str) -> CallResult:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 

@@ -56,8 +56,9 @@ env.max_stuck_calls of them still run, the rollout raises StuckEnvironment namin
 (rollout/env_calls.py says why threads and a bound, not processes).
 
 Cost: at most one engine call per trajectory turn (usually far fewer: each call takes every
-request pending), one environment call per trajectory and turn (a thread each,
-rollout/env_calls.py; at most env.max_stuck_calls + one per trajectory abandoned), O(trajectory
+request pending), one environment call per trajectory and turn (a thread each, at most
+env.max_calls_in_flight at once, rollout/env_calls.py; plus at most env.max_stuck_calls
+abandoned), O(trajectory
 length) host memory per trajectory; one event loop per rollout call.
 """
 from __future__ import annotations
@@ -127,7 +128,8 @@ class MultiTurn:
             raise ValueError("rollout.function=multi_turn needs an environment: set env.name")
         self.tokenizer, self.env = inputs.tokenizer, inputs.env
         self.encode_observation = continuation(self.tokenizer.encode_prompt)
-        self.calls = EnvCalls(self.env.timeout_s, self.env.max_stuck_calls)  # across calls: abandoned ones live on
+        self.calls = EnvCalls(self.env.timeout_s, self.env.max_stuck_calls,  # across calls: abandoned ones live on
+                              self.env.max_calls_in_flight)
 
     def __call__(self, engine: RolloutEngine, examples: Sequence, n: int, sampling: SamplingParams) -> Generated:
         cfg = self.env

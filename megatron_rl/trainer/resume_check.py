@@ -26,7 +26,7 @@ MAY_CHANGE = (
     "train.steps", "train.eval_every", "train.eval_size", "train.save_every", "train.keep_checkpoints",
     "train.run_dir", "train.resume", "train.init_checkpoint", "train.allow_config_change",
     "train.micro_batch_size", "train.max_nonfinite_updates", "model.recompute", "loss.head_gradients", "data.heldout_size",
-    "rollout.max_batch_size", "rollout.device", "rollout.weight_sync", "env.max_stuck_calls",
+    "rollout.max_batch_size", "rollout.device", "rollout.weight_sync", "env.max_stuck_calls", "env.max_calls_in_flight",
     "parallel", "log", "sft",
 )
 
