@@ -15,8 +15,8 @@ generate_requests / wall), sampled tokens per second, and the engine calls it to
     python benchmarks/rollout_throughput.py                  # embedded engine, tiny Qwen3, fp32
     python benchmarks/rollout_throughput.py --out benchmarks/results/rollout_throughput_cpu.md
 
-Only the embedded engine so far: the vLLM pool's column (prefix-cache hit rate with and without
-affinity) is not built yet. Async on the embedded engine is its serving loop (continuous batching,
+The embedded engine; a pool of vLLM servers, with prefix affinity and without, is
+benchmarks/rollout_affinity.py. Async on the embedded engine is its serving loop (continuous batching,
 rollout/decoding.py): requests join the running batch at every decode step.
 The machine may be shared: the table prints the 1-minute load average.
 """
