@@ -168,6 +168,12 @@ class VllmEngine:
         abort() ends it."""
         return self.generation.generate(requests, lambda: self.policy_version)
 
+    async def sample(self, request: Request) -> Sample:
+        """One request's sample, awaited from any event loop; it comes back as soon as its answer does
+        (engine.py `SamplesEach`; rollout/requests.py awaits each request of a rollout so). Raises
+        GenerationAborted when abort() ends it."""
+        return await self.generation.sample(request, lambda: self.policy_version)
+
     def abort(self) -> None:
         """Make the generate() call in flight raise GenerationAborted; return once it has ended,
         none of its requests still running (at once when none runs). No call starts until
@@ -199,5 +205,5 @@ class VllmEngine:
 
     def close(self) -> None:
         """Stop the servers (if ours), the request threads, and delete the weight folders it was given."""
-        self.fleet.close()
         self.generation.close()
+        self.fleet.close()

@@ -133,7 +133,8 @@ class VllmConfig:
       keep_weight_dirs: exported weight directories kept on disk (the newest ones).
 
     Client behaviour:
-      max_concurrency: requests in flight at once (one request per sample).
+      max_concurrency: requests in flight at once per server (one request per sample, each a coroutine,
+          no thread; generation.py).
       affinity: in a pool, send a request to the server that holds the longest known prefix of
           its tokens (a prompt's samples, a trajectory's later turns: its prefix cache has them)
           unless that server is well past the least loaded one (pool.py, affinity.py); false:
