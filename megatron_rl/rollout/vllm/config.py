@@ -144,9 +144,10 @@ class VllmConfig:
       startup_timeout_s: server start until /health answers. health_timeout_s: one health check.
       health_interval_s: how often a running generate() checks that the server is alive.
       max_retries: bad responses / transient errors retried per sample before raising.
-      retry_backoff_s: first backoff (doubles per retry round).
-      max_restarts: server restarts allowed within one generate() call (all servers of a pool
-          together) and per server within one load_weights_from() call.
+      retry_backoff_s: first backoff (doubles per retry of a sample).
+      max_restarts: server restarts allowed within one generate() call, or one stretch of requests
+          in flight without a break (all servers of a pool together), and per server within one
+          load_weights_from() call.
       warmup: send one short request after start (vLLM compiles an op on the first log-prob
           request: ~30 s on CPU) so the first generate() is not charged for it.
     """
