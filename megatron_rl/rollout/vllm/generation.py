@@ -276,7 +276,7 @@ class Generation:
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
-            if failed and self._aborting:  # every request of the call returns first: nothing of it runs on
+            if self._aborting:  # every request of the call returns first: nothing of it runs on
                 await asyncio.wait(tasks)
                 raise GenerationAborted("vLLM generation aborted for a weight update")
             if failed:
