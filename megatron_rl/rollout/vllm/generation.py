@@ -283,8 +283,14 @@ class Generation:
                 raise failed[0].exception()
             return [t.result() for t in tasks]
         finally:
-            for t in tasks:
-                t.cancel()  # after a fatal error (or when the caller cancelled): the rest are not waited for
+            left = [t for t in tasks if not t.done()]  # after a fatal error, or when the caller cancelled
+            for t in left:
+                t.cancel()  # their connections close: a moment, not their answers
+            if left:
+                await asyncio.wait(left)  # so that once no call is active, no request holds a slot
+                for t in left:
+                    if not t.cancelled():
+                        t.exception()  # retrieved: only the first error is raised
             self._leave()
 
     def _enter(self) -> None:
@@ -371,10 +377,15 @@ class Generation:
 
     async def _place(self, work: int, tokens: list[int]) -> Replica:
         """The server a request goes to (pool.py's choice among those below their bound of
-        max_concurrency requests in flight), waiting for a slot or a server to come back."""
+        max_concurrency requests in flight), waiting for a slot or a server to come back. While
+        every slot is taken (servers x max_concurrency) the request waits without asking the pool:
+        it is placed, or told that no server can serve, only once it could be sent."""
         while True:
             if self._aborting:
                 raise GenerationAborted("vLLM generation aborted for a weight update")
+            if sum(self._slots.values()) >= self.cfg.max_concurrency * len(self._slots):
+                await self._changes(None)  # every slot taken: the pool is asked once one frees
+                continue
             full = frozenset(k for k, n in self._slots.items() if n >= self.cfg.max_concurrency)
             replica = self.fleet.pool.take(work, tokens, full)
             if replica is not None:
