@@ -590,8 +590,9 @@ class EnvSection:
         goes turn -> environment -> turn on its own, and the engine gets the requests pending
         whenever it is free, so none waits for the slowest environment (a sample's numbers then
         depend on which requests shared its batch, by the engine's batch-shape noise: fp32 ~1e-6).
-        With the embedded engine, async requests join its running batch at every decode step:
-        1.4x lockstep's rollout throughput at 1-4 turns, 2.3x at 1-8, with a heavy-tailed
+        With the vLLM engine each async request is sent as it comes (its own HTTP request; the
+        server batches). With the embedded engine, async requests join its running batch at every
+        decode step: 1.4x lockstep's rollout throughput at 1-4 turns, 2.3x at 1-8, with a heavy-tailed
         environment on 2 CPU cores (benchmarks/rollout_throughput.py). Lockstep stays the default
         for its bit-exact resume.
     check_render: also re-encode every trajectory's text and count the trajectories whose ids

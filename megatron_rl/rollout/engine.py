@@ -116,6 +116,17 @@ class Serves(Protocol):
         closed and empty."""
 
 
+@runtime_checkable
+class SamplesEach(Protocol):
+    """An engine whose requests are coroutines of their own (the vLLM engine: one HTTP request each,
+    rollout/vllm/generation.py): rollout/requests.py awaits each request as it comes, and a sample
+    comes back as soon as its answer does, whatever else is in flight."""
+
+    async def sample(self, request: Request) -> Sample:
+        """The sample of `request`, awaited from any event loop (cancelling the await cancels the
+        request)."""
+
+
 class Pausable(Protocol):
     """An engine whose generation can be parked mid-way for a weight update (partial rollouts,
     train.in_flight_update=pause|abort; rollout/pausing.py). Called from the trainer's thread while

@@ -13,7 +13,8 @@
 Every trajectory is a coroutine: its turns go to the engine as single requests
 (rollout/requests.py), its environment calls run in threads with their deadline. With
 env.turns=async it goes on as soon as its own environment answers, beside trajectories at other
-turns (the engine gets the requests pending whenever it is free): none waits for the slowest. With
+turns (the engine gets the requests pending whenever it is free, or each as it comes: the
+vLLM engine, rollout/requests.py): none waits for the slowest. With
 env.turns=lockstep (the default) every engine call holds one request of every running trajectory
 (bit-exact calls and resumes, each turn waiting for the slowest environment).
 

@@ -13,6 +13,10 @@ together) are handed to the engine together, after that pass: the engine sees th
         step (continuous batching, rollout/decoding.py); each sample comes back as soon as its
         sequence ends. A trajectory whose environment answered goes on at once, beside
         trajectories at other turns: none waits for the slowest environment or the longest answer.
+    together=False, an engine whose requests are coroutines (engine.py `SamplesEach`: the vLLM
+        engine): each request is awaited on its own as it comes (`engine.sample`, one HTTP request
+        on the engine's loop, rollout/vllm/generation.py); its sample comes back as soon as its
+        answer does, while the others run on.
     together=False, any other engine: whenever no engine call runs, every pending request goes out
         as one `engine.generate_requests` call in a worker thread (the event loop keeps serving the
         environments meanwhile).
@@ -28,8 +32,8 @@ An engine error (GenerationAborted for a weight update, a dead server) is raised
 it leaves unfinished; the caller's task group then cancels the others (multi_turn raises it).
 
 Cost: O(pending requests) host memory; one worker thread for the engine (a call, or the serving
-loop for the whole rollout); no thread per request (the engine's own requests are its business:
-vLLM's pool, rollout/vllm/generation.py).
+loop for the whole rollout), none for a `SamplesEach` engine (its requests run on its own loop:
+one thread for the engine, whatever the requests in flight); no thread per request.
 """
 from __future__ import annotations
 
@@ -40,18 +44,19 @@ from collections.abc import AsyncIterator
 from typing import Self
 
 from megatron_rl.rollout.decoding import Inbox
-from megatron_rl.rollout.engine import Serves
+from megatron_rl.rollout.engine import SamplesEach, Serves
 from megatron_rl.rollout.types import Request, Sample
 
 
 class RequestQueue:
     """See the module docstring. engine: has `generate_requests(list[Request]) -> list[Sample]`, and
-    may serve (engine.py `Serves`); together: lockstep dispatch. Lives inside one event loop (one
+    may serve (engine.py `Serves`) or take each request as a coroutine (`SamplesEach`); together: lockstep dispatch. Lives inside one event loop (one
     rollout call): `async with` it, so a serving engine's loop ends with the block."""
 
     def __init__(self, engine, together: bool = False):
         self.engine, self.together = engine, together
         self.streaming = not together and isinstance(engine, Serves)
+        self.each = not together and not self.streaming and isinstance(engine, SamplesEach)
         self._pending: list[tuple[Request, asyncio.Future]] = []
         self._members = 0
         self._running = False
@@ -84,6 +89,9 @@ class RequestQueue:
 
     async def sample(self, request: Request) -> Sample:
         """The engine's sample for `request`."""
+        if self.each:
+            self.calls.append(1)
+            return await self.engine.sample(request)
         future = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
         self._kick()

@@ -48,13 +48,16 @@ HOLD_GUARD_S = 600.0  # a held-back request waits at most this long for the faul
 
 
 def fault_after_first_answer(monkeypatch, fault, url: str | None = None) -> threading.Event:
-    """Patch the client's request_json so that `fault()` runs once, as soon as a request (to
-    `url`; None: any) has been answered, while the first such request is held back (not sent)
-    until then: the call making them is unfinished when the fault strikes, however fast or slow
-    the machine. Returns the event set once it has struck (monkeypatch.undo() ends the patch)."""
-    import megatron_rl.rollout.vllm.generation as client_module
+    """Patch the engine's requests (ahttp.request_json, awaited on the engine's loop) so that
+    `fault()` runs once, as soon as a request (to `url`; None: any) has been answered, while the
+    first such request is held back (not sent) until then: the call making them is unfinished when
+    the fault strikes, however fast or slow the machine. Returns the event set once it has struck
+    (monkeypatch.undo() ends the patch)."""
+    import asyncio
 
-    real = client_module.request_json
+    from megatron_rl.rollout.vllm import ahttp
+
+    real = ahttp.request_json
     lock = threading.Lock()
     state = {"calls": 0}
     struck = threading.Event()
@@ -65,24 +68,24 @@ def fault_after_first_answer(monkeypatch, fault, url: str | None = None) -> thre
                 fault()
                 struck.set()
 
-    def request_json(where, *args, **kwargs):
+    async def request_json(session, where, *args, **kwargs):
         if url is not None and where != url:
-            return real(where, *args, **kwargs)
+            return await real(session, where, *args, **kwargs)
         with lock:
             state["calls"] += 1
             held = state["calls"] == 1 and not struck.is_set()
         if held:
-            assert struck.wait(HOLD_GUARD_S), "the server answered no request"
-            return real(where, *args, **kwargs)
+            assert await asyncio.to_thread(struck.wait, HOLD_GUARD_S), "the server answered no request"
+            return await real(session, where, *args, **kwargs)
         try:
-            out = real(where, *args, **kwargs)
+            out = await real(session, where, *args, **kwargs)
         except BaseException:
             strike()  # no answer at all (cannot happen on a healthy server): never leave the held one waiting
             raise
         strike()  # the event: the server has answered a request of the call
         return out
 
-    monkeypatch.setattr(client_module, "request_json", request_json)
+    monkeypatch.setattr(ahttp, "request_json", request_json)
     return struck
 
 

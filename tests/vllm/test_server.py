@@ -3,6 +3,7 @@ weight sync with the parity probe, in-memory sync into a second server equal to 
 from disk, multi-turn trajectories equal to the embedded engine's, that it serves no one without
 its key, and abort or pause (partial rollouts) for an in-flight weight update. One server for the
 module, and one more for the in-memory sync (a start costs ~30-80 s)."""
+import asyncio
 import os
 import threading
 from collections.abc import Sequence
@@ -193,7 +194,8 @@ def echo_env():
 def test_multi_turn_trajectories_equal_the_embedded_engines(engine, models, echo_env):
     """fp32 greedy multi_turn over the server and over the embedded engine on the same weights:
     the same ids turn by turn (each later turn's prompt is the token ids so far, never re-encoded
-    text), the same loss masks, and log-probs that agree to 1e-4."""
+    text), the same loss masks, and log-probs that agree to 1e-4; over the server, async turns
+    (a request at a time) give the lockstep ones."""
     (_, weights_a), _ = models
     push(engine, weights_a, 5)  # whatever an earlier test left on the server
     embedded = EmbeddedEngine(ARCH, dtype="fp32")
@@ -216,6 +218,12 @@ def test_multi_turn_trajectories_equal_the_embedded_engines(engine, models, echo
     diff = max(float((a.rollout_logprobs - b.rollout_logprobs).abs().max())
                for a, b in zip(served.samples, local.samples))
     print(f"\nmulti_turn, 8 trajectories of 3 turns: max |vLLM - embedded| log-prob {diff:.2e}")
+    # turns=async: each request its own coroutine on the engine's loop (engine.sample), the same trajectories
+    each = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name="echo_parity", max_turns=3, max_tokens=40,
+                                                           turns="async")))(engine, examples, 2, sampling)
+    for a, b in zip(each.samples, served.samples, strict=True):
+        assert a.response_ids.tolist() == b.response_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
+        torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=1e-4, rtol=0)
 
 
 def _group_pids(pgid: int) -> list[int]:
@@ -271,27 +279,31 @@ def test_abort_ends_the_call_in_flight_on_the_server_and_the_next_call_samples(e
     /abort_requests), returns once every request has returned, and the call raises GenerationAborted.
     The call's first request is held back until the abort has reached the server (an event), so the
     call is still running when abort() is called, however fast the machine."""
-    from megatron_rl.rollout.vllm import generation
+    from megatron_rl.rollout.vllm import ahttp, generation
 
-    real = generation.request_json
+    real, real_async = generation.request_json, ahttp.request_json
     lock, first = threading.Lock(), [True]
     sent, aborted, answers = threading.Event(), threading.Event(), {}
 
-    def request_json(where, *args, **kwargs):
+    def request_json(where, *args, **kwargs):  # the control calls, from the trainer's thread
         if where.endswith("/abort_requests"):
             try:
                 answers["abort"] = real(where, *args, **kwargs)
                 return answers["abort"]
             finally:
                 aborted.set()
+        return real(where, *args, **kwargs)
+
+    async def generate_request(session, where, *args, **kwargs):  # the requests, on the engine's loop
         with lock:
             held, first[0] = first[0], False
         if held:
             sent.set()
-            assert aborted.wait(HOLD_GUARD_S), "no abort reached the server"
-        return real(where, *args, **kwargs)
+            assert await asyncio.to_thread(aborted.wait, HOLD_GUARD_S), "no abort reached the server"
+        return await real_async(session, where, *args, **kwargs)
 
     monkeypatch.setattr(generation, "request_json", request_json)
+    monkeypatch.setattr(ahttp, "request_json", generate_request)
     outcome = {}
 
     def run():

@@ -8,12 +8,14 @@ talks to it over HTTP on 127.0.0.1:
     env.py          finding / installing the vLLM environment, its device
     launcher.py     LocalServer (child process, health, stop on exit) / RemoteServer (a URL)
     http.py         stdlib JSON over HTTP: one deadline per request, a capped answer, failures sorted
+    ahttp.py        the same contract over async HTTP (aiohttp): the generate requests, as coroutines
+    loop.py         LoopThread: the event loop (one thread) the engine's requests run on
     protocol.py     request bodies, answer size caps, strict answer validation, log-prob mode semantics
     client.py       VllmEngine: the RolloutEngine contract, a facade over the next four
     servers.py      the servers as configured: flags, environment, devices
     pool.py         ServerPool: several servers, least-loaded placement, each one's state
     fleet.py        starting the servers, taking a failed one out and restarting it, the counters
-    generation.py   a generate() call: requests, retries, failover, abort for a weight update
+    generation.py   requests as coroutines: retries, failover, abort / pause for a weight update
     updates.py      weight syncs into the servers and the parity probe after each
     transfer.py     MemorySync: in-memory weight sync over vLLM's weight-transfer API (default)
     weight_sync.py  the weight syncs it takes (TAKES); DiskReloadSync, RestartSync of a weights folder; the refusals

@@ -14,7 +14,7 @@ A facade over the modules that do the work, one job each:
     servers.py     the servers as configured: flags, environment, devices (nothing starts)
     pool.py        which server takes the next request; each server's state and counters
     fleet.py       starting the servers, taking a failed one out and restarting it; the counters
-    generation.py  a generate() call: requests, retries, failover, abort or pause for a weight update
+    generation.py  requests as coroutines: retries, failover, abort or pause for a weight update
     updates.py     weight syncs (memory / disk) and the parity probe after them
 
 Servers. `rollout.vllm.num_servers` launched ones or the `urls` given (pool.py): every sync
@@ -66,7 +66,8 @@ class VllmEngine:
     (VllmUnsupportedError): MoE + in-place reload on CPU, routed experts (R3) on CPU. The servers
     start at the first sync, on those weights.
 
-    Cost: per generate() call, one request per sample spread over the servers (generation.py);
+    Cost: one request per sample spread over the servers, a coroutine each on one event loop
+    thread, at most max_concurrency in flight per server (generation.py);
     per sync, each server loads the whole model and answers one parity probe (updates.py).
     """
 
@@ -168,6 +169,12 @@ class VllmEngine:
         abort() ends it."""
         return self.generation.generate(requests, lambda: self.policy_version)
 
+    async def sample(self, request: Request) -> Sample:
+        """One request's sample, awaited from any event loop; it comes back as soon as its answer does
+        (engine.py `SamplesEach`; rollout/requests.py awaits each request of a rollout so). Raises
+        GenerationAborted when abort() ends it."""
+        return await self.generation.sample(request, lambda: self.policy_version)
+
     def abort(self) -> None:
         """Make the generate() call in flight raise GenerationAborted; return once it has ended,
         none of its requests still running (at once when none runs). No call starts until
@@ -198,6 +205,6 @@ class VllmEngine:
         return {**self.fleet.stats, **self.fleet.pool.stats()}
 
     def close(self) -> None:
-        """Stop the servers (if ours), the request threads, and delete the weight folders it was given."""
-        self.fleet.close()
+        """Stop the requests' loop, the servers (if ours), and delete the weight folders it was given."""
         self.generation.close()
+        self.fleet.close()

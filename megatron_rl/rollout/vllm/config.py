@@ -133,7 +133,8 @@ class VllmConfig:
       keep_weight_dirs: exported weight directories kept on disk (the newest ones).
 
     Client behaviour:
-      max_concurrency: requests in flight at once (one request per sample).
+      max_concurrency: requests in flight at once per server (one request per sample, each a coroutine,
+          no thread; generation.py).
       affinity: in a pool, send a request to the server that holds the longest known prefix of
           its tokens (a prompt's samples, a trajectory's later turns: its prefix cache has them)
           unless that server is well past the least loaded one (pool.py, affinity.py); false:
@@ -143,9 +144,10 @@ class VllmConfig:
       startup_timeout_s: server start until /health answers. health_timeout_s: one health check.
       health_interval_s: how often a running generate() checks that the server is alive.
       max_retries: bad responses / transient errors retried per sample before raising.
-      retry_backoff_s: first backoff (doubles per retry round).
-      max_restarts: server restarts allowed within one generate() call (all servers of a pool
-          together) and per server within one load_weights_from() call.
+      retry_backoff_s: first backoff (doubles per retry of a sample).
+      max_restarts: server restarts allowed within one generate() call, or one stretch of requests
+          in flight without a break (all servers of a pool together), and per server within one
+          load_weights_from() call.
       warmup: send one short request after start (vLLM compiles an op on the first log-prob
           request: ~30 s on CPU) so the first generate() is not charged for it.
     """

@@ -13,7 +13,8 @@ in-memory sync (updates.py), is taken out of the pool and stopped (its other req
 again; with weight_sync=memory on random weights, and it stays out (STALE) until the next
 update_weights() reaches it (the engine holds no copy of the streamed weights to push them at
 once; the sync waits for a restart in progress, so the next one always includes it). More than
-`max_restarts` restarts within one generate() call (all servers together), a server at a URL
+`max_restarts` restarts while requests run without a break (one generate() call, or a rollout's
+requests; all servers together), a server at a URL
 (never restarted by us), or weight_sync=memory with no other server left: the server stays
 out, and when none is left VllmServerDiedError (the trainer checkpoints and stops). Never a
 restart once `stopping()` is true (the run got SIGTERM or Ctrl-C): VllmServerDiedError.
@@ -52,7 +53,7 @@ log = logging.getLogger("megatron_rl.rollout.vllm")
 
 class Fleet:
     """The pool's servers and what keeps them up (module docstring); also the engine's counters
-    (`stats`, guarded by `lock` with the restart decisions, shared with the request threads)."""
+    (`stats`, guarded by `lock` with the restart decisions, shared with the engine's request loop)."""
 
     def __init__(self, arch: ModelArch, cfg: VllmConfig, root: str, pool: ServerPool,
                  stopping: Callable[[], bool]):
@@ -65,7 +66,7 @@ class Fleet:
         self.lock = threading.Lock()
         self.stats: dict[str, float] = {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0,
                                         "vllm/requests": 0, "vllm/weight_syncs": 0}
-        self.call_restarts = 0  # restarts in the generate() call running now
+        self.call_restarts = 0  # restarts since requests last started after a break (generation.py)
         self.started = self.closed = False
         self.paused: set[int] = set()  # the servers (index) whose requests are frozen for a weight update (generation.py)
         self._restarter = ThreadPoolExecutor(len(pool), thread_name_prefix="vllm-restart")
@@ -190,8 +191,8 @@ class Fleet:
         if self.stopping():
             return f"vLLM server at {server.url} failed ({reason}); not restarted: the run is stopping"
         if self.call_restarts >= self.cfg.max_restarts:
-            return (f"the vLLM server failed again ({reason}) after {self.call_restarts} restarts in this "
-                    f"generate() call (rollout.vllm.max_restarts). Log: {server.log_where}")
+            return (f"the vLLM server failed again ({reason}) after {self.call_restarts} restarts while "
+                    f"requests ran without a break (rollout.vllm.max_restarts). Log: {server.log_where}")
         if replica.memory is not None and not others:
             return self._none_left(replica, reason)
         return None

@@ -1,24 +1,29 @@
-"""One generate() call of a VllmEngine: the requests, their retries, and a weight update in the middle.
+"""A VllmEngine's requests as coroutines: their retries, failover, and a weight update in the middle.
 
     gen = Generation(arch, cfg, fleet, logprobs_mode, max_model_len, max_logprobs)
-    samples = gen.generate(requests, version)      # one per rollout/types.py Request, in order
-    gen.abort() | gen.pause(); push the weights; gen.resume()       # trainer thread, while it runs
+    samples = gen.generate(requests, version)      # one per rollout/types.py Request, in order (blocks)
+    sample = await gen.sample(request, version)    # one request, from any event loop (rollout/requests.py)
+    gen.abort() | gen.pause(); push the weights; gen.resume()       # trainer thread, while they run
 
 Requests. One vLLM token-in/token-out request (`/inference/v1/generate`, protocol.py) per
 `Request` of the call (rollout/types.py; a generate() call's sample j of prompt i is request (i, j)
 of `requests_of`), each with its own sampling settings: token ids in; token ids, per-token sampled
-log-probs and each token's weight version out; up to `max_concurrency` in flight from a thread
-pool; a server batches them (continuous batching). A request with stream (i, j) carries the seed
+log-probs and each token's weight version out. Each request is one coroutine on the engine's event
+loop (loop.py: one thread for all of them) over async HTTP (ahttp.py), placed by the pool when it
+may be sent (pool.py: least work in flight, prefix affinity) on a server with fewer than
+`max_concurrency` of this engine's requests in flight (the per-server bound); a server batches
+them (continuous batching). `generate` is one call of many requests, `sample` a call of one: each
+sample of `sample` comes back as soon as its answer does. A request with stream (i, j) carries the seed
 `stream_seed(sampling.seed, i, j)`, the
 same derivation the embedded engine uses, so a sample depends on (weights, prompt, seed, i, j)
 only: not on batching, concurrency, retries or which server ran it. (The two engines draw
 different numbers from their streams, so their samples differ.)
 
-Failures. Results are kept by request index as they arrive; a key is stored once and the call returns
-only when every key has a validated sample.
+Failures. Each request retries on its own; a call returns once every request has a validated
+sample, and raises the first request's error that is not retried (the others are then cancelled).
 - bad answer (malformed JSON, wrong lengths, missing / non-finite log-probs, inconsistent finish
   reason, longer than any valid answer to its request: protocol.generate_answer_cap, read no
-  further than that): counted in `vllm/bad_responses`, retried up to `max_retries` times per sample, then
+  further than that): counted in `vllm/bad_responses`, retried after a backoff up to `max_retries` times per sample, then
   VllmBadResponseError.
 - HTTP 5xx or a dropped connection while the server stays healthy: retried (`vllm/retries`) with
   exponential backoff, up to `max_retries` per sample. HTTP 4xx: VllmRequestError at once.
@@ -26,12 +31,12 @@ only when every key has a validated sample.
   or hung (no whole answer within `request_timeout_s`, one deadline from connect to last byte:
   a server that trickles bytes is hung too): the server is taken out and restarted (fleet.py), and its
   unfinished samples are sent again at once (to the other servers; with one server, to it once
-  it is back).
+  it is back). `max_restarts` counts the restarts while calls run without a break.
 
-Abort (train.in_flight_update=abort). `abort()` ends the call in flight: requests not yet sent
+Abort (train.in_flight_update=abort). `abort()` ends the calls in flight: requests not yet sent
 are dropped, each server is asked to end the ones it runs (vLLM's `/abort_requests`, no ids:
-all of them; the servers serve this engine alone, whose syncs set their weights), the call
-waits until every request thread has returned and raises GenerationAborted (its samples are
+all of them; the servers serve this engine alone, whose syncs set their weights), each call
+waits until every request of it has returned and raises GenerationAborted (its samples are
 lost: the schedule generates them again on the new weights). A server without the development
 endpoints (VLLM_SERVER_DEV_MODE=0: weight_sync=restart, or a server at a URL started without
 it) answers 404 and its requests run to their end (at most max_tokens each) before abort()
@@ -48,23 +53,29 @@ Each answer's weight-version spans (protocol.py) give every token's version: the
 the update carry the old one (Sample.token_versions). The call sees a pause only as slower
 requests.
 
-Cost: per call, one request per sample spread over the servers (pool.py); the waits are
-event-driven (no polling beyond the health check every health_interval_s); an abort or a pause
-costs one small request per server.
+Cost: one request per sample spread over the servers (pool.py); per request in flight a coroutine
+and a socket (no thread), and at most its answer cap of memory (protocol.generate_answer_cap), so
+at most servers x max_concurrency of them; the answers are parsed on the loop (O(answer) each).
+Threads: the loop's one, plus at most servers + 1 for the blocking checks of failures (alive(),
+taking a server out).
+The waits are event-driven (no polling beyond the health check every health_interval_s while
+calls run); an abort or a pause costs one small request per server, from the trainer's thread.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.types import Request, Sample, check_requests, stream_seed
+from megatron_rl.rollout.vllm import ahttp
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import (
     AnswerTooLarge,
@@ -77,6 +88,7 @@ from megatron_rl.rollout.vllm.errors import (
 )
 from megatron_rl.rollout.vllm.fleet import Fleet
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
+from megatron_rl.rollout.vllm.loop import LoopThread
 from megatron_rl.rollout.vllm.pool import READY, Replica
 from megatron_rl.rollout.vllm.protocol import (
     GENERATE,
@@ -89,8 +101,6 @@ from megatron_rl.rollout.vllm.protocol import (
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
-Key = int  # a request's index in its call
-
 
 class _Failed(Exception):
     """A request that failed on `replica` while it ran its start number `epoch`."""
@@ -100,46 +110,88 @@ class _Failed(Exception):
         self.error, self.replica, self.epoch = error, replica, epoch
 
 
-class _Dropped(Exception):
-    """A request not sent: the call was aborted before its turn."""
-
-
 class Generation:
-    """Sends a call's requests and collects their samples (module docstring)."""
+    """Sends requests and collects their samples (module docstring). The state below the loop
+    line is the loop's: touched only by coroutines on it (the trainer thread goes through
+    `LoopThread.call`)."""
 
     def __init__(self, arch: ModelArch, cfg: VllmConfig, fleet: Fleet, logprobs_mode: str, max_model_len: int,
                  max_logprobs: int):
         self.arch, self.cfg, self.fleet = arch, cfg, fleet
         self.logprobs_mode, self.max_model_len, self.max_logprobs = logprobs_mode, max_model_len, max_logprobs
         self.stats = fleet.stats
-        self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="vllm-request")
-        self._cond = threading.Condition()  # the abort state below, shared with the trainer thread
-        self._held = False  # between abort() / pause() and resume(): no call starts
-        self._active = False  # a call is running
-        self._aborting = threading.Event()  # set by abort(): the running call ends; wakes its waits
-        self._wake: Future | None = None  # done when the running call is aborted: wakes its wait()
+        self._start_lock = threading.Lock()
+        self._loop: LoopThread | None = None  # started by the first request
+        # the blocking checks of a failed request (alive(), fleet.lose): close() waits for them
+        self._control = ThreadPoolExecutor(len(fleet.replicas) + 1, thread_name_prefix="vllm-control")
+        # ---- the loop's
+        self._session = None  # ahttp session, made on the loop
+        self._open = asyncio.Event()  # set: calls may start (cleared from abort() / pause() to resume())
+        self._open.set()
+        self._aborting = False  # set by abort(): the calls running end with GenerationAborted
+        self._active = 0  # calls running (a generate() call, or one request from sample())
+        self._idle = asyncio.Event()  # set while no call runs
+        self._idle.set()
+        self._changed = asyncio.Event()  # replaced once set: wakes the requests waiting for a slot
+        self._slots = {r.index: 0 for r in fleet.replicas}  # requests in flight per server
+        self._watch: asyncio.Task | None = None  # the health check while calls run
 
-    # ---- abort (the trainer thread) -------------------------------------------------------------
+    # ---- the loop -------------------------------------------------------------------------------
+    def _started(self) -> LoopThread:
+        with self._start_lock:
+            if self._loop is None:
+                self._loop = LoopThread("vllm-requests")
+                self.fleet.pool.on_change.append(self._wake_threadsafe)
+            return self._loop
+
+    def _wake_threadsafe(self) -> None:
+        try:
+            self._loop.loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed: nobody waits
+            pass
+
+    def _wake(self) -> None:
+        """Wake every request waiting for a slot, a server or an abort (on the loop)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _changes(self, timeout: float | None) -> bool:
+        """Wait for _wake() (False: `timeout` passed first)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    # ---- abort and pause (the trainer thread) ---------------------------------------------------
     def abort(self) -> None:
-        """Make the call in flight raise GenerationAborted; return once it has ended (at once when
-        none runs). Calls wait for resume() before starting."""
-        with self._cond:
-            self._held = True
-            if not self._active:
-                return
-            self._aborting.set()
-            if self._wake is not None and not self._wake.done():
-                self._wake.set_result(None)
-            self._cond.wait_for(lambda: not self._active)
+        """Make the calls in flight raise GenerationAborted; return once they have ended (at once
+        when none runs). Calls wait for resume() before starting."""
+        if not self._started().call(self._hold(abort=True)):
+            return
+        with self.fleet.lock:
+            self.stats["vllm/aborts"] = self.stats.get("vllm/aborts", 0) + 1
+        self._abort_servers()
+        self._loop.call(self._idle.wait())
+
+    async def _hold(self, abort: bool) -> bool:
+        """No call starts until resume(); with `abort`, the running ones end. -> whether any runs."""
+        self._open.clear()
+        if abort and self._active:
+            self._aborting = True
+            self._wake()
+        return self._active > 0
+
+    async def _release(self) -> None:
+        self._aborting = False
+        self._open.set()
 
     def pause(self) -> None:
-        """Freeze the call in flight on every READY server (module docstring); return once they all
+        """Freeze the calls in flight on every READY server (module docstring); return once they all
         are (at once when no call runs). Calls wait for resume() before starting. A server that
         does not answer is taken out (its requests go to the others after resume)."""
-        with self._cond:
-            self._held = True
-            active = self._active
-        if not active:
+        if not self._started().call(self._hold(abort=False)):
             return
         with self.fleet.lock:
             self.stats["vllm/pauses"] = self.stats.get("vllm/pauses", 0) + 1
@@ -160,9 +212,7 @@ class Generation:
     def resume(self) -> None:
         """End an abort() or a pause(): frozen requests go on (on the weights pushed meanwhile)."""
         self._resume_servers()
-        with self._cond:
-            self._held = False
-            self._cond.notify_all()
+        self._started().call(self._release())
 
     def _resume_servers(self) -> None:
         paused = [r for r in self.fleet.replicas if r.index in self.fleet.paused]
@@ -180,18 +230,6 @@ class Generation:
             except (TransportError, HttpStatusError, BadResponse) as e:
                 self.fleet.lose(r, r.epoch, f"did not resume after a weight update: {e}")
 
-    def _begin(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._held)  # a call never starts during an update
-            self._active = True
-            self._aborting.clear()
-            self._wake = Future()
-
-    def _end(self) -> None:
-        with self._cond:
-            self._active, self._wake = False, None
-            self._cond.notify_all()
-
     def _abort_servers(self) -> None:
         """Ask every READY server to end the requests it runs (see the module docstring). A request
         that reaches its server after this runs to its end: abort() then waits for it. A paused
@@ -208,159 +246,184 @@ class Generation:
             except (TransportError, HttpStatusError, BadResponse) as e:
                 log.info("vLLM %s did not abort its requests (%s): they run to their end", r.name(), e)
 
-    # ---- the call -------------------------------------------------------------------------------
+    # ---- calls ----------------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], version: Callable[[], int]) -> list[Sample]:
         """One sample per request, in order, each tagged `version()` (read once the call may start:
-        a call held by abort() runs on the weights pushed meanwhile)."""
+        a call held by abort() runs on the weights pushed meanwhile). Blocks the calling thread."""
         self._check_args(requests)
-        for sampling in {r.sampling for r in requests}:
-            check_served(self.logprobs_mode, sampling, self.arch.vocab_size)
-        self._begin()
-        try:
-            return self._generate(list(requests), version())
-        finally:
-            self._end()
-
-    def _generate(self, requests: list[Request], policy_version: int) -> list[Sample]:
-        keys = list(range(len(requests)))
-        done: dict[Key, Sample] = {}
-        tries = dict.fromkeys(keys, 0)
-        backoff = self.cfg.retry_backoff_s
-        bad_before = self.stats["vllm/bad_responses"]
-        self.fleet.call_restarts = 0
         replicas = self.fleet.replicas
         t0, tokens0 = time.perf_counter(), [r.tokens for r in replicas]
-        while len(done) < len(keys):
-            if self._aborting.is_set():
-                self._aborted()
-            pending = [k for k in keys if k not in done]
-            ok, failed = self._round(pending, requests, policy_version)
-            for k, s in ok.items():
-                if k in done:
-                    raise AssertionError(f"sample {k} arrived twice")
-                done[k] = s
-            if len(done) < len(keys):
-                self.stats["vllm/retries"] += len(keys) - len(done)
-            self._count_failures(failed, tries, bad_before)
-            if failed and self._aborting.wait(backoff):
-                self._aborted()
-            backoff *= 2 if failed else 1
+        samples = self._started().call(self._call(list(requests), version))
         seconds = time.perf_counter() - t0
         for r, before in zip(replicas, tokens0):
             r.extra["tokens_per_s"] = (r.tokens - before) / seconds
-        return [done[k] for k in keys]
+        return samples
 
-    def _aborted(self):
-        with self.fleet.lock:
-            self.stats["vllm/aborts"] = self.stats.get("vllm/aborts", 0) + 1
-        raise GenerationAborted("vLLM generation aborted for a weight update")
+    async def sample(self, request: Request, version: Callable[[], int]) -> Sample:
+        """The sample of one request, awaited from any event loop (the request runs on the engine's
+        loop; cancelling the await cancels it). A call of its own: abort() ends it, pause() holds
+        its start."""
+        self._check_args([request])
+        future = self._started().submit(self._call([request], version))
+        return (await asyncio.wrap_future(future))[0]
 
-    def _count_failures(self, failed: dict[Key, Exception], tries: dict[Key, int], bad_before: float) -> None:
-        for k, e in failed.items():
-            if isinstance(e, HttpStatusError) and e.status < 500:
-                hint = (" (a server at a URL must run with --enable-scale-out, which mounts the token-in/token-out "
-                        "endpoint)" if e.status in (403, 404) else "")
-                raise VllmRequestError(f"the vLLM server refused sample {k}: {e}{hint}", e.status)
-            if isinstance(e, BadResponse):
-                self.stats["vllm/bad_responses"] += 1
-            tries[k] += 1
-        over = [k for k in failed if tries[k] > self.cfg.max_retries]
-        if over:
-            bad = [k for k in over if isinstance(failed[k], BadResponse)]
-            reasons = [f"{k}: {failed[k]}" for k in over[:3]]
-            if bad:
-                count = int(self.stats["vllm/bad_responses"] - bad_before)
-                raise VllmBadResponseError(
-                    f"{len(over)} samples still got invalid answers after {self.cfg.max_retries} retries "
-                    f"({count} bad answers in this call); e.g. {reasons}", count=count, examples=reasons)
-            raise VllmServerDiedError(f"{len(over)} samples kept failing after {self.cfg.max_retries} retries: "
-                                      f"{reasons}")
-
-    def _round(self, keys: list[Key], requests: list[Request], policy_version: int):
-        """Send `keys` once. -> (samples by key, failures by key to retry after a backoff). A
-        request lost with its server is sent again at once (placed on a server that is READY);
-        the server is taken out and restarted (fleet.lose). On abort: waits for every request
-        sent, then raises GenerationAborted."""
-        def send(key: Key) -> Future:
-            self.stats["vllm/requests"] += 1
-            return self._pool.submit(self._one, requests[key], policy_version)
-
-        futures: dict[Future, Key] = {send(k): k for k in keys}
-        ok: dict[Key, Sample] = {}
-        failed: dict[Key, Exception] = {}
-        last_check = time.monotonic()
+    async def _call(self, requests: list[Request], version: Callable[[], int]) -> list[Sample]:
+        while not self._open.is_set():  # a call never starts during an update
+            await self._open.wait()
+        policy_version = version()
+        self._enter()
+        tasks = [asyncio.ensure_future(self._request(r, policy_version)) for r in requests]
         try:
-            while futures and not self._aborting.is_set():
-                finished, _ = wait([*futures, self._wake], timeout=self.cfg.health_interval_s,
-                                   return_when=FIRST_COMPLETED)
-                for f in finished - {self._wake}:
-                    key = futures.pop(f)
-                    e = f.exception()
-                    if e is None:
-                        ok[key] = f.result()
-                        continue
-                    if isinstance(e, _Dropped):
-                        continue
-                    if not isinstance(e, _Failed):
-                        raise e
-                    if isinstance(e.error, TransportError) and self._lost(e.replica, e.epoch, e.error):
-                        self.stats["vllm/retries"] += 1
-                        futures[send(key)] = key
-                    else:
-                        failed[key] = e.error
-                if futures and time.monotonic() - last_check >= self.cfg.health_interval_s:
-                    last_check = time.monotonic()
-                    for r in self.fleet.pool.ready():
-                        if r.in_flight and not r.server.alive():
-                            self.fleet.lose(r, r.epoch, "server not alive (process gone or /health not answering)")
-            if self._aborting.is_set():
-                for f in futures:
-                    f.cancel()
-                self._abort_servers()
-                wait(list(futures))  # every request thread has returned: nothing of this call runs on
-                futures = {}
-                self._aborted()
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+            if self._aborting:  # every request of the call returns first: nothing of it runs on
+                await asyncio.wait(tasks)
+                raise GenerationAborted("vLLM generation aborted for a weight update")
+            if failed:
+                raise failed[0].exception()
+            return [t.result() for t in tasks]
         finally:
-            for f in futures:  # only after a fatal error: the rest are not waited for
-                f.cancel()
-        return ok, failed
+            left = [t for t in tasks if not t.done()]  # after a fatal error, or when the caller cancelled
+            for t in left:
+                t.cancel()  # their connections close: a moment, not their answers
+            if left:
+                await asyncio.wait(left)  # so that once no call is active, no request holds a slot
+                for t in left:
+                    if not t.cancelled():
+                        t.exception()  # retrieved: only the first error is raised
+            self._leave()
 
-    def _lost(self, replica: Replica, epoch: int, e: TransportError) -> bool:
+    def _enter(self) -> None:
+        if self._active == 0:
+            self.fleet.call_restarts = 0  # rollout.vllm.max_restarts counts per burst of calls
+            self._idle.clear()
+            self._watch = asyncio.ensure_future(self._watchdog())
+        self._active += 1
+
+    def _leave(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._watch.cancel()
+            self._idle.set()
+
+    async def _watchdog(self) -> None:
+        """Every health_interval_s while calls run: a READY server with requests in flight whose
+        process is gone or whose /health fails is taken out (its requests fail fast and are resent)."""
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            for r in self.fleet.pool.ready():
+                if r.in_flight and not await self._blocking(r.server.alive):
+                    try:
+                        await self._blocking(self.fleet.lose, r, r.epoch,
+                                                "server not alive (process gone or /health not answering)")
+                    except VllmServerDiedError as e:  # its requests fail with it as they find no server
+                        log.error("%s", e)
+
+    # ---- one request ----------------------------------------------------------------------------
+    async def _request(self, request: Request, policy_version: int) -> Sample:
+        """One request's sample, retried as the module docstring says."""
+        tries, bad, backoff = 0, 0, self.cfg.retry_backoff_s
+        while True:
+            if self._aborting:
+                raise GenerationAborted("vLLM generation aborted for a weight update")
+            try:
+                return await self._one(request, policy_version)
+            except _Failed as failed:
+                e = failed.error
+                if self._aborting:  # ended by the abort (finish_reason "abort"): not a fault
+                    raise GenerationAborted("vLLM generation aborted for a weight update") from None
+                if isinstance(e, TransportError) and await self._lost(failed.replica, failed.epoch, e):
+                    self.stats["vllm/retries"] += 1
+                    continue
+                if isinstance(e, HttpStatusError) and e.status < 500:
+                    hint = (" (a server at a URL must run with --enable-scale-out, which mounts the token-in/"
+                            "token-out endpoint)" if e.status in (403, 404) else "")
+                    raise VllmRequestError(f"the vLLM server refused sample {request.stream}: {e}{hint}",
+                                           e.status) from None
+                if isinstance(e, BadResponse):
+                    self.stats["vllm/bad_responses"] += 1
+                    bad += 1
+                tries += 1
+                if tries > self.cfg.max_retries:
+                    self._give_up(request, e, bad)
+                self.stats["vllm/retries"] += 1
+                await self._changes(backoff)  # an abort ends the wait
+                backoff *= 2
+
+    def _give_up(self, request: Request, e: Exception, bad: int):
+        reason = f"{request.stream}: {e}"
+        if isinstance(e, BadResponse):
+            raise VllmBadResponseError(f"sample {request.stream} still got invalid answers after {self.cfg.max_retries} "
+                                       f"retries ({bad} bad answers); e.g. {reason}", count=bad, examples=[reason])
+        raise VllmServerDiedError(f"sample {request.stream} kept failing after {self.cfg.max_retries} retries: "
+                                  f"{reason}")
+
+    async def _lost(self, replica: Replica, epoch: int, e: TransportError) -> bool:
         """Whether a dropped request went down with its server (-> resend; the server is taken
         out) rather than being a one-off (-> retry after a backoff)."""
         if epoch != replica.epoch or replica.state != READY:
             return True  # in flight when that server went down: already handled
         if e.timed_out:
             reason = f"server hung or too slow: {e}"
-        elif not replica.server.alive():
+        elif not await self._blocking(replica.server.alive):
             reason = f"server died ({e})"
         else:
             return False
-        self.fleet.lose(replica, epoch, reason)
+        await self._blocking(self.fleet.lose, replica, epoch, reason)
         return True
 
-    def _one(self, request: Request, policy_version: int) -> Sample:
-        if self._aborting.is_set():
-            raise _Dropped()
+    async def _blocking(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._control, fn, *args)
+
+    async def _place(self, work: int, tokens: list[int]) -> Replica:
+        """The server a request goes to (pool.py's choice among those below their bound of
+        max_concurrency requests in flight), waiting for a slot or a server to come back. While
+        every slot is taken (servers x max_concurrency) the request waits without asking the pool:
+        it is placed, or told that no server can serve, only once it could be sent."""
+        while True:
+            if self._aborting:
+                raise GenerationAborted("vLLM generation aborted for a weight update")
+            if sum(self._slots.values()) >= self.cfg.max_concurrency * len(self._slots):
+                await self._changes(None)  # every slot taken: the pool is asked once one frees
+                continue
+            full = frozenset(k for k, n in self._slots.items() if n >= self.cfg.max_concurrency)
+            replica = self.fleet.pool.take(work, tokens, full)
+            if replica is not None:
+                self._slots[replica.index] += 1
+                return replica
+            none_ready = not self.fleet.pool.ready()
+            timeout = self.cfg.startup_timeout_s if none_ready else None
+            if not await self._changes(timeout) and not self.fleet.pool.ready():
+                raise VllmServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
+
+    async def _one(self, request: Request, policy_version: int) -> Sample:
         prompt, sampling, (i, j) = list(request.prompt_ids), request.sampling, request.stream
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
         routed = self.arch.num_layers * self.arch.moe_topk if self.cfg.enable_return_routed_experts else 0
         cap = generate_answer_cap(len(prompt), sampling, num_logprobs, routed)
-        with self.fleet.pool.serving(len(prompt) + sampling.max_tokens, self.cfg.startup_timeout_s, prompt) as replica:
-            epoch, server = replica.epoch, replica.server
-            body = generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
-            try:
-                resp = request_json(server.url + GENERATE, body, timeout=self.cfg.request_timeout_s,
-                                    api_key=server.api_key, max_bytes=cap, setting="rollout.vllm.request_timeout_s")
-                out = parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len,
-                                     num_logprobs)
-            except AnswerTooLarge as e:
-                why = AnswerTooLarge(f"{e}, the most a valid answer to a {len(prompt)}-token prompt with max_tokens="
-                                     f"{sampling.max_tokens} and {num_logprobs} top log-probs per token takes (protocol."
-                                     f"generate_answer_cap): the server does not answer as vLLM does")
-                raise _Failed(why, replica, epoch) from e
-            except (TransportError, HttpStatusError, BadResponse) as e:
-                raise _Failed(e, replica, epoch) from e
+        work = len(prompt) + sampling.max_tokens
+        replica = await self._place(work, prompt)
+        self.stats["vllm/requests"] += 1
+        epoch, server = replica.epoch, replica.server
+        if self._session is None:
+            self._session = ahttp.session()
+        body = generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
+        try:
+            resp = await ahttp.request_json(self._session, server.url + GENERATE, body,
+                                            timeout=self.cfg.request_timeout_s, api_key=server.api_key,
+                                            max_bytes=cap, setting="rollout.vllm.request_timeout_s")
+            out = parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len, num_logprobs)
+        except AnswerTooLarge as e:
+            why = AnswerTooLarge(f"{e}, the most a valid answer to a {len(prompt)}-token prompt with max_tokens="
+                                 f"{sampling.max_tokens} and {num_logprobs} top log-probs per token takes (protocol."
+                                 f"generate_answer_cap): the server does not answer as vLLM does")
+            raise _Failed(why, replica, epoch) from e
+        except (TransportError, HttpStatusError, BadResponse) as e:
+            raise _Failed(e, replica, epoch) from e
+        finally:
+            self.fleet.pool.release(replica, work)
+            self._slots[replica.index] -= 1
+            self._wake()
         self.fleet.pool.add_tokens(replica, len(out.ids), [*prompt, *out.ids.tolist()])
         routed_experts = None
         if self.cfg.enable_return_routed_experts:
@@ -385,6 +448,13 @@ class Generation:
                                  f"(rollout.vllm.max_model_len)")
             if r.sampling.return_kept_ids and self.max_logprobs < 1:
                 raise VllmUnsupportedError("return_kept_ids needs rollout.vllm.max_logprobs >= 1")
+        for sampling in {r.sampling for r in requests}:
+            check_served(self.logprobs_mode, sampling, self.arch.vocab_size)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the requests still running and the loop's thread."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            session = self._session
+            loop.close(session.close() if session is not None else None)
+        self._control.shutdown(wait=True)  # a restart it began has started (fleet.close stops it)

@@ -189,7 +189,11 @@ def _timed_out(url: str, timeout: float, setting: str | None) -> TransportError:
 def request_json(url: str, body: dict | None = None, timeout: float = 60.0, api_key: str | None = None,
                  max_bytes: int = CONTROL_MAX_BYTES, setting: str | None = None):
     """`request` and decode JSON (an empty answer is None); BadResponse if it is not JSON."""
-    raw = request(url, body, timeout, api_key=api_key, max_bytes=max_bytes, setting=setting)
+    return decode_json(request(url, body, timeout, api_key=api_key, max_bytes=max_bytes, setting=setting), url)
+
+
+def decode_json(raw: bytes, url: str):
+    """An answer's JSON (an empty answer is None); BadResponse if it is not JSON."""
     if not raw.strip():
         return None
     try:

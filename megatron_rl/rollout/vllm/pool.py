@@ -6,8 +6,8 @@ server's state and counters.
         request_json(replica.server.url + "/inference/v1/generate", ...)
     pool.set_state(replica, DOWN)            # excluded until it is ready again
 
-Placement. A request is placed when a request thread is free to send it (not when generate()
-queues it), on the READY server with the least work in flight, work = prompt tokens + max_tokens
+Placement. A request is placed when it may be sent (a free slot of the per-server bound,
+generation.py), on the READY server with the least work in flight, work = prompt tokens + max_tokens
 (the KV cache it may need); ties go to the lower index. A slow server (fewer devices, a longer
 queue) so gets fewer requests, and a server that dies is simply not picked any more. With
 affinity (rollout.vllm.affinity, affinity.py), a request whose tokens start with a prefix the pool
@@ -30,7 +30,7 @@ bounded (affinity.py); nothing grows with model or batch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -76,6 +76,7 @@ class ServerPool:
         self._cond = threading.Condition()
         self.prefixes = PrefixTable() if affinity and len(replicas) > 1 else None
         self.affinity_requests = self.affinity_tokens = 0
+        self.on_change: list[Callable[[], None]] = []  # called after each state change, from any thread
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -90,6 +91,8 @@ class ServerPool:
             if state != READY and self.prefixes is not None:  # a restart empties its cache
                 self.prefixes.forget(replica.index)
             self._cond.notify_all()
+        for wake in self.on_change:
+            wake()
 
     def hopeless(self) -> bool:
         """No server is READY and none is on its way back (DOWN = a restart in progress)."""
@@ -99,17 +102,26 @@ class ServerPool:
     def _pick(self, timeout: float, work: int, tokens) -> Replica:
         with self._cond:
             while True:
-                ready = [r for r in self.replicas if r.state == READY]
-                if ready:
-                    least = min(ready, key=lambda r: (r.in_flight, r.index))
-                    return self._prefix_owner(tokens, least, work) or least
-                if not any(r.state == DOWN for r in self.replicas):
-                    raise VllmServerDiedError("no vLLM server of the pool can serve: " + "; ".join(
-                        f"{r.name()} {r.state}: {r.why or '-'}" for r in self.replicas))
+                replica = self._choose(work, tokens)
+                if replica is not None:
+                    return replica
                 if not self._cond.wait(timeout):
                     raise VllmServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
 
-    def _prefix_owner(self, tokens, least: Replica, work: int) -> Replica | None:
+    def _choose(self, work: int, tokens, full: frozenset[int] = frozenset()) -> Replica | None:
+        """The READY server (not in `full`) a request goes to, None when none is READY or all READY
+        ones are full; VllmServerDiedError when none is on its way back either (under the lock)."""
+        ready = [r for r in self.replicas if r.state == READY]
+        if not ready and not any(r.state == DOWN for r in self.replicas):
+            raise VllmServerDiedError("no vLLM server of the pool can serve: " + "; ".join(
+                f"{r.name()} {r.state}: {r.why or '-'}" for r in self.replicas))
+        free = [r for r in ready if r.index not in full]
+        if not free:
+            return None
+        least = min(free, key=lambda r: (r.in_flight, r.index))
+        return self._prefix_owner(tokens, least, work, full) or least
+
+    def _prefix_owner(self, tokens, least: Replica, work: int, full: frozenset[int] = frozenset()) -> Replica | None:
         """The READY server that holds the longest known prefix of `tokens`, if it is not too far
         past `least` in load (under the lock)."""
         if self.prefixes is None or tokens is None:
@@ -118,7 +130,7 @@ class ServerPool:
         if found is None:
             return None
         owner = self.replicas[found[0]]
-        if owner.state != READY or owner.in_flight - least.in_flight > AFFINITY_SLACK * work:
+        if owner.state != READY or owner.index in full or owner.in_flight - least.in_flight > AFFINITY_SLACK * work:
             return None
         self.affinity_requests += 1
         self.affinity_tokens += found[1]
@@ -130,15 +142,31 @@ class ServerPool:
         flight while the block runs."""
         with self._cond:
             replica = self._pick(timeout, work, tokens)
-            replica.in_flight += work
-            replica.requests += 1
-            if self.prefixes is not None and tokens is not None:  # its siblings in flight find it
-                self.prefixes.record(tokens, replica.index)
+            self._count(replica, work, tokens)
         try:
             yield replica
         finally:
-            with self._cond:
-                replica.in_flight -= work
+            self.release(replica, work)
+
+    def take(self, work: int, tokens=None, full: frozenset[int] = frozenset()) -> Replica | None:
+        """`serving` without waiting, for a coroutine (generation.py): the replica now counted in
+        flight (hand it back with release()), or None when no READY server outside `full` (those
+        at their bound of requests) can take it; wait for `on_change` then."""
+        with self._cond:
+            replica = self._choose(work, tokens, full)
+            if replica is not None:
+                self._count(replica, work, tokens)
+            return replica
+
+    def _count(self, replica: Replica, work: int, tokens) -> None:
+        replica.in_flight += work
+        replica.requests += 1
+        if self.prefixes is not None and tokens is not None:  # its siblings in flight find it
+            self.prefixes.record(tokens, replica.index)
+
+    def release(self, replica: Replica, work: int) -> None:
+        with self._cond:
+            replica.in_flight -= work
 
     def add_tokens(self, replica: Replica, tokens: int, sequence=None) -> None:
         """Count `tokens` generated by `replica`; `sequence` (prompt + response) is now in its cache."""

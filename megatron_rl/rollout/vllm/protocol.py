@@ -123,7 +123,7 @@ def generate_answer_cap(prompt_len: int, sampling: SamplingParams, num_logprobs:
     bytes, where routed_values = MoE layers x top-k (R3: routed experts, base64 of int32 at most,
     4/3 x 4 < 6 bytes each). The prompt counts because vLLM echoes its ids. About 0.6 MB for a
     1024-token sample, 13 MB with 64 top log-probs per token: what one request can make the
-    trainer hold, times max_concurrency."""
+    trainer hold, times max_concurrency per server."""
     per_token = _TOKEN_BYTES + _LOGPROB_BYTES * (1 + num_logprobs) + 6 * routed_values
     return _ENVELOPE_BYTES + (prompt_len + sampling.max_tokens) * per_token
 

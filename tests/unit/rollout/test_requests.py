@@ -5,6 +5,7 @@ reaches the caller as itself, and the embedded engine's requests equal its gener
 
 The environments wait on events the other trajectories set; their deadline (env.timeout_s) only
 ends a test that would otherwise hang."""
+import asyncio
 import dataclasses
 import itertools
 import threading
@@ -18,6 +19,7 @@ from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.pausing import GenerationAborted
+from megatron_rl.rollout.requests import RequestQueue
 from megatron_rl.rollout.types import Request, SamplingParams
 from tests.unit.rollout.multi_turn_fakes import TOK, ScriptedEngine
 
@@ -212,3 +214,40 @@ def test_the_embedded_engines_requests_equal_its_generate_samples(moe_checkpoint
         torch.testing.assert_close(got.rollout_logprobs, want.rollout_logprobs, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="request 1: prompt 0 has token ids outside"):
         engine.generate_requests([mixed[0], Request([arch.vocab_size], short)])
+
+
+class EachEngine(ScriptedEngine):
+    """An engine whose requests are coroutines (engine.py SamplesEach, as the vLLM engine's): request
+    k's sample waits for `release[k]`."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.release: dict[int, asyncio.Event] = {}
+
+    async def sample(self, request):
+        await self.release.setdefault(request.stream[0], asyncio.Event()).wait()
+        return super().generate_requests([request])[0]
+
+
+def test_async_each_request_of_a_samples_each_engine_comes_back_as_soon_as_its_own_answer():
+    engine = EachEngine(random_ids=True)
+    order = []
+
+    async def main():
+        async with RequestQueue(engine) as queue:
+            async def one(k):
+                sample = await queue.sample(Request([5, 6, 7], SAMPLING, (k, 0)))
+                order.append(sample.prompt_index)
+
+            tasks = [asyncio.ensure_future(one(k)) for k in range(3)]
+            await asyncio.sleep(0)
+            engine.release.setdefault(1, asyncio.Event()).set()  # request 1 answers; 0 and 2 still run
+            await tasks[1]
+            assert order == [1] and not tasks[0].done() and not tasks[2].done()
+            for k in (2, 0):
+                engine.release.setdefault(k, asyncio.Event()).set()
+                await tasks[k]
+            return queue.calls
+
+    assert asyncio.run(main()) == [1, 1, 1] and order == [1, 2, 0]  # one hand-over per request, no batch call
+    assert [len(prompts) for prompts, _ in engine.calls] == [1, 1, 1]
