@@ -96,22 +96,24 @@ def test_config(rg):
     assert TASKS[NAME].reward == NAME
 
 
-@pytest.mark.parametrize("override, msg", [
-    ("data.tasks=['reasoning_gym:no_such_set']", r"data.tasks\[0\]='reasoning_gym:no_such_set': .*has no dataset "
-                                                  r"'no_such_set'; it has: .*basic_arithmetic"),
-    (f"data.task_settings={{'{NAME}': {{max_digitz: 2}}}}", r"data.task_settings\['reasoning_gym:basic_arithmetic'\]:"
-                                                           r".*max_digitz"),
-    (f"data.task_settings={{'{NAME}': {{min_terms: 0}}}}", r"data.task_settings\[.*reasoning-gym refused the settings"
-                                                          r".*min_terms must be positive"),
-    (f"data.task_settings={{'{NAME}': {{min_terms: 2, max_terms: 2, max_digits: 1, operators: ['+'], "
-     f"allow_parentheses: false}}}}",
+ONE_DIGIT = "{min_terms: 2, max_terms: 2, max_digits: 1, operators: ['+'], allow_parentheses: false}"
+REFUSALS = [  # (overrides, what the ConfigError says)
+    (["data.tasks=['reasoning_gym:no_such_set']"],
+     r"data.tasks\[0\]='reasoning_gym:no_such_set': .*has no dataset 'no_such_set'; it has: .*basic_arithmetic"),
+    ([f"data.task_settings={{'{NAME}': {{max_digitz: 2}}}}"],
+     r"data.task_settings\['reasoning_gym:basic_arithmetic'\]:.*max_digitz"),
+    ([f"data.task_settings={{'{NAME}': {{min_terms: 0}}}}"],
+     r"data.task_settings\[.*reasoning-gym refused the settings.*min_terms must be positive"),
+    ([f"data.task_settings={{'{NAME}': {ONE_DIGIT}}}", "data.heldout_size=1000"],   # 121 questions
      r"only \d+ distinct problems .* fewer than heldout_size=1000"),
-    ("data.task_settings={addition: {digits: 2}}", r"data.task_settings names \['addition'\], which data.tasks"),
-])
-def test_config_errors(rg, override, msg):
-    heldout = ["data.heldout_size=1000"] if "max_digits: 1" in override else []
+    (["data.task_settings={addition: {digits: 2}}"], r"data.task_settings names \['addition'\], which data.tasks"),
+]
+
+
+@pytest.mark.parametrize("overrides, msg", REFUSALS)
+def test_config_errors(rg, overrides, msg):
     with pytest.raises(ConfigError, match=msg):
-        _config(override, *heldout)
+        _config(*overrides)
 
 
 def test_missing_package_is_refused_with_the_install_line(monkeypatch):
