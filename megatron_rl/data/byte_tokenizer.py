@@ -23,26 +23,18 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from megatron_rl.data.tokenizer import EOS, PAD, REPLACEMENT, SPECIALS, fingerprint, response_ids
+from megatron_rl.data.tokenizer import REPLACEMENT, SPECIALS, SpecialsFirst, fingerprint, response_ids
 
 BYTE_OFFSET = len(SPECIALS)
 BYTE_VOCAB_SIZE = 264
 
 
-class ByteTokenizer:
+class ByteTokenizer(SpecialsFirst):
     """The byte vocabulary above. Stateless; every instance is the same tokenizer."""
 
-    pad_id = 0
-    eos_id = 1
-    bos_id = 2
-    unk_id = 3
     vocab_size = BYTE_VOCAB_SIZE
-    stop_ids = (eos_id,)
-    prompt_overhead = 0
-    chat_template = None
 
     def __init__(self):
-        assert SPECIALS[self.pad_id] == PAD and SPECIALS[self.eos_id] == EOS
         tokens = [*SPECIALS, *(f"<0x{b:02X}>" for b in range(256))]
         tokens += [f"<unused{i}>" for i in range(len(tokens), BYTE_VOCAB_SIZE)]
         self.fingerprint = fingerprint("byte", json.dumps(tokens).encode())
@@ -50,20 +42,12 @@ class ByteTokenizer:
     def can_encode(self, text: str) -> bool:
         return _utf8(text) is not None
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    def text_ids(self, text: str) -> list[int]:
         """text -> one id per UTF-8 byte. A lone surrogate (a str no UTF-8 holds) raises ValueError."""
         data = _utf8(text)
         if data is None:
             raise ValueError(f"{text[:60]!r} holds a lone surrogate, which UTF-8 cannot encode")
-        ids = [self.bos_id] if add_bos else []
-        ids += [b + BYTE_OFFSET for b in data]
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
-
-    def encode_prompt(self, text: str) -> list[int]:
-        """A prompt's ids: `encode(text)` (nothing is added to a prompt)."""
-        return self.encode(text)
+        return [b + BYTE_OFFSET for b in data]
 
     def token_bound(self, num_chars: int) -> int:
         """Tokens of a text of `num_chars` characters: at most 4 (UTF-8's longest character)."""
