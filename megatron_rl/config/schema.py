@@ -308,7 +308,8 @@ class DataSection:
                 except TypeError as e:
                     raise ValueError(f"data.task_settings[{t!r}]: {e}") from None
                 except ValueError as e:
-                    where = f"data.task_settings[{t!r}]" if t in self.task_settings else "data.heldout_size"
+                    where = (f"data.task_settings[{t!r}]" if t in self.task_settings
+                             else f"data.heldout_size={self.heldout_size}")
                     raise ValueError(f"{where}: {e}") from None
         checks.integer("data.seed", self.seed, lo=0, hi=SEED_MAX, hint=SEED_HINT)
         checks.choice("data.overlong_prompts", self.overlong_prompts, ("error", "skip"))
