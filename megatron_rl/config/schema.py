@@ -247,7 +247,12 @@ class DataSection:
 
     tasks: built-in verifiable toy tasks to mix ("addition", "sorting"; "multiplication" and
         "guessing" are the multi-turn environments' tasks, with env.name calculator and guess), or
-        a Task subclass of the user's as "package.module:Class" (see plugins).
+        a Task subclass of the user's as "package.module:Class" (see plugins), or a generator of the
+        reasoning-gym package as "reasoning_gym:<dataset>" (the optional extra `reasoning-gym`;
+        megatron_rl/data/tasks/reasoning_gym_tasks.py; its text needs tokenizer byte or hf).
+    task_settings: task name -> its settings, e.g. {addition: {digits: 2}}, or for a reasoning-gym
+        task the generator's config fields ({"reasoning_gym:chain_sum": {max_terms: 2}}); a
+        heldout_size here overrides data.heldout_size for that task. Default {}: every task's own.
     jsonl: a prompt file instead of tasks: JSONL ({"prompt", "label", optional "task"} per line),
         Parquet (.parquet; those columns), or a folder saved by HF datasets' save_to_disk
         (megatron_rl/data/jsonl.py; reading a table needs pyarrow, the `data` extra).
@@ -258,7 +263,8 @@ class DataSection:
         first train.eval_size of them (JSONL prompts have none). Default 1000: the size every run
         used before this setting reached the tasks. seed: data seed (0 to 2**32 - 1).
     tokenizer: "char" (default: the 64-symbol toy tokenizer of the built-in tasks,
-        megatron_rl/data/tokenizer.py) | "hf" (model.hf_dir's own tokenizer.json, for RL on a
+        megatron_rl/data/tokenizer.py) | "byte" (UTF-8 bytes, 264 ids: any text, for a model trained
+        from scratch; megatron_rl/data/byte_tokenizer.py) | "hf" (model.hf_dir's own tokenizer.json, for RL on a
         real checkpoint) | a folder holding a tokenizer.json (megatron_rl/data/hf_tokenizer.py).
     overlong_prompts: what to do with a JSONL prompt too long for the model and engine (prompt
         tokens + rollout.max_tokens > the maximum sequence length): "error" (the default: refuse
@@ -267,6 +273,7 @@ class DataSection:
     """
 
     tasks: list = field(default_factory=lambda: ["addition"])
+    task_settings: dict = field(default_factory=dict)
     jsonl: str | None = None
     reward: str | None = None
     heldout_size: int = 1000
@@ -286,18 +293,32 @@ class DataSection:
         if self.reward is not None:
             checks.choice("data.reward", self.reward, sorted([*REWARDS, "judge"]))
         checks.integer("data.heldout_size", self.heldout_size, lo=0)
+        if not isinstance(self.task_settings, dict) or not all(isinstance(v, dict) for v in self.task_settings.values()):
+            raise ValueError(f"data.task_settings={self.task_settings!r}: a mapping task name -> its settings, "
+                             f"e.g. {{addition: {{digits: 2}}}}")
         if self.jsonl is None:
             from megatron_rl.data.tasks import make_task
 
+            unknown = sorted(set(self.task_settings) - set(self.tasks))
+            if unknown:
+                raise ValueError(f"data.task_settings names {unknown}, which data.tasks={self.tasks} does not list")
             for t in self.tasks:
-                try:  # the task refuses a split that is most of its problems
-                    make_task(t, heldout_size=self.heldout_size)
+                try:  # the task refuses a split that is most of its problems, and settings it has not
+                    make_task(t, **self.settings_of(t))
+                except TypeError as e:
+                    raise ValueError(f"data.task_settings[{t!r}]: {e}") from None
                 except ValueError as e:
-                    raise ValueError(f"data.heldout_size={self.heldout_size}: {e}") from None
+                    where = (f"data.task_settings[{t!r}]" if t in self.task_settings
+                             else f"data.heldout_size={self.heldout_size}")
+                    raise ValueError(f"{where}: {e}") from None
         checks.integer("data.seed", self.seed, lo=0, hi=SEED_MAX, hint=SEED_HINT)
         checks.choice("data.overlong_prompts", self.overlong_prompts, ("error", "skip"))
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ValueError(f"data.tokenizer={self.tokenizer!r}: char, hf, or a folder holding a tokenizer.json")
+            raise ValueError(f"data.tokenizer={self.tokenizer!r}: char, byte, hf, or a folder holding a tokenizer.json")
+
+    def settings_of(self, task: str) -> dict:
+        """The keyword settings task `task` is built with: heldout_size, then its task_settings."""
+        return {"heldout_size": self.heldout_size, **self.task_settings.get(task, {})}
 
 
 @dataclass

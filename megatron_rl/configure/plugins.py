@@ -6,7 +6,9 @@ against the registries in __post_init__, so what a plugin registers must be ther
 `plugins: [module, ...]` imports each module (for the entries it registers with register_reward,
 register_task, register_env or ROLLOUT_FNS.add); then each name written as an import path
 (`package.module:attribute`) in `data.reward`, `data.tasks[i]`, `env.name` and `rollout.function`
-is imported, checked and registered under that name (megatron_rl/plugins.py). A module that
+is imported, checked and registered under that name (megatron_rl/plugins.py); a task of a task
+family (`reasoning_gym:<dataset>`, data/tasks/base.py: TASK_FAMILIES) is made and registered by its
+family instead, which imports its package only then. A module that
 cannot be imported, a missing attribute, or one of the wrong kind is a ConfigError naming the
 field. Only the config being loaded is resolved: a checkpoint's stored config is compared with
 it as data (trainer/resume_check.py) and never imports anything.
@@ -18,7 +20,7 @@ from typing import Any
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.envs.base import ENV_PLUGINS
-from megatron_rl.data.tasks.base import TASK_PLUGINS, TASKS
+from megatron_rl.data.tasks.base import TASK_PLUGINS, TASKS, add_family_task, family_of
 from megatron_rl.plugins import PluginError, PluginSlot, import_module, is_import_path, resolve
 from megatron_rl.rewards.registry import REWARD_PLUGINS, REWARDS
 from megatron_rl.rollout.function import ROLLOUT_FN_PLUGINS
@@ -35,6 +37,13 @@ def load_plugins(data: dict) -> None:
             import_module(module)
         except PluginError as e:
             raise ConfigError(f"plugins[{i}]={module!r}: {e}") from None
+    tasks = _section(data, "data").get("tasks")
+    for i, task in enumerate(tasks if isinstance(tasks, list) else []):
+        if family_of(task) is not None:
+            try:
+                add_family_task(task)
+            except ValueError as e:
+                raise ConfigError(f"data.tasks[{i}]={task!r}: {e}") from None
     for where, name, slot in _named(data):
         try:
             resolve(name, slot)

@@ -40,6 +40,7 @@ import json
 import os
 from collections.abc import Iterable
 
+from megatron_rl.data.byte_tokenizer import ByteTokenizer
 from megatron_rl.data.tokenizer import REPLACEMENT, CharTokenizer, fingerprint, response_ids
 
 
@@ -244,10 +245,13 @@ def folder_fingerprint(folder: str | os.PathLike) -> tuple[str | None, str | Non
 
 
 def make_tokenizer(choice: str, hf_dir: str | None):
-    """data.tokenizer -> the tokenizer: "char" (the toy CharTokenizer), "hf" (model.hf_dir's own),
-    or a folder path holding a tokenizer.json."""
+    """data.tokenizer -> the tokenizer: "char" (the toy CharTokenizer), "byte" (ByteTokenizer: UTF-8
+    bytes, for a model trained from scratch on any text), "hf" (model.hf_dir's own), or a folder path
+    holding a tokenizer.json."""
     if choice == "char":
         return CharTokenizer()
+    if choice == "byte":
+        return ByteTokenizer()
     if choice == "hf":
         if not hf_dir:
             raise ValueError("data.tokenizer=hf reads model.hf_dir's tokenizer, and model.hf_dir is not set; set it, "

@@ -54,17 +54,35 @@ def response_ids(ids: list[int], stop_ids: tuple[int, ...], pad_id: int, bos_id:
     return ids[start:end]
 
 
-class CharTokenizer:
-    """The fixed toy vocabulary above. Stateless; every instance is the same tokenizer."""
+class SpecialsFirst:
+    """What the tokenizers of models trained from scratch share (this character tokenizer, the byte
+    tokenizer): the four SPECIALS at ids 0..3, <eos> the one end token, nothing added to a prompt, no
+    chat template. A subclass turns text into ids in `text_ids`."""
 
     pad_id = 0
     eos_id = 1
     bos_id = 2
     unk_id = 3
-    vocab_size = VOCAB_SIZE
     stop_ids = (eos_id,)
     prompt_overhead = 0
     chat_template = None  # no chat template (hf_tokenizer.py has render_chat)
+
+    def text_ids(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """text -> ids (`text_ids`), with <bos> before and <eos> after when asked."""
+        return [self.bos_id] * add_bos + self.text_ids(text) + [self.eos_id] * add_eos
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids: `encode(text)` (nothing is added to a prompt)."""
+        return self.encode(text)
+
+
+class CharTokenizer(SpecialsFirst):
+    """The fixed toy vocabulary above. Stateless; every instance is the same tokenizer."""
+
+    vocab_size = VOCAB_SIZE
 
     def __init__(self):
         tokens = list(SPECIALS) + list(CHARS)
@@ -82,10 +100,10 @@ class CharTokenizer:
     def can_encode(self, text: str) -> bool:
         return all(c in self._char_to_id for c in text)
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    def text_ids(self, text: str) -> list[int]:
         """text -> ids, one per character. Raises ValueError naming the first character (and its
         position) that is not in the vocabulary."""
-        ids = [self.bos_id] if add_bos else []
+        ids = []
         for pos, c in enumerate(text):
             i = self._char_to_id.get(c)
             if i is None:
@@ -94,13 +112,7 @@ class CharTokenizer:
                     f"toy tokenizer's vocabulary; allowed characters: {CHARS!r}"
                 )
             ids.append(i)
-        if add_eos:
-            ids.append(self.eos_id)
         return ids
-
-    def encode_prompt(self, text: str) -> list[int]:
-        """A prompt's ids: `encode(text)` (nothing is added to a prompt)."""
-        return self.encode(text)
 
     def token_bound(self, num_chars: int) -> int:
         """Tokens of a text of `num_chars` characters: one per character."""

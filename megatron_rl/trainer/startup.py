@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
 from megatron_rl.data import CharTokenizer, JsonlPrompts, PromptStream, make_task
+from megatron_rl.data.byte_tokenizer import ByteTokenizer
 from megatron_rl.data.hf_tokenizer import padded_vocab
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.parallel import ParallelGroups
@@ -58,8 +59,8 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
                   f"longer than the model takes ({max_len} tokens with rollout.max_tokens={cfg.rollout.max_tokens})",
                   flush=True)
         return prompts
-    stream = PromptStream([make_task(t, heldout_size=cfg.data.heldout_size) for t in cfg.data.tasks],
-                          seed=cfg.data.seed)
+    stream = PromptStream([make_task(t, **cfg.data.settings_of(t)) for t in cfg.data.tasks], seed=cfg.data.seed)
+    check_encodable(stream, tokenizer, cfg.data.tokenizer)
     # task prompts are drawn as the run goes: bound their tokens by their characters
     prompt_tokens = tokenizer.token_bound(stream.max_prompt_len())
     label_tokens = tokenizer.token_bound(stream.max_label_len()) + 1 if cfg.sft.steps else 0
@@ -68,6 +69,18 @@ def make_prompts(cfg: RunConfig, tokenizer, max_len: int):
                          f"rollout.max_tokens={cfg.rollout.max_tokens} exceed the model's maximum length {max_len}; "
                          f"lower rollout.max_tokens or raise model.overrides.max_position_embeddings")
     return stream
+
+
+def check_encodable(stream: PromptStream, tokenizer, choice: str) -> None:
+    """The tasks' held-out problems (the text a run will see) must be text the tokenizer encodes."""
+    for e in stream.heldout():
+        try:
+            tokenizer.encode_prompt(e.prompt)
+            tokenizer.encode(e.label)
+        except ValueError as err:
+            raise ValueError(f"data.tasks: task {e.task}'s problem {e.prompt!r} -> {e.label!r} cannot be encoded by "
+                             f"data.tokenizer={choice} ({err}); use "
+                             f"data.tokenizer=byte (any text) or the model's own tokenizer") from None
 
 
 def check_row_envs(examples, cfg: RunConfig) -> None:
@@ -82,11 +95,11 @@ def check_row_envs(examples, cfg: RunConfig) -> None:
 
 def preset_vocab(model_section, tokenizer) -> int | None:
     """The vocabulary a preset model gets (model.overrides.vocab_size wins): the character
-    tokenizer's 64, or for an HF tokenizer `hf_tokenizer.padded_vocab`; None with model.hf_dir,
+    tokenizer's 64, the byte tokenizer's 264, or for an HF tokenizer `hf_tokenizer.padded_vocab`; None with model.hf_dir,
     whose config.json brings its own."""
     if model_section.hf_dir:
         return None
-    if isinstance(tokenizer, CharTokenizer):
+    if isinstance(tokenizer, CharTokenizer | ByteTokenizer):  # models trained from scratch: no padding
         return tokenizer.vocab_size
     return padded_vocab(tokenizer.vocab_size, preset_arch(model_section.arch, model_section.size).vocab_size)
 

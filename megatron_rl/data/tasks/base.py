@@ -12,7 +12,8 @@ A new task subclasses `Task`, implements `generate` and `num_problems`, and regi
 `@register_task("name")`. Prompts must determine labels (two problems with the same prompt are the
 same problem): held-out membership is checked by prompt. A config may also name a Task subclass
 by import path (`data.tasks: [my_tasks:Countdown]`, megatron_rl/plugins.py): `TASK_PLUGINS`
-registers it under that name.
+registers it under that name. A task family makes its tasks from a name on first use
+(`reasoning_gym:chain_sum`: `TASK_FAMILIES`, `add_family_task`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from megatron_rl.plugins import class_slot
 T = TypeVar("T", bound=type)
 
 TASKS: dict[str, type[Task]] = {}
+TASK_FAMILIES: dict[str, Callable[[str], type[Task]]] = {}
+"""prefix -> builder: the task "<prefix>:<member>" is the class builder(member), made and registered
+under the whole name by `add_family_task` (configure/plugins.py calls it for data.tasks)."""
 
 # A training draw that keeps landing in the held-out split means the split is most of the space;
 # the size check in __post_init__ prevents that, this bound only turns a bug into an error.
@@ -46,6 +50,23 @@ def register_task(name: str) -> Callable[[T], T]:
         return cls
 
     return deco
+
+
+def family_of(name: object) -> str | None:
+    """The registered family a task name belongs to ("reasoning_gym" for "reasoning_gym:chain_sum"), or None."""
+    if not isinstance(name, str) or ":" not in name:
+        return None
+    prefix = name.partition(":")[0]
+    return prefix if prefix in TASK_FAMILIES else None
+
+
+def add_family_task(name: str) -> None:
+    """Register the task `name` of a registered family (once); the builder's ValueError says why it
+    cannot be made (its package missing, an unknown member)."""
+    if name in TASKS:
+        return
+    prefix, _, member = name.partition(":")
+    register_task(name)(TASK_FAMILIES[prefix](member))
 
 
 def make_task(name: str, **settings) -> Task:
