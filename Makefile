@@ -2,6 +2,8 @@
 # installs exactly the pinned CPU lane (idempotent: a stamp keyed on the dependency files makes
 # a second run skip pip), then runs. CI (.ci/run) runs `make test`, then `make test-lane2`
 # (Python 3.12 + megatron-core 0.19 in .venv-py312, set up the same way; see below).
+# This lane's env also gets the optional extra reasoning-gym (12 small packages), because its
+# tests run here; lane 2 runs without it (its tests skip there) and no core module needs it.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +21,7 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q -c constraints/cpu-py311.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints/cpu-py311.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints/cpu-py311.txt -e ".[dev,reasoning-gym]"
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

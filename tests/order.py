@@ -44,6 +44,7 @@ LONG_FILES = {
     "distributed/test_workarounds.py": 25,
     "tools/test_slurm_example.py": 25,
     "tools/test_gpu_run_configs.py": 24,
+    "e2e/test_reasoning_gym_run.py": 19,
     "distributed/test_cp_trainer_path.py": 23,
     "distributed/test_metrics_over_ranks.py": 22,
     "e2e/test_ratio_reference.py": 21,
