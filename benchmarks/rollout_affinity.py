@@ -1,19 +1,21 @@
 """Multi-turn rollouts on a pool of real vLLM servers, with prefix affinity and without.
 
-One pool of `--servers` launched CPU vLLM servers per mode (started cold, so no mode inherits the
-other's cache), the same model, prompts, seeds and environment latencies in both:
+One pool of `--servers` launched CPU vLLM servers per mode (started cold, so no mode inherits
+another's cache), then one server alone (every prefix in one cache: the hit rate no placement over
+a pool can beat), the same model, prompts, seeds and environment latencies in both:
 `--trajectories` trajectories (examples x group size) of 1 to `--turns` policy turns through
 `multi_turn` with env.turns=async (rollout_throughput.py's Latency environment), each example's
 prompt led by a `--preamble`-character text of its own, so a prompt spans whole KV-cache blocks
-(16 tokens) and its n samples and its later turns share them.
+and its n samples and its later turns share them. The servers run with `--block-size` 32 (a CPU
+server's own default, 128 tokens, is longer than these prompts: nothing would be cached).
 
 Per mode: wall seconds, sampled tokens per second, the servers' prefix-cache hit rate (vLLM's
 `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` counters, in tokens, summed over the pool,
 read from each server's /metrics before and after), and the requests the pool placed by a known
 prefix (vllm/affinity/requests). Placement never changes a sample (each request carries its own
-seed): the benchmark checks that both modes return the same tokens.
+seed): the benchmark checks that every mode returns the same tokens.
 
-    python benchmarks/rollout_affinity.py                    # 2 servers, ~4 min on 2 CPU cores
+    python benchmarks/rollout_affinity.py                    # 2 servers, ~5 min on 2 CPU cores
     python benchmarks/rollout_affinity.py --out benchmarks/results/rollout_affinity_cpu.md
 
 Needs the CPU lane's vLLM environment (.venv-vllm: `make install-vllm`). The machine may be shared:
@@ -68,8 +70,8 @@ def pool_counters(engine: VllmEngine) -> dict[str, float]:
     return total
 
 
-def run_mode(affinity: bool, args, arch, weights, examples, sampling, run_dir: str) -> tuple[dict, list]:
-    cfg = VllmConfig(python=ensure_vllm_python(), dtype="float32", num_servers=args.servers, max_num_seqs=64,
+def run_mode(servers: int, affinity: bool, args, arch, weights, examples, sampling, run_dir: str) -> tuple[dict, list]:
+    cfg = VllmConfig(python=ensure_vllm_python(), dtype="float32", num_servers=servers, max_num_seqs=64,
                      affinity=affinity, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                      extra_args=["--block-size", str(args.block_size)])
     engine = VllmEngine(arch, cfg, run_dir)
@@ -101,7 +103,7 @@ def main(argv=None) -> None:
     p.add_argument("--trajectories", type=int, default=64, help="examples x group size (default 64 = 16 x 4)")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--preamble", type=int, default=48, help="characters of each example's own text before its "
-                                                             "question (default 48: 3 blocks of 16 tokens)")
+                                                             "question (default 48)")
     p.add_argument("--median-ms", type=float, default=50.0, help="median environment latency (default 50)")
     p.add_argument("--p99-ms", type=float, default=1000.0, help="99th percentile environment latency (default 1000)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per policy turn (default 16)")
@@ -125,14 +127,15 @@ def main(argv=None) -> None:
     Latency.max_turns, Latency.median_ms, Latency.p99_ms = args.turns, args.median_ms, args.p99_ms
     rows, tokens = [], []
     try:
-        for affinity in (False, True):
-            row, toks = run_mode(affinity, args, arch, weights, examples, sampling,
-                                 os.path.join(args.run_dir, "affinity" if affinity else "least_loaded"))
-            rows.append((f"async, {'affinity' if affinity else 'least loaded only'}", row))
+        for servers, affinity, name in ((args.servers, False, "least loaded only"), (args.servers, True, "affinity"),
+                                        (1, False, "one server: every prefix in one cache")):
+            row, toks = run_mode(servers, affinity, args, arch, weights, examples, sampling,
+                                 os.path.join(args.run_dir, name.split(":")[0].replace(" ", "_")))
+            rows.append((f"{servers} server{'s' if servers > 1 else ''}, {name}", row))
             tokens.append(toks)
     finally:
         ENVS.pop("latency")
-    same = tokens[0] == tokens[1]
+    same = all(t == tokens[0] for t in tokens)
 
     title = (f"# Multi-turn rollouts on a pool of {args.servers} vLLM servers, prefix affinity on and off "
              f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})")
@@ -147,15 +150,16 @@ def main(argv=None) -> None:
     for name, r in rows:
         lines.append(f"| {name} | {r['wall_s']:.2f} | {r['tokens_per_s']:.0f} | {r['hit_rate']:.1%} | "
                      f"{r['hits']:.0f} / {r['queries']:.0f} | {r['placed']:.0f} | {r['turns']:.2f} |")
-    lines += ["", (f"Same tokens in both modes (placement never changes a sample): **{'yes' if same else 'NO'}**; "
-                  f"hit rate with affinity {rows[1][1]['hit_rate']:.1%} against {rows[0][1]['hit_rate']:.1%} without.")]
+    lines += ["", (f"Same tokens in every mode (placement never changes a sample): **{'yes' if same else 'NO'}**; "
+                  f"hit rate with affinity {rows[1][1]['hit_rate']:.1%} against {rows[0][1]['hit_rate']:.1%} without, "
+                   f"{rows[2][1]['hit_rate']:.1%} with every request on one server (no pool can place better).")]
     text = "\n".join(lines)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     if not same:
-        raise SystemExit("the two placements returned different samples")
+        raise SystemExit("the placements returned different samples")
 
 
 if __name__ == "__main__":

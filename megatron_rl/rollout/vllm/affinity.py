@@ -25,7 +25,11 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-BLOCK = 16  # tokens per key: vLLM's default KV-cache block size on CPU and GPU
+# tokens per key: vLLM's default KV-cache block size on a GPU. A server with larger blocks (a CPU
+# server's default is 128; any multiple of 16) caches whole blocks of the same prefixes, so the
+# server with the longest known 16-token-aligned prefix is also the one with the most cached blocks
+# of it; only a match shorter than one of its blocks finds nothing cached there.
+BLOCK = 16
 
 
 def prefix_keys(tokens: Sequence[int]) -> list[tuple[int, bytes]]:
