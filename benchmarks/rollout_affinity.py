@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.rollout_throughput import TOK, Latency
+from benchmarks.rollout_throughput import TOK, Latency, report
 from megatron_rl.config.schema import EnvSection
 from megatron_rl.data.envs import ENVS, register_env
 from megatron_rl.data.types import Example
@@ -144,20 +144,13 @@ def main(argv=None) -> None:
              f"of its own plus the question; environment latency lognormal, median {args.median_ms:g} ms, p99 "
              f"{args.p99_ms:g} ms. Hit rate: prompt tokens found in a server's prefix cache / prompt tokens looked "
              f"up, summed over the pool (vLLM's counters).")
-    lines = [title, "", setup, "",
-             "| placement | wall s | sampled tokens/s | prefix-cache hit rate | hit / looked-up tokens | placed by prefix | turns per trajectory |",
-             "|---|---|---|---|---|---|---|"]
-    for name, r in rows:
-        lines.append(f"| {name} | {r['wall_s']:.2f} | {r['tokens_per_s']:.0f} | {r['hit_rate']:.1%} | "
-                     f"{r['hits']:.0f} / {r['queries']:.0f} | {r['placed']:.0f} | {r['turns']:.2f} |")
-    lines += ["", (f"Same tokens in every mode (placement never changes a sample): **{'yes' if same else 'NO'}**; "
-                  f"hit rate with affinity {rows[1][1]['hit_rate']:.1%} against {rows[0][1]['hit_rate']:.1%} without, "
-                   f"{rows[2][1]['hit_rate']:.1%} with every request on one server (no pool can place better).")]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    body = [f"| {name} | {r['wall_s']:.2f} | {r['tokens_per_s']:.0f} | {r['hit_rate']:.1%} | {r['hits']:.0f} / "
+            f"{r['queries']:.0f} | {r['placed']:.0f} | {r['turns']:.2f} |" for name, r in rows]
+    report(title, setup, "| placement | wall s | sampled tokens/s | prefix-cache hit rate | hit / looked-up tokens | "
+                         "placed by prefix | turns per trajectory |", body,
+           (f"Same tokens in every mode (placement never changes a sample): **{'yes' if same else 'NO'}**; "
+            f"hit rate with affinity {rows[1][1]['hit_rate']:.1%} against {rows[0][1]['hit_rate']:.1%} without, "
+            f"{rows[2][1]['hit_rate']:.1%} with every request on one server (no pool can place better)."), args.out)
     if not same:
         raise SystemExit("the placements returned different samples")
 

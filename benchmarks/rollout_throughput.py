@@ -211,20 +211,21 @@ def main(argv=None) -> None:
     setup = (f"Embedded engine, tiny Qwen3 fp32, {num} examples x {n} = {num * n} trajectories of 1-4 turns, "
              f"{args.max_tokens} tokens per turn, 1-{args.turns} turns; environment latency lognormal, median {args.median_ms:g} ms, "
              f"p99 {args.p99_ms:g} ms; best of {args.repeats}.")
-    lines = [title, "", setup, "",
-             "| mode | wall s | engine busy | sampled tokens/s | engine calls | turns per trajectory |",
-             "|---|---|---|---|---|---|"]
-    for name, r in rows:
-        lines.append(f"| {name} | {r['wall_s']:.2f} | {r['busy']:.0%} | {r['tokens_per_s']:.0f} | {r['calls']} | "
-                     f"{r['turns']:.2f} |")
-    lines += ["", (f"async / lockstep speed-up (multi-turn): **{speedup:.2f}x**, of at most {bound:.2f}x with these "
-                   f"latencies (env_bound); request path vs generate() (single-turn): **{overhead:+.1%}** wall")]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    body = [f"| {name} | {r['wall_s']:.2f} | {r['busy']:.0%} | {r['tokens_per_s']:.0f} | {r['calls']} | {r['turns']:.2f} |"
+            for name, r in rows]
+    report(title, setup, "| mode | wall s | engine busy | sampled tokens/s | engine calls | turns per trajectory |",
+           body, (f"async / lockstep speed-up (multi-turn): **{speedup:.2f}x**, of at most {bound:.2f}x with these "
+                  f"latencies (env_bound); request path vs generate() (single-turn): **{overhead:+.1%}** wall"), args.out)
 
+
+def report(title: str, setup: str, header: str, body: list[str], footer: str, out: str | None) -> None:
+    """Print a result as markdown (title, setup, the table, a closing line) and write it to `out` too."""
+    rule = "|" + "---|" * (header.count("|") - 1)
+    text = "\n".join([title, "", setup, "", header, rule, *body, "", footer])
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
 
 if __name__ == "__main__":
     main()
