@@ -247,11 +247,11 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
         return self.httpd is not None and not self.dead
 
     def stop(self, graceful: bool = True) -> None:
-        if self.httpd is not None:
+        httpd, self.httpd = self.httpd, None  # one stop wins, as LocalServer.stop's swap
+        if httpd is not None:
             self._wake.set()  # hung requests end, as a killed server's connections do
             with self._hung:
                 self._hung.notify_all()
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.httpd = None
+            httpd.shutdown()
+            httpd.server_close()
 

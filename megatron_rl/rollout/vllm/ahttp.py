@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-
-import aiohttp
+from typing import TYPE_CHECKING
 
 from megatron_rl.rollout.vllm.errors import AnswerTooLarge
 from megatron_rl.rollout.vllm.http import (
@@ -33,11 +32,16 @@ from megatron_rl.rollout.vllm.http import (
     decode_json,
 )
 
+if TYPE_CHECKING:  # imported where a request is made: `import megatron_rl.rollout` needs no aiohttp
+    import aiohttp
+
 
 def session() -> aiohttp.ClientSession:
     """A session for one event loop (make it on that loop): no proxies from the environment, no
     connection limit of its own (the caller bounds its requests), no timeouts of its own (each
     request carries its deadline)."""
+    import aiohttp
+
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False,
                                  timeout=aiohttp.ClientTimeout(total=None))
 
@@ -46,6 +50,8 @@ async def request(s: aiohttp.ClientSession, url: str, body: dict | None = None, 
                   api_key: str | None = None, max_bytes: int = CONTROL_MAX_BYTES, setting: str | None = None) -> bytes:
     """POST `body` as JSON (GET when None); the raw answer bytes, whole within `timeout` seconds and
     at most `max_bytes` long (module docstring). `setting`: the config field `timeout` came from."""
+    import aiohttp
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     data = None if body is None else json.dumps(body).encode()
     if data is not None:

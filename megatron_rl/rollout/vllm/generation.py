@@ -278,6 +278,9 @@ class Generation:
             failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
             if self._aborting:  # every request of the call returns first: nothing of it runs on
                 await asyncio.wait(tasks)
+                for t in tasks:
+                    if not t.cancelled():
+                        t.exception()  # retrieved: the call's one error is the abort
                 raise GenerationAborted("vLLM generation aborted for a weight update")
             if failed:
                 raise failed[0].exception()
@@ -373,7 +376,15 @@ class Generation:
         return True
 
     async def _blocking(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._control, fn, *args)
+        """`fn(*args)` in a control thread. A cancelled caller (its call ended on another request's
+        error) still waits for it: a call returns only once what it started on the fleet (taking a
+        server out, stopping it) is done, never leaving it to race the caller's next step."""
+        done = asyncio.get_running_loop().run_in_executor(self._control, fn, *args)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await asyncio.wait([done])
+            raise
 
     async def _place(self, work: int, tokens: list[int]) -> Replica:
         """The server a request goes to (pool.py's choice among those below their bound of
