@@ -123,7 +123,7 @@ test-lane2: $(STAMP2)
 
 # GPU lane (a GPU machine without a package index): `make gpu-wheels` here downloads the wheels into
 # .whl/; on the GPU machine (repository + .whl/ copied over) `make gpu-check` is the quick profile
-# (<= 8 min, megatron-core 0.19.2), `make gpu-check-more` the rest (<= 4 min, 0.16.1); results in
+# (<= 8 min, megatron-core 0.19.2), `make gpu-check-more` the rest (<= 6 min, 0.16.1); results in
 # $(OUT) (default benchmarks/results). `make gpu-plan` prints both profiles' parts and estimates
 # (tools/gpu_check.py: the profiles are data there). `make gpu-rehearse` (here, after gpu-wheels) runs
 # the tests a GPU run goes through on the CPU under the GPU machine's own package versions

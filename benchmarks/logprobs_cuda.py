@@ -116,6 +116,10 @@ def _straightforward(h, w, y):
 def _verl(h, w, y):
     lce = peer_module(PEER_MODULES["verl"])
     logprobs, entropy = lce.linear_cross_entropy(h, w, y, 1.0, "none")
+    # its backward asserts contiguous gradients; a sum's gradient arrives as an expanded view
+    for t in (logprobs, entropy):
+        if t.requires_grad:   # not under no_grad (the accuracy pass)
+            t.register_hook(lambda g: g.contiguous())
     return logprobs, entropy, None
 
 
@@ -235,7 +239,8 @@ def measure(path: str, tokens: int, vocab: int, hidden: int, device, reps: int =
     except torch.OutOfMemoryError:
         return {"error": "does not fit"}
     except Exception as e:  # noqa: BLE001 - a peer's API or kernel failing is a table entry, not a crash
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
+        first = (str(e).splitlines() or [""])[0][:80]   # an AssertionError may have no message
+        return {"error": f"{type(e).__name__}: {first}" if first else type(e).__name__}
     finally:
         h.grad = w.grad = None
         if dev.type == "cuda":

@@ -5,7 +5,7 @@ Run ON the GPU machine, from the repository root, with the wheels `make gpu-whee
 (the machine needs Python 3.12, a CUDA torch, triton, transformers and pytest, no package index):
 
     make gpu-check                       # = python3 tools/gpu_check.py quick   (<= 8 min, megatron-core 0.19.2)
-    make gpu-check-more                  # = python3 tools/gpu_check.py more    (<= 4 min, megatron-core 0.16.1)
+    make gpu-check-more                  # = python3 tools/gpu_check.py more    (<= 6 min, megatron-core 0.16.1)
     python3 tools/gpu_check.py --plan    # both profiles: parts, commands, estimates; runs nothing, no GPU needed
     python3 tools/gpu_check.py quick --parts bench,logprobs --mcore 0.16.1    # some parts, another release
 
@@ -95,76 +95,58 @@ class Profile:
 
 RL = "tests/gpu/test_rl_gpu.py"
 
-# ESTIMATES, in seconds on one H100, are GUESSES: nothing of this has run on a GPU since the first
-# H100 contact (where the loop crashed), so nothing here is measured there. What they are built
-# from:
-#   - process start-up: importing torch, megatron-core and transformers takes 4 s of CPU on the
-#     CPU lane (10 s wall on its shared 2 cores). Guessed for a CUDA torch on 16 cores: 5 s a
-#     Python process once the libraries are in the page cache (~10 s the first time), torchrun's
-#     launcher importing torch too, CUDA context + NCCL for one rank ~3 s: ~12 s a pretrain_rl
-#     run started by a test, pytest's own start ~4 s.
-#   - torch.compile: megatron's fused bias-activation and the log-prob chunk math (3 functions,
-#     forward and backward) guessed at 30-40 s of first compiles in the first process, ~5 s in
-#     later ones, which find Inductor's FX-graph / AOT-autograd caches and Triton's on disk.
-#   - the demo's work: measured on the CPU lane (tests/e2e/test_gpu_lane_on_cpu.py, 2 shared
-#     cores at load 5-8, torch.compile off): demo bf16 18 s, R3 16 s, resume (3 processes) 56 s,
-#     nearly all start-up; the tiny model's math on a GPU is guessed at 5-10 s a run, and ~3 s
-#     for each one-step run inside the recipes' one process.
-#   - bench: qwen3-1.7b at 4 layers (0.51e9 parameters) and qwen3-moe-30b-a3b at 2 (1.87e9), 8 x
-#     4,351 tokens: a train pass is ~115 TFLOP on the dense preset, ~0.3 s at a guessed 400
-#     TFLOP/s; the MoE preset's 256 expert calls per pass are launch-bound, ~1 s guessed. 3
-#     repetitions of (old log-probs, update, sync, metrics, plain LM step) ~3-10 s a preset; the
-#     rest is the guessed build of model, optimizer and embedded engine (~20-30 s a preset) and
-#     process start-up with compiles (~15 s).
-#   - logprobs: a [64k, 4096] x [4096, 151,936] bf16 GEMM is 82 TFLOP, ~0.12 s at a guessed 700
-#     TFLOP/s; 8 paths x 2 T x 5 runs (warm-up, 3 timed, 1 for memory) ~35 s; the float64
-#     reference at 64k ~82 TFLOP at ~50 TFLOP/s ~2 s, plus each path's forward; Liger's and
-#     verl's Triton compiles and ours ~30 s (guessed); start-up and the peers' install ~10 s.
-#   - weight_sync: the device machine has no vLLM wheel (too large to carry), so the part prints
-#     `not run: no vllm` and exits 0; it decides before importing torch: ~0.1 s, 5 s with the
-#     process start. It also needs two GPUs (NCCL refuses the trainer and the server's worker on
-#     one device), so with vLLM on a one-GPU machine it says `not run: one gpu` in ~5 s more (the
-#     torch import). ON A MACHINE WITH vLLM AND 2 GPUs it measures, guessed at ~6 min (~40 s a
-#     vLLM server start, 7 starts with the restarts, disk syncs writing 1-3.5 GiB; the script's
-#     docstring): then its estimate must become ~360 s and it goes to a profile of its own, as
-#     neither profile has that room (its limit at estimate 5 is 70 s, which would stop it).
-#   - setup: pip installing ~17 wheels without dependencies ~15 s, the environment check's
-#     imports ~10-15 s on a machine that has not imported torch yet (~10 s on a warm one).
+# ESTIMATES, in seconds on one H200, are what each part took there on 2026-11-30 (torch 2.11+cu130,
+# no Transformer Engine; benchmarks/results/gpu_check_2026-11-30_H200.md), rounded up to 5 s:
+# setup 24 s (quick) and 16 s (more, on the same machine), demo_bf16 49, r3 40, bench 154,
+# logprobs 85, resume 102, recipes 54, weight_sync 0 (`not run: no vllm`), demo_fp32_fp16 76. Two
+# are still guesses: `kernels` was stopped at 64 s after 16 of its tests (57 s of them), and
+# `r2_sft` has not run (R3's one step took 40 s; SFT alone is a shorter run). A part's time is
+# mostly start-up: a pytest or pretrain_rl process imports torch and megatron-core, builds the model
+# and compiles (Inductor's and Triton's caches on disk, shared by the parts, make later compiles
+# cheaper).
+#   weight_sync: the device machine has no vLLM wheel (too large to carry), so the part prints
+#   `not run: no vllm` and exits 0 before importing torch. It also needs two GPUs (NCCL refuses the
+#   trainer and the server's worker on one device). ON A MACHINE WITH vLLM AND 2 GPUs it measures,
+#   guessed at ~6 min (~40 s a vLLM server start, 7 starts with the restarts, disk syncs writing
+#   1-3.5 GiB): then it needs a profile of its own.
+# The two profiles do not fit one 15-minute device session together (8 + 6 minutes and two machine
+# starts): a session runs `quick` first, and `more` where time is left, cut with --stop (the parts
+# are in order of importance, so the hard stop cuts the least important).
 QUICK = Profile(
-    name="quick", make="make gpu-check", mcore="0.19.2", stop_s=480, setup_estimate_s=35, parts=(
+    name="quick", make="make gpu-check", mcore="0.19.2", stop_s=480, setup_estimate_s=25, parts=(
         Part("demo_bf16", "the demo config in bf16, short SFT + 3 RL steps: the loop runs on a GPU at all",
-             75, "pytest", (f"{RL}::test_demo_short[bf16]",)),
-        Part("r3", "router replay R3, one step", 25, "pytest", (f"{RL}::test_router_replay[r3]",)),
+             50, "pytest", (f"{RL}::test_demo_short[bf16]",)),
+        Part("r3", "router replay R3, one step", 40, "pytest", (f"{RL}::test_router_replay[r3]",)),
         Part("bench", "benchmarks/rl_step_gpu.py, qwen3-1.7b cut to 4 layers and qwen3-moe-30b-a3b to 2: phase "
              "times, train pass vs the plain megatron LM step (>= 0.85x), non-model share (<= 15%)",
-             100, "script", ("benchmarks/rl_step_gpu.py", "--preset", "qwen3-1.7b", "--preset", "qwen3-moe-30b-a3b",
+             155, "script", ("benchmarks/rl_step_gpu.py", "--preset", "qwen3-1.7b", "--preset", "qwen3-moe-30b-a3b",
                              "--dense-layers", "4", "--moe-layers", "2", "--warmup", "1", "--repeats", "2",
                              "--json", "{result}"), ext="json"),
         Part("logprobs", "the log-prob kernel table at T=16k and 64k, H=4096, V=151,936: ours vs the straightforward "
              "path (and Liger, verl from .whl/peers/): time, peak beyond inputs, error vs float64 "
              "(<= 0.45 s, <= 1 GiB, <= 2e-5 at 64k)",
-             80, "script", ("benchmarks/logprobs.py", "--device", "cuda", "--gpu-tokens", "16384", "65536",
+             85, "script", ("benchmarks/logprobs.py", "--device", "cuda", "--gpu-tokens", "16384", "65536",
                             "--out", "{result}"), ext="md", peers=True),
         Part("resume", "resume equals the uninterrupted run (3 runs: 3 steps; 2 steps, then resumed to 3)",
-             65, "pytest", (f"{RL}::test_resume_continues_like_the_uninterrupted_run",)),
+             100, "pytest", (f"{RL}::test_resume_continues_like_the_uninterrupted_run",)),
+    ))
+MORE = Profile(
+    name="more", make="make gpu-check-more", mcore="0.16.1", stop_s=360, setup_estimate_s=20, parts=(
+        Part("kernels", "the fused log-prob kernel (compiled and eager) against float64, the embedded engine on the "
+             "GPU, the model against Hugging Face's and the converter (CP: skipped, it needs 2 GPUs and TE)",
+             110, "pytest", ("tests/gpu/test_logprobs_gpu.py", "tests/gpu/test_embedded_engine_gpu.py",
+                            "tests/gpu/test_model_gpu.py", "tests/gpu/test_context_parallel_loop.py")),
+        Part("demo_fp32_fp16", "the demo in fp32 and in fp16 (dynamic loss scaling), on the older megatron-core",
+             80, "pytest", (f"{RL}::test_demo_short[fp32]", f"{RL}::test_demo_short[fp16]")),
+        Part("r2_sft", "router replay R2, one step; SFT alone", 50, "pytest",
+             (f"{RL}::test_router_replay[r2]", f"{RL}::test_sft_only")),
         Part("recipes", "every loss recipe, one step each (14 runs in one process)",
-             70, "pytest", (f"{RL}::test_every_recipe_one_step",)),
+             55, "pytest", (f"{RL}::test_every_recipe_one_step",)),
         Part("weight_sync", "benchmarks/weight_sync.py --device cuda: in-memory weight sync into vLLM over NCCL "
              "(rollout.weight_sync=memory with CUDA) vs disk reload and restart, qwen3-1.7b cut to 4 layers and "
              "qwen3-moe-30b-a3b to 2 (s per sync, peak extra trainer GPU memory; the server on a second GPU); "
              "`not run: no vllm` where vLLM is not installed (the device machine today)",
              5, "script", ("benchmarks/weight_sync.py", "--device", "cuda", "--out", "{result}"), ext="md"),
-    ))
-MORE = Profile(
-    name="more", make="make gpu-check-more", mcore="0.16.1", stop_s=240, setup_estimate_s=25, parts=(
-        Part("demo_fp32_fp16", "the demo in fp32 and in fp16 (dynamic loss scaling), on the older megatron-core",
-             50, "pytest", (f"{RL}::test_demo_short[fp32]", f"{RL}::test_demo_short[fp16]")),
-        Part("kernels", "the fused log-prob kernel (compiled and eager) against float64, the embedded engine on the "
-             "GPU, the model against Hugging Face's and the converter (CP: skipped, it needs 2 GPUs and TE)",
-             90, "pytest", ("tests/gpu/test_logprobs_gpu.py", "tests/gpu/test_embedded_engine_gpu.py",
-                            "tests/gpu/test_model_gpu.py", "tests/gpu/test_context_parallel_loop.py")),
-        Part("r2_sft", "router replay R2, one step; SFT alone", 50, "pytest",
-             (f"{RL}::test_router_replay[r2]", f"{RL}::test_sft_only")),
     ))
 PROFILES = {p.name: p for p in (QUICK, MORE)}
 
@@ -211,8 +193,8 @@ def _shown(path: str) -> str:
 
 def plan(profiles: list[Profile], whl: str, out: str, python: str) -> str:
     sites = os.environ.get("SITE_ROOT", "/tmp")
-    lines = [("gpu_check --plan (nothing runs). Estimates are GUESSES for one H100, never measured on a GPU "
-              "(ESTIMATES in tools/gpu_check.py says what each is built from).")]
+    lines = [("gpu_check --plan (nothing runs). Estimates are the times measured on one H200 on 2026-11-30, "
+              "two of them guessed (ESTIMATES in tools/gpu_check.py says which).")]
     for prof in profiles:
         missing = "" if os.path.isdir(os.path.join(whl, f"mcore-{prof.mcore}")) else " (missing: make gpu-wheels)"
         folder = f"{_shown(whl)}/mcore-{prof.mcore}/"

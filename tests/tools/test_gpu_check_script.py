@@ -1,5 +1,5 @@
 """tools/gpu_check.py without a GPU. Its profiles (data, read here as the script reads them): the quick
-one's estimate stays under 8 minutes and the other's under 4, each within its hard stop, and every
+one's estimate stays under 8 minutes and the other's under 6, each within its hard stop, and every
 test of tests/gpu is in exactly one profile. `--plan` prints every part with its estimate and
 command; bad arguments stop it at start-up naming the fix. And its control flow on a stand-in
 machine (nvidia-smi and Python replaced): a part over its time limit gets SIGINT (so pytest prints
@@ -23,17 +23,17 @@ from tools.gpu_check import MORE, PROFILES, QUICK, RESERVE_S
 SCRIPT = ROOT / "tools" / "gpu_check.py"
 
 
-def test_the_quick_profile_fits_8_minutes_and_the_other_4():
-    """The budgets of the GPU-evidence issue, the first compiles and the wheel install included."""
+def test_the_quick_profile_fits_8_minutes_and_the_other_6():
+    """Budgets within one 10-minute device command, the first compiles and the wheel install included;
+    quick fits a 15-minute device session with its machine start."""
     assert QUICK.estimate_s <= 8 * 60 and QUICK.stop_s <= 8 * 60
-    assert MORE.estimate_s <= 4 * 60 and MORE.stop_s <= 4 * 60
+    assert MORE.estimate_s <= 6 * 60 and MORE.stop_s <= 6 * 60
     for prof in PROFILES.values():   # at the estimate, the hard stop cuts nothing
         assert prof.estimate_s + RESERVE_S <= prof.stop_s, prof.name
         assert all(p.estimate_s > 0 for p in prof.parts) and prof.setup_estimate_s > 0
     # most important first: the loop on a GPU at all, on the newest megatron-core
     assert QUICK.mcore == "0.19.2" and MORE.mcore == "0.16.1"
-    assert [p.name for p in QUICK.parts] == ["demo_bf16", "r3", "bench", "logprobs", "resume", "recipes",
-                                             "weight_sync"]
+    assert [p.name for p in QUICK.parts] == ["demo_bf16", "r3", "bench", "logprobs", "resume"]
 
 
 def _collected() -> list[str]:
@@ -65,9 +65,9 @@ def test_plan_prints_every_part_with_its_estimate_and_command(capsys, monkeypatc
     monkeypatch.setenv("OUT", "/out")
     assert gpu_check.main(["--plan"]) == 0
     out = capsys.readouterr().out
-    assert "GUESSES" in out and "never measured on a GPU" in out
+    assert "measured on one H200" in out and "guessed" in out
     assert "quick (make gpu-check): megatron-core 0.19.2 from .whl/mcore-0.19.2/" in out
-    assert f"estimate {QUICK.estimate_s} s, hard stop 480 s" in out and f"estimate {MORE.estimate_s} s, hard stop 240 s" in out
+    assert f"estimate {QUICK.estimate_s} s, hard stop 480 s" in out and f"estimate {MORE.estimate_s} s, hard stop 360 s" in out
     for prof in PROFILES.values():
         for p in prof.parts:
             assert f"{p.estimate_s:>4}s {p.limit_s:>5}s  {p.name}: " in out, p.name
@@ -82,7 +82,7 @@ def test_plan_prints_every_part_with_its_estimate_and_command(capsys, monkeypatc
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="with vLLM the part measures for minutes")
 def test_the_weight_sync_part_passes_in_seconds_without_vllm(tmp_path):
     """The device machine has no vLLM: the part says so, writes it as its result and passes."""
-    part = next(p for p in QUICK.parts if p.name == "weight_sync")
+    part = next(p for p in MORE.parts if p.name == "weight_sync")
     result = tmp_path / "weight_sync.md"
     r = gpu_check.run(gpu_check.command(part, sys.executable, str(result)), str(tmp_path / "weight_sync.log"),
                       part.limit_s, dict(os.environ))
