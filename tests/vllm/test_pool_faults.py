@@ -3,13 +3,20 @@ config errors of rollout.vllm.num_servers / urls, and the client's pool fault ha
 fake servers (tests/vllm/fake_server.py): a server that dies mid-call has its samples finished by
 the others and comes back after a restart; one that may not be restarted stays out; a sync
 reaches every server, and one that was down is started on the new weights; an in-memory sync
-packs the stream once and sends each bucket to every server."""
+packs the stream once and sends each bucket to every server; a server that dies mid-turn under
+async multi-turn rollouts loses no trajectory."""
 import threading
 import time
 
 import pytest
 import torch
 
+from megatron_rl.config.schema import EnvSection
+from megatron_rl.data.envs import ENVS, Environment, Step, register_env
+from megatron_rl.data.tokenizer import CharTokenizer
+from megatron_rl.data.types import Example
+from megatron_rl.rollout.function import RolloutFnInputs
+from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.types import SamplingParams, stream_seed
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError
 from megatron_rl.rollout.vllm.client import server_devices
@@ -323,3 +330,62 @@ def test_a_server_hung_mid_sync_is_dropped_by_its_health_or_the_deadline_and_nam
     assert wall < deadline + 30.0  # the deadline bounds it (slack: a loaded 2-core machine)
     for s in syncs:
         s._rpc.shutdown()
+
+
+class _Echo(Environment):
+    """Every turn answered with the same observation and reward 1, for 3 turns."""
+
+    max_turns = 3
+
+    def reset(self, example: Example) -> str:
+        return example.prompt
+
+    def step(self, generated_text: str, generated_ids) -> Step:
+        return Step(" ok:", 1.0, False)
+
+
+@pytest.fixture
+def echo_env():
+    register_env("echo_pool_faults")(_Echo)
+    yield
+    ENVS.pop("echo_pool_faults")
+
+
+def test_a_server_killed_mid_turn_under_async_turns_loses_no_trajectory(tmp_path, weights, echo_env):
+    """multi_turn with env.turns=async (each trajectory its own coroutine, each request on its own)
+    over a pool of 2: server 1 dies at the first later-turn request it gets (its prompt holds an
+    observation), so the fault strikes mid-trajectory. Its requests go to server 0, every
+    trajectory finishes all its turns, and each is token for token the one a pool without the fault
+    gives (a request's seed, not its server, decides)."""
+    tok = CharTokenizer()
+    fn = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name="echo_pool_faults", max_turns=3, max_tokens=40,
+                                                         turns="async")))
+    examples = [Example(p, "", "echo") for p in ("12+3=", "7*8=", "guess:", "abc")]
+    sampling = SamplingParams(max_tokens=5, stop_token_ids=tok.stop_ids, seed=11)
+    healthy, _ = make_pool(tmp_path / "healthy", weights, [None, None])
+    observation = tok.encode(" ok:")
+    struck = threading.Event()
+
+    def dies_at_a_later_turn(body, answer):
+        ids = body["token_ids"]
+        later = any(ids[k:k + len(observation)] == observation for k in range(len(ids)))
+        if later and not struck.is_set():
+            struck.set()
+            return "drop"  # marks the fake dead: it drops everything until restarted
+        return answer
+
+    faulty, (_, b) = make_pool(tmp_path / "faulty", weights, [None, dies_at_a_later_turn])
+    try:
+        want, got = fn(healthy, examples, 2, sampling), fn(faulty, examples, 2, sampling)
+        assert struck.is_set() and faulty.stats()["vllm/retries"] >= 1
+        assert got.stats["env/turns"] == want.stats["env/turns"] == 3
+        assert len(got.samples) == len(want.samples) == 8
+        for a, c in zip(got.samples, want.samples, strict=True):
+            assert a.prompt_ids.tolist() == c.prompt_ids.tolist()
+            assert a.response_ids.tolist() == c.response_ids.tolist() and a.loss_mask.tolist() == c.loss_mask.tolist()
+        assert got.score() == want.score() == [3.0] * 8
+        faulty.fleet.await_restarts()
+        assert b.restarts == 1 and faulty.stats()["vllm/server1/restarts"] == 1
+    finally:
+        healthy.close()
+        faulty.close()
