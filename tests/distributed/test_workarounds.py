@@ -42,10 +42,11 @@ EXPECTED = {
 # The probes that fail inside torch's CUDA calls. A CPU build of torch refuses them itself ("Torch not compiled
 # with CUDA enabled", "torch.cuda.Stream requires CUDA support"); a CUDA build on a machine without a GPU (lane 2:
 # PyPI has no CPU build of torch for Python 3.12) gets as far as the driver: "Found no NVIDIA driver on your
-# system", "CUDA driver version is insufficient for CUDA runtime version" (the Stream of #6).
+# system", "CUDA driver version is insufficient for CUDA runtime version" (the Stream of #6), or, in a child
+# forked after megatron-core's import tried CUDA's initialisation (probes.py), "Cannot re-initialize CUDA".
 TORCH_CUDA_CALLS = (1, 2, 5, 6, 9, 10)
 CUDA_BUILD_WITHOUT_DEVICE = torch.version.cuda is not None and not torch.cuda.is_available()
-DRIVER_ERRORS = ("NVIDIA driver", "CUDA driver", "CUDA-capable device")
+DRIVER_ERRORS = ("NVIDIA driver", "CUDA driver", "CUDA-capable device", "Cannot re-initialize CUDA in forked subprocess")
 
 
 def _expected(number: int) -> tuple[str, ...]:
