@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.rollout_throughput import TOK, Latency, report
-from megatron_rl.config.schema import EnvSection
+from megatron_rl.config.env_section import EnvSection
 from megatron_rl.data.envs import ENVS, register_env
 from megatron_rl.data.types import Example
 from megatron_rl.model.parity import random_hf_model

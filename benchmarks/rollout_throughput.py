@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from megatron_rl.config.schema import EnvSection
+from megatron_rl.config.env_section import EnvSection
 from megatron_rl.data.envs import ENVS, Environment, Step, register_env
 from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.data.types import Example

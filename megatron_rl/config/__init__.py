@@ -1,4 +1,5 @@
-"""Run configuration: dataclass tree (schema.py) + YAML/CLI reading (loader.py); the engines'
+"""Run configuration: dataclass tree (schema.py; the env and judge sections in env_section.py and
+judge_section.py) + YAML/CLI reading (loader.py); the engines
 own sections by registration (engine_sections.py). The whole start-up load, with the user's
 plugins and the rules across components, is megatron_rl.configure.load_config."""
 from megatron_rl.config.loader import (

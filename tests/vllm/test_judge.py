@@ -11,7 +11,8 @@ import threading
 import pytest
 import torch
 
-from megatron_rl.config.schema import JudgeSection, RunConfig
+from megatron_rl.config.judge_section import JudgeSection
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.configure import load_config
 from megatron_rl.rewards import RewardRunner
 from megatron_rl.rollout.vllm.judge import ENV_JUDGE_KEY, Judge

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from megatron_rl.config.schema import EnvSection
+from megatron_rl.config.env_section import EnvSection
 from megatron_rl.data.envs import ENVS, Environment, Step, register_env
 from megatron_rl.data.hf_tokenizer import HfTokenizer
 from megatron_rl.data.types import Example

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from megatron_rl.config.schema import EnvSection
+from megatron_rl.config.env_section import EnvSection
 from megatron_rl.data.envs import ENVS, Environment, Step, register_env
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import RolloutFnInputs
