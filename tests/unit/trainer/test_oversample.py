@@ -20,6 +20,7 @@ from megatron_rl.trainer.oversample import (
     settled,
     to_launch,
 )
+from tests.unit.rollout.multi_turn_fakes import TOK, ScriptedEngine
 
 # ---------------------------------------------------------------------------------- pure parts
 
@@ -325,3 +326,69 @@ def test_batches_without_oversampling_are_unchanged():
     (rollout,) = batches.score(batches.sample([0])).values()
     assert _trained(engine, rollout) == ["b0.0", "b0.1"] and prompts.reserve_calls == []
     assert "rollout/groups_generated" not in rollout.reward_stats
+
+
+def test_overlapped_steps_fill_apart():
+    """Two steps of one call: the full one launches nothing, the short one draws its own reserve."""
+    pools = {0: GroupPool(2, 2), 1: GroupPool(2, 2)}
+    pools[0].add([_sample(0)] * 4, REWARDS["mixed"] * 2)
+    pools[1].add([_sample(1)] * 4, REWARDS["none"] + REWARDS["mixed"])
+    asked = []
+
+    async def group(step, r):
+        asked.append((step, r))
+        return [_sample(10 + r)] * 2, list(REWARDS["mixed"])
+
+    discarded = asyncio.run(fill_overlapped(pools, 6, group))
+    assert asked == [(1, 0), (1, 1)]  # round_size(1, 2, 1, 4) = 2 at once; the first settles the step
+    assert discarded == {0: 0, 1: 1}
+    assert (pools[0].drawn, pools[1].drawn, pools[1].rounds) == (2, 3, 1)
+
+
+class EachEngine(ScriptedEngine):
+    """A scripted engine whose requests are coroutines (engine.py SamplesEach)."""
+
+    async def sample(self, request):
+        return self.generate_requests([request])[0]
+
+
+class GroupRewards:
+    """The reward of a sample: REWARDS of its example's label (single_turn scores a group at a time)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, items):
+        self.calls += 1
+        kinds = [label for _, _, label, _ in items]
+        return [r for k in kinds[::2] for r in REWARDS[k]]
+
+    def stats(self):
+        return {"rewards/count": 0}
+
+
+def test_batches_overlap_extra_groups_with_an_engine_whose_requests_are_coroutines(capsys):
+    from megatron_rl.configure import load_config
+    from megatron_rl.rollout.engine import SamplesEach
+    from megatron_rl.rollout.function import RolloutFnInputs
+    from megatron_rl.rollout.single_turn import SingleTurn
+    from megatron_rl.trainer.rollouts import Batches
+
+    cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.oversample=true",
+                             "rollout.max_oversample=3", "loss.filter_zero_variance_groups=true"])
+    prompts = Prompts({0: ["same", "mixed"]}, {0: ["same", "same", "none", "mixed", "mixed"]})
+    engine, rewards = EachEngine(random_ids=True), GroupRewards()
+    assert isinstance(engine, SamplesEach)
+    batches = Batches(cfg, prompts, TOK, SingleTurn(RolloutFnInputs(TOK, rewards)), rewards, engine)
+    (rollout,) = batches.score(batches.sample([0])).values()
+    assert prompts.reserve_calls == [(0, 0, 4)]  # the budget's reserve, fetched once
+    trained = [TOK.decode(s.prompt_ids.tolist()) for s in rollout.samples[::2]]
+    assert trained == ["b0.1", "r0.3"] and rollout.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert {k: rollout.reward_stats[k] for k in ("rollout/groups_generated", "rollout/groups_dropped",
+                                                  "rollout/groups_padded", "rollout/groups_discarded")} == \
+        {"rollout/groups_generated": 6.0, "rollout/groups_dropped": 4.0, "rollout/groups_padded": 0.0,
+         "rollout/groups_discarded": 0.0}
+    assert rewards.calls == 2 + 4  # a reward call per group
+    lines = [line for line in capsys.readouterr().out.splitlines() if "over-sampling" in line]
+    assert lines and lines[0] == ("step 1: over-sampling: 2 more prompts (1 of 2 groups with reward variance, 2 "
+                                  "scored and 0 in flight of at most 6 prompts)")
