@@ -109,7 +109,8 @@ class GroupsEach(Protocol):
 @dataclasses.dataclass
 class GroupPool:
     """One step's groups so far, in draw order: samples [drawn · G] (groups contiguous), rewards
-    [drawn · G] host floats; rounds: the extra rollout calls that added to it."""
+    [drawn · G] host floats; rounds: the extra rollout calls that added to it (fill_overlapped: its
+    launch waves)."""
 
     wanted: int
     group_size: int
@@ -143,7 +144,7 @@ class GroupPool:
     def take(self) -> tuple[list[Sample], list[float], dict[str, float]]:
         """The step's `wanted` groups (select_groups) and its counts: rollout/groups_generated
         (drawn), rollout/groups_dropped (drawn − trained), rollout/groups_padded (zero-variance
-        groups trained on because the budget ran out), rollout/oversample_rounds."""
+        groups trained on because the budget ran out), rollout/oversample_rounds (`rounds`)."""
         flags = self.has_variance()
         chosen = select_groups(flags, self.wanted)
         G = self.group_size

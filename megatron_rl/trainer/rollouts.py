@@ -25,7 +25,7 @@ reserve group r samples on streams (r, j) of a seed derived from (the first call
 so its samples, and the step's selection, do not depend on which groups completed first. Any other
 engine or rollout function keeps the rounds.
 Cost: up to max_oversample times the samples and engine time of a step; overlapped, the groups of
-a step in flight at once are at most round_size's estimate (< the budget), their requests bounded
+a step in flight at once are at most round_size's estimate, never past the budget; their requests bounded
 by the engine's per-server concurrency.
 """
 from __future__ import annotations
@@ -106,7 +106,8 @@ class Batches:
         """{step: (samples, rewards, {})} -> the same with exactly prompts_per_step groups each (the
         first with reward variance, in draw order) and each step's counts (GroupPool.take).
         first: the steps' first call's sampling; extra round i samples with the seed derived from
-        (its seed, i), so no round reuses another call's random streams."""
+        (its seed, i), so no round reuses another call's random streams. Overlapped (module
+        docstring: `_overlapped`), each step's counts also carry rollout/groups_discarded."""
         r = self.cfg.rollout
         pools = {step: GroupPool(r.prompts_per_step, r.group_size) for step in per_step}
         for step, (samples, rewards, _) in per_step.items():
