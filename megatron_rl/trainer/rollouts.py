@@ -17,10 +17,20 @@ prompts: each extra round is one rollout-function call for every step still shor
 the engine's current weights (the ones `sample` used: a schedule changes them only after
 `score`) and a seed of its own, and prints a line per step it draws for. Those rounds run on the main thread because each needs the
 previous round's rewards; under the async schedule they are not overlapped with the update.
-Cost: up to max_oversample times the samples and engine time of a step.
+With an engine whose requests are coroutines (the vLLM engine: rollout/engine.py `SamplesEach`)
+and a rollout function that draws one group at a time (single_turn: oversample.py `GroupsEach`),
+the extra groups are not rounds: each is a coroutine, scored as soon as its samples are back, and
+the next prompts start while earlier groups still run (oversample.py `fill_overlapped`); step s's
+reserve group r samples on streams (r, j) of a seed derived from (the first call's seed, step s),
+so its samples, and the step's selection, do not depend on which groups completed first. Any other
+engine or rollout function keeps the rounds.
+Cost: up to max_oversample times the samples and engine time of a step; overlapped, the groups of
+a step in flight at once are at most round_size's estimate, never past the budget; their requests bounded
+by the engine's per-server concurrency.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -28,9 +38,10 @@ import math
 import torch
 
 from megatron_rl.data.types import derive_seed
+from megatron_rl.rollout.engine import SamplesEach
 from megatron_rl.rollout.function import Generated
 from megatron_rl.rollout.types import Sample, SamplingParams
-from megatron_rl.trainer.oversample import GroupPool, fill
+from megatron_rl.trainer.oversample import GroupPool, GroupsEach, fill, fill_overlapped
 from megatron_rl.trainer.rollout_io import broadcast
 
 log = logging.getLogger(__name__)
@@ -95,7 +106,8 @@ class Batches:
         """{step: (samples, rewards, {})} -> the same with exactly prompts_per_step groups each (the
         first with reward variance, in draw order) and each step's counts (GroupPool.take).
         first: the steps' first call's sampling; extra round i samples with the seed derived from
-        (its seed, i), so no round reuses another call's random streams."""
+        (its seed, i), so no round reuses another call's random streams. Overlapped (module
+        docstring: `_overlapped`), each step's counts also carry rollout/groups_discarded."""
         r = self.cfg.rollout
         pools = {step: GroupPool(r.prompts_per_step, r.group_size) for step in per_step}
         for step, (samples, rewards, _) in per_step.items():
@@ -115,7 +127,11 @@ class Batches:
             generated = self.rollout_fn(self.engine, examples, r.group_size, sampling)
             return generated.samples, generated.score()
 
-        fill(pools, budget, draw)
+        if isinstance(self.engine, SamplesEach) and isinstance(self.rollout_fn, GroupsEach):
+            discarded = self._overlapped(pools, budget, first)
+        else:
+            fill(pools, budget, draw)
+            discarded = {}
         out = {}
         for step, pool in pools.items():
             samples, rewards, counts = pool.take()
@@ -125,8 +141,36 @@ class Batches:
                             "loss.filter_zero_variance_groups masks", step + 1, r.max_oversample, pool.drawn,
                             r.prompts_per_step - int(counts["rollout/groups_padded"]), r.prompts_per_step,
                             int(counts["rollout/groups_padded"]))
+            if step in discarded:
+                counts["rollout/groups_discarded"] = float(discarded[step])
             out[step] = (samples, rewards, counts)
         return out
+
+    def _overlapped(self, pools: dict[int, GroupPool], budget: int, first: SamplingParams) -> dict[int, int]:
+        """The extra groups as overlapping coroutines (fill_overlapped), on this (the main) thread's
+        event loop, each scored here as its samples come back; the requests run on the engine's loop.
+        Reserve group r of step s: example r of `prompts.reserve(s, 0, budget − B)`, streams (r, j) of
+        the seed derived from (first.seed, "oversample", "step", s). Returns fill_overlapped's
+        {step: groups discarded}."""
+        r, fn = self.cfg.rollout, self.rollout_fn
+        extra = budget - r.prompts_per_step
+        reserves = {step: self.prompts.reserve(step, 0, extra) if extra > 0 else [] for step in pools}
+        seeds = {step: derive_seed(first.seed, "oversample", "step", step) & (2**63 - 1) for step in pools}
+
+        async def group(step: int, index: int):
+            example = reserves[step][index]
+            sampling = dataclasses.replace(first, seed=seeds[step])
+            samples = await fn.group(self.engine, self.tokenizer.encode_prompt(example.prompt), index,
+                                     r.group_size, sampling)
+            return samples, fn.score_group(example, samples)
+
+        def launched(step: int, k: int, flags: list[bool | None]) -> None:
+            scored = [f for f in flags if f is not None]
+            print(f"step {step + 1}: over-sampling: {k} more prompts ({sum(scored)} of {r.prompts_per_step} groups "
+                  f"with reward variance, {len(scored)} scored and {len(flags) - len(scored)} in flight of at most "
+                  f"{budget} prompts)", flush=True)
+
+        return asyncio.run(fill_overlapped(pools, budget, group, launched))
 
 
 class EngineWeights:

@@ -1,13 +1,26 @@
 """DAPO over-sampling: the pure selection and round sizes against hand-built cases, and
 `Batches.score`'s rounds over a scripted rollout function (a fake for orchestration: the real
 engine's run is tests/distributed/test_oversample_run.py)."""
+import asyncio
+import random
+
 import pytest
 import torch
 
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import Generated
 from megatron_rl.rollout.types import Sample
-from megatron_rl.trainer.oversample import GroupPool, fill, round_size, select_groups
+from megatron_rl.trainer.oversample import (
+    GroupPool,
+    fill,
+    fill_overlapped,
+    has_variance,
+    round_size,
+    select_groups,
+    settled,
+    to_launch,
+)
+from tests.unit.rollout.multi_turn_fakes import TOK, ScriptedEngine
 
 # ---------------------------------------------------------------------------------- pure parts
 
@@ -83,6 +96,116 @@ def test_fill_asks_once_per_round_for_every_short_step():
     assert asked == [(1, {1: 2}), (2, {1: 1})]
     assert (pools[0].drawn, pools[0].rounds, pools[1].drawn, pools[1].rounds) == (2, 0, 5, 2)
     assert pools[1].take()[2]["rollout/groups_padded"] == 1.0
+
+
+# ------------------------------------------------------------------------- overlapped extra groups
+
+
+def test_has_variance():
+    assert has_variance([0.0, 1.0]) and has_variance([0.5, 0.5, 0.25])
+    assert not has_variance([1.0, 1.0]) and not has_variance([0.0])
+
+
+@pytest.mark.parametrize("flags,wanted,expected", [
+    ([True, False, True], 2, 3),
+    ([True, True, None], 2, 2),          # what runs after the second with variance does not matter
+    ([True, None, True, True], 2, None),  # the running group could be the second with variance
+    ([False, False], 1, None),
+    ([], 1, None),
+    ([False, True], 1, 2),
+])
+def test_settled_is_the_shortest_scored_prefix_holding_the_wanted(flags, wanted, expected):
+    assert settled(flags, wanted) == expected
+
+
+@pytest.mark.parametrize("flags,wanted,budget,expected", [
+    ([True, False], 2, 6, 2),               # round_size(1, 2, 1, 4) = 2, none in flight
+    ([True, False, None], 2, 6, 1),          # ... one of them already running
+    ([True, False, None, None, None], 2, 6, 0),
+    ([False, False], 2, 10, 2),              # none kept: as many again as scored
+    ([True, False, True, None], 2, 6, 0),    # none missing among the scored: wait for the running one
+    ([False, False, False], 2, 4, 1),         # the budget of groups caps it
+    ([False, False, None, None], 2, 4, 0),    # ... counting those in flight
+])
+def test_to_launch(flags, wanted, budget, expected):
+    assert to_launch(flags, wanted, budget) == expected
+
+
+def _flags_of(kinds):
+    return [has_variance(REWARDS[k]) for k in kinds]
+
+
+def _overlapped(batch, reserve, wanted, budget, pick):
+    """fill_overlapped over scripted groups (reward kinds as REWARDS) that complete when the driver
+    lets them: `pick(pending)` chooses which running group answers next. Returns the pool's take(),
+    the reserve indices launched and fill_overlapped's result."""
+    pool = GroupPool(wanted, 2)
+    pool.add([_sample(i) for i in range(2 * len(batch))], [r for k in batch for r in REWARDS[k]])
+    launched, pending = [], []
+
+    async def group(step, r):
+        launched.append(r)
+        gate = asyncio.get_running_loop().create_future()
+        pending.append((r, gate))
+        await gate
+        tag = 100 + r
+        return [_sample(tag), _sample(tag)], list(REWARDS[reserve[r]])
+
+    async def main():
+        task = asyncio.ensure_future(fill_overlapped({0: pool}, budget, group))
+        while not task.done():
+            await asyncio.sleep(0)  # a pass of the loop (no timer): the launches run
+            if pending:
+                pending.pop(pick(len(pending)))[1].set_result(None)
+        return task.result()
+
+    discarded = asyncio.run(main())
+    return pool.take(), launched, discarded
+
+
+@pytest.mark.parametrize("batch,reserve,budget", [
+    (["same", "mixed"], ["mixed", "mixed", "none", "mixed", "same", "mixed"], 6),
+    (["same", "none"], ["none", "mixed", "same", "none", "mixed", "mixed", "mixed", "mixed"], 8),
+    (["mixed", "mixed"], ["mixed"], 4),                        # full at once: nothing launched
+    (["none", "same"], ["none"] * 6, 5),                        # the budget: pad
+    (["none", "mixed"], ["same", "none", "none", "none", "mixed", "mixed"], 8),
+])
+def test_overlapped_selection_is_the_first_with_variance_in_draw_order_whatever_completes_first(batch, reserve, budget):
+    rng = random.Random(0)
+    orders = {"first launched first": lambda n: 0, "last launched first": lambda n: n - 1,
+              "random": lambda n: rng.randrange(n)}
+    flags = _flags_of(batch + reserve)[:budget]
+    want = select_groups(flags, 2)  # the reference: every group of the budget scored, in draw order
+    end = settled(flags, 2) or len(flags)  # groups the step needs scored
+    for name, pick in orders.items():
+        (samples, rewards, stats), launched, discarded = _overlapped(batch, reserve, 2, budget, pick)
+        tags = [int(s.prompt_ids[0]) for s in samples[::2]]
+        assert tags == [2 * g if g < len(batch) else 100 + g - len(batch) for g in want], name
+        assert rewards == [r for g in want for r in REWARDS[(batch + reserve)[g]]], name
+        assert stats["rollout/groups_generated"] == end, name
+        assert stats["rollout/groups_padded"] == sum(not flags[g] for g in want), name
+        assert len(launched) <= budget - len(batch), name  # never past the budget
+        assert sorted(launched) == list(range(len(launched))), name  # reserve groups in draw order
+        assert discarded == {0: len(batch) + len(launched) - max(end, len(batch))}, name
+
+
+def test_an_error_in_a_group_cancels_the_others_and_is_raised():
+    pool = GroupPool(2, 2)
+    pool.add([_sample(0)] * 4, [1.0, 1.0, 0.0, 0.0])
+    cancelled = []
+
+    async def group(step, r):
+        if r == 1:
+            raise RuntimeError("server died")
+        try:
+            await asyncio.get_running_loop().create_future()  # never answers
+        except asyncio.CancelledError:
+            cancelled.append(r)
+            raise
+
+    with pytest.raises(RuntimeError, match="server died"):
+        asyncio.run(fill_overlapped({0: pool}, 10, group))
+    assert cancelled and 1 not in cancelled
 
 
 # ---------------------------------------------------------------------- Batches over a fake engine
@@ -203,3 +326,69 @@ def test_batches_without_oversampling_are_unchanged():
     (rollout,) = batches.score(batches.sample([0])).values()
     assert _trained(engine, rollout) == ["b0.0", "b0.1"] and prompts.reserve_calls == []
     assert "rollout/groups_generated" not in rollout.reward_stats
+
+
+def test_overlapped_steps_fill_apart():
+    """Two steps of one call: the full one launches nothing, the short one draws its own reserve."""
+    pools = {0: GroupPool(2, 2), 1: GroupPool(2, 2)}
+    pools[0].add([_sample(0)] * 4, REWARDS["mixed"] * 2)
+    pools[1].add([_sample(1)] * 4, REWARDS["none"] + REWARDS["mixed"])
+    asked = []
+
+    async def group(step, r):
+        asked.append((step, r))
+        return [_sample(10 + r)] * 2, list(REWARDS["mixed"])
+
+    discarded = asyncio.run(fill_overlapped(pools, 6, group))
+    assert asked == [(1, 0), (1, 1)]  # round_size(1, 2, 1, 4) = 2 at once; the first settles the step
+    assert discarded == {0: 0, 1: 1}
+    assert (pools[0].drawn, pools[1].drawn, pools[1].rounds) == (2, 3, 1)
+
+
+class EachEngine(ScriptedEngine):
+    """A scripted engine whose requests are coroutines (engine.py SamplesEach)."""
+
+    async def sample(self, request):
+        return self.generate_requests([request])[0]
+
+
+class GroupRewards:
+    """The reward of a sample: REWARDS of its example's label (single_turn scores a group at a time)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, items):
+        self.calls += 1
+        kinds = [label for _, _, label, _ in items]
+        return [r for k in kinds[::2] for r in REWARDS[k]]
+
+    def stats(self):
+        return {"rewards/count": 0}
+
+
+def test_batches_overlap_extra_groups_with_an_engine_whose_requests_are_coroutines(capsys):
+    from megatron_rl.configure import load_config
+    from megatron_rl.rollout.engine import SamplesEach
+    from megatron_rl.rollout.function import RolloutFnInputs
+    from megatron_rl.rollout.single_turn import SingleTurn
+    from megatron_rl.trainer.rollouts import Batches
+
+    cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.oversample=true",
+                             "rollout.max_oversample=3", "loss.filter_zero_variance_groups=true"])
+    prompts = Prompts({0: ["same", "mixed"]}, {0: ["same", "same", "none", "mixed", "mixed"]})
+    engine, rewards = EachEngine(random_ids=True), GroupRewards()
+    assert isinstance(engine, SamplesEach)
+    batches = Batches(cfg, prompts, TOK, SingleTurn(RolloutFnInputs(TOK, rewards)), rewards, engine)
+    (rollout,) = batches.score(batches.sample([0])).values()
+    assert prompts.reserve_calls == [(0, 0, 4)]  # the budget's reserve, fetched once
+    trained = [TOK.decode(s.prompt_ids.tolist()) for s in rollout.samples[::2]]
+    assert trained == ["b0.1", "r0.3"] and rollout.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert {k: rollout.reward_stats[k] for k in ("rollout/groups_generated", "rollout/groups_dropped",
+                                                  "rollout/groups_padded", "rollout/groups_discarded")} == \
+        {"rollout/groups_generated": 6.0, "rollout/groups_dropped": 4.0, "rollout/groups_padded": 0.0,
+         "rollout/groups_discarded": 0.0}
+    assert rewards.calls == 2 + 4  # a reward call per group
+    lines = [line for line in capsys.readouterr().out.splitlines() if "over-sampling" in line]
+    assert lines and lines[0] == ("step 1: over-sampling: 2 more prompts (1 of 2 groups with reward variance, 2 "
+                                  "scored and 0 in flight of at most 6 prompts)")
