@@ -20,6 +20,7 @@ from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.types import SamplingParams, stream_seed
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError
 from megatron_rl.rollout.vllm.client import server_devices
+from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.http import TransportError
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, Replica, ServerPool
@@ -119,12 +120,14 @@ def test_each_launched_server_gets_devices_of_its_own():
         server_devices("0,1,2,3", 0, 2, 3)
 
 
-def make_pool(tmp_path, weights, behaviours, **cfg):
-    fakes = [FakeVllm(ARCH.vocab_size, b) for b in behaviours]
+def make_pool(tmp_path, weights, behaviours, dialect=VLLM_DIALECT, routes=None, **cfg):
+    """An engine of `dialect` on a pool of fakes (one per behaviour; `routes`: FakeVllm's) that took weights."""
+    fakes = [FakeVllm(ARCH.vocab_size, b, routes=routes) for b in behaviours]
     options = {"warmup": False, "probe_every": 0, "retry_backoff_s": 0.01, "health_interval_s": 0.5,
                "health_timeout_s": 120.0, "max_concurrency": 4}
     options.update(cfg)
-    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), weight_sync="reload", server=fakes, device="cpu")
+    engine = VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), weight_sync="reload", server=fakes, device="cpu",
+                        dialect=dialect)
     push(engine, weights, 3)
     return engine, fakes
 
