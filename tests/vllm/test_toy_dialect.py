@@ -19,7 +19,15 @@ from megatron_rl.rollout.vllm.errors import BadResponse
 from megatron_rl.rollout.vllm.launcher import LocalServer
 from megatron_rl.rollout.vllm.pool import READY
 from tests.vllm.conftest import hf_weights
-from tests.vllm.test_pool_faults import ARCH, PROMPTS, SAMPLING, _keys, dies_once_after, make_pool
+from tests.vllm.test_pool_faults import (
+    ARCH,
+    HEALTH_OFF_S,
+    PROMPTS,
+    SAMPLING,
+    _keys,
+    dies_once_after,
+    make_pool,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -108,7 +116,8 @@ def _samples(out):
 
 def test_a_toy_dialect_engine_fails_over_and_samples_as_the_vllm_one(tmp_path, weights, toy):
     routes, seen = _routes()
-    engine, (a, b) = make_pool(tmp_path / "toy", weights, [None, dies_once_after(1)], dialect=toy, routes=routes)
+    engine, (a, b) = make_pool(tmp_path / "toy", weights, [None, dies_once_after(1)], dialect=toy, routes=routes,
+                               health_interval_s=HEALTH_OFF_S)
     out = engine.generate(PROMPTS, 2, SAMPLING)
     assert _keys(out) == [(i, j) for i in range(8) for j in range(2)]  # each once, though server 1 died
     engine.fleet.await_restarts()
