@@ -118,3 +118,14 @@ def test_layers():
 def test_the_layer_reader_sees_a_back_arrow():
     assert _row("megatron_rl.config.schema") < _row("megatron_rl.rollout.engine") < _row("megatron_rl.configure")
     assert _row("megatron_rl.checks") == 0 and _row("megatron_rl") == 0
+
+
+def test_the_serving_layer_does_not_import_an_engine():
+    """rollout/serving is engine-agnostic: a server kind plugs into it as a dialect, so nothing in
+    it imports the vLLM backend (which imports it)."""
+    graph = _graph()
+    serving = [m for m in graph if m == "megatron_rl.rollout.serving" or m.startswith("megatron_rl.rollout.serving.")]
+    assert "megatron_rl.rollout.serving.dialect" in serving
+    wrong = sorted((m, n) for m in serving for n in graph[m] if n.startswith("megatron_rl.rollout.vllm"))
+    assert not wrong, "the serving layer imports an engine: " + "; ".join(f"{m} -> {n}" for m, n in wrong)
+    assert "megatron_rl.rollout.serving.dialect" in graph["megatron_rl.rollout.vllm.protocol"]  # the other way round

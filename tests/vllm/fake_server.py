@@ -45,6 +45,10 @@ class FakeVllm:
 finish_reason "abort", as vLLM's does (`aborts` counts them; with
 abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE does).
 
+    routes: {path: (inbound, outbound)}: generate endpoints of other dialects (rollout/serving). A
+    POST to `path` is served as /inference/v1/generate is, on `inbound(body)` (that dialect's body
+    in vLLM's form), and a JSON answer goes back as `outbound(answer)` (in that dialect's form).
+
     api_key: the key every request must carry (None: a fresh random one; "" : no key needed).
     `unauthorised` counts the requests refused for the key. `posts`: the paths of the other POSTs
     (/pause?mode=keep, /resume, /collective_rpc, ...), in order. `weight_versions`: the spans every
@@ -53,8 +57,10 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
     can_restart = True
     model_name = "fake"
 
-    def __init__(self, vocab: int = 64, behaviour=None, api_key: str | None = None, abort_endpoint: bool = True):
+    def __init__(self, vocab: int = 64, behaviour=None, api_key: str | None = None, abort_endpoint: bool = True,
+                 routes: dict | None = None):
         self.vocab = vocab
+        self.routes = dict(routes or {})
         self.abort_endpoint = abort_endpoint
         self.aborts = 0  # POST /abort_requests received
         self.abort_refused = threading.Event()  # set when one was answered 404 (abort_endpoint=False)
@@ -137,7 +143,10 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
                     with fake.lock:
                         fake.posts.append(self.path)
                     return self._abort()
-                if self.path != "/inference/v1/generate":
+                route = fake.routes.get(self.path)
+                if route is not None:
+                    body = route[0](body)
+                elif self.path != "/inference/v1/generate":
                     with fake.lock:
                         fake.posts.append(self.path)
                     if self.path in fake.refused:
@@ -158,6 +167,8 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
                     fake.dead = True
                     self.close_connection = True
                     return
+                if route is not None and isinstance(out, dict):
+                    out = route[1](out)
                 self._reply(out, body)
 
             def _reply(self, out, body=None):

@@ -2,7 +2,9 @@
 
 vLLM runs as a separate OpenAI-compatible server process (its own environment: it pins its own
 torch build; `tools/install_vllm_cpu.sh` makes the CPU lane's `.venv-vllm`), and the trainer
-talks to it over HTTP on 127.0.0.1:
+talks to it over HTTP on 127.0.0.1. What any HTTP inference server needs (launching, health,
+keys, HTTP, the pool, failover) reads the server's kind from a dialect (rollout/serving/: which
+of the modules below are engine-agnostic and which are vLLM's own):
 
     config.py       VllmConfig (`rollout.vllm` in a run config)
     env.py          finding / installing the vLLM environment, its device
@@ -11,6 +13,8 @@ talks to it over HTTP on 127.0.0.1:
     ahttp.py        the same contract over async HTTP (aiohttp): the generate requests, as coroutines
     loop.py         LoopThread: the event loop (one thread) the engine's requests run on
     protocol.py     request bodies, answer size caps, strict answer validation, log-prob mode semantics
+    dialect.py      VllmDialect: vLLM's flags and command line, and protocol.py's requests, behind the serving
+                    layer's Dialect (rollout/serving/); the engine holds one, passed to servers, fleet, generation
     client.py       VllmEngine: the RolloutEngine contract, a facade over the next four
     servers.py      the servers as configured: flags, environment, devices
     pool.py         ServerPool: several servers, least-loaded placement, each one's state

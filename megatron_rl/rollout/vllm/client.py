@@ -29,8 +29,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.serving.dialect import Dialect
 from megatron_rl.rollout.types import Request, Sample, SamplingParams, check_prompts, grouped, requests_of
 from megatron_rl.rollout.vllm.config import VllmConfig
+from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.fleet import Fleet
 from megatron_rl.rollout.vllm.generation import Generation
@@ -61,6 +63,8 @@ class VllmEngine:
     server, device: inject a ServerHandle (tests; a list of them for a pool) and its device
         ("cpu" | "cuda" | "unknown").
     stopping: the trainer's stop flag; no server is restarted once it is true (fleet.py).
+    dialect: the servers' kind (rollout/serving/dialect.py): their command line, health path and
+        generate requests (default vLLM's, rollout/vllm/dialect.py); abort, pause and weight syncs are vLLM's.
 
     Configurations that would give wrong numbers are refused here, before anything starts
     (VllmUnsupportedError): MoE + in-place reload on CPU, routed experts (R3) on CPU. The servers
@@ -74,8 +78,10 @@ class VllmEngine:
     def __init__(self, arch: ModelArch, cfg: VllmConfig | None = None, run_dir: str = "runs/vllm", *,
                  weight_sync: str = TAKES[0], reference: Reference | None = None,
                  server: ServerHandle | list[ServerHandle] | None = None,
-                 device: str | None = None, stopping: Callable[[], bool] = lambda: False):
+                 device: str | None = None, stopping: Callable[[], bool] = lambda: False,
+                 dialect: Dialect = VLLM_DIALECT):
         self.arch = arch
+        self.dialect = dialect
         cfg = cfg or VllmConfig()
         if weight_sync not in TAKES:
             raise ValueError(f"rollout.weight_sync={weight_sync!r}: the vLLM engine takes {', '.join(TAKES)}")
@@ -96,13 +102,13 @@ class VllmEngine:
             nccl = self.backend is not None and self.backend.name == "nccl"  # this rank sends: its GPU
             servers, device = make_servers(arch, cfg, weight_sync, self.root, device, self.backend,
                                            self.max_model_len, self.logprobs_mode, self.max_logprobs,
-                                           torch.cuda.current_device() if nccl else None)
+                                           torch.cuda.current_device() if nccl else None, dialect)
         self.device = device or (cfg.device if cfg.device != "auto" else "unknown")
         for s in servers:
             check_supported(arch, weight_sync, self.device, cfg.enable_return_routed_experts, s.can_restart)
         pool = ServerPool([Replica(k, s, MemorySync(s, self.backend, cfg.bucket_bytes, cfg.transfer_host)
                                    if self.backend else None) for k, s in enumerate(servers)], cfg.affinity)
-        self.fleet = Fleet(arch, cfg, self.root, pool, stopping)
+        self.fleet = Fleet(arch, cfg, self.root, pool, stopping, dialect)
         self.generation = Generation(arch, cfg, self.fleet, self.logprobs_mode, self.max_model_len,
                                      self.max_logprobs)
         self.updates = WeightUpdates(arch, cfg, weight_sync, self.fleet, self.backend, self.max_model_len)

@@ -1,7 +1,7 @@
 """Keeping a VllmEngine's servers up: the first start, the checks after a start, taking a failed
 server out of the pool and restarting it, and the engine's counters.
 
-    fleet = Fleet(arch, cfg, root, pool, stopping)
+    fleet = Fleet(arch, cfg, root, pool, stopping, dialect)
     fleet.start(model_dir)                      # every server at once; READY when it answers
     fleet.lose(replica, epoch, "server died")   # out of the pool, restarted in the background
     fleet.await_restarts()                      # a sync must reach a server that is coming back
@@ -35,6 +35,7 @@ import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.model.hf_io import save_hf_config
+from megatron_rl.rollout.serving.dialect import Dialect
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import (
@@ -45,7 +46,6 @@ from megatron_rl.rollout.vllm.errors import (
 )
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, STALE, Replica, ServerPool
-from megatron_rl.rollout.vllm.protocol import GENERATE, generate_body
 from megatron_rl.rollout.vllm.weight_sync import WeightDirs
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
@@ -56,8 +56,9 @@ class Fleet:
     (`stats`, guarded by `lock` with the restart decisions, shared with the engine's request loop)."""
 
     def __init__(self, arch: ModelArch, cfg: VllmConfig, root: str, pool: ServerPool,
-                 stopping: Callable[[], bool]):
+                 stopping: Callable[[], bool], dialect: Dialect):
         self.arch, self.cfg, self.root, self.pool = arch, cfg, root, pool
+        self.dialect = dialect  # the servers' kind: the warm-up request's body and path
         # The trainer's stop flag. A server that dies once the run is stopping is not restarted:
         # SLURM signals every process of a job step, this server too, and a restart (a model
         # load) would outlast the grace period before SIGKILL that the trainer needs to save.
@@ -125,9 +126,9 @@ class Fleet:
         if not self.cfg.warmup:
             return
         server = replica.server
-        body = generate_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
+        body = self.dialect.generate_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
         try:
-            request_json(server.url + GENERATE, body, timeout=self.cfg.startup_timeout_s, api_key=server.api_key)
+            request_json(server.url + self.dialect.generate_path, body, timeout=self.cfg.startup_timeout_s, api_key=server.api_key)
         except (TransportError, HttpStatusError, BadResponse) as e:
             tail = server.log_tail(400)
             hint = ""
@@ -141,8 +142,8 @@ class Fleet:
 
     def _check_routing(self, replica: Replica) -> None:
         server = replica.server
-        body = generate_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
-        out = request_json(server.url + GENERATE, body, timeout=self.cfg.request_timeout_s, api_key=server.api_key)
+        body = self.dialect.generate_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
+        out = request_json(server.url + self.dialect.generate_path, body, timeout=self.cfg.request_timeout_s, api_key=server.api_key)
         if not (isinstance(out, dict) and out.get("choices") and out["choices"][0].get("routed_experts")):
             self.close()
             raise VllmUnsupportedError(f"router replay R3 was requested but the vLLM server at {server.url} "

@@ -1,13 +1,14 @@
 """A VllmEngine's requests as coroutines: their retries, failover, and a weight update in the middle.
 
-    gen = Generation(arch, cfg, fleet, logprobs_mode, max_model_len, max_logprobs)
+    gen = Generation(arch, cfg, fleet, logprobs_mode, max_model_len, max_logprobs)   # fleet.dialect: the wire format
     samples = gen.generate(requests, version)      # one per rollout/types.py Request, in order (blocks)
     sample = await gen.sample(request, version)    # one request, from any event loop (rollout/requests.py)
     gen.abort() | gen.pause(); push the weights; gen.resume()       # trainer thread, while they run
 
-Requests. One vLLM token-in/token-out request (`/inference/v1/generate`, protocol.py) per
-`Request` of the call (rollout/types.py; a generate() call's sample j of prompt i is request (i, j)
-of `requests_of`), each with its own sampling settings: token ids in; token ids, per-token sampled
+Requests. One token-in/token-out request per `Request` of the call (rollout/types.py; a generate()
+call's sample j of prompt i is request (i, j) of `requests_of`) in the servers' dialect
+(rollout/serving: its body, path, answer cap and parse; vLLM's `/inference/v1/generate`,
+protocol.py, by default), each with its own sampling settings: token ids in; token ids, per-token sampled
 log-probs and each token's weight version out. Each request is one coroutine on the engine's event
 loop (loop.py: one thread for all of them) over async HTTP (ahttp.py), placed by the pool when it
 may be sent (pool.py: least work in flight, prefix affinity) on a server with fewer than
@@ -22,7 +23,7 @@ different numbers from their streams, so their samples differ.)
 Failures. Each request retries on its own; a call returns once every request has a validated
 sample, and raises the first request's error that is not retried (the others are then cancelled).
 - bad answer (malformed JSON, wrong lengths, missing / non-finite log-probs, inconsistent finish
-  reason, longer than any valid answer to its request: protocol.generate_answer_cap, read no
+  reason, longer than any valid answer to its request: the dialect's answer_cap, read no
   further than that): counted in `vllm/bad_responses`, retried after a backoff up to `max_retries` times per sample, then
   VllmBadResponseError.
 - HTTP 5xx or a dropped connection while the server stays healthy: retried (`vllm/retries`) with
@@ -54,7 +55,7 @@ the update carry the old one (Sample.token_versions). The call sees a pause only
 requests.
 
 Cost: one request per sample spread over the servers (pool.py); per request in flight a coroutine
-and a socket (no thread), and at most its answer cap of memory (protocol.generate_answer_cap), so
+and a socket (no thread), and at most its answer cap of memory (the dialect's answer_cap), so
 at most servers x max_concurrency of them; the answers are parsed on the loop (O(answer) each).
 Threads: the loop's one, plus at most servers + 1 for the blocking checks of failures (alive(),
 taking a server out).
@@ -90,14 +91,7 @@ from megatron_rl.rollout.vllm.fleet import Fleet
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.loop import LoopThread
 from megatron_rl.rollout.vllm.pool import READY, Replica
-from megatron_rl.rollout.vllm.protocol import (
-    GENERATE,
-    check_served,
-    decode_routed_experts,
-    generate_answer_cap,
-    generate_body,
-    parse_generate,
-)
+from megatron_rl.rollout.vllm.protocol import check_served, decode_routed_experts
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
@@ -118,6 +112,7 @@ class Generation:
     def __init__(self, arch: ModelArch, cfg: VllmConfig, fleet: Fleet, logprobs_mode: str, max_model_len: int,
                  max_logprobs: int):
         self.arch, self.cfg, self.fleet = arch, cfg, fleet
+        self.dialect = fleet.dialect  # the servers' wire format: one for the engine
         self.logprobs_mode, self.max_model_len, self.max_logprobs = logprobs_mode, max_model_len, max_logprobs
         self.stats = fleet.stats
         self._start_lock = threading.Lock()
@@ -411,23 +406,25 @@ class Generation:
         prompt, sampling, (i, j) = list(request.prompt_ids), request.sampling, request.stream
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
         routed = self.arch.num_layers * self.arch.moe_topk if self.cfg.enable_return_routed_experts else 0
-        cap = generate_answer_cap(len(prompt), sampling, num_logprobs, routed)
+        dialect = self.dialect
+        cap = dialect.answer_cap(len(prompt), sampling, num_logprobs, routed)
         work = len(prompt) + sampling.max_tokens
         replica = await self._place(work, prompt)
         self.stats["vllm/requests"] += 1
         epoch, server = replica.epoch, replica.server
         if self._session is None:
             self._session = ahttp.session()
-        body = generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
+        body = dialect.generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
         try:
-            resp = await ahttp.request_json(self._session, server.url + GENERATE, body,
+            resp = await ahttp.request_json(self._session, server.url + dialect.generate_path, body,
                                             timeout=self.cfg.request_timeout_s, api_key=server.api_key,
                                             max_bytes=cap, setting="rollout.vllm.request_timeout_s")
-            out = parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len, num_logprobs)
+            out = dialect.parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len,
+                                         num_logprobs)
         except AnswerTooLarge as e:
             why = AnswerTooLarge(f"{e}, the most a valid answer to a {len(prompt)}-token prompt with max_tokens="
-                                 f"{sampling.max_tokens} and {num_logprobs} top log-probs per token takes (protocol."
-                                 f"generate_answer_cap): the server does not answer as vLLM does")
+                                 f"{sampling.max_tokens} and {num_logprobs} top log-probs per token takes ("
+                                 f"{dialect.name}'s answer_cap): the server does not answer as {dialect.name} does")
             raise _Failed(why, replica, epoch) from e
         except (TransportError, HttpStatusError, BadResponse) as e:
             raise _Failed(e, replica, epoch) from e

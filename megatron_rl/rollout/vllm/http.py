@@ -202,10 +202,10 @@ def decode_json(raw: bytes, url: str):
         raise BadResponse(f"malformed JSON from {url}: {e}; starts {raw[:80]!r}") from None
 
 
-def healthy(base_url: str, timeout: float, api_key: str | None = None) -> bool:
-    """GET /health answers 200 within `timeout` (a 401 from a server that wants another key: False)."""
+def healthy(base_url: str, timeout: float, api_key: str | None = None, path: str = "/health") -> bool:
+    """GET `path` answers 200 within `timeout` (a 401 from a server that wants another key: False)."""
     try:
-        request(base_url + "/health", timeout=timeout, api_key=api_key)
+        request(base_url + path, timeout=timeout, api_key=api_key)
         return True
     except (TransportError, HttpStatusError, BadResponse):
         return False

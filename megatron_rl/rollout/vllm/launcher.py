@@ -49,17 +49,18 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from megatron_rl.fs import open_no_follow
+from megatron_rl.rollout.serving.dialect import Dialect
+from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import VllmServerDiedError, VllmStartError
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, healthy, request_json
 
 HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "policy"
 ENV_API_KEY = "MEGATRON_RL_VLLM_API_KEY"  # the key: read by the server's middleware; a url server's key
-AUTH_MIDDLEWARE = "megatron_rl_vllm_auth.RequireBearerKey"
 
 
 def plugin_path() -> str:
-    """The directory to put on a vLLM server's PYTHONPATH so that `--middleware AUTH_MIDDLEWARE`
+    """The directory to put on a vLLM server's PYTHONPATH so that `--middleware AUTH_MIDDLEWARE` (dialect.py)
     imports (it holds only the server-side modules, see server_plugin/__init__.py)."""
     return str(Path(__file__).resolve().parent / "server_plugin")
 
@@ -244,6 +245,7 @@ class LocalServer:
 
     python: the vLLM environment's interpreter. args: vLLM options after the model and port
     (see VllmEngine). env: the child's extra environment. log_path: output of every start.
+    dialect: the server kind (rollout/serving): its command line and health path (default vLLM's).
     api_key: a fresh random key per LocalServer (kept across restarts); send it with every
     request (`http.request(..., api_key=server.api_key)`). Never logged.
     """
@@ -252,8 +254,9 @@ class LocalServer:
     model_name = SERVED_MODEL_NAME
 
     def __init__(self, python: str, args: list[str], env: dict[str, str], log_path: str,
-                 startup_timeout_s: float = 600.0, health_timeout_s: float = 10.0):
+                 startup_timeout_s: float = 600.0, health_timeout_s: float = 10.0, dialect: Dialect = VLLM_DIALECT):
         self.python, self.args, self.env = python, list(args), dict(env)
+        self.dialect = dialect
         self.log_path = log_path
         self.startup_timeout_s, self.health_timeout_s = startup_timeout_s, health_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -274,9 +277,7 @@ class LocalServer:
         return self.proc.pid if self.proc is not None else None
 
     def command(self, model_dir: str, port: int) -> list[str]:
-        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                "--served-model-name", SERVED_MODEL_NAME, "--host", HOST, "--port", str(port),
-                "--middleware", AUTH_MIDDLEWARE, *self.args]
+        return [self.python, *self.dialect.server_argv(model_dir, SERVED_MODEL_NAME, HOST, port, self.args)]
 
     def start(self, model_dir: str) -> float:
         """Launch on `model_dir` and wait until healthy; seconds it took. Raises VllmStartError."""
@@ -307,7 +308,7 @@ class LocalServer:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and \
-            healthy(self.url, self.health_timeout_s, self.api_key)
+            healthy(self.url, self.health_timeout_s, self.api_key, self.dialect.health_path)
 
     def stop(self, graceful: bool = True) -> None:
         """SIGTERM the server's process group (SIGKILL after 20 s); graceful=False: SIGKILL at once
@@ -338,7 +339,7 @@ class LocalServer:
                 self.stop()
                 raise VllmStartError(f"vLLM server exited with code {rc} during start-up; log "
                                      f"{self.log_path}:\n{self.log_tail()}")
-            if healthy(self.url, timeout=self.health_timeout_s, api_key=self.api_key):
+            if healthy(self.url, timeout=self.health_timeout_s, api_key=self.api_key, path=self.dialect.health_path):
                 return
             if time.perf_counter() - t0 > self.startup_timeout_s:
                 self.stop()
@@ -368,8 +369,9 @@ class RemoteServer:
     can_restart = False
 
     def __init__(self, url: str, health_timeout_s: float = 10.0, model_name: str | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, health_path: str = "/health"):
         self.url = url.rstrip("/")
+        self.health_path = health_path
         self.health_timeout_s = health_timeout_s
         self.model_name = model_name
         self.model_dir: str | None = None
@@ -388,7 +390,7 @@ class RemoteServer:
     def start(self, model_dir: str) -> float:
         t0 = time.perf_counter()
         try:
-            request_json(self.url + "/health", timeout=self.health_timeout_s, api_key=self.api_key)
+            request_json(self.url + self.health_path, timeout=self.health_timeout_s, api_key=self.api_key)
             if self.model_name is None:
                 models = request_json(self.url + "/v1/models", timeout=self.health_timeout_s, api_key=self.api_key)
                 try:
@@ -410,7 +412,7 @@ class RemoteServer:
                                   f"us, so it cannot be restarted")
 
     def alive(self) -> bool:
-        return healthy(self.url, self.health_timeout_s, self.api_key)
+        return healthy(self.url, self.health_timeout_s, self.api_key, self.health_path)
 
     def stop(self, graceful: bool = True) -> None:
         pass

@@ -27,10 +27,10 @@ from __future__ import annotations
 import base64
 import io
 import math
-from typing import NamedTuple
 
 import torch
 
+from megatron_rl.rollout.serving.dialect import Parsed
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm.errors import BadResponse, VllmUnsupportedError
 
@@ -159,19 +159,6 @@ def _choice(resp) -> dict:
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         raise BadResponse(f"answer needs exactly one choice, got {choices!r:.200}")
     return choices[0]
-
-
-class Parsed(NamedTuple):
-    """One validated answer. ids [R] int64, logprobs [R] fp32, finish "stop" | "length", kept
-    [R, K] int64 (-1 padded) or None, routed: routed experts as base64 .npy or None, versions [R]
-    int32 (each token's weight version) or None (unlabelled: the call's version)."""
-
-    ids: torch.Tensor
-    logprobs: torch.Tensor
-    finish: str
-    kept: torch.Tensor | None
-    routed: str | None
-    versions: torch.Tensor | None
 
 
 def parse_generate(resp, prompt_len: int, sampling: SamplingParams, vocab_size: int,

@@ -1,7 +1,7 @@
-"""The servers of a VllmEngine as configured: their command-line flags, environment and devices.
+"""The servers of a VllmEngine as configured: their command-line flags (the dialect's), environment and devices.
 
     servers, device = make_servers(arch, cfg, weight_sync, root, device, backend, max_model_len, logprobs_mode,
-                                   max_logprobs)
+                                   max_logprobs, dialect=VLLM_DIALECT)
 
 `rollout.vllm.urls` gives one RemoteServer per URL (never restarted by us); otherwise
 `num_servers` LocalServers are launched from the vLLM environment (env.py), server k logging to
@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.serving.dialect import Dialect
 from megatron_rl.rollout.vllm.config import VllmConfig
+from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, HOST, LocalServer, RemoteServer, ServerHandle
@@ -27,15 +29,17 @@ from megatron_rl.rollout.vllm.weight_sync import check_supported
 
 
 def make_servers(arch: ModelArch, cfg: VllmConfig, weight_sync: str, root: str, device: str | None, backend,
-                 max_model_len: int, logprobs_mode: str, max_logprobs: int, trainer_gpu: int | None = None
-                 ) -> tuple[list[ServerHandle], str | None]:
+                 max_model_len: int, logprobs_mode: str, max_logprobs: int, trainer_gpu: int | None = None,
+                 dialect: Dialect = VLLM_DIALECT) -> tuple[list[ServerHandle], str | None]:
     """The servers of cfg and their device: one RemoteServer per URL, else num_servers LocalServers
     (a configuration refused on the device is refused before the environment is looked for).
     weight_sync: how they take weights (rollout.weight_sync, resolved: memory, reload, restart).
-    trainer_gpu: the CUDA device index of the rank that sends the weights, when it sends over NCCL."""
+    trainer_gpu: the CUDA device index of the rank that sends the weights, when it sends over NCCL.
+    dialect: the server kind (rollout/serving): its flags, command line and health path."""
     if cfg.server_urls:
         key = cfg.api_key or os.environ.get(ENV_API_KEY) or None
-        return ([RemoteServer(u, cfg.health_timeout_s, api_key=key) for u in cfg.server_urls],
+        return ([RemoteServer(u, cfg.health_timeout_s, api_key=key, health_path=dialect.health_path)
+                 for u in cfg.server_urls],
                 device or (cfg.device if cfg.device != "auto" else "unknown"))
     device = device or (cfg.device if cfg.device != "auto" else None)
     if device is not None:  # refuse before looking for (or installing) the environment
@@ -44,31 +48,12 @@ def make_servers(arch: ModelArch, cfg: VllmConfig, weight_sync: str, root: str, 
     device = device or detect_device(python)
     if device == "cuda" and trainer_gpu is not None:
         check_own_gpus(cfg, trainer_gpu)
-    args = server_args(cfg, backend, max_model_len, logprobs_mode, max_logprobs)
+    receiver = weight_transfer_args(backend) if backend is not None else []  # started on random weights
+    args = dialect.server_flags(cfg, max_model_len, logprobs_mode, max_logprobs, receiver)
     return [LocalServer(python, args, server_env(cfg, device, k, dev=weight_sync in ("reload", "memory")),
                         os.path.join(root, "server.log" if k == 0 else f"server{k}.log"),
-                        cfg.startup_timeout_s, cfg.health_timeout_s) for k in range(cfg.num_servers)], device
-
-
-def server_args(c: VllmConfig, backend, max_model_len: int, logprobs_mode: str, max_logprobs: int) -> list[str]:
-    """`vllm serve` flags of a launched server (backend: the in-memory sync's, None for disk syncs)."""
-    args = ["--dtype", c.dtype, "--max-model-len", str(max_model_len), "--seed", str(c.seed),
-            "--logprobs-mode", logprobs_mode, "--max-logprobs", str(max_logprobs),
-            "--tensor-parallel-size", str(c.tensor_parallel_size), "--skip-tokenizer-init",
-            "--enable-scale-out"]  # mounts the token-in/token-out /inference/v1/generate the requests use
-    if c.max_num_seqs:
-        args += ["--max-num-seqs", str(c.max_num_seqs)]
-    if c.enforce_eager:
-        args.append("--enforce-eager")
-    if c.quantization:
-        args += ["--quantization", c.quantization]
-    if c.gpu_memory_utilization is not None:
-        args += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
-    if c.enable_return_routed_experts:
-        args.append("--enable-return-routed-experts")
-    if backend is not None:  # started on random weights; every sync streams them in
-        args += ["--load-format", "dummy", *weight_transfer_args(backend)]
-    return args + list(c.extra_args)
+                        cfg.startup_timeout_s, cfg.health_timeout_s, dialect=dialect)
+            for k in range(cfg.num_servers)], device
 
 
 def server_env(c: VllmConfig, device: str, k: int = 0, *, dev: bool) -> dict[str, str]:

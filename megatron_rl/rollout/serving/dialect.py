@@ -1,0 +1,88 @@
+"""What one kind of inference server supplies to the serving layer (serving/__init__.py): its
+command line and health path (LAUNCH), and the wire format of its token-in/token-out generate
+requests (REQUESTS). Everything else (processes, keys, HTTP, the pool, failover) is the layer's.
+
+    dialect = DIALECTS.get("vllm")
+    flags = dialect.server_flags(cfg, max_model_len, logprobs_mode, max_logprobs, receiver_flags)
+    argv = dialect.server_argv(model_dir, model_name, host, port, flags)    # after the interpreter
+    body = dialect.generate_body(model_name, prompt_ids, sampling, seed, num_logprobs)
+    answer = POST(server.url + dialect.generate_path, body, max_bytes=dialect.answer_cap(...))
+    parsed = dialect.parse_generate(answer, len(prompt_ids), sampling, vocab_size, max_model_len, num_logprobs)
+
+A new server kind is one module with its dialect object plus one `DIALECTS.add` line
+(rollout/registered.py; a test may register a toy one itself: tests/vllm/test_toy_dialect.py).
+An entry is an object that has every member of `Dialect` (checked when it is registered).
+
+Errors. `parse_generate` raises the engine's BadResponse (rollout/vllm/errors.py) for an answer
+that is not a valid one to its request: the layer counts and retries it and never turns it into a
+sample; it may raise another error to stop the call (e.g. an unsupported setting).
+
+Cost: pure functions of their arguments; a body is O(prompt), a parse O(answer), a cap O(1).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from megatron_rl.registry import Registry
+from megatron_rl.rollout.types import SamplingParams
+
+
+class Parsed(NamedTuple):
+    """One validated answer. ids [R] int64, logprobs [R] fp32, finish "stop" | "length", kept
+    [R, K] int64 (-1 padded) or None, routed: routed experts as base64 .npy or None, versions [R]
+    int32 (each token's weight version) or None (unlabelled: the call's version)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    finish: str
+    kept: torch.Tensor | None
+    routed: str | None
+    versions: torch.Tensor | None
+
+
+@runtime_checkable
+class Dialect(Protocol):
+    """A server kind's launch and request format (module docstring).
+
+    name: how logs and errors name the server kind ("vLLM").
+    generate_path: the token-in/token-out generate endpoint ("/inference/v1/generate").
+    health_path: answers 200 while the server can serve ("/health").
+    """
+
+    name: str
+    generate_path: str
+    health_path: str
+
+    def server_flags(self, cfg, max_model_len: int, logprobs_mode: str, max_logprobs: int,
+                     receiver: Sequence[str] = ()) -> list[str]:
+        """The launched server's flags from `cfg` (the engine's config section, e.g. VllmConfig),
+        with `receiver`, the weight receiver's own flags (empty when weights come from a folder),
+        before the config's extra arguments (last: they override)."""
+        ...
+
+    def server_argv(self, model_dir: str, model_name: str, host: str, port: int, flags: Sequence[str]) -> list[str]:
+        """The launched server's arguments after its Python interpreter ("-m", module, ...): serving
+        `model_dir` as `model_name` on host:port, with `flags` (what the config asks for) last."""
+        ...
+
+    def generate_body(self, model: str, prompt: list[int], sampling: SamplingParams, seed: int,
+                      num_logprobs: int = 0) -> dict:
+        """The JSON body asking for one sample of `prompt`, drawn with `seed`, with `num_logprobs`
+        top log-probs per token besides the sampled one's (0: the sampled token's alone)."""
+        ...
+
+    def answer_cap(self, prompt_len: int, sampling: SamplingParams, num_logprobs: int = 0,
+                   routed_values: int = 0) -> int:
+        """The most bytes a valid answer to that body takes (the layer reads no further)."""
+        ...
+
+    def parse_generate(self, resp, prompt_len: int, sampling: SamplingParams, vocab_size: int,
+                       max_model_len: int | None = None, num_logprobs: int = 0) -> Parsed:
+        """Validate one answer (decoded JSON) and return it as `Parsed`; BadResponse otherwise."""
+        ...
+
+
+DIALECTS: Registry[Dialect] = Registry("serving dialect", Dialect)

@@ -1,0 +1,71 @@
+"""vLLM's dialect of the serving layer (rollout/serving/dialect.py): `vllm serve`'s command line and
+flags, and its token-in/token-out `/inference/v1/generate` (bodies, caps and the strict parse:
+protocol.py). Registered as "vllm" (rollout/registered.py); the engine's default.
+
+    VLLM_DIALECT.server_argv(model_dir, "policy", "127.0.0.1", port, VLLM_DIALECT.server_flags(cfg, ...))
+
+Cost: pure; a body O(prompt), a parse O(answer) (protocol.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_rl.rollout.serving.dialect import Parsed
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm import protocol
+from megatron_rl.rollout.vllm.config import VllmConfig
+
+AUTH_MIDDLEWARE = "megatron_rl_vllm_auth.RequireBearerKey"  # server_plugin/: the bearer key on every path
+
+
+@dataclass(frozen=True)
+class VllmDialect:
+    """vLLM's OpenAI-compatible server with --enable-scale-out (module docstring)."""
+
+    name: str = "vLLM"
+    module: str = "vllm.entrypoints.openai.api_server"
+    generate_path: str = protocol.GENERATE
+    health_path: str = "/health"
+
+    def server_flags(self, cfg: VllmConfig, max_model_len: int, logprobs_mode: str, max_logprobs: int,
+                     receiver: Sequence[str] = ()) -> list[str]:
+        """`vllm serve` flags of a launched server (receiver: the in-memory sync's flags, which start
+        it on random weights that every sync streams in; empty for disk syncs)."""
+        c = cfg
+        args = ["--dtype", c.dtype, "--max-model-len", str(max_model_len), "--seed", str(c.seed),
+                "--logprobs-mode", logprobs_mode, "--max-logprobs", str(max_logprobs),
+                "--tensor-parallel-size", str(c.tensor_parallel_size), "--skip-tokenizer-init",
+                "--enable-scale-out"]  # mounts the token-in/token-out /inference/v1/generate the requests use
+        if c.max_num_seqs:
+            args += ["--max-num-seqs", str(c.max_num_seqs)]
+        if c.enforce_eager:
+            args.append("--enforce-eager")
+        if c.quantization:
+            args += ["--quantization", c.quantization]
+        if c.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        if c.enable_return_routed_experts:
+            args.append("--enable-return-routed-experts")
+        if receiver:
+            args += ["--load-format", "dummy", *receiver]
+        return args + list(c.extra_args)
+
+    def server_argv(self, model_dir: str, model_name: str, host: str, port: int, flags: Sequence[str]) -> list[str]:
+        return ["-m", self.module, "--model", model_dir, "--served-model-name", model_name, "--host", host,
+                "--port", str(port), "--middleware", AUTH_MIDDLEWARE, *flags]
+
+    def generate_body(self, model: str, prompt: list[int], sampling: SamplingParams, seed: int,
+                      num_logprobs: int = 0) -> dict:
+        return protocol.generate_body(model, prompt, sampling, seed, num_logprobs)
+
+    def answer_cap(self, prompt_len: int, sampling: SamplingParams, num_logprobs: int = 0,
+                   routed_values: int = 0) -> int:
+        return protocol.generate_answer_cap(prompt_len, sampling, num_logprobs, routed_values)
+
+    def parse_generate(self, resp, prompt_len: int, sampling: SamplingParams, vocab_size: int,
+                       max_model_len: int | None = None, num_logprobs: int = 0) -> Parsed:
+        return protocol.parse_generate(resp, prompt_len, sampling, vocab_size, max_model_len, num_logprobs)
+
+
+VLLM_DIALECT = VllmDialect()

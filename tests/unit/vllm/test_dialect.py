@@ -1,0 +1,44 @@
+"""vLLM's dialect of the serving layer (rollout/vllm/dialect.py): the command line a launched server
+gets, written out here in full, and the generate requests, which are protocol.py's."""
+import pytest
+
+import megatron_rl.rollout.registered  # noqa: F401 - registers the "vllm" dialect
+from megatron_rl.rollout.serving import DIALECTS, Dialect
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm import VllmConfig
+from megatron_rl.rollout.vllm.launcher import LocalServer
+from megatron_rl.rollout.vllm.protocol import generate_answer_cap, generate_body, parse_generate
+from tests.vllm.fake_server import good_answer
+
+
+def test_vllm_is_registered_and_is_a_dialect():
+    vllm = DIALECTS.get("vllm")
+    assert isinstance(vllm, Dialect)
+    assert (vllm.generate_path, vllm.health_path) == ("/inference/v1/generate", "/health")
+    with pytest.raises(TypeError, match="must be a Dialect"):
+        DIALECTS.add("half", object())
+
+
+def test_a_launched_server_s_command_line():
+    vllm = DIALECTS.get("vllm")
+    cfg = VllmConfig(dtype="float32", seed=3, max_num_seqs=8, enforce_eager=True, extra_args=["--x", "1"])
+    flags = vllm.server_flags(cfg, 256, "raw_logprobs", 64, ["--weight-transfer-config", "{}"])
+    server = LocalServer("/py", flags, {}, "/tmp/none.log", dialect=vllm)
+    assert server.command("/m", 8000) == [
+        "/py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--served-model-name", "policy",
+        "--host", "127.0.0.1", "--port", "8000", "--middleware", "megatron_rl_vllm_auth.RequireBearerKey",
+        "--dtype", "float32", "--max-model-len", "256", "--seed", "3", "--logprobs-mode", "raw_logprobs",
+        "--max-logprobs", "64", "--tensor-parallel-size", "1", "--skip-tokenizer-init", "--enable-scale-out",
+        "--max-num-seqs", "8", "--enforce-eager", "--load-format", "dummy", "--weight-transfer-config", "{}",
+        "--x", "1"]
+    assert "--load-format" not in vllm.server_flags(cfg, 256, "raw_logprobs", 64)  # a disk sync: real weights
+
+
+def test_its_requests_are_protocol_s():
+    vllm, s = DIALECTS.get("vllm"), SamplingParams(max_tokens=4, stop_token_ids=(3,), seed=1)
+    body = vllm.generate_body("m", [4, 5], s, seed=9, num_logprobs=2)
+    assert body == generate_body("m", [4, 5], s, 9, 2)
+    assert vllm.answer_cap(2, s, 2, 6) == generate_answer_cap(2, s, 2, 6)
+    got, want = vllm.parse_generate(good_answer(body, 32), 2, s, 32), parse_generate(good_answer(body, 32), 2, s, 32)
+    assert got.ids.tolist() == want.ids.tolist() and got.logprobs.tolist() == want.logprobs.tolist()
+    assert got.finish == want.finish

@@ -1,0 +1,159 @@
+"""A server kind other than vLLM plugs into the serving layer (rollout/serving) as a dialect: this
+file's ToyDialect (its own generate path, body and answer field names) plus one registry line.
+An engine built with it generates on a pool of 2 fake servers (tests/vllm/fake_server.py, taught
+the toy path by its `routes` hook), keeps every sample when one server dies mid-call (it is
+restarted), and draws the same samples as vLLM's dialect for the same seeds. Its launch side is
+its own command line and health path."""
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from megatron_rl.rollout.serving import DIALECTS, Parsed
+from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
+from megatron_rl.rollout.vllm.errors import BadResponse
+from megatron_rl.rollout.vllm.launcher import LocalServer
+from megatron_rl.rollout.vllm.pool import READY
+from tests.vllm.conftest import hf_weights
+from tests.vllm.test_pool_faults import (
+    ARCH,
+    HEALTH_OFF_S,
+    PROMPTS,
+    SAMPLING,
+    _keys,
+    dies_once_after,
+    make_pool,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+@dataclass(frozen=True)
+class ToyDialect:
+    """A made-up server: POST /toy/generate {"input_ids", "max_new_tokens", ..., "stop"} answers
+    {"output_ids", "output_logprobs", "stop_reason"}; it is launched as `python -m toy_server`."""
+
+    name: str = "toy"
+    generate_path: str = "/toy/generate"
+    health_path: str = "/toy/health"
+
+    def server_flags(self, cfg, max_model_len: int, logprobs_mode: str, max_logprobs: int,
+                     receiver: Sequence[str] = ()) -> list[str]:
+        return ["--context-length", str(max_model_len), *receiver, *cfg.extra_args]
+
+    def server_argv(self, model_dir: str, model_name: str, host: str, port: int, flags: Sequence[str]) -> list[str]:
+        return ["-m", "toy_server", "--model-path", model_dir, "--name", model_name, "--bind", f"{host}:{port}", *flags]
+
+    def generate_body(self, model: str, prompt: list[int], sampling: SamplingParams, seed: int,
+                      num_logprobs: int = 0) -> dict:
+        return {"model": model, "input_ids": list(prompt), "max_new_tokens": sampling.max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                "seed": seed, "stop": sorted(set(sampling.stop_token_ids)), "top_n": num_logprobs}
+
+    def answer_cap(self, prompt_len: int, sampling: SamplingParams, num_logprobs: int = 0,
+                   routed_values: int = 0) -> int:
+        return 1024 + 64 * sampling.max_tokens  # an id and a float per token
+
+    def parse_generate(self, resp, prompt_len: int, sampling: SamplingParams, vocab_size: int,
+                       max_model_len: int | None = None, num_logprobs: int = 0) -> Parsed:
+        ids, lps, finish = (resp.get(k) for k in ("output_ids", "output_logprobs", "stop_reason")) \
+            if isinstance(resp, dict) else (None, None, None)
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+            raise BadResponse(f"output_ids is {ids!r:.100}")
+        if len(ids) > sampling.max_tokens or not isinstance(lps, list) or len(lps) != len(ids) or \
+                not all(isinstance(x, float) and math.isfinite(x) and x <= 0 for x in lps):
+            raise BadResponse(f"{len(ids)} output_ids, output_logprobs {lps!r:.100}")
+        if finish not in ("stop", "length") or (finish == "stop") != (ids[-1] in sampling.stop_token_ids):
+            raise BadResponse(f"stop_reason {finish!r:.20} after token {ids[-1]}")
+        return Parsed(torch.tensor(ids, dtype=torch.long), torch.tensor(lps, dtype=torch.float32), finish,
+                      None, None, None)
+
+
+def _to_vllm(body: dict) -> dict:
+    """The fake's hook: a toy body as the fake's vLLM handler reads it."""
+    return {"token_ids": body["input_ids"], "sampling_params": {"max_tokens": body["max_new_tokens"],
+                                                                "seed": body["seed"], "stop_token_ids": body["stop"]}}
+
+
+def _from_vllm(answer: dict) -> dict:
+    c = answer["choices"][0]
+    return {"output_ids": c["token_ids"], "output_logprobs": [e["logprob"] for e in c["logprobs"]["content"]],
+            "stop_reason": c["finish_reason"]}
+
+
+@pytest.fixture(scope="module")
+def toy():
+    DIALECTS.add("toy", ToyDialect())  # the one registry line a new server kind adds
+    yield DIALECTS.get("toy")
+    DIALECTS.remove("toy")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return hf_weights(ARCH, seed=0)[1]
+
+
+def _routes():
+    """The toy path on a fake, counting the requests that came in the toy's form."""
+    seen, lock = [], threading.Lock()
+
+    def inbound(body):
+        with lock:
+            seen.append(body["seed"])
+        return _to_vllm(body)
+
+    return {ToyDialect.generate_path: (inbound, _from_vllm)}, seen
+
+
+def _samples(out):
+    return [(s.prompt_index, s.sample_index, s.response_ids.tolist(), s.rollout_logprobs.tolist(), s.finish_reason,
+             s.policy_version, s.token_versions) for g in out for s in g]
+
+
+def test_a_toy_dialect_engine_fails_over_and_samples_as_the_vllm_one(tmp_path, weights, toy):
+    routes, seen = _routes()
+    engine, (a, b) = make_pool(tmp_path / "toy", weights, [None, dies_once_after(1)], dialect=toy, routes=routes,
+                               health_interval_s=HEALTH_OFF_S)
+    out = engine.generate(PROMPTS, 2, SAMPLING)
+    assert _keys(out) == [(i, j) for i in range(8) for j in range(2)]  # each once, though server 1 died
+    engine.fleet.await_restarts()
+    assert b.restarts == 1 and engine.stats()["vllm/restarts"] == 1
+    assert [r.state for r in engine.replicas] == [READY, READY]
+    assert len(seen) == len(a.requests) + len(b.requests) >= 17  # every request on the toy's path; one dropped
+    assert not any("output_mode" in r for f in (a, b) for r in f.requests)  # in the toy's form (no vLLM field)
+    engine.close()
+
+    vllm, fakes = make_pool(tmp_path / "vllm", weights, [None, None], dialect=VLLM_DIALECT)
+    assert _samples(vllm.generate(PROMPTS, 2, SAMPLING)) == _samples(out)  # same seeds: the same samples
+    assert all(f.requests for f in fakes) and all(r["output_mode"] == "tokens" for f in fakes for r in f.requests)
+    vllm.close()
+
+
+def test_a_bad_toy_answer_is_retried_and_counted(tmp_path, weights, toy):
+    """The toy's parse is the engine's validation: an answer it refuses is a bad answer, retried."""
+    routes, _ = _routes()
+    lock, state = threading.Lock(), {"bad": 0}
+
+    def one_bad(body, answer):
+        with lock:
+            state["bad"] += 1
+            if state["bad"] > 1:
+                return answer
+        answer["choices"][0]["logprobs"]["content"][0]["logprob"] = 0.5  # a log-prob above 0
+        return answer
+
+    engine, _ = make_pool(tmp_path, weights, [one_bad], dialect=toy, routes=routes)
+    assert _keys(engine.generate(PROMPTS[:2], 1, SAMPLING)) == [(0, 0), (1, 0)]
+    assert engine.stats()["vllm/bad_responses"] == 1
+    engine.close()
+
+
+def test_the_toy_s_launch_is_its_own(toy):
+    flags = toy.server_flags(type("Cfg", (), {"extra_args": ["--x"]})(), 128, "raw_logprobs", 8)
+    server = LocalServer("/py", flags, {}, "/tmp/toy.log", dialect=toy)
+    assert server.command("/m", 9) == ["/py", "-m", "toy_server", "--model-path", "/m", "--name", "policy",
+                                       "--bind", "127.0.0.1:9", "--context-length", "128", "--x"]
