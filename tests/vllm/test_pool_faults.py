@@ -136,12 +136,6 @@ def _keys(out):
     return [(s.prompt_index, s.sample_index) for g in out for s in g]
 
 
-# No health check while calls run (a hang guard): the request that was dropped finds the death and
-# the call waits for the server's take-out; the health check's take-out runs beside the call, which
-# may return before it has queued the restart that await_restarts() waits for.
-HEALTH_OFF_S = 600.0
-
-
 def dies_once_after(n: int):
     """Answers `n` requests, then drops one, which marks the fake dead: it drops every request
     until it is restarted, and answers from then on."""
@@ -165,7 +159,7 @@ def _from_its_own_seed(out) -> bool:
 
 
 def test_a_dead_server_s_samples_go_to_the_others_and_it_restarts(tmp_path, weights):
-    engine, (_, b) = make_pool(tmp_path, weights, [None, dies_once_after(1)], health_interval_s=HEALTH_OFF_S)
+    engine, (_, b) = make_pool(tmp_path, weights, [None, dies_once_after(1)])
     out = engine.generate(PROMPTS, 2, SAMPLING)
     assert _keys(out) == [(i, j) for i in range(8) for j in range(2)]  # each once
     assert _from_its_own_seed(out)
@@ -176,6 +170,35 @@ def test_a_dead_server_s_samples_go_to_the_others_and_it_restarts(tmp_path, weig
     assert [r.state for r in engine.replicas] == [READY, READY]  # a disk sync: back on the newest folder
     served = engine.replicas[1].requests
     assert _from_its_own_seed(engine.generate(PROMPTS, 2, SAMPLING)) and engine.replicas[1].requests > served
+    engine.close()
+
+
+def test_await_restarts_waits_for_a_take_out_under_way(tmp_path, weights, monkeypatch):
+    """The health check takes a server out beside the calls, so a call can return before that
+    take-out has queued the restart; await_restarts() must still wait for it. The take-out is held
+    inside the server's stop (an event, no timer): await_restarts() returns only after it is let go
+    and the restart has run, whenever it is called."""
+    engine, (_, b) = make_pool(tmp_path, weights, [None, None])
+    replica = engine.replicas[1]
+    in_stop, release = threading.Event(), threading.Event()
+    stop = replica.server.stop
+
+    def held_stop(graceful=True):
+        in_stop.set()
+        assert release.wait(600.0)
+        stop(graceful)
+
+    monkeypatch.setattr(replica.server, "stop", held_stop)
+    taking_out = threading.Thread(target=engine.fleet.lose, args=(replica, replica.epoch, "test: gone"))
+    taking_out.start()
+    assert in_stop.wait(600.0)  # marked DOWN, its restart not queued yet
+    seen = []
+    waiter = threading.Thread(target=lambda: (engine.fleet.await_restarts(), seen.append(b.restarts)))
+    waiter.start()
+    release.set()
+    taking_out.join(600.0)
+    waiter.join(600.0)
+    assert seen == [1] and [r.state for r in engine.replicas] == [READY, READY]
     engine.close()
 
 

@@ -21,7 +21,6 @@ from megatron_rl.rollout.vllm.pool import READY
 from tests.vllm.conftest import hf_weights
 from tests.vllm.test_pool_faults import (
     ARCH,
-    HEALTH_OFF_S,
     PROMPTS,
     SAMPLING,
     _keys,
@@ -116,8 +115,7 @@ def _samples(out):
 
 def test_a_toy_dialect_engine_fails_over_and_samples_as_the_vllm_one(tmp_path, weights, toy):
     routes, seen = _routes()
-    engine, (a, b) = make_pool(tmp_path / "toy", weights, [None, dies_once_after(1)], dialect=toy, routes=routes,
-                               health_interval_s=HEALTH_OFF_S)
+    engine, (a, b) = make_pool(tmp_path / "toy", weights, [None, dies_once_after(1)], dialect=toy, routes=routes)
     out = engine.generate(PROMPTS, 2, SAMPLING)
     assert _keys(out) == [(i, j) for i in range(8) for j in range(2)]  # each once, though server 1 died
     engine.fleet.await_restarts()

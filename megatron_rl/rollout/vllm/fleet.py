@@ -72,6 +72,10 @@ class Fleet:
         self.paused: set[int] = set()  # the servers (index) whose requests are frozen for a weight update (generation.py)
         self._restarter = ThreadPoolExecutor(len(pool), thread_name_prefix="vllm-restart")
         self._restarting: list[Future] = []
+        # take-outs between marking a server DOWN and queueing its restart: the health check's runs
+        # beside the calls, so a call can return (its requests resent elsewhere) before it is queued
+        self._taking_out = 0
+        self._taken_out = threading.Condition(self.lock)
 
     @property
     def replicas(self) -> list[Replica]:
@@ -157,10 +161,15 @@ class Fleet:
         return path
 
     def await_restarts(self) -> None:
-        """Wait for the background restarts (a sync must reach a server that is coming back)."""
-        for f in self._restarting:
+        """Wait for the take-outs under way, then for the background restarts (a sync must reach a
+        server that is coming back)."""
+        with self.lock:
+            self._taken_out.wait_for(lambda: self._taking_out == 0)
+            restarting = list(self._restarting)
+        for f in restarting:
             f.result()
-        self._restarting = [f for f in self._restarting if not f.done()]
+        with self.lock:
+            self._restarting = [f for f in self._restarting if not f.done()]
 
     def lose(self, replica: Replica, epoch: int, reason: str) -> None:
         """Take a dead or hung server (READY, or STALE: rejoining at a sync) out of the pool, stop
@@ -174,15 +183,23 @@ class Fleet:
             self.pool.set_state(replica, FAILED if why else DOWN, why or reason)
             if not why:
                 self.call_restarts += 1
-        log.warning("vLLM %s taken out of the pool: %s", replica.name(), reason)
-        if replica.server.can_restart:
-            replica.server.stop(graceful=False)
-        if why:
-            if not others:
-                raise VllmServerDiedError(why)
-            log.warning("vLLM %s stays out: %s", replica.name(), why)
-            return
-        self._restarting.append(self._restarter.submit(self._restart_in_background, replica, reason))
+            self._taking_out += 1
+        try:
+            log.warning("vLLM %s taken out of the pool: %s", replica.name(), reason)
+            if replica.server.can_restart:
+                replica.server.stop(graceful=False)
+            if why:
+                if not others:
+                    raise VllmServerDiedError(why)
+                log.warning("vLLM %s stays out: %s", replica.name(), why)
+                return
+            restart = self._restarter.submit(self._restart_in_background, replica, reason)
+            with self.lock:
+                self._restarting.append(restart)
+        finally:
+            with self.lock:
+                self._taking_out -= 1
+                self._taken_out.notify_all()
 
     def _no_restart(self, replica: Replica, reason: str, others: bool) -> str | None:
         """Why `replica` is not restarted (None: it is)."""
