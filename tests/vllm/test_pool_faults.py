@@ -5,6 +5,7 @@ the others and comes back after a restart; one that may not be restarted stays o
 reaches every server, and one that was down is started on the new weights; an in-memory sync
 packs the stream once and sends each bucket to every server; a server that dies mid-turn under
 async multi-turn rollouts loses no trajectory."""
+import asyncio
 import threading
 import time
 
@@ -17,7 +18,7 @@ from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
-from megatron_rl.rollout.types import SamplingParams, stream_seed
+from megatron_rl.rollout.types import Request, SamplingParams, stream_seed
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError
 from megatron_rl.rollout.vllm.client import server_devices
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
@@ -421,3 +422,21 @@ def test_a_server_killed_mid_turn_under_async_turns_loses_no_trajectory(tmp_path
     finally:
         healthy.close()
         faulty.close()
+
+
+def test_each_server_s_throughput_covers_requests_sent_one_by_one(tmp_path, weights):
+    """vllm/server{k}/tokens_per_s is measured over each burst of calls, so requests sent as
+    coroutines (single_turn's groups, async turns) count as generate() calls do."""
+    engine, _ = make_pool(tmp_path, weights, [None, None])
+    requests = [Request(p, SAMPLING, (i, 0)) for i, p in enumerate(PROMPTS)]
+
+    async def each():
+        return await asyncio.gather(*(engine.sample(r) for r in requests))
+
+    try:
+        samples = asyncio.run(each())
+        stats = engine.stats()
+        assert len(samples) == len(PROMPTS)
+        assert all(stats[f"vllm/server{k}/tokens"] > 0 and stats[f"vllm/server{k}/tokens_per_s"] > 0 for k in (0, 1))
+    finally:
+        engine.close()

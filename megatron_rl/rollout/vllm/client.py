@@ -206,8 +206,8 @@ class VllmEngine:
         vllm/requests, vllm/weight_syncs: pool totals; vllm/aborts, vllm/pauses once a call was
         aborted, paused) and the last values of vllm/probe_max_abs_diff (the largest over the servers) and
         timing/vllm_{server_start,restart,reload,memory_sync,weight_sync} (seconds); for a pool,
-        per server k: vllm/server{k}/{requests,tokens,restarts,ready,tokens_per_s (last call),
-        probe_max_abs_diff}."""
+        per server k: vllm/server{k}/{requests,tokens,restarts,ready,tokens_per_s (over the last burst of
+        calls: from one in flight to none, generate() or sample()), probe_max_abs_diff}."""
         return {**self.fleet.stats, **self.fleet.pool.stats()}
 
     def close(self) -> None:

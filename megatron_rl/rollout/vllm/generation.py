@@ -125,6 +125,7 @@ class Generation:
         self._open.set()
         self._aborting = False  # set by abort(): the calls running end with GenerationAborted
         self._active = 0  # calls running (a generate() call, or one request from sample())
+        self._burst: tuple[float, list[int]] = (0.0, [])  # (start, each server's tokens) of the calls running
         self._idle = asyncio.Event()  # set while no call runs
         self._idle.set()
         self._changed = asyncio.Event()  # replaced once set: wakes the requests waiting for a slot
@@ -246,13 +247,7 @@ class Generation:
         """One sample per request, in order, each tagged `version()` (read once the call may start:
         a call held by abort() runs on the weights pushed meanwhile). Blocks the calling thread."""
         self._check_args(requests)
-        replicas = self.fleet.replicas
-        t0, tokens0 = time.perf_counter(), [r.tokens for r in replicas]
-        samples = self._started().call(self._call(list(requests), version))
-        seconds = time.perf_counter() - t0
-        for r, before in zip(replicas, tokens0):
-            r.extra["tokens_per_s"] = (r.tokens - before) / seconds
-        return samples
+        return self._started().call(self._call(list(requests), version))
 
     async def sample(self, request: Request, version: Callable[[], int]) -> Sample:
         """The sample of one request, awaited from any event loop (the request runs on the engine's
@@ -294,6 +289,7 @@ class Generation:
     def _enter(self) -> None:
         if self._active == 0:
             self.fleet.call_restarts = 0  # rollout.vllm.max_restarts counts per burst of calls
+            self._burst = (time.perf_counter(), [r.tokens for r in self.fleet.replicas])
             self._idle.clear()
             self._watch = asyncio.ensure_future(self._watchdog())
         self._active += 1
@@ -303,6 +299,11 @@ class Generation:
         if self._active == 0:
             self._watch.cancel()
             self._idle.set()
+            # each server's throughput over the burst of calls just ended (generate() or sample()s)
+            t0, tokens0 = self._burst
+            seconds = max(time.perf_counter() - t0, 1e-9)
+            for r, before in zip(self.fleet.replicas, tokens0, strict=True):
+                r.extra["tokens_per_s"] = (r.tokens - before) / seconds
 
     async def _watchdog(self) -> None:
         """Every health_interval_s while calls run: a READY server with requests in flight whose
