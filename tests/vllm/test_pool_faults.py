@@ -6,6 +6,7 @@ reaches every server, and one that was down is started on the new weights; an in
 packs the stream once and sends each bucket to every server; a server that dies mid-turn under
 async multi-turn rollouts loses no trajectory."""
 import asyncio
+import os
 import threading
 import time
 
@@ -24,7 +25,7 @@ from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.http import TransportError
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, Replica, ServerPool
-from megatron_rl.rollout.vllm.servers import shared_gpu
+from megatron_rl.rollout.vllm.servers import server_cores, server_env, shared_gpu
 from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, Watch, packed_buckets, push_all
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm, good_answer
@@ -118,6 +119,18 @@ def test_each_launched_server_gets_devices_of_its_own():
     assert server_devices("4,5,6,7", 1, 2, 2) == "6,7"
     with pytest.raises(VllmUnsupportedError, match="num_servers=3 x tensor_parallel_size=2 needs 6 GPUs"):
         server_devices("0,1,2,3", 0, 2, 3)
+
+
+def test_each_launched_cpu_server_of_a_pool_computes_on_cores_of_its_own(monkeypatch):
+    assert [server_cores([0, 1], k, 2) for k in range(2)] == ["0", "1"]
+    assert [server_cores(list(range(7)), k, 3) for k in range(3)] == ["0,1", "2,3", "4,5,6"]
+    assert [server_cores([0, 1], k, 3) for k in range(3)] == ["0", "1", "0"]  # fewer cores: shared
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    pool = VllmConfig(num_servers=2)
+    assert [server_env(pool, "cpu", k, dev=False)["VLLM_CPU_OMP_THREADS_BIND"] for k in range(2)] == ["4,5", "6,7"]
+    for cfg in (VllmConfig(), VllmConfig(num_servers=2, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
+                VllmConfig(num_servers=2, tensor_parallel_size=2)):  # one server, the user's, TP ranks: vLLM's own
+        assert server_env(cfg, "cpu", 0, dev=False).get("VLLM_CPU_OMP_THREADS_BIND") in (None, "nobind")
 
 
 def make_pool(tmp_path, weights, behaviours, dialect=VLLM_DIALECT, routes=None, **cfg):

@@ -67,7 +67,23 @@ def server_env(c: VllmConfig, device: str, k: int = 0, *, dev: bool) -> dict[str
         env["CUDA_VISIBLE_DEVICES"] = server_devices(env.get("CUDA_VISIBLE_DEVICES")
                                                      or os.environ.get("CUDA_VISIBLE_DEVICES"),
                                                      k, c.tensor_parallel_size, c.num_servers)
+    if device == "cpu" and c.num_servers > 1 and c.tensor_parallel_size == 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = server_cores(cores, k, c.num_servers)
     return env
+
+
+def server_cores(cores: list[int], k: int, servers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND of launched CPU server k of a pool: the k-th of `servers` runs of
+    `cores` (this process's CPUs), "a,b,..."; the last takes what is left, and with fewer cores than
+    servers they share round-robin. vLLM's own binding ("auto") knows of no other server: each keeps
+    the last core for the rest of its process and binds its threads to the others, so every server of
+    a pool would compute on the same cores."""
+    if len(cores) < servers:
+        return str(cores[k % len(cores)])
+    per = len(cores) // servers
+    mine = cores[k * per:] if k == servers - 1 else cores[k * per:(k + 1) * per]
+    return ",".join(map(str, mine))
 
 
 def check_own_gpus(cfg: VllmConfig, trainer_gpu: int) -> None:
