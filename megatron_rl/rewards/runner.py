@@ -50,6 +50,13 @@ class RewardRunner:
     def reward_fn(self, task: str) -> RewardFn | None:
         return self._by_task.get(task, self._default)
 
+    @property
+    def batches(self) -> bool:
+        """Whether one of its reward functions scores many items per call (`score_batch`: the judge,
+        whose requests then run concurrently): a rollout gives such a runner all of a call's items
+        at once, not a group at a time (rollout/single_turn.py)."""
+        return any(hasattr(f, "score_batch") for f in [*self._by_task.values(), self._default] if f is not None)
+
     def __call__(self, items: Iterable[tuple[str, str, str, str]]) -> list[float]:
         """items: (prompt, response, label, task) tuples. Returns one reward per item. A reward
         function with a `score_batch(items) -> [value or exception]` (the judge,

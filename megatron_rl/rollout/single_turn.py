@@ -14,7 +14,8 @@ the engine:
         j of example i; all groups run at once, bounded by the engine's own per-server concurrency
         (rollout/vllm/generation.py: rollout.vllm.max_concurrency). A group is done as soon as its
         n answers are, whatever the other groups still run; called on the main thread, it is scored
-        then (`score_group`), while the other groups' requests run on.
+        then (`score_group`), while the other groups' requests run on; unless the reward batches
+        (RewardRunner.batches: a judge), which scores every sample of the call in one call after.
     any other engine (the embedded one batches itself): one `engine.generate(prompts, n)` call.
 
 Either way request (i, j) draws from stream (i, j) of the call's seed (rollout/types.py
@@ -31,7 +32,7 @@ on the main thread, as the Generated contract says (rollout/function.py).
 
 Cost: one coroutine and one future per request in flight (B·n at most, no thread per request); the
 samples of the call on the host; the rewards are one reward call per group (per call with
-generate()). A group waits only for its own n answers.
+generate() or a reward that batches). A group waits only for its own n answers.
 """
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ class SingleTurn:
             prompts = [self.tokenizer.encode_prompt(e.prompt) for e in examples]
             samples = [s for group in engine.generate(prompts, n=n, sampling=sampling) for s in group]
             return Generated(samples, lambda: self.score(examples, samples, n))
-        score_now = threading.current_thread() is threading.main_thread()
+        # a reward that batches (a judge) gets the whole call at once: scored per group, it would
+        # see n items per call, too few to fill its concurrent requests
+        batches = bool(getattr(self.rewards, "batches", False))
+        score_now = threading.current_thread() is threading.main_thread() and not batches
         groups = _run(self._groups(engine, examples, n, sampling, score_now))
         samples = [s for group, _ in groups for s in group]
         if not score_now:

@@ -17,26 +17,30 @@ a score that is not finite, an HTTP error or a dead server (TransportError, Http
 whole answer within judge.timeout_s (TransportError: the deadline covers the whole request); an
 answer larger than JUDGE_MAX_BYTES is cut off (AnswerTooLarge). A batch's requests run concurrently,
 at most judge.max_in_flight at once (the server batches them), so a batch of B items takes about
-B / max_in_flight round trips; one slow answer holds one slot, never the others.
+B / max_in_flight round trips; one slow answer holds one slot, never the others. The requests are
+coroutines on the judge's own event loop (loop.py's LoopThread, async HTTP: ahttp.py), one thread
+for the judge whatever max_in_flight is; score_batch waits for them from any thread.
 
 A launched judge runs like a rollout server (launcher.py: its own API key, its log in
 <run_dir>/judge/server.log, stopped with the run) on judge.model (an HF folder with its tokenizer),
 with judge.dtype and judge.max_model_len; judge.url is a server someone else runs (its key in
 $MEGATRON_RL_JUDGE_API_KEY).
 
-Cost: one request per item; host memory of max_in_flight answers; the judge server's own memory.
+Cost: one request per item, a coroutine each (B of them per batch, max_in_flight of them with a
+socket open); host memory of max_in_flight answers; one thread; the judge server's own memory.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 
+from megatron_rl.rollout.vllm import ahttp
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import VllmStartError
-from megatron_rl.rollout.vllm.http import request_json
 from megatron_rl.rollout.vllm.launcher import HOST, LocalServer, RemoteServer
+from megatron_rl.rollout.vllm.loop import LoopThread
 
 ENV_JUDGE_KEY = "MEGATRON_RL_JUDGE_API_KEY"
 JUDGE_MAX_BYTES = 1 << 20  # an answer of max_tokens tokens is far smaller
@@ -69,7 +73,8 @@ class Judge:
             self.server = LocalServer(python, args, env, os.path.join(run_dir, "judge", "server.log"),
                                       section.startup_timeout_s, section.timeout_s)
             self.server.start(section.model)
-        self._pool = ThreadPoolExecutor(section.max_in_flight, thread_name_prefix="judge")
+        self._loop = LoopThread("judge-requests")
+        self._session = None  # made on the loop by the first request (aiohttp sessions belong to one loop)
 
     # ---- the reward -------------------------------------------------------------------------------
     def __call__(self, prompt: str, response: str, label: str) -> float:
@@ -82,23 +87,35 @@ class Judge:
     def score_batch(self, items: list[tuple[str, str, str]]) -> list[float | Exception]:
         """Every item's score, or the exception that left it without one, in order; concurrently,
         at most judge.max_in_flight requests at a time."""
-        futures = [self._pool.submit(self._score, *item) for item in items]
-        out: list[float | Exception] = []
-        for f in futures:
-            e = f.exception()
-            out.append(f.result() if e is None else e)
-        return out
+        return self._loop.call(self._score_all(items))
 
-    def _score(self, prompt: str, response: str, label: str) -> float:
+    async def _score_all(self, items: list[tuple[str, str, str]]) -> list[float | Exception]:
+        if self._session is None:
+            self._session = ahttp.session()
+        slots = asyncio.Semaphore(self.cfg.max_in_flight)
+
+        async def one(prompt: str, response: str, label: str) -> float:
+            async with slots:
+                return await self._score(prompt, response, label)
+
+        return await asyncio.gather(*(one(*item) for item in items), return_exceptions=True)
+
+    async def _score(self, prompt: str, response: str, label: str) -> float:
         text = self.cfg.template.format(prompt=prompt, response=response, label=label)
         body = {"model": self.server.model_name, "prompt": text, "max_tokens": self.cfg.max_tokens,
                 "temperature": self.cfg.temperature, "seed": 0}
-        answer = request_json(self.server.url + "/v1/completions", body, timeout=self.cfg.timeout_s,
-                              api_key=self.server.api_key, max_bytes=JUDGE_MAX_BYTES, setting="judge.timeout_s")
+        answer = await ahttp.request_json(self._session, self.server.url + "/v1/completions", body,
+                                          timeout=self.cfg.timeout_s, api_key=self.server.api_key,
+                                          max_bytes=JUDGE_MAX_BYTES, setting="judge.timeout_s")
         return parse_score(answer_text(answer), self.pattern, self.cfg.scale)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Cancel requests still running, close the HTTP session and the loop, stop a launched server."""
+        async def close_session():
+            if self._session is not None:
+                await self._session.close()
+
+        self._loop.close(last=close_session())
         if isinstance(self.server, LocalServer):
             self.server.stop()
 

@@ -80,3 +80,10 @@ def test_a_batch_reward_gets_its_items_in_one_call_and_its_failures_are_counted(
     assert stats["rewards/errors/ValueError"] == 1 and stats["rewards/errors/BadReturn"] == 1
     runner.close()
     assert judge.closed
+
+
+def test_a_runner_batches_when_one_of_its_rewards_has_a_batch_path():
+    assert RewardRunner({"a": BatchJudge(), "b": "exact_match"}).batches
+    assert RewardRunner({"b": "exact_match"}, default=BatchJudge()).batches
+    assert not RewardRunner({"b": "exact_match"}, default="exact_match").batches
+    assert not RewardRunner("exact_match").batches

@@ -111,3 +111,18 @@ def test_an_engine_error_reaches_the_caller_as_itself():
 
     with pytest.raises(RuntimeError, match="server died"):
         SingleTurn(RolloutFnInputs(TOK, Rewards()))(Failing(), EXAMPLES, N, SAMPLING)
+
+
+def test_a_reward_that_batches_scores_the_whole_call_at_once():
+    """A judge (RewardRunner.batches) gets every sample of the call in one call, after all groups,
+    not n at a time; the rewards are those of per-group scoring."""
+    class Batching(Rewards):
+        batches = True
+
+    rewards = Batching()
+    got = SingleTurn(RolloutFnInputs(TOK, rewards))(_Open(EachEngine()), EXAMPLES, N, SAMPLING)
+    assert rewards.groups == []  # nothing scored per group
+    got_rewards = got.score()
+    assert rewards.groups == [[e.prompt for e in EXAMPLES for _ in range(N)]]
+    per_group = SingleTurn(RolloutFnInputs(TOK, Rewards()))(_Open(EachEngine()), EXAMPLES, N, SAMPLING)
+    assert got_rewards == per_group.score()
