@@ -77,7 +77,7 @@ class ServerPool:
         self.replicas = replicas
         self._cond = threading.Condition()
         self.prefixes = PrefixTable() if affinity and len(replicas) > 1 else None
-        self.affinity_requests = self.affinity_tokens = 0
+        self.affinity_requests = self.affinity_tokens = self.affinity_passed = 0
         self._last = -1  # the server that took the last request: a tie goes to the next one round
         self.on_change: list[Callable[[], None]] = []  # called after each state change, from any thread
 
@@ -135,6 +135,7 @@ class ServerPool:
             return None
         owner = self.replicas[found[0]]
         if owner.state != READY or owner.index in full or owner.in_flight - least.in_flight > AFFINITY_SLACK * work:
+            self.affinity_passed += 1
             return None
         self.affinity_requests += 1
         self.affinity_tokens += found[1]
@@ -183,15 +184,17 @@ class ServerPool:
     def stats(self) -> dict[str, float]:
         """vllm/server{k}/{requests,tokens,restarts,ready} per server, and with affinity
         vllm/affinity/{requests,matched_tokens} (requests placed on the server of their longest known
-        prefix, and the prefix tokens they matched) (only for a pool of 2 or more: the pool totals
-        are the engine's vllm/requests, vllm/restarts)."""
+        prefix, and the prefix tokens they matched) and vllm/affinity/passed_over (requests whose
+        prefix server was passed over: too busy, at its bound of requests, or not ready) (only for a
+        pool of 2 or more: the pool totals are the engine's vllm/requests, vllm/restarts)."""
         if len(self.replicas) < 2:
             return {}
         with self._cond:
             out: dict[str, float] = {}
             if self.prefixes is not None:
                 out.update({"vllm/affinity/requests": self.affinity_requests,
-                            "vllm/affinity/matched_tokens": self.affinity_tokens})
+                            "vllm/affinity/matched_tokens": self.affinity_tokens,
+                            "vllm/affinity/passed_over": self.affinity_passed})
             for r in self.replicas:
                 p = f"vllm/server{r.index}/"
                 out.update({p + "requests": r.requests, p + "tokens": r.tokens, p + "restarts": r.restarts,

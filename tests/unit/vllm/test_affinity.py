@@ -94,6 +94,7 @@ def test_a_busy_or_restarted_prefix_server_is_passed_over():
         busy = owner.in_flight - min(r.in_flight for r in pool.replicas if r is not owner)
         with pool.serving(1, 1.0, prompt) as where:
             assert (where is owner) == (busy <= AFFINITY_SLACK)
+            assert pool.stats()["vllm/affinity/passed_over"] == (busy > AFFINITY_SLACK)
         for h in held:
             h.__exit__(None, None, None)
     pool.set_state(owner, DOWN)
