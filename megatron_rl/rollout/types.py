@@ -106,6 +106,8 @@ class Sample:
         trained on. A multi-turn rollout puts the environment's tokens (tool output, the next user
         turn) into the response as context and masks them: they are no loss term, no token count,
         no part of a sequence's log-ratio, and their rollout_logprobs / kept_ids are not read.
+    cached_tokens: how many of the prompt's tokens the engine found in its prefix cache (a
+        diagnostic: rollout/prefix_cache/*), or None when the engine does not say.
     """
 
     prompt_ids: torch.Tensor
@@ -119,6 +121,7 @@ class Sample:
     kept_ids: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     token_versions: torch.Tensor | None = None
+    cached_tokens: int | None = None
 
     def versions(self) -> torch.Tensor:
         """[R] int64: the policy version of each response token (`token_versions`, or policy_version)."""

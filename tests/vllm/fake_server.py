@@ -52,7 +52,9 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
     api_key: the key every request must carry (None: a fresh random one; "" : no key needed).
     `unauthorised` counts the requests refused for the key. `posts`: the paths of the other POSTs
     (/pause?mode=keep, /resume, /collective_rpc, ...), in order. `weight_versions`: the spans every
-    answer carries (None: vLLM's unlabelled "default")."""
+    answer carries (None: vLLM's unlabelled "default"). `cached_tokens(prompt ids) -> int`: the
+    prompt tokens every answer says came from the prefix cache (usage.prompt_tokens_details, as
+    vLLM with --enable-prompt-tokens-details; None: no usage, as a server without it)."""
 
     can_restart = True
     model_name = "fake"
@@ -70,6 +72,7 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
         self.posts: list[str] = []
         self.refused: set[str] = set()  # POST paths answered 404, as a server without the development endpoints does
         self.weight_versions: list[dict] | None = None
+        self.cached_tokens = None
         self.restarts = 0
         self.unauthorised = 0
         self.dead = False
@@ -95,6 +98,10 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
         out = good_answer(body, self.vocab)
         if self.weight_versions is not None:
             out["choices"][0]["weight_versions"] = self.weight_versions
+        if self.cached_tokens is not None:
+            n, done = len(body["token_ids"]), len(out["choices"][0]["token_ids"])
+            out["usage"] = {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done,
+                            "prompt_tokens_details": {"cached_tokens": self.cached_tokens(body["token_ids"])}}
         return out
 
     def release_hung(self) -> None:

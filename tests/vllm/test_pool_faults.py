@@ -49,9 +49,9 @@ class _Handle:
 def test_placement_takes_the_ready_server_with_least_work_in_flight():
     pool = ServerPool([Replica(k, _Handle(), state=READY) for k in range(3)])
     with pool.serving(10, 1.0) as a, pool.serving(4, 1.0) as b, pool.serving(4, 1.0) as c:
-        assert (a.index, b.index, c.index) == (0, 1, 2)  # ties: the lower index
+        assert (a.index, b.index, c.index) == (0, 1, 2)  # a tie: the next server after the last one's
         with pool.serving(1, 1.0) as d:
-            assert d.index == 1  # 4 < 10, and server 1 before server 2
+            assert d.index == 1  # 4 < 10, and server 1 ties with server 2: after server 2 come 0, then 1
             pool.set_state(pool.replicas[2], DOWN)
             with pool.serving(1, 1.0) as e:
                 assert e.index == 1  # 5 < 10; server 2 is out
@@ -410,11 +410,44 @@ def test_a_server_killed_mid_turn_under_async_turns_loses_no_trajectory(tmp_path
             assert a.prompt_ids.tolist() == c.prompt_ids.tolist()
             assert a.response_ids.tolist() == c.response_ids.tolist() and a.loss_mask.tolist() == c.loss_mask.tolist()
         assert got.score() == want.score() == [3.0] * 8
+        assert not any(k.startswith("rollout/prefix_cache/") for k in got.stats)  # the fakes do not say
         faulty.fleet.await_restarts()
         assert b.restarts == 1 and faulty.stats()["vllm/server1/restarts"] == 1
     finally:
         healthy.close()
         faulty.close()
+
+
+def test_the_prefix_cache_share_the_servers_report_reaches_the_rollout_s_stats(tmp_path, weights, echo_env):
+    """Fakes that report a prompt's cached tokens (usage.prompt_tokens_details.cached_tokens, as
+    vLLM with --enable-prompt-tokens-details): a third of it on server 0, half on server 1. The
+    async multi_turn call's rollout/prefix_cache/{first,later}/share is sum cached / sum prompt
+    tokens over the requests the fakes received, recomputed here from their own records (a first
+    turn's prompt is an example's)."""
+    tok = CharTokenizer()
+    fn = MultiTurn(RolloutFnInputs(tok, None, EnvSection(name=echo_env, max_turns=3, max_tokens=40,
+                                                         turns="async")))
+    examples = [Example(p, "", "echo") for p in ("12+3=", "7*8=", "guess:", "abc")]
+    engine, fakes = make_pool(tmp_path, weights, [None, None])
+    rules = (lambda ids: len(ids) // 3, lambda ids: len(ids) // 2)
+    for fake, rule in zip(fakes, rules, strict=True):
+        fake.cached_tokens = rule
+    try:
+        got = fn(engine, examples, 2, SamplingParams(max_tokens=5, stop_token_ids=tok.stop_ids, seed=11))
+    finally:
+        engine.close()
+    firsts = [tok.encode_prompt(e.prompt) for e in examples]
+    sums = {"first": [0, 0], "later": [0, 0]}
+    for fake, rule in zip(fakes, rules, strict=True):
+        for body in fake.requests:
+            ids = body["token_ids"]
+            bucket = sums["first" if ids in firsts else "later"]
+            bucket[0], bucket[1] = bucket[0] + rule(ids), bucket[1] + len(ids)
+    assert got.stats["env/turns"] == 3 and all(f.requests for f in fakes)
+    assert sums["later"][1] > 0
+    for b, (cached, prompt) in sums.items():
+        assert got.stats[f"rollout/prefix_cache/{b}/share"] == pytest.approx(cached / prompt, abs=1e-12)
+        assert got.stats[f"rollout/prefix_cache/{b}/prompt_tokens"] == prompt
 
 
 def test_each_server_s_throughput_covers_requests_sent_one_by_one(tmp_path, weights):

@@ -193,6 +193,10 @@ def test_multi_turn_trajectories_equal_the_embedded_engines(engine, models, echo
         torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=1e-4, rtol=0)  # seen: ~1e-6
         assert a.policy_version == b.policy_version == 5
     assert served.score() == local.score() == [3.0] * 8
+    # the server reports each prompt's cached tokens (--enable-prompt-tokens-details); the embedded engine does not
+    assert 0.0 <= served.stats["rollout/prefix_cache/later/share"] <= 1.0
+    assert served.stats["rollout/prefix_cache/first/prompt_tokens"] == sum(len(s.prompt_ids) for s in served.samples)
+    assert not any(k.startswith("rollout/prefix_cache/") for k in local.stats)
     diff = max(float((a.rollout_logprobs - b.rollout_logprobs).abs().max())
                for a, b in zip(served.samples, local.samples))
     print(f"\nmulti_turn, 8 trajectories of 3 turns: max |vLLM - embedded| log-prob {diff:.2e}")

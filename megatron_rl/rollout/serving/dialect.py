@@ -33,7 +33,8 @@ from megatron_rl.rollout.types import SamplingParams
 class Parsed(NamedTuple):
     """One validated answer. ids [R] int64, logprobs [R] fp32, finish "stop" | "length", kept
     [R, K] int64 (-1 padded) or None, routed: routed experts as base64 .npy or None, versions [R]
-    int32 (each token's weight version) or None (unlabelled: the call's version)."""
+    int32 (each token's weight version) or None (unlabelled: the call's version), cached_tokens:
+    how many prompt tokens the server found in its prefix cache, or None (not reported)."""
 
     ids: torch.Tensor
     logprobs: torch.Tensor
@@ -41,6 +42,7 @@ class Parsed(NamedTuple):
     kept: torch.Tensor | None
     routed: str | None
     versions: torch.Tensor | None
+    cached_tokens: int | None = None
 
 
 @runtime_checkable

@@ -36,7 +36,8 @@ class VllmDialect:
         args = ["--dtype", c.dtype, "--max-model-len", str(max_model_len), "--seed", str(c.seed),
                 "--logprobs-mode", logprobs_mode, "--max-logprobs", str(max_logprobs),
                 "--tensor-parallel-size", str(c.tensor_parallel_size), "--skip-tokenizer-init",
-                "--enable-scale-out"]  # mounts the token-in/token-out /inference/v1/generate the requests use
+                "--enable-scale-out",  # mounts the token-in/token-out /inference/v1/generate the requests use
+                "--enable-prompt-tokens-details"]  # each answer's cached prompt tokens (prefix caching is on by default)
         if c.max_num_seqs:
             args += ["--max-num-seqs", str(c.max_num_seqs)]
         if c.enforce_eager:

@@ -443,7 +443,7 @@ class Generation:
                       rollout_logprobs=out.logprobs, finish_reason=out.finish,
                       policy_version=int(versions[0]) if versions is not None else policy_version,
                       prompt_index=i, sample_index=j, routed_experts=routed_experts, kept_ids=out.kept,
-                      token_versions=versions if mixed else None)
+                      token_versions=versions if mixed else None, cached_tokens=out.cached_tokens)
 
     def _check_args(self, requests: Sequence[Request]) -> None:
         if not self.fleet.started:

@@ -8,7 +8,9 @@ server's state and counters.
 
 Placement. A request is placed when it may be sent (a free slot of the per-server bound,
 generation.py), on the READY server with the least work in flight, work = prompt tokens + max_tokens
-(the KV cache it may need); ties go to the lower index. A slow server (fewer devices, a longer
+(the KV cache it may need); a tie goes round: to the first tied server after the one that took the
+last request (an idle pool, whose servers all tie at 0, spreads requests one by one instead of
+sending each to server 0). A slow server (fewer devices, a longer
 queue) so gets fewer requests, and a server that dies is simply not picked any more. With
 affinity (rollout.vllm.affinity, affinity.py), a request whose tokens start with a prefix the pool
 has sent to a READY server goes there instead (the n samples of a prompt, the later turns of a
@@ -75,7 +77,8 @@ class ServerPool:
         self.replicas = replicas
         self._cond = threading.Condition()
         self.prefixes = PrefixTable() if affinity and len(replicas) > 1 else None
-        self.affinity_requests = self.affinity_tokens = 0
+        self.affinity_requests = self.affinity_tokens = self.affinity_passed = 0
+        self._last = -1  # the server that took the last request: a tie goes to the next one round
         self.on_change: list[Callable[[], None]] = []  # called after each state change, from any thread
 
     def __len__(self) -> int:
@@ -118,7 +121,8 @@ class ServerPool:
         free = [r for r in ready if r.index not in full]
         if not free:
             return None
-        least = min(free, key=lambda r: (r.in_flight, r.index))
+        n = len(self.replicas)
+        least = min(free, key=lambda r: (r.in_flight, (r.index - self._last - 1) % n))
         return self._prefix_owner(tokens, least, work, full) or least
 
     def _prefix_owner(self, tokens, least: Replica, work: int, full: frozenset[int] = frozenset()) -> Replica | None:
@@ -131,6 +135,7 @@ class ServerPool:
             return None
         owner = self.replicas[found[0]]
         if owner.state != READY or owner.index in full or owner.in_flight - least.in_flight > AFFINITY_SLACK * work:
+            self.affinity_passed += 1
             return None
         self.affinity_requests += 1
         self.affinity_tokens += found[1]
@@ -161,6 +166,7 @@ class ServerPool:
     def _count(self, replica: Replica, work: int, tokens) -> None:
         replica.in_flight += work
         replica.requests += 1
+        self._last = replica.index
         if self.prefixes is not None and tokens is not None:  # its siblings in flight find it
             self.prefixes.record(tokens, replica.index)
 
@@ -178,15 +184,17 @@ class ServerPool:
     def stats(self) -> dict[str, float]:
         """vllm/server{k}/{requests,tokens,restarts,ready} per server, and with affinity
         vllm/affinity/{requests,matched_tokens} (requests placed on the server of their longest known
-        prefix, and the prefix tokens they matched) (only for a pool of 2 or more: the pool totals
-        are the engine's vllm/requests, vllm/restarts)."""
+        prefix, and the prefix tokens they matched) and vllm/affinity/passed_over (requests whose
+        prefix server was passed over: too busy, at its bound of requests, or not ready) (only for a
+        pool of 2 or more: the pool totals are the engine's vllm/requests, vllm/restarts)."""
         if len(self.replicas) < 2:
             return {}
         with self._cond:
             out: dict[str, float] = {}
             if self.prefixes is not None:
                 out.update({"vllm/affinity/requests": self.affinity_requests,
-                            "vllm/affinity/matched_tokens": self.affinity_tokens})
+                            "vllm/affinity/matched_tokens": self.affinity_tokens,
+                            "vllm/affinity/passed_over": self.affinity_passed})
             for r in self.replicas:
                 p = f"vllm/server{r.index}/"
                 out.update({p + "requests": r.requests, p + "tokens": r.tokens, p + "restarts": r.restarts,

@@ -6,7 +6,9 @@ Token in, token out: the prompt goes as a list of token ids, the server runs wit
 carry the sampled token ids (`token_ids`, with `logprobs.content[t].token_id` cross-checking
 them), one finite log-prob per token and a finish reason consistent with them. Anything else
 raises `BadResponse` naming what is wrong; the client counts and retries it, and never turns it
-into a sample.
+into a sample. With --enable-prompt-tokens-details the answer's `usage.prompt_tokens_details.
+cached_tokens` says how many prompt tokens came from the server's prefix cache (Parsed.cached_tokens,
+the rollout's prefix-cache share; None when the server does not say).
 
 Weight versions. The answer's `weight_versions` spans say which weights made which output tokens:
 [{"version": "3", "start": 0, "end": 50}, {"version": "4", "start": 50, "end": 240}] for a request
@@ -201,7 +203,25 @@ def parse_generate(resp, prompt_len: int, sampling: SamplingParams, vocab_size: 
 
     kept = _kept_ids(content, ids, num_logprobs, vocab_size) if sampling.return_kept_ids else None
     return Parsed(torch.tensor(ids, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32), finish, kept,
-                  c.get("routed_experts"), token_versions(c.get("weight_versions"), len(ids)))
+                  c.get("routed_experts"), token_versions(c.get("weight_versions"), len(ids)),
+                  cached_tokens(resp.get("usage"), prompt_len))
+
+
+def cached_tokens(usage, prompt_len: int) -> int | None:
+    """The prompt tokens the server found in its prefix cache: `usage.prompt_tokens_details.
+    cached_tokens`, which vLLM reports only with --enable-prompt-tokens-details; None when absent.
+    Raises BadResponse when it is there but not an integer in [0, prompt_len]."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if details is None:
+        return None
+    if not isinstance(details, dict):
+        raise BadResponse(f"usage.prompt_tokens_details is {details!r:.50}, not an object")
+    cached = details.get("cached_tokens")
+    if cached is None:
+        return None
+    if _int(cached, "usage.prompt_tokens_details.cached_tokens") < 0 or cached > prompt_len:
+        raise BadResponse(f"usage.prompt_tokens_details.cached_tokens={cached} of a {prompt_len}-token prompt")
+    return cached
 
 
 def token_versions(spans, num_tokens: int) -> torch.Tensor | None:

@@ -325,6 +325,20 @@ def test_turn_reward_stats_leaves_out_turns_no_trajectory_reached():
     assert turn_reward_stats([]) == {}
 
 
+def test_prefix_cache_stats_are_the_cached_share_of_first_and_later_turn_prompt_tokens():
+    """By hand: first turns 10 + 10 prompt tokens, 0 + 8 cached; later turns 30 + 50 + 40 (the
+    None-reported 99-token turn left out), 16 + 48 + 32 cached."""
+    from megatron_rl.rollout.multi_turn import prefix_cache_stats
+
+    got = prefix_cache_stats([[(10, 0), (30, 16), (50, 48)], [(10, 8), (99, None), (40, 32)]])
+    assert got == {"rollout/prefix_cache/first/share": 8 / 20, "rollout/prefix_cache/first/prompt_tokens": 20.0,
+                   "rollout/prefix_cache/later/share": (16 + 48 + 32) / (30 + 50 + 40),
+                   "rollout/prefix_cache/later/prompt_tokens": 120.0}
+    assert prefix_cache_stats([[(10, 4)], [(12, 0)]]) == {"rollout/prefix_cache/first/share": 4 / 22,
+                                                          "rollout/prefix_cache/first/prompt_tokens": 22.0}
+    assert prefix_cache_stats([[(10, None), (20, None)]]) == {} == prefix_cache_stats([])  # not reported: no key
+
+
 def test_a_non_finite_reward_fails_its_trajectory_and_never_reaches_the_score():
     """NaN, inf, and finite turns of 1e308 whose sum is inf: each fails its trajectory (reward 0,
     counted in env/failures, named in the log), beside a finite trajectory that scores."""

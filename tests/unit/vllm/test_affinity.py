@@ -94,9 +94,30 @@ def test_a_busy_or_restarted_prefix_server_is_passed_over():
         busy = owner.in_flight - min(r.in_flight for r in pool.replicas if r is not owner)
         with pool.serving(1, 1.0, prompt) as where:
             assert (where is owner) == (busy <= AFFINITY_SLACK)
+            assert pool.stats()["vllm/affinity/passed_over"] == (busy > AFFINITY_SLACK)
         for h in held:
             h.__exit__(None, None, None)
     pool.set_state(owner, DOWN)
     pool.set_state(owner, READY)  # back with an empty cache: its prefixes are forgotten
     with pool.serving(1, 1.0, [3, 3]) as load_first, pool.serving(1, 1.0, prompt) as fresh:
         assert pool.prefixes.lookup(prompt)[0] == fresh.index and fresh is not load_first
+
+
+def test_a_tie_in_load_goes_round_the_servers():
+    """Idle servers (no known prefix, nothing in flight) take requests in turn, not server 0 each
+    time; a tie among some of them goes to the first after the server of the last request."""
+    pool = ServerPool([Replica(k, _Handle(), state=READY) for k in range(3)], affinity=False)
+    taken = []
+    for _ in range(7):
+        with pool.serving(10, 1.0, [1, 2, 3]) as r:  # released at once: every pick is a three-way tie
+            taken.append(r.index)
+    assert taken == [0, 1, 2, 0, 1, 2, 0]
+    with pool.serving(5, 1.0) as busy:  # server 1 (after 0, the last); 0 and 2 then tie
+        assert busy.index == 1
+        with pool.serving(5, 1.0) as a, pool.serving(5, 1.0) as b:
+            assert (a.index, b.index) == (2, 0)
+    affine = _pool()
+    with affine.serving(10, 1.0, [1, 2, 3]) as first:
+        pass
+    with affine.serving(10, 1.0, [1, 2, 3]) as sibling:
+        assert sibling is first  # the turn says server 1; the known prefix wins

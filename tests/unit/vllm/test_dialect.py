@@ -29,7 +29,7 @@ def test_a_launched_server_s_command_line():
         "--host", "127.0.0.1", "--port", "8000", "--middleware", "megatron_rl_vllm_auth.RequireBearerKey",
         "--dtype", "float32", "--max-model-len", "256", "--seed", "3", "--logprobs-mode", "raw_logprobs",
         "--max-logprobs", "64", "--tensor-parallel-size", "1", "--skip-tokenizer-init", "--enable-scale-out",
-        "--max-num-seqs", "8", "--enforce-eager", "--load-format", "dummy", "--weight-transfer-config", "{}",
+        "--enable-prompt-tokens-details", "--max-num-seqs", "8", "--enforce-eager", "--load-format", "dummy", "--weight-transfer-config", "{}",
         "--x", "1"]
     assert "--load-format" not in vllm.server_flags(cfg, 256, "raw_logprobs", 64)  # a disk sync: real weights
 

@@ -70,13 +70,37 @@ def test_generate_body_asks_for_tokens_with_the_sampling_settings():
 
 def test_parse_good_answer_and_stop():
     s = SamplingParams(max_tokens=5, stop_token_ids=(1,))
-    ids, lps, finish, kept, routed, versions = parse_generate(good_answer(_body(), V), 3, s, V)
+    ids, lps, finish, kept, routed, versions, cached = parse_generate(good_answer(_body(), V), 3, s, V)
     assert kept is None and routed is None and versions is None  # vLLM's "default" label: unlabelled
+    assert cached is None  # the answer has no usage: the server does not say
     assert ids.dtype == torch.long and lps.dtype == torch.float32 and len(ids) == 5 and finish == "length"
     assert lps.tolist() == [-1.0] * 5
     answer = good_answer(_body(stops=(17,)), V)  # seed 3 -> tokens 3, 10, 17: stops at 17
-    ids, _, finish, _, _, _ = parse_generate(answer, 3, SamplingParams(max_tokens=5, stop_token_ids=(17,)), V)
+    ids, _, finish, _, _, _, _ = parse_generate(answer, 3, SamplingParams(max_tokens=5, stop_token_ids=(17,)), V)
     assert ids.tolist() == [3, 10, 17] and finish == "stop"
+
+
+def _with_usage(details, prompt_tokens=6):
+    answer = good_answer(_body(), V)
+    answer["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": 5, "total_tokens": prompt_tokens + 5}
+    if details != "absent":
+        answer["usage"]["prompt_tokens_details"] = details
+    return answer
+
+
+def test_parse_reads_the_cached_prompt_tokens_when_the_server_reports_them():
+    """vLLM with --enable-prompt-tokens-details puts them in usage.prompt_tokens_details.cached_tokens
+    (its scale_out serving.py); without the flag prompt_tokens_details is null."""
+    s = SamplingParams(max_tokens=5, stop_token_ids=(1,))
+    assert parse_generate(_with_usage({"cached_tokens": 4}), 6, s, V).cached_tokens == 4
+    assert parse_generate(_with_usage({"cached_tokens": 0}), 6, s, V).cached_tokens == 0
+    for details in ("absent", None, {"audio_tokens": 1}, {"cached_tokens": None}):
+        assert parse_generate(_with_usage(details), 6, s, V).cached_tokens is None, details
+    for details, why in [({"cached_tokens": 7}, "cached_tokens=7 of a 6-token prompt"),
+                         ({"cached_tokens": -1}, "cached_tokens=-1"), ({"cached_tokens": 2.0}, "not an integer"),
+                         ({"cached_tokens": True}, "not an integer"), ([4], "not an object")]:
+        with pytest.raises(BadResponse, match=why):
+            parse_generate(_with_usage(details), 6, s, V)
 
 
 def test_weight_version_spans_give_each_token_its_version():
@@ -102,7 +126,7 @@ def test_parse_rejects_stop_in_the_middle_and_length_reported_at_stop():
         parse_generate(answer, 3, s, V)
     # "length" whose last token is a stop token is normalised to "stop"
     s = SamplingParams(max_tokens=2, stop_token_ids=(10,))
-    ids, _, finish, _, _, _ = parse_generate(good_answer(_body(max_tokens=2, stops=()), V), 3, s, V)
+    ids, _, finish, _, _, _, _ = parse_generate(good_answer(_body(max_tokens=2, stops=()), V), 3, s, V)
     assert ids.tolist() == [3, 10] and finish == "stop"
 
 
