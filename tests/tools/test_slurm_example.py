@@ -101,6 +101,7 @@ def test_rollout_nodes_serve_a_pool_the_trainer_reaches_by_url(tmp_path):
         assert f"--port {port} --tensor-parallel-size 4" in args and "--model /shared/policy-hf" in args
         assert '--load-format dummy --weight-transfer-config {"backend": "nccl"}' in args
         assert "--skip-tokenizer-init --enable-scale-out" in args  # the token-in/token-out endpoint the client uses
+        assert "--enable-prompt-tokens-details" in args  # cached prompt tokens: rollout/prefix_cache/*
         assert "job-key" not in args  # the key only in the environment
 
 

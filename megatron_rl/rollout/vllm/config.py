@@ -59,7 +59,9 @@ class VllmConfig:
       url: connect to this running server (e.g. "http://127.0.0.1:8000") instead of launching
           one. It must have been started with --enable-scale-out (the requests use vLLM's
           token-in/token-out /inference/v1/generate) and VLLM_SERVER_DEV_MODE=1 (weight sync and
-          pause use the development endpoints); --skip-tokenizer-init is not required. A
+          pause use the development endpoints); --skip-tokenizer-init is not required. With
+          --enable-prompt-tokens-details its answers carry their cached prompt tokens, and a
+          multi-turn run logs rollout/prefix_cache/* (docs/diagnostics.md); without it, not. A
           connected server is never restarted by us: a crash there is an error.
       urls: a pool of running servers to connect to (e.g. one per rollout node), each as `url`
           above and all with the same key; requests spread over them (pool.py). Not with `url`.
