@@ -42,3 +42,15 @@ def test_its_requests_are_protocol_s():
     got, want = vllm.parse_generate(good_answer(body, 32), 2, s, 32), parse_generate(good_answer(body, 32), 2, s, 32)
     assert got.ids.tolist() == want.ids.tolist() and got.logprobs.tolist() == want.logprobs.tolist()
     assert got.finish == want.finish
+
+
+def test_its_control_calls_are_the_development_endpoints_the_engine_sent_before():
+    """The exact (method, path, body) of vLLM's pause, resume and abort (what generation.py sent)."""
+    vllm = DIALECTS.get("vllm")
+    assert [tuple(c) for c in vllm.pause_calls()] == [("POST", "/pause?mode=keep&clear_cache=false", {})]
+    assert [tuple(c) for c in vllm.resume_calls()] == [
+        ("POST", "/reset_prefix_cache?reset_running_requests=true", {}), ("POST", "/resume", {})]
+    assert [tuple(c) for c in vllm.abort_calls(paused=False)] == [("POST", "/abort_requests", {})]
+    assert [tuple(c) for c in vllm.abort_calls(paused=True)] == [("POST", "/pause?mode=abort&clear_cache=false", {})]
+    assert vllm.read_control(vllm.pause_calls()[0], {"status": "paused"}) is None
+    assert "VLLM_SERVER_DEV_MODE=1" in vllm.control_hint
