@@ -64,7 +64,8 @@ class VllmEngine:
         ("cpu" | "cuda" | "unknown").
     stopping: the trainer's stop flag; no server is restarted once it is true (fleet.py).
     dialect: the servers' kind (rollout/serving/dialect.py): their command line, health path and
-        generate requests (default vLLM's, rollout/vllm/dialect.py); abort, pause and weight syncs are vLLM's.
+        generate requests, and its abort, pause and resume calls (default vLLM's, rollout/vllm/dialect.py);
+        weight syncs are vLLM's.
 
     Configurations that would give wrong numbers are refused here, before anything starts
     (VllmUnsupportedError): MoE + in-place reload on CPU, routed experts (R3) on CPU. The servers
