@@ -3,7 +3,8 @@ file's ToyDialect (its own generate path, body and answer field names) plus one 
 An engine built with it generates on a pool of 2 fake servers (tests/vllm/fake_server.py, taught
 the toy path by its `routes` hook), keeps every sample when one server dies mid-call (it is
 restarted), and draws the same samples as vLLM's dialect for the same seeds. Its launch side is
-its own command line and health path."""
+its own command line and health path. Its pause, resume and abort are its own paths and bodies
+(the fake answers them through the same hook), sent to both servers at once."""
 import math
 import threading
 from collections.abc import Sequence
@@ -12,13 +13,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from megatron_rl.rollout.serving import DIALECTS, Parsed
+from megatron_rl.rollout.pausing import GenerationAborted
+from megatron_rl.rollout.serving import DIALECTS, Control, Parsed
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import BadResponse
 from megatron_rl.rollout.vllm.launcher import LocalServer
 from megatron_rl.rollout.vllm.pool import READY
-from tests.vllm.conftest import hf_weights
+from tests.vllm.conftest import hf_weights, push
 from tests.vllm.test_pool_faults import (
     ARCH,
     PROMPTS,
@@ -29,16 +31,19 @@ from tests.vllm.test_pool_faults import (
 )
 
 pytestmark = pytest.mark.vllm
+GUARD_S = 600.0  # hang guards only: every wait below ends on an event
 
 
 @dataclass(frozen=True)
 class ToyDialect:
     """A made-up server: POST /toy/generate {"input_ids", "max_new_tokens", ..., "stop"} answers
-    {"output_ids", "output_logprobs", "stop_reason"}; it is launched as `python -m toy_server`."""
+    {"output_ids", "output_logprobs", "stop_reason"}; it is launched as `python -m toy_server`;
+    POST /toy/freeze, /toy/thaw, /toy/cancel pause, resume and abort, each answering a JSON object."""
 
     name: str = "toy"
     generate_path: str = "/toy/generate"
     health_path: str = "/toy/health"
+    control_hint: str = "toy_server --control"
 
     def server_flags(self, cfg, max_model_len: int, logprobs_mode: str, max_logprobs: int,
                      receiver: Sequence[str] = ()) -> list[str]:
@@ -70,6 +75,19 @@ class ToyDialect:
             raise BadResponse(f"stop_reason {finish!r:.20} after token {ids[-1]}")
         return Parsed(torch.tensor(ids, dtype=torch.long), torch.tensor(lps, dtype=torch.float32), finish,
                       None, None, None)
+
+    def pause_calls(self) -> list[Control]:
+        return [Control("POST", "/toy/freeze", {"keep_state": True})]
+
+    def resume_calls(self) -> list[Control]:
+        return [Control("POST", "/toy/thaw", {"recompute": True})]
+
+    def abort_calls(self, paused: bool) -> list[Control]:
+        return [Control("POST", "/toy/cancel", {"stay_frozen": paused})]
+
+    def read_control(self, call: Control, answer) -> None:
+        if not isinstance(answer, dict):
+            raise BadResponse(f"{call.path} answered {answer!r:.100}, not a JSON object")
 
 
 def _to_vllm(body: dict) -> dict:
@@ -155,3 +173,63 @@ def test_the_toy_s_launch_is_its_own(toy):
     server = LocalServer("/py", flags, {}, "/tmp/toy.log", dialect=toy)
     assert server.command("/m", 9) == ["/py", "-m", "toy_server", "--model-path", "/m", "--name", "policy",
                                        "--bind", "127.0.0.1:9", "--context-length", "128", "--x"]
+
+
+def test_the_toy_s_abort_pause_and_resume_reach_both_servers_at_once(tmp_path, weights, toy):
+    """abort() ends the call in flight through /toy/cancel on both servers. pause() freezes the next
+    call on both through /toy/freeze, sent at once: each server's answers only once the other's has
+    arrived (a barrier, an event: sent one after the other, the first would wait in vain and its
+    server be lost). resume() thaws both and the call's samples come back."""
+    routes, _ = _routes()
+    bodies, both = [], threading.Barrier(2, timeout=GUARD_S)
+
+    def freeze(body):
+        bodies.append(body)
+        both.wait()  # BrokenBarrierError (no answer: the server is lost) unless both were sent at once
+        return {"frozen": True}
+
+    routes.update({"/toy/freeze": freeze, "/toy/thaw": lambda body: bodies.append(body) or {"thawed": True},
+                   "/toy/cancel": "abort"})
+    hold = ["the calls"]
+    hang = lambda body, answer: "hang" if hold else answer
+    engine, fakes = make_pool(tmp_path, weights, [hang, hang], dialect=toy, routes=routes)
+    outcome, thread = _generate_in_background(engine)
+    assert all(f.hanging.wait(GUARD_S) for f in fakes)  # a request of the call on each server
+    engine.abort()  # returns once the call has ended: each server ended its hung requests on /toy/cancel
+    thread.join(GUARD_S)
+    assert isinstance(outcome.get("error"), GenerationAborted) and [f.aborts for f in fakes] == [1, 1]
+    assert all(f.posts[-1] == "/toy/cancel" for f in fakes)
+    engine.resume()
+
+    for f in fakes:
+        f.hanging.clear()
+    outcome, thread = _generate_in_background(engine)
+    assert all(f.hanging.wait(GUARD_S) for f in fakes)
+    engine.pause()
+    assert engine.fleet.paused == {0, 1} and all(f.posts[-1] == "/toy/freeze" for f in fakes)
+    push(engine, weights, 4)  # the weights go in through vLLM's receiver (the toy has none of its own)
+    engine.resume()
+    assert all(f.posts[-1] == "/toy/thaw" for f in fakes)
+    assert bodies == [{"keep_state": True}] * 2 + [{"recompute": True}] * 2
+    hold.clear()
+    for f in fakes:
+        f.release_hung()
+    thread.join(GUARD_S)
+    assert _keys(outcome["samples"]) == [(i, j) for i in range(8) for j in range(2)]
+    assert engine.stats()["vllm/pauses"] == 1 and engine.stats()["vllm/aborts"] == 1
+    engine.close()
+
+
+def _generate_in_background(engine):
+    """generate() in a thread, as the async schedule runs it; -> (outcome dict, thread)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["samples"] = engine.generate(PROMPTS, 2, SAMPLING)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)  # a failing test never waits for it
+    thread.start()
+    return outcome, thread
