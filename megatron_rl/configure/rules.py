@@ -63,10 +63,13 @@ def check_oversample(cfg) -> None:
 
 
 def check_engine(cfg) -> None:
-    """rollout.backend names a registered engine, and the engine can give what the run needs."""
+    """rollout.backend names a registered engine, its spec's own rules hold, and the engine can give
+    what the run needs."""
     if cfg.rollout.backend not in ENGINES:
         raise ValueError(f"rollout.backend={cfg.rollout.backend!r}: choose one of {', '.join(ENGINES.names())}")
     spec = ENGINES.get(cfg.rollout.backend)
+    if spec.check is not None:
+        spec.check(cfg.rollout)
     why = spec.no_routing(cfg.rollout) if cfg.moe.router_replay == "r3" else None
     if why:
         raise ValueError(f"moe.router_replay=r3 needs the rollout engine's routing, which {why}, or R2 "

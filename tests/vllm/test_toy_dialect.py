@@ -233,3 +233,15 @@ def _generate_in_background(engine):
     thread = threading.Thread(target=run, daemon=True)  # a failing test never waits for it
     thread.start()
     return outcome, thread
+
+
+def test_the_config_picks_the_toy(tmp_path, toy):
+    """rollout.vllm.dialect=toy, once registered: the engine the trainer builds speaks it."""
+    from megatron_rl.configure import load_config
+    from megatron_rl.rollout import ENGINES
+    from megatron_rl.rollout.engine import EngineRequest
+
+    cfg = load_config(None, ["rollout.backend=vllm", "rollout.vllm={dialect: toy, url: 'http://127.0.0.1:9'}"])
+    engine = ENGINES.get("vllm").make(EngineRequest(ARCH, cfg.rollout, str(tmp_path)))
+    assert engine.dialect is toy and engine.generation.dialect is toy and engine.server.health_path == "/toy/health"
+    engine.close()

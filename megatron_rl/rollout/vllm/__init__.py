@@ -35,6 +35,7 @@ from dataclasses import replace
 import torch
 
 from megatron_rl.rollout.engine import EngineRequest, EngineSpec
+from megatron_rl.rollout.serving import DIALECTS
 from megatron_rl.rollout.vllm.client import VllmEngine
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import (
@@ -89,7 +90,16 @@ def make_vllm_engine(request: EngineRequest) -> VllmEngine:
                            "bf16 (W8A16), unlike a GPU server's FP8 GEMMs. On the CPU use the embedded engine's FP8: "
                            "precision.recipe=fp8_tensor (vLLM's online fp8 format), fp8_block or mxfp8")
     return VllmEngine(request.arch, vcfg, request.run_dir, weight_sync=VLLM.weight_sync(request.rollout.weight_sync),
-                      stopping=request.stopping)
+                      stopping=request.stopping, dialect=DIALECTS.get(vcfg.dialect))
+
+
+def _check(rollout) -> None:
+    """rollout.vllm.dialect names a registered server kind (configure/rules.py, at start-up)."""
+    name = rollout.vllm.dialect
+    if name not in DIALECTS:
+        raise ValueError(f"rollout.vllm.dialect={name!r}: not a registered server kind; choose one of "
+                         f"{', '.join(DIALECTS.names()) or '(none registered)'} (megatron_rl.rollout.serving.DIALECTS: "
+                         f"a new kind is a module with its Dialect and one DIALECTS.add line in rollout/registered.py)")
 
 
 def _max_len(rollout, arch) -> int:
@@ -121,7 +131,7 @@ VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, 
                   no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
                                   "or rollout.dtype=fp32 for the whole server",
                   weight_syncs=TAKES, may_change=MAY_CHANGE,
-                  in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight)
+                  in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight, check=_check)
 
 
 __all__ = [
