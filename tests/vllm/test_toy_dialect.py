@@ -21,6 +21,7 @@ from megatron_rl.rollout.vllm.errors import BadResponse
 from megatron_rl.rollout.vllm.launcher import LocalServer
 from megatron_rl.rollout.vllm.pool import READY
 from tests.vllm.conftest import hf_weights, push
+from tests.vllm.test_abort import GUARD_S, generate_in_background
 from tests.vllm.test_pool_faults import (
     ARCH,
     PROMPTS,
@@ -31,7 +32,6 @@ from tests.vllm.test_pool_faults import (
 )
 
 pytestmark = pytest.mark.vllm
-GUARD_S = 600.0  # hang guards only: every wait below ends on an event
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def test_the_toy_s_abort_pause_and_resume_reach_both_servers_at_once(tmp_path, w
     hold = ["the calls"]
     hang = lambda body, answer: "hang" if hold else answer
     engine, fakes = make_pool(tmp_path, weights, [hang, hang], dialect=toy, routes=routes)
-    outcome, thread = _generate_in_background(engine)
+    thread, outcome = generate_in_background(engine, PROMPTS, SAMPLING)
     assert all(f.hanging.wait(GUARD_S) for f in fakes)  # a request of the call on each server
     engine.abort()  # returns once the call has ended: each server ended its hung requests on /toy/cancel
     thread.join(GUARD_S)
@@ -203,7 +203,7 @@ def test_the_toy_s_abort_pause_and_resume_reach_both_servers_at_once(tmp_path, w
 
     for f in fakes:
         f.hanging.clear()
-    outcome, thread = _generate_in_background(engine)
+    thread, outcome = generate_in_background(engine, PROMPTS, SAMPLING)
     assert all(f.hanging.wait(GUARD_S) for f in fakes)
     engine.pause()
     assert engine.fleet.paused == {0, 1} and all(f.posts[-1] == "/toy/freeze" for f in fakes)
@@ -218,21 +218,6 @@ def test_the_toy_s_abort_pause_and_resume_reach_both_servers_at_once(tmp_path, w
     assert _keys(outcome["samples"]) == [(i, j) for i in range(8) for j in range(2)]
     assert engine.stats()["vllm/pauses"] == 1 and engine.stats()["vllm/aborts"] == 1
     engine.close()
-
-
-def _generate_in_background(engine):
-    """generate() in a thread, as the async schedule runs it; -> (outcome dict, thread)."""
-    outcome = {}
-
-    def run():
-        try:
-            outcome["samples"] = engine.generate(PROMPTS, 2, SAMPLING)
-        except BaseException as e:  # noqa: BLE001 - the test reads it
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)  # a failing test never waits for it
-    thread.start()
-    return outcome, thread
 
 
 def test_the_config_picks_the_toy(tmp_path, toy):
