@@ -68,8 +68,6 @@ def check_engine(cfg) -> None:
     if cfg.rollout.backend not in ENGINES:
         raise ValueError(f"rollout.backend={cfg.rollout.backend!r}: choose one of {', '.join(ENGINES.names())}")
     spec = ENGINES.get(cfg.rollout.backend)
-    if spec.check is not None:
-        spec.check(cfg.rollout)
     why = spec.no_routing(cfg.rollout) if cfg.moe.router_replay == "r3" else None
     if why:
         raise ValueError(f"moe.router_replay=r3 needs the rollout engine's routing, which {why}, or R2 "
@@ -84,6 +82,8 @@ def check_engine(cfg) -> None:
                          f"rollout.backend={' or '.join(_engines_with(quant)) or '(none registered)'}, or "
                          f"rollout.quantization=null{vllm}")
     check_weight_sync(cfg.rollout.backend, cfg.rollout.weight_sync)
+    if spec.check is not None:
+        spec.check(cfg.rollout)
 
 
 def check_weight_sync(backend: str, name: str) -> None:

@@ -16,11 +16,13 @@ import torch
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.serving import DIALECTS, Control, Parsed
 from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import BadResponse
 from megatron_rl.rollout.vllm.launcher import LocalServer
 from megatron_rl.rollout.vllm.pool import READY
 from tests.vllm.conftest import hf_weights, push
+from tests.vllm.fake_server import FakeVllm
 from tests.vllm.test_abort import GUARD_S, generate_in_background
 from tests.vllm.test_pool_faults import (
     ARCH,
@@ -38,12 +40,15 @@ pytestmark = pytest.mark.vllm
 class ToyDialect:
     """A made-up server: POST /toy/generate {"input_ids", "max_new_tokens", ..., "stop"} answers
     {"output_ids", "output_logprobs", "stop_reason"}; it is launched as `python -m toy_server`;
-    POST /toy/freeze, /toy/thaw, /toy/cancel pause, resume and abort, each answering a JSON object."""
+    POST /toy/freeze, /toy/thaw, /toy/cancel pause, resume and abort, each answering a JSON object.
+    It takes weights from a folder only (weight_sync=reload), loading them as vLLM's does (its
+    receiver is vLLM's), and labels them with POST /toy/label {"version"}."""
 
     name: str = "toy"
     generate_path: str = "/toy/generate"
     health_path: str = "/toy/health"
     control_hint: str = "toy_server --control"
+    weight_syncs: tuple[str, ...] = ("reload",)
 
     def server_flags(self, cfg, max_model_len: int, logprobs_mode: str, max_logprobs: int,
                      receiver: Sequence[str] = ()) -> list[str]:
@@ -88,6 +93,18 @@ class ToyDialect:
     def read_control(self, call: Control, answer) -> None:
         if not isinstance(answer, dict):
             raise BadResponse(f"{call.path} answered {answer!r:.100}, not a JSON object")
+
+    def receiver_flags(self, backend) -> list[str]:
+        return []  # takes no weights in memory
+
+    def memory_receiver(self, server, backend, bucket_bytes: int, host: str):
+        raise NotImplementedError("the toy takes no weights in memory")
+
+    def disk_receiver(self, weight_sync: str):
+        return VLLM_DIALECT.disk_receiver(weight_sync)
+
+    def version_label(self, version: int) -> Control:
+        return Control("POST", "/toy/label", {"version": version})
 
 
 def _to_vllm(body: dict) -> dict:
@@ -207,7 +224,8 @@ def test_the_toy_s_abort_pause_and_resume_reach_both_servers_at_once(tmp_path, w
     assert all(f.hanging.wait(GUARD_S) for f in fakes)
     engine.pause()
     assert engine.fleet.paused == {0, 1} and all(f.posts[-1] == "/toy/freeze" for f in fakes)
-    push(engine, weights, 4)  # the weights go in through vLLM's receiver (the toy has none of its own)
+    push(engine, weights, 4)  # the folder loaded by vLLM's receiver (the toy's), labelled the toy's way
+    assert all("/toy/label" in f.posts and "/update_weight_version" not in f.posts for f in fakes)
     engine.resume()
     assert all(f.posts[-1] == "/toy/thaw" for f in fakes)
     assert bodies == [{"keep_state": True}] * 2 + [{"recompute": True}] * 2
@@ -222,11 +240,18 @@ def test_the_toy_s_abort_pause_and_resume_reach_both_servers_at_once(tmp_path, w
 
 def test_the_config_picks_the_toy(tmp_path, toy):
     """rollout.vllm.dialect=toy, once registered: the engine the trainer builds speaks it."""
+    from megatron_rl.config import ConfigError
     from megatron_rl.configure import load_config
     from megatron_rl.rollout import ENGINES
     from megatron_rl.rollout.engine import EngineRequest
 
-    cfg = load_config(None, ["rollout.backend=vllm", "rollout.vllm={dialect: toy, url: 'http://127.0.0.1:9'}"])
+    cfg = load_config(None, ["rollout.backend=vllm", "rollout.vllm={dialect: toy, url: 'http://127.0.0.1:9'}",
+                             "rollout.weight_sync=reload"])
     engine = ENGINES.get("vllm").make(EngineRequest(ARCH, cfg.rollout, str(tmp_path)))
     assert engine.dialect is toy and engine.generation.dialect is toy and engine.server.health_path == "/toy/health"
     engine.close()
+    with pytest.raises(ConfigError, match=r"rollout.weight_sync=auto \(memory\): the servers of rollout.vllm.dialect="
+                                          r"toy take reload; set rollout.weight_sync to one of them"):
+        load_config(None, ["rollout.backend=vllm", "rollout.vllm={dialect: toy}", "rollout.weight_sync=auto"])
+    with pytest.raises(ValueError, match="rollout.weight_sync='restart': toy servers take reload"):
+        VllmEngine(ARCH, VllmConfig(), str(tmp_path), weight_sync="restart", server=FakeVllm(), dialect=toy)

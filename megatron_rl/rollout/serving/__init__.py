@@ -2,9 +2,10 @@
 reaches at a URL) and sends token-in/token-out requests to needs, apart from what is one server
 kind's own. A server kind plugs in as a `Dialect` (dialect.py), registered in `DIALECTS`:
 
-    dialect.py      Dialect: what a server kind supplies for LAUNCH, REQUESTS and CONTROL; Parsed, one answer;
-                    Control, one control call;
-                    DIALECTS, the registry ("vllm": rollout/vllm/dialect.py, registered in rollout/registered.py)
+    dialect.py      Dialect: what a server kind supplies for LAUNCH, REQUESTS, CONTROL and RECEIVERS; Parsed, one
+                    answer; Control, one control call; DIALECTS, the registry ("vllm": rollout/vllm/dialect.py,
+                    registered in rollout/registered.py)
+    handle.py       ServerHandle: what the layer needs of one server (url, key, alive, start / stop)
 
 What a dialect supplies (one object, held by the engine and passed down explicitly):
     launch          the server's command line (module, model, host, port, flags from the config), its health path
@@ -12,6 +13,8 @@ What a dialect supplies (one object, held by the engine and passed down explicit
                     token), the answer's size cap, and the strict parse of an answer into `Parsed`
     control         pause, resume and abort: each a few `Control` calls (method, path, body) and the
                     check of their answers; what a server that refuses them needs
+    receivers       the weight syncs its servers take, and for each its receiver: launch flags and a
+                    per-server receiver (memory), a folder loader (reload, restart), the version label
 
 What is engine-agnostic and uses a dialect (today still under rollout/vllm/, which a later step
 moves here; none of it reads a vLLM field name or flag once given the dialect):
@@ -23,8 +26,8 @@ moves here; none of it reads a vLLM field name or flag once given the dialect):
                     failover, requeue, the restart budget; pause / resume / abort: the dialect's control
                     calls, sent to every server at once on the requests' event loop
 
-What stays vLLM-only in this slice (rollout/vllm/): the weight receivers (transfer.py, weight_sync.py, updates.py),
-the parity probe's prompt scoring (probe.py: /v1/completions), the log-prob mode rules
+What stays vLLM-only in this slice (rollout/vllm/): the receivers' own code (transfer.py, weight_sync.py:
+the dialect picks them, and a new kind reuses them or brings its own), the parity probe's prompt scoring (probe.py: /v1/completions), the log-prob mode rules
 (protocol.check_served), the routed-experts format and its start-up check, and the server plugin.
 
 Cost: a dialect is pure; per request it builds one body and parses one answer, O(answer)

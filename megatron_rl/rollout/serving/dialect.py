@@ -24,6 +24,13 @@ BadResponse for an answer that says the call did not take. A server that answers
 with HTTP 4xx cannot do it (`control_hint` says what it needs): a refused pause stops the run, a
 refused abort lets the requests run to their end.
 
+Weights (RECEIVERS). `weight_syncs` names the rollout.weight_sync ways its servers take weights
+(first: the kind's preferred); for each the dialect gives the receiver the engine drives: the
+launch flags and one receiver per server for "memory" (tensors streamed in), the folder loader for
+"reload" / "restart", and the call that labels a server's weights with the trainer version after an
+in-place load. vLLM's are rollout/vllm/transfer.py and weight_sync.py; a new kind may reuse them
+(its server loads as vLLM's does) or bring its own.
+
 Errors. `parse_generate` raises the engine's BadResponse (rollout/vllm/errors.py) for an answer
 that is not a valid one to its request: the layer counts and retries it and never turns it into a
 sample; it may raise another error to stop the call (e.g. an unsupported setting).
@@ -125,6 +132,29 @@ class Dialect(Protocol):
 
     def read_control(self, call: Control, answer) -> None:
         """Check the answer (decoded JSON) to `call`: BadResponse when it says the call did not take."""
+        ...
+
+    weight_syncs: tuple[str, ...]
+    """The rollout.weight_sync names its servers take (WEIGHT_SYNCS: memory, reload, restart)."""
+
+    def receiver_flags(self, backend) -> list[str]:
+        """The launch flags of a server that takes weights in memory over `backend` (the in-memory
+        sync's transfer backend, rollout/vllm/transfer.py): it starts on random weights."""
+        ...
+
+    def memory_receiver(self, server, backend, bucket_bytes: int, host: str):
+        """One server's in-memory receiver (weight_sync=memory): what push_all drives, with open /
+        close per server process (rollout/vllm/transfer.py: MemorySync)."""
+        ...
+
+    def disk_receiver(self, weight_sync: str):
+        """What makes a running server serve an HF folder for `weight_sync` ("reload" | "restart"):
+        apply(server, model_dir, timeout, warmup) -> timings (rollout/vllm/weight_sync.py: WeightSync)."""
+        ...
+
+    def version_label(self, version: int) -> Control | None:
+        """The call labelling a server's weights as trainer `version` after an in-place load from a
+        folder (its answers then say which version made each token); None: the kind labels none."""
         ...
 
 

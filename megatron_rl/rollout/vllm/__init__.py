@@ -94,12 +94,17 @@ def make_vllm_engine(request: EngineRequest) -> VllmEngine:
 
 
 def _check(rollout) -> None:
-    """rollout.vllm.dialect names a registered server kind (configure/rules.py, at start-up)."""
+    """rollout.vllm.dialect names a registered server kind, whose servers take rollout.weight_sync
+    (configure/rules.py, at start-up)."""
     name = rollout.vllm.dialect
     if name not in DIALECTS:
         raise ValueError(f"rollout.vllm.dialect={name!r}: not a registered server kind; choose one of "
                          f"{', '.join(DIALECTS.names()) or '(none registered)'} (megatron_rl.rollout.serving.DIALECTS: "
                          f"a new kind is a module with its Dialect and one DIALECTS.add line in rollout/registered.py)")
+    takes, sync = DIALECTS.get(name).weight_syncs, VLLM.weight_sync(rollout.weight_sync)
+    if sync not in takes:
+        raise ValueError(f"rollout.weight_sync={rollout.weight_sync} ({sync}): the servers of rollout.vllm.dialect="
+                         f"{name} take {', '.join(takes)}; set rollout.weight_sync to one of them")
 
 
 def _max_len(rollout, arch) -> int:

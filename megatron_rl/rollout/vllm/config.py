@@ -81,9 +81,9 @@ class VllmConfig:
           (tools/install_vllm_cpu.sh creates it).
       dialect: the server kind the engine speaks to, a name in megatron_rl.rollout.serving.DIALECTS
           (rollout/registered.py): its command line, generate requests and pause / resume /
-          abort calls. "vllm" (default): vLLM's OpenAI-compatible server (rollout/vllm/dialect.py).
-          A new kind is one module with its Dialect and one registry line (rollout/serving/);
-          the weight syncs and the parity probe stay vLLM's whatever the kind.
+          abort calls, the rollout.weight_sync ways it takes and their receivers. "vllm" (default):
+          vLLM's OpenAI-compatible server (rollout/vllm/dialect.py). A new kind is one module with
+          its Dialect and one registry line (rollout/serving/); the parity probe stays vLLM's.
       device: "auto" | "cpu" | "cuda": the server's platform, which decides what is refused
           (MoE in-place reload and routed-expert capture are broken on CPU). auto = cpu when the
           vLLM environment is the vllm-cpu build; for a url server auto means unknown, treated

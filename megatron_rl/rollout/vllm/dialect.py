@@ -3,6 +3,9 @@ flags, its token-in/token-out `/inference/v1/generate` (bodies, caps and the str
 protocol.py), and its control calls, development endpoints all (VLLM_SERVER_DEV_MODE=1):
 pause `/pause?mode=keep`, resume `/reset_prefix_cache?reset_running_requests=true` then `/resume`,
 abort `/abort_requests` (no ids: all of them), or `/pause?mode=abort` for a paused server.
+Its receivers: every weight sync of weight_sync.TAKES, in memory over the weight-transfer API
+(transfer.py: its flags, MemorySync), from a folder by reload_weights or a restart (weight_sync.py),
+labelled by `/update_weight_version`.
 Registered as "vllm" (rollout/registered.py); the engine's default.
 
     VLLM_DIALECT.server_argv(model_dir, "policy", "127.0.0.1", port, VLLM_DIALECT.server_flags(cfg, ...))
@@ -13,11 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_rl.rollout.serving.dialect import Control, Parsed
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import protocol
 from megatron_rl.rollout.vllm.config import VllmConfig
+
+if TYPE_CHECKING:  # the receivers' modules, imported where used (not needed to launch or send requests)
+    from megatron_rl.rollout.serving.handle import ServerHandle
+    from megatron_rl.rollout.vllm.transfer import Backend, MemorySync
+    from megatron_rl.rollout.vllm.weight_sync import WeightSync
 
 AUTH_MIDDLEWARE = "megatron_rl_vllm_auth.RequireBearerKey"  # server_plugin/: the bearer key on every path
 
@@ -89,6 +98,30 @@ class VllmDialect:
 
     def read_control(self, call: Control, answer) -> None:
         """vLLM's control endpoints answer 200 once done; their bodies say nothing more."""
+
+    @property
+    def weight_syncs(self) -> tuple[str, ...]:
+        from megatron_rl.rollout.vllm.weight_sync import TAKES
+
+        return TAKES
+
+    def receiver_flags(self, backend: Backend) -> list[str]:
+        from megatron_rl.rollout.vllm.transfer import weight_transfer_args
+
+        return weight_transfer_args(backend)
+
+    def memory_receiver(self, server: ServerHandle, backend: Backend, bucket_bytes: int, host: str) -> MemorySync:
+        from megatron_rl.rollout.vllm.transfer import MemorySync
+
+        return MemorySync(server, backend, bucket_bytes, host)
+
+    def disk_receiver(self, weight_sync: str) -> WeightSync:
+        from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync
+
+        return RestartSync() if weight_sync == "restart" else DiskReloadSync()
+
+    def version_label(self, version: int) -> Control:
+        return Control("POST", "/update_weight_version", {"new_version": str(version)})
 
 
 VLLM_DIALECT = VllmDialect()

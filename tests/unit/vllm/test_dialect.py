@@ -54,3 +54,17 @@ def test_its_control_calls_are_the_development_endpoints_the_engine_sent_before(
     assert [tuple(c) for c in vllm.abort_calls(paused=True)] == [("POST", "/pause?mode=abort&clear_cache=false", {})]
     assert vllm.read_control(vllm.pause_calls()[0], {"status": "paused"}) is None
     assert "VLLM_SERVER_DEV_MODE=1" in vllm.control_hint
+
+
+def test_its_receivers_are_the_engine_s_weight_syncs():
+    from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, weight_transfer_args
+    from megatron_rl.rollout.vllm.weight_sync import TAKES, DiskReloadSync, RestartSync
+
+    vllm, gloo = DIALECTS.get("vllm"), BACKENDS["gloo"]
+    assert vllm.weight_syncs == TAKES == ("memory", "reload", "restart")
+    assert vllm.receiver_flags(gloo) == weight_transfer_args(gloo)
+    server = LocalServer("/py", [], {}, "/tmp/none.log", dialect=vllm)
+    receiver = vllm.memory_receiver(server, gloo, 1 << 20, "127.0.0.1")
+    assert isinstance(receiver, MemorySync) and (receiver.server, receiver.bucket_bytes) == (server, 1 << 20)
+    assert type(vllm.disk_receiver("reload")) is DiskReloadSync and type(vllm.disk_receiver("restart")) is RestartSync
+    assert tuple(vllm.version_label(7)) == ("POST", "/update_weight_version", {"new_version": "7"})
