@@ -257,31 +257,27 @@ def test_abort_ends_the_call_in_flight_on_the_server_and_the_next_call_samples(e
     /abort_requests), returns once every request has returned, and the call raises GenerationAborted.
     The call's first request is held back until the abort has reached the server (an event), so the
     call is still running when abort() is called, however fast the machine."""
-    from megatron_rl.rollout.vllm import ahttp, generation
+    from megatron_rl.rollout.vllm import ahttp
 
-    real, real_async = generation.request_json, ahttp.request_json
+    real = ahttp.request_json
     lock, first = threading.Lock(), [True]
     sent, aborted, answers = threading.Event(), threading.Event(), {}
 
-    def request_json(where, *args, **kwargs):  # the control calls, from the trainer's thread
+    async def request_json(session, where, *args, **kwargs):  # every request and control call, on the engine's loop
         if where.endswith("/abort_requests"):
             try:
-                answers["abort"] = real(where, *args, **kwargs)
+                answers["abort"] = await real(session, where, *args, **kwargs)
                 return answers["abort"]
             finally:
                 aborted.set()
-        return real(where, *args, **kwargs)
-
-    async def generate_request(session, where, *args, **kwargs):  # the requests, on the engine's loop
         with lock:
             held, first[0] = first[0], False
         if held:
             sent.set()
             assert await asyncio.to_thread(aborted.wait, HOLD_GUARD_S), "no abort reached the server"
-        return await real_async(session, where, *args, **kwargs)
+        return await real(session, where, *args, **kwargs)
 
-    monkeypatch.setattr(generation, "request_json", request_json)
-    monkeypatch.setattr(ahttp, "request_json", generate_request)
+    monkeypatch.setattr(ahttp, "request_json", request_json)
     outcome = {}
 
     def run():
