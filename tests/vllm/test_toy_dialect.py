@@ -16,7 +16,7 @@ import torch
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.serving import DIALECTS, Control, Parsed
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import BadResponse
 from megatron_rl.rollout.vllm.launcher import LocalServer
@@ -42,7 +42,8 @@ class ToyDialect:
     {"output_ids", "output_logprobs", "stop_reason"}; it is launched as `python -m toy_server`;
     POST /toy/freeze, /toy/thaw, /toy/cancel pause, resume and abort, each answering a JSON object.
     It takes weights from a folder only (weight_sync=reload), loading them as vLLM's does (its
-    receiver is vLLM's), and labels them with POST /toy/label {"version"}."""
+    receiver is vLLM's), and labels them with POST /toy/label {"version"}. POST /toy/score
+    {"input_ids"} answers {"logprobs": [log p(x_t | x_<t) for t >= 1]} (the parity probe)."""
 
     name: str = "toy"
     generate_path: str = "/toy/generate"
@@ -105,6 +106,18 @@ class ToyDialect:
 
     def version_label(self, version: int) -> Control:
         return Control("POST", "/toy/label", {"version": version})
+
+    def score_call(self, model: str, tokens: list[int]) -> Control:
+        return Control("POST", "/toy/score", {"input_ids": list(tokens)})
+
+    def score_cap(self, num_tokens: int) -> int:
+        return 1024 + 32 * num_tokens
+
+    def parse_score(self, answer, tokens: list[int]) -> torch.Tensor:
+        lps = answer.get("logprobs") if isinstance(answer, dict) else None
+        if not isinstance(lps, list) or len(lps) != len(tokens) - 1 or not all(isinstance(x, float) for x in lps):
+            raise BadResponse(f"logprobs is {lps!r:.100}")
+        return torch.tensor(lps, dtype=torch.float32)
 
 
 def _to_vllm(body: dict) -> dict:
@@ -235,6 +248,25 @@ def test_the_toy_s_abort_pause_and_resume_reach_both_servers_at_once(tmp_path, w
     thread.join(GUARD_S)
     assert _keys(outcome["samples"]) == [(i, j) for i in range(8) for j in range(2)]
     assert engine.stats()["vllm/pauses"] == 1 and engine.stats()["vllm/aborts"] == 1
+    engine.close()
+
+
+def test_the_parity_probe_asks_the_toy_s_scoring(tmp_path, weights, toy):
+    """After each sync the probe scores its tokens through /toy/score (never vLLM's /v1/completions)
+    and compares them with the reference: equal, the sync passes; 0.25 off, VllmParityError."""
+    score = {"logprob": -1.0}
+    routes, _ = _routes()
+    routes["/toy/score"] = lambda body: {"logprobs": [score["logprob"]] * (len(body["input_ids"]) - 1)}
+    fake = FakeVllm(ARCH.vocab_size, routes=routes)
+    cfg = VllmConfig(warmup=False, probe_every=1, probe_tolerance=0.1, retry_backoff_s=0.01)
+    engine = VllmEngine(ARCH, cfg, str(tmp_path), weight_sync="reload", server=fake, device="cpu", dialect=toy,
+                        reference=lambda tokens: torch.full((len(tokens) - 1,), -1.0))
+    push(engine, weights, 3)
+    assert engine.stats()["vllm/probe_max_abs_diff"] == 0.0 and "/toy/score" in fake.posts
+    score["logprob"] = -1.25
+    with pytest.raises(VllmParityError, match="differ from the reference by 0.25"):
+        push(engine, weights, 4)
+    assert fake.posts.count("/toy/score") == 2 and "/v1/completions" not in fake.posts
     engine.close()
 
 

@@ -2,7 +2,7 @@
 reaches at a URL) and sends token-in/token-out requests to needs, apart from what is one server
 kind's own. A server kind plugs in as a `Dialect` (dialect.py), registered in `DIALECTS`:
 
-    dialect.py      Dialect: what a server kind supplies for LAUNCH, REQUESTS, CONTROL and RECEIVERS; Parsed, one
+    dialect.py      Dialect: what a server kind supplies (LAUNCH, REQUESTS, CONTROL, RECEIVERS, SCORE); Parsed, one
                     answer; Control, one control call; DIALECTS, the registry ("vllm": rollout/vllm/dialect.py,
                     registered in rollout/registered.py)
     handle.py       ServerHandle: what the layer needs of one server (url, key, alive, start / stop)
@@ -15,6 +15,7 @@ What a dialect supplies (one object, held by the engine and passed down explicit
                     check of their answers; what a server that refuses them needs
     receivers       the weight syncs its servers take, and for each its receiver: launch flags and a
                     per-server receiver (memory), a folder loader (reload, restart), the version label
+    score           the parity probe's request scoring fixed tokens, its answer cap and parse
 
 What is engine-agnostic and uses a dialect (today still under rollout/vllm/, which a later step
 moves here; none of it reads a vLLM field name or flag once given the dialect):
@@ -27,7 +28,7 @@ moves here; none of it reads a vLLM field name or flag once given the dialect):
                     calls, sent to every server at once on the requests' event loop
 
 What stays vLLM-only in this slice (rollout/vllm/): the receivers' own code (transfer.py, weight_sync.py:
-the dialect picks them, and a new kind reuses them or brings its own), the parity probe's prompt scoring (probe.py: /v1/completions), the log-prob mode rules
+the dialect picks them, and a new kind reuses them or brings its own), the log-prob mode rules
 (protocol.check_served), the routed-experts format and its start-up check, and the server plugin.
 
 Cost: a dialect is pure; per request it builds one body and parses one answer, O(answer)

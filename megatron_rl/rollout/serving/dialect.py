@@ -1,6 +1,7 @@
 """What one kind of inference server supplies to the serving layer (serving/__init__.py): its
 command line and health path (LAUNCH), the wire format of its token-in/token-out generate
-requests (REQUESTS), and the control calls that park its generation for a weight update (CONTROL).
+requests (REQUESTS), the control calls that park its generation for a weight update (CONTROL), its
+weight receivers (RECEIVERS) and the parity probe's scoring request (SCORE).
 Everything else (processes, keys, HTTP, the pool, failover, when to pause) is the layer's.
 
     dialect = DIALECTS.get("vllm")
@@ -30,6 +31,9 @@ launch flags and one receiver per server for "memory" (tensors streamed in), the
 "reload" / "restart", and the call that labels a server's weights with the trainer version after an
 in-place load. vLLM's are rollout/vllm/transfer.py and weight_sync.py; a new kind may reuse them
 (its server loads as vLLM's does) or bring its own.
+
+Probe (SCORE). After a weight sync the engine checks each server runs the weights it got: the
+server scores a fixed token sequence (`score_call`, `parse_score`) against a reference in-process.
 
 Errors. `parse_generate` raises the engine's BadResponse (rollout/vllm/errors.py) for an answer
 that is not a valid one to its request: the layer counts and retries it and never turns it into a
@@ -155,6 +159,19 @@ class Dialect(Protocol):
     def version_label(self, version: int) -> Control | None:
         """The call labelling a server's weights as trainer `version` after an in-place load from a
         folder (its answers then say which version made each token); None: the kind labels none."""
+        ...
+
+    def score_call(self, model: str, tokens: list[int]) -> Control:
+        """The request scoring fixed `tokens` (the parity probe after a weight sync, rollout/vllm/
+        probe.py): log p(tokens[t] | tokens[:t]) at temperature 1, nothing sampled that matters."""
+        ...
+
+    def score_cap(self, num_tokens: int) -> int:
+        """The most bytes a valid answer to score_call of `num_tokens` tokens takes."""
+        ...
+
+    def parse_score(self, answer, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens) - 1] fp32 log-probs from the answer to score_call; BadResponse otherwise."""
         ...
 
 

@@ -5,7 +5,7 @@ pause `/pause?mode=keep`, resume `/reset_prefix_cache?reset_running_requests=tru
 abort `/abort_requests` (no ids: all of them), or `/pause?mode=abort` for a paused server.
 Its receivers: every weight sync of weight_sync.TAKES, in memory over the weight-transfer API
 (transfer.py: its flags, MemorySync), from a folder by reload_weights or a restart (weight_sync.py),
-labelled by `/update_weight_version`.
+labelled by `/update_weight_version`. Its parity probe: `/v1/completions` with prompt_logprobs.
 Registered as "vllm" (rollout/registered.py); the engine's default.
 
     VLLM_DIALECT.server_argv(model_dir, "policy", "127.0.0.1", port, VLLM_DIALECT.server_flags(cfg, ...))
@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from megatron_rl.rollout.serving.dialect import Control, Parsed
 from megatron_rl.rollout.types import SamplingParams
@@ -122,6 +124,15 @@ class VllmDialect:
 
     def version_label(self, version: int) -> Control:
         return Control("POST", "/update_weight_version", {"new_version": str(version)})
+
+    def score_call(self, model: str, tokens: list[int]) -> Control:
+        return Control("POST", "/v1/completions", protocol.prompt_logprobs_body(model, tokens))
+
+    def score_cap(self, num_tokens: int) -> int:
+        return protocol.prompt_logprobs_answer_cap(num_tokens)
+
+    def parse_score(self, answer, tokens: list[int]) -> torch.Tensor:
+        return protocol.parse_prompt_logprobs(answer, tokens)
 
 
 VLLM_DIALECT = VllmDialect()

@@ -206,11 +206,11 @@ class WeightUpdates:
         self.fleet.restart(replica, model_dir, f"died during the weight sync: {e}")
 
     def _probe(self, replica: Replica, what: str, reference: Reference) -> float:
-        """The parity probe on one server (one prompt_logprobs request: cheap enough for each)."""
+        """The parity probe on one server (one scoring request: cheap enough for each)."""
         tokens = probe_tokens(self.arch.vocab_size, min(self.cfg.probe_tokens, self.max_model_len - 1))
         server = replica.server
         diff = probe_diff(server.url, server.model_name, tokens, reference, self.cfg.request_timeout_s,
-                          api_key=server.api_key)
+                          api_key=server.api_key, dialect=self.fleet.dialect)
         replica.extra["probe_max_abs_diff"] = diff
         tol = self.cfg.tolerance(self.cfg.dtype)
         if not diff <= tol:

@@ -68,3 +68,13 @@ def test_its_receivers_are_the_engine_s_weight_syncs():
     assert isinstance(receiver, MemorySync) and (receiver.server, receiver.bucket_bytes) == (server, 1 << 20)
     assert type(vllm.disk_receiver("reload")) is DiskReloadSync and type(vllm.disk_receiver("restart")) is RestartSync
     assert tuple(vllm.version_label(7)) == ("POST", "/update_weight_version", {"new_version": "7"})
+
+
+def test_its_parity_probe_scores_by_prompt_logprobs():
+    from megatron_rl.rollout.vllm.protocol import prompt_logprobs_answer_cap, prompt_logprobs_body
+
+    vllm = DIALECTS.get("vllm")
+    assert tuple(vllm.score_call("m", [4, 5, 6])) == ("POST", "/v1/completions", prompt_logprobs_body("m", [4, 5, 6]))
+    assert vllm.score_cap(3) == prompt_logprobs_answer_cap(3)
+    answer = {"choices": [{"index": 0, "prompt_logprobs": [None, {"5": {"logprob": -1.5}}, {"6": {"logprob": -0.25}}]}]}
+    assert vllm.parse_score(answer, [4, 5, 6]).tolist() == [-1.5, -0.25]
