@@ -13,8 +13,10 @@ of the modules below are engine-agnostic and which are vLLM's own):
     ahttp.py        the same contract over async HTTP (aiohttp): the generate requests, as coroutines
     loop.py         LoopThread: the event loop (one thread) the engine's requests run on
     protocol.py     request bodies, answer size caps, strict answer validation, log-prob mode semantics
-    dialect.py      VllmDialect: vLLM's flags and command line, and protocol.py's requests, behind the serving
-                    layer's Dialect (rollout/serving/); the engine holds one, passed to servers, fleet, generation
+    dialect.py      VllmDialect: vLLM's flags and command line, protocol.py's requests, its pause / resume /
+                    abort calls, its weight receivers (transfer.py, weight_sync.py) and the probe's scoring,
+                    behind the serving layer's Dialect (rollout/serving/); rollout.vllm.dialect picks the
+                    engine's, passed to servers, fleet, generation, updates
     client.py       VllmEngine: the RolloutEngine contract, a facade over the next four
     servers.py      the servers as configured: flags, environment, devices
     pool.py         ServerPool: several servers, least-loaded placement, each one's state
