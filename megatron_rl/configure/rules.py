@@ -63,7 +63,8 @@ def check_oversample(cfg) -> None:
 
 
 def check_engine(cfg) -> None:
-    """rollout.backend names a registered engine, and the engine can give what the run needs."""
+    """rollout.backend names a registered engine, its spec's own rules hold, and the engine can give
+    what the run needs."""
     if cfg.rollout.backend not in ENGINES:
         raise ValueError(f"rollout.backend={cfg.rollout.backend!r}: choose one of {', '.join(ENGINES.names())}")
     spec = ENGINES.get(cfg.rollout.backend)
@@ -81,6 +82,8 @@ def check_engine(cfg) -> None:
                          f"rollout.backend={' or '.join(_engines_with(quant)) or '(none registered)'}, or "
                          f"rollout.quantization=null{vllm}")
     check_weight_sync(cfg.rollout.backend, cfg.rollout.weight_sync)
+    if spec.check is not None:
+        spec.check(cfg.rollout)
 
 
 def check_weight_sync(backend: str, name: str) -> None:

@@ -31,6 +31,9 @@ the config and what it can do, so the trainer and the config check handle every 
                       step boundary and reports each token's version; abort: ends it)
     no_in_flight      (rollout section, mode) -> why, as configured, it cannot take a mode it
                       lists (vLLM: pause with rollout.weight_sync=restart), or None
+    check             (rollout section) -> None: its section's rules that read a registry (vLLM:
+                      rollout.vllm.dialect names a registered server kind); raises ValueError
+                      naming the field, the registered names and the fix; None = no such rule
 
 How weights reach an engine is one name, `rollout.weight_sync`, in one registry, WEIGHT_SYNCS
 (rollout/registered.py adds each): its `WeightSyncSpec` says which trainer transport sends it
@@ -226,6 +229,7 @@ class EngineSpec:
     may_change: tuple[str, ...] = ()
     in_flight_updates: tuple[str, ...] = ("wait",)
     no_in_flight: Callable[[Any, str], str | None] | None = None
+    check: Callable[[Any], None] | None = None
 
     def __post_init__(self):
         if not callable(self.make):

@@ -48,6 +48,8 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
     routes: {path: (inbound, outbound)}: generate endpoints of other dialects (rollout/serving). A
     POST to `path` is served as /inference/v1/generate is, on `inbound(body)` (that dialect's body
     in vLLM's form), and a JSON answer goes back as `outbound(answer)` (in that dialect's form).
+    {path: "abort"}: that dialect's abort (as /abort_requests); {path: control}: another control
+    call, answered `control(body)` (as behaviour's forms). Both are recorded in `posts`.
 
     api_key: the key every request must carry (None: a fresh random one; "" : no key needed).
     `unauthorised` counts the requests refused for the key. `posts`: the paths of the other POSTs
@@ -146,11 +148,15 @@ abort_endpoint=False it answers 404, as a server without VLLM_SERVER_DEV_MODE do
                     return self._abort()
                 if self.path == "/v1/completions" and fake.completions is not None:
                     return self._reply(fake.completions(body))
-                if self.path.startswith("/pause?mode=abort"):  # ends the frozen requests too, as vLLM's
+                route = fake.routes.get(self.path)
+                if self.path.startswith("/pause?mode=abort") or route == "abort":  # ends the frozen requests too
                     with fake.lock:
                         fake.posts.append(self.path)
                     return self._abort()
-                route = fake.routes.get(self.path)
+                if callable(route):  # another dialect's control call
+                    with fake.lock:
+                        fake.posts.append(self.path)
+                    return self._reply(route(body))
                 if route is not None:
                     body = route[0](body)
                 elif self.path != "/inference/v1/generate":

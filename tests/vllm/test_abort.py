@@ -37,17 +37,17 @@ def make_engine(tmp_path, weights, hold, **fake_options):
     return engine, fake
 
 
-def generate_in_background(engine):
-    """generate() in a thread, as the async schedule runs it; -> (thread, outcome dict)."""
+def generate_in_background(engine, prompts=PROMPTS, sampling=SAMPLING):
+    """generate() (2 samples a prompt) in a thread, as the async schedule runs it; -> (thread, outcome dict)."""
     outcome = {}
 
     def run():
         try:
-            outcome["samples"] = engine.generate(PROMPTS, 2, SAMPLING)
+            outcome["samples"] = engine.generate(prompts, 2, sampling)
         except BaseException as e:  # noqa: BLE001 - the test reads it
             outcome["error"] = e
 
-    thread = threading.Thread(target=run, name="rollout-generation")
+    thread = threading.Thread(target=run, name="rollout-generation", daemon=True)  # a failing test never waits for it
     thread.start()
     return thread, outcome
 

@@ -13,8 +13,10 @@ of the modules below are engine-agnostic and which are vLLM's own):
     ahttp.py        the same contract over async HTTP (aiohttp): the generate requests, as coroutines
     loop.py         LoopThread: the event loop (one thread) the engine's requests run on
     protocol.py     request bodies, answer size caps, strict answer validation, log-prob mode semantics
-    dialect.py      VllmDialect: vLLM's flags and command line, and protocol.py's requests, behind the serving
-                    layer's Dialect (rollout/serving/); the engine holds one, passed to servers, fleet, generation
+    dialect.py      VllmDialect: vLLM's flags and command line, protocol.py's requests, its pause / resume /
+                    abort calls, its weight receivers (transfer.py, weight_sync.py) and the probe's scoring,
+                    behind the serving layer's Dialect (rollout/serving/); rollout.vllm.dialect picks the
+                    engine's, passed to servers, fleet, generation, updates
     client.py       VllmEngine: the RolloutEngine contract, a facade over the next four
     servers.py      the servers as configured: flags, environment, devices
     pool.py         ServerPool: several servers, least-loaded placement, each one's state
@@ -35,6 +37,7 @@ from dataclasses import replace
 import torch
 
 from megatron_rl.rollout.engine import EngineRequest, EngineSpec
+from megatron_rl.rollout.serving import DIALECTS
 from megatron_rl.rollout.vllm.client import VllmEngine
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import (
@@ -89,7 +92,21 @@ def make_vllm_engine(request: EngineRequest) -> VllmEngine:
                            "bf16 (W8A16), unlike a GPU server's FP8 GEMMs. On the CPU use the embedded engine's FP8: "
                            "precision.recipe=fp8_tensor (vLLM's online fp8 format), fp8_block or mxfp8")
     return VllmEngine(request.arch, vcfg, request.run_dir, weight_sync=VLLM.weight_sync(request.rollout.weight_sync),
-                      stopping=request.stopping)
+                      stopping=request.stopping, dialect=DIALECTS.get(vcfg.dialect))
+
+
+def _check(rollout) -> None:
+    """rollout.vllm.dialect names a registered server kind, whose servers take rollout.weight_sync
+    (configure/rules.py, at start-up)."""
+    name = rollout.vllm.dialect
+    if name not in DIALECTS:
+        raise ValueError(f"rollout.vllm.dialect={name!r}: not a registered server kind; choose one of "
+                         f"{', '.join(DIALECTS.names()) or '(none registered)'} (megatron_rl.rollout.serving.DIALECTS: "
+                         f"a new kind is a module with its Dialect and one DIALECTS.add line in rollout/registered.py)")
+    takes, sync = DIALECTS.get(name).weight_syncs, VLLM.weight_sync(rollout.weight_sync)
+    if sync not in takes:
+        raise ValueError(f"rollout.weight_sync={rollout.weight_sync} ({sync}): the servers of rollout.vllm.dialect="
+                         f"{name} take {', '.join(takes)}; set rollout.weight_sync to one of them")
 
 
 def _max_len(rollout, arch) -> int:
@@ -121,7 +138,7 @@ VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, 
                   no_fp32_lm_head="vLLM has no option to run only the LM head in fp32; use rollout.backend=embedded, "
                                   "or rollout.dtype=fp32 for the whole server",
                   weight_syncs=TAKES, may_change=MAY_CHANGE,
-                  in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight)
+                  in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight, check=_check)
 
 
 __all__ = [

@@ -40,7 +40,7 @@ from megatron_rl.rollout.vllm.launcher import ServerHandle
 from megatron_rl.rollout.vllm.pool import Replica, ServerPool
 from megatron_rl.rollout.vllm.probe import Reference
 from megatron_rl.rollout.vllm.servers import make_servers, server_devices
-from megatron_rl.rollout.vllm.transfer import MemorySync, backend_for, nccl_needs_vllm
+from megatron_rl.rollout.vllm.transfer import backend_for, nccl_needs_vllm
 from megatron_rl.rollout.vllm.updates import WeightUpdates
 from megatron_rl.rollout.vllm.weight_sync import TAKES, WeightDirs, check_supported
 
@@ -54,7 +54,7 @@ class VllmEngine:
     fields should be resolved by the caller (make_vllm_engine does it): here dtype "auto" lets
     vLLM use the checkpoint's dtype and logprobs_mode "auto" means raw_logprobs.
     run_dir: server logs (`<run_dir>/vllm/server.log`, `server1.log`, ... for a pool).
-    weight_sync: how weights arrive, a name of TAKES (rollout.weight_sync, resolved; the trainer
+    weight_sync: how weights arrive, a name the dialect takes (rollout.weight_sync, resolved; the trainer
         sends by its transport, trainer/transport.py): "memory" streams tensors into
         update_weights (transfer.py); "reload" and "restart" take HF folders in
         load_weights_from (weight_sync.py), of which the engine keeps the newest keep_weight_dirs.
@@ -64,7 +64,8 @@ class VllmEngine:
         ("cpu" | "cuda" | "unknown").
     stopping: the trainer's stop flag; no server is restarted once it is true (fleet.py).
     dialect: the servers' kind (rollout/serving/dialect.py): their command line, health path and
-        generate requests (default vLLM's, rollout/vllm/dialect.py); abort, pause and weight syncs are vLLM's.
+        generate requests, its abort, pause and resume calls, and the weight syncs it takes with their
+        receivers (default vLLM's, rollout/vllm/dialect.py).
 
     Configurations that would give wrong numbers are refused here, before anything starts
     (VllmUnsupportedError): MoE + in-place reload on CPU, routed experts (R3) on CPU. The servers
@@ -83,8 +84,9 @@ class VllmEngine:
         self.arch = arch
         self.dialect = dialect
         cfg = cfg or VllmConfig()
-        if weight_sync not in TAKES:
-            raise ValueError(f"rollout.weight_sync={weight_sync!r}: the vLLM engine takes {', '.join(TAKES)}")
+        if weight_sync not in dialect.weight_syncs:
+            raise ValueError(f"rollout.weight_sync={weight_sync!r}: {dialect.name} servers take "
+                             f"{', '.join(dialect.weight_syncs)}")
         self.weight_sync = weight_sync
         # with CUDA the trainer drives vLLM's own nccl engine: refused before anything starts
         self.backend = backend_for(torch.cuda.is_available()) if weight_sync == "memory" else None
@@ -106,7 +108,7 @@ class VllmEngine:
         self.device = device or (cfg.device if cfg.device != "auto" else "unknown")
         for s in servers:
             check_supported(arch, weight_sync, self.device, cfg.enable_return_routed_experts, s.can_restart)
-        pool = ServerPool([Replica(k, s, MemorySync(s, self.backend, cfg.bucket_bytes, cfg.transfer_host)
+        pool = ServerPool([Replica(k, s, dialect.memory_receiver(s, self.backend, cfg.bucket_bytes, cfg.transfer_host)
                                    if self.backend else None) for k, s in enumerate(servers)], cfg.affinity)
         self.fleet = Fleet(arch, cfg, self.root, pool, stopping, dialect)
         self.generation = Generation(arch, cfg, self.fleet, self.logprobs_mode, self.max_model_len,

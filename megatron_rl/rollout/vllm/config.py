@@ -81,6 +81,11 @@ class VllmConfig:
       python: interpreter of the vLLM environment; None = $MEGATRON_RL_VLLM_PYTHON, else this
           Python when it can import vllm (pip install .[vllm]), else the repository's .venv-vllm
           (tools/install_vllm_cpu.sh creates it).
+      dialect: the server kind the engine speaks to, a name in megatron_rl.rollout.serving.DIALECTS
+          (rollout/registered.py): its command line, generate requests and pause / resume /
+          abort calls, the rollout.weight_sync ways it takes and their receivers. "vllm" (default):
+          vLLM's OpenAI-compatible server (rollout/vllm/dialect.py). A new kind is one module with
+          its Dialect and one registry line (rollout/serving/); the parity probe stays vLLM's.
       device: "auto" | "cpu" | "cuda": the server's platform, which decides what is refused
           (MoE in-place reload and routed-expert capture are broken on CPU). auto = cpu when the
           vLLM environment is the vllm-cpu build; for a url server auto means unknown, treated
@@ -163,6 +168,7 @@ class VllmConfig:
     num_servers: int = 1
     api_key: str | None = field(default=None, repr=False)
     python: str | None = None
+    dialect: str = "vllm"
     device: str = "auto"
     tensor_parallel_size: int = 1
     dtype: str = "auto"

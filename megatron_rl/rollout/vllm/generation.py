@@ -34,6 +34,11 @@ sample, and raises the first request's error that is not retried (the others are
   unfinished samples are sent again at once (to the other servers; with one server, to it once
   it is back). `max_restarts` counts the restarts while calls run without a break.
 
+Control calls. Abort, pause and resume are the dialect's (rollout/serving: its abort_calls,
+pause_calls, resume_calls; vLLM's development endpoints by default, rollout/vllm/dialect.py), sent
+on the requests' event loop over their HTTP session to every server at once, each with the
+request deadline (request_timeout_s); the trainer's thread waits for all of them.
+
 Abort (train.in_flight_update=abort). `abort()` ends the calls in flight: requests not yet sent
 are dropped, each server is asked to end the ones it runs (vLLM's `/abort_requests`, no ids:
 all of them; the servers serve this engine alone, whose syncs set their weights), each call
@@ -60,7 +65,8 @@ at most servers x max_concurrency of them; the answers are parsed on the loop (O
 Threads: the loop's one, plus at most servers + 1 for the blocking checks of failures (alive(),
 taking a server out).
 The waits are event-driven (no polling beyond the health check every health_interval_s while
-calls run); an abort or a pause costs one small request per server, from the trainer's thread.
+calls run); an abort or a pause costs one or two small requests per server, all servers at once:
+the time of the slowest server's answer, not their sum.
 """
 from __future__ import annotations
 
@@ -88,7 +94,7 @@ from megatron_rl.rollout.vllm.errors import (
     VllmUnsupportedError,
 )
 from megatron_rl.rollout.vllm.fleet import Fleet
-from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
+from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError
 from megatron_rl.rollout.vllm.loop import LoopThread
 from megatron_rl.rollout.vllm.pool import READY, Replica
 from megatron_rl.rollout.vllm.protocol import check_served, decode_routed_experts
@@ -191,18 +197,17 @@ class Generation:
             return
         with self.fleet.lock:
             self.stats["vllm/pauses"] = self.stats.get("vllm/pauses", 0) + 1
-        for r in self.fleet.pool.ready():
-            try:
-                # clear_cache=false: the caches are dropped once the new weights are in (resume), not
-                # twice (vLLM 0.32 still reads it for mode=keep, though it is documented as ignored)
-                request_json(r.server.url + "/pause?mode=keep&clear_cache=false", {},
-                             timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
-                self.fleet.paused.add(r.index)
-            except HttpStatusError as e:
-                self.resume()  # the servers frozen so far go on, and calls may start: the run stops on the error
-                raise VllmUnsupportedError(f"vLLM {r.name()} refused to pause ({e}): a pause needs the development "
-                                           f"endpoints (VLLM_SERVER_DEV_MODE=1)") from e
-            except (TransportError, BadResponse) as e:
+        ready = self.fleet.pool.ready()
+        errors = self._control_all(ready, lambda r: self.dialect.pause_calls())
+        self.fleet.paused.update(r.index for r, e in zip(ready, errors, strict=True) if e is None)
+        refused = next(((r, e) for r, e in zip(ready, errors, strict=True) if isinstance(e, HttpStatusError)), None)
+        if refused is not None:
+            self.resume()  # the servers frozen so far go on, and calls may start: the run stops on the error
+            r, e = refused
+            raise VllmUnsupportedError(f"{self.dialect.name} {r.name()} refused to pause ({e}): a pause needs "
+                                       f"{self.dialect.control_hint}") from e
+        for r, e in zip(ready, errors, strict=True):
+            if e is not None:
                 self.fleet.lose(r, r.epoch, f"did not pause for a weight update: {e}")
 
     def resume(self) -> None:
@@ -213,34 +218,53 @@ class Generation:
     def _resume_servers(self) -> None:
         paused = [r for r in self.fleet.replicas if r.index in self.fleet.paused]
         self.fleet.paused.clear()
-        for r in paused:
-            if r.state != READY:  # lost or restarted meanwhile: nothing of it is frozen any more
-                continue
-            try:
-                # The frozen requests' KV (and the prefix cache) came from the old weights: preempting
-                # them makes vLLM recompute prompt + tokens so far on the new weights before going on,
-                # so every later token is the new policy's given its prefix (as the embedded engine does).
-                request_json(r.server.url + "/reset_prefix_cache?reset_running_requests=true", {},
-                             timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
-                request_json(r.server.url + "/resume", {}, timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
-            except (TransportError, HttpStatusError, BadResponse) as e:
+        paused = [r for r in paused if r.state == READY]  # lost or restarted meanwhile: nothing of it is frozen
+        for r, e in zip(paused, self._control_all(paused, lambda r: self.dialect.resume_calls()), strict=True):
+            if e is not None:
                 self.fleet.lose(r, r.epoch, f"did not resume after a weight update: {e}")
 
     def _abort_servers(self) -> None:
         """Ask every READY server to end the requests it runs (see the module docstring). A request
         that reaches its server after this runs to its end: abort() then waits for it. A paused
         server (an abort after pause(): the weight push failed), whatever its state, has its
-        frozen requests ended by /pause?mode=abort and stays paused: resume() does not let it go
-        on, since its weights may be half loaded (the pool has marked it out)."""
+        frozen requests ended (the dialect's abort of a paused server) and stays paused: resume()
+        does not let it go on, since its weights may be half loaded (the pool has marked it out)."""
         frozen = [r for r in self.fleet.replicas if r.index in self.fleet.paused]
         self.fleet.paused.difference_update(r.index for r in frozen)
-        for r in frozen + [r for r in self.fleet.pool.ready() if r not in frozen]:
-            # clear_cache=false: nothing of the (maybe half loaded) model is touched
-            path = "/pause?mode=abort&clear_cache=false" if r in frozen else "/abort_requests"
+        servers = frozen + [r for r in self.fleet.pool.ready() if r not in frozen]
+        for r, e in zip(servers, self._control_all(servers, lambda r: self.dialect.abort_calls(r in frozen)),
+                        strict=True):
+            if e is not None:
+                log.info("%s %s did not abort its requests (%s): they run to their end", self.dialect.name,
+                         r.name(), e)
+
+    def _control_all(self, replicas: list[Replica], calls_of) -> list[Exception | None]:
+        """Send each replica its control calls `calls_of(replica)` (in order), every replica at once,
+        on the requests' loop; -> each one's failure (TransportError, HttpStatusError, BadResponse)
+        or None. Blocks the calling thread (never the loop's) until all have answered."""
+        return self._started().call(self._control_gather([(r, calls_of(r)) for r in replicas]))
+
+    async def _control_gather(self, sends) -> list[Exception | None]:
+        async def one(replica: Replica, calls) -> Exception | None:
+            server = replica.server
             try:
-                request_json(r.server.url + path, {}, timeout=self.cfg.request_timeout_s, api_key=r.server.api_key)
+                for call in calls:
+                    answer = await ahttp.request_json(self._http(), server.url + call.path,
+                                                      call.body if call.method == "POST" else None,
+                                                      timeout=self.cfg.request_timeout_s, api_key=server.api_key,
+                                                      setting="rollout.vllm.request_timeout_s")
+                    self.dialect.read_control(call, answer)
             except (TransportError, HttpStatusError, BadResponse) as e:
-                log.info("vLLM %s did not abort its requests (%s): they run to their end", r.name(), e)
+                return e
+            return None
+
+        return list(await asyncio.gather(*(one(r, calls) for r, calls in sends)))
+
+    def _http(self):
+        """The loop's HTTP session (made on first use, on the loop)."""
+        if self._session is None:
+            self._session = ahttp.session()
+        return self._session
 
     # ---- calls ----------------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], version: Callable[[], int]) -> list[Sample]:
@@ -413,11 +437,9 @@ class Generation:
         replica = await self._place(work, prompt)
         self.stats["vllm/requests"] += 1
         epoch, server = replica.epoch, replica.server
-        if self._session is None:
-            self._session = ahttp.session()
         body = dialect.generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
         try:
-            resp = await ahttp.request_json(self._session, server.url + dialect.generate_path, body,
+            resp = await ahttp.request_json(self._http(), server.url + dialect.generate_path, body,
                                             timeout=self.cfg.request_timeout_s, api_key=server.api_key,
                                             max_bytes=cap, setting="rollout.vllm.request_timeout_s")
             out = dialect.parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len,

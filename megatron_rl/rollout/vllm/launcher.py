@@ -46,10 +46,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from megatron_rl.fs import open_no_follow
 from megatron_rl.rollout.serving.dialect import Dialect
+from megatron_rl.rollout.serving.handle import ServerHandle  # noqa: F401 - its home before; importers use it here
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import VllmServerDiedError, VllmStartError
 from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, healthy, request_json
@@ -216,28 +217,6 @@ _EXEC_WRAPPER = (
     "if os.getppid() != int(sys.argv[1]): sys.exit(3)\n"
     "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n"
 )
-
-
-class ServerHandle(Protocol):
-    """What the client needs from a server: where it is, the key every request must carry
-    (None: none), whether it lives, and (when we launched it) restarting it on a model directory."""
-
-    url: str
-    model_name: str
-    can_restart: bool
-    api_key: str | None
-
-    def start(self, model_dir: str) -> float: ...
-    def restart(self, model_dir: str) -> float: ...
-    def alive(self) -> bool: ...
-    def stop(self, graceful: bool = True) -> None: ...
-
-    @property
-    def log_where(self) -> str:
-        """Where its output can be read (a file; a URL for a server we do not run)."""
-
-    def log_tail(self, lines: int = 25) -> str:
-        """Its output's last lines ("" when we cannot read it)."""
 
 
 class LocalServer:

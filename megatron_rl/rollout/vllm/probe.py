@@ -1,7 +1,7 @@
 """The parity probe: does the server run the weights we just gave it?
 
-After a sync the server scores a fixed token sequence (`prompt_logprobs`: log p(x_t | x_<t) at
-temperature 1, no sampling involved) and a reference scores the same tokens in-process; the
+After a sync the server scores a fixed token sequence (its dialect's score_call; vLLM's
+`/v1/completions` with `prompt_logprobs`: log p(x_t | x_<t) at temperature 1, no sampling involved) and a reference scores the same tokens in-process; the
 largest absolute difference is the metric `vllm/probe_max_abs_diff`. The reference is a callable
 `tokens -> [len - 1] fp32 log-probs` (e.g. the trainer's own forward); by default
 `hf_reference` runs `transformers` in fp32 on the exported directory, and after an in-memory
@@ -15,13 +15,9 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_rl.rollout.serving.dialect import Dialect
 from megatron_rl.rollout.vllm.errors import BadResponse, VllmProbeError
 from megatron_rl.rollout.vllm.http import HttpStatusError, request_json
-from megatron_rl.rollout.vllm.protocol import (
-    parse_prompt_logprobs,
-    prompt_logprobs_answer_cap,
-    prompt_logprobs_body,
-)
 
 Reference = Callable[[list[int]], torch.Tensor]
 
@@ -96,32 +92,34 @@ class StreamedReference:
 
 
 def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,
-                    api_key: str | None = None) -> torch.Tensor:
-    """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t]). VllmProbeError, naming the server
-    and the cause, when it refuses the probe or answers without usable prompt log-probs; a
-    server that does not answer raises http.TransportError (dead or hung: the caller's case)."""
+                    api_key: str | None = None, *, dialect: Dialect) -> torch.Tensor:
+    """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t]), by its dialect's scoring request.
+    VllmProbeError, naming the server and the cause, when it refuses the probe or answers without
+    usable log-probs; a server that does not answer raises http.TransportError (dead or hung: the
+    caller's case)."""
+    call = dialect.score_call(model, tokens)
     try:
-        answer = request_json(url + "/v1/completions", prompt_logprobs_body(model, tokens), timeout=timeout,
-                              api_key=api_key, max_bytes=prompt_logprobs_answer_cap(len(tokens)),
+        answer = request_json(url + call.path, call.body if call.method == "POST" else None, timeout=timeout,
+                              api_key=api_key, max_bytes=dialect.score_cap(len(tokens)),
                               setting="rollout.vllm.request_timeout_s")
-        return parse_prompt_logprobs(answer, tokens)
+        return dialect.parse_score(answer, tokens)
     except HttpStatusError as e:
         if "Out of range float" in e.body:
             why = ("its log-probs of the probe tokens are not finite (NaN or inf, which vLLM cannot write as JSON): "
                    "the weights it got are broken")
         else:
-            why = "it refused the probe's /v1/completions request with prompt_logprobs"
-        raise VllmProbeError(f"the parity probe failed on the vLLM server at {url}: {why} ({e})") from None
+            why = f"it refused the probe's {call.path} request"
+        raise VllmProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {why} ({e})") from None
     except BadResponse as e:
-        raise VllmProbeError(f"the parity probe failed on the vLLM server at {url}: {e}. The probe needs a vLLM "
-                             f"that answers /v1/completions with prompt_logprobs; rollout.vllm.probe_every=0 turns "
-                             f"it off") from None
+        raise VllmProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {e}. The probe needs a "
+                             f"server that answers {call.path} as {dialect.name} does (its score_call); "
+                             f"rollout.vllm.probe_every=0 turns it off") from None
 
 
 def probe_diff(url: str, model: str, tokens: list[int], reference: Reference, timeout: float,
-               api_key: str | None = None) -> float:
+               api_key: str | None = None, *, dialect: Dialect) -> float:
     """max |server - reference| over the probe's log-probs (`api_key`: the server's key)."""
-    got = server_logprobs(url, model, tokens, timeout, api_key)
+    got = server_logprobs(url, model, tokens, timeout, api_key, dialect=dialect)
     want = reference(tokens).float().reshape(-1)
     if want.shape != got.shape:
         raise ValueError(f"reference gave {tuple(want.shape)} log-probs for {len(tokens)} tokens, expected "

@@ -24,7 +24,6 @@ from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, HOST, LocalServer, RemoteServer, ServerHandle
-from megatron_rl.rollout.vllm.transfer import weight_transfer_args
 from megatron_rl.rollout.vllm.weight_sync import check_supported
 
 
@@ -48,7 +47,7 @@ def make_servers(arch: ModelArch, cfg: VllmConfig, weight_sync: str, root: str, 
     device = device or detect_device(python)
     if device == "cuda" and trainer_gpu is not None:
         check_own_gpus(cfg, trainer_gpu)
-    receiver = weight_transfer_args(backend) if backend is not None else []  # started on random weights
+    receiver = dialect.receiver_flags(backend) if backend is not None else []  # started on random weights
     args = dialect.server_flags(cfg, max_model_len, logprobs_mode, max_logprobs, receiver)
     return [LocalServer(python, args, server_env(cfg, device, k, dev=weight_sync in ("reload", "memory")),
                         os.path.join(root, "server.log" if k == 0 else f"server{k}.log"),

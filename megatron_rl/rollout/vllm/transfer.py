@@ -70,9 +70,9 @@ from typing import Protocol
 import numpy
 import torch
 
+from megatron_rl.rollout.serving.handle import ServerHandle
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.http import request_json
-from megatron_rl.rollout.vllm.launcher import ServerHandle
 
 Named = Iterable[tuple[str, torch.Tensor]]
 GLOO_EXTENSION = "megatron_rl_vllm_gloo.RegistersGlooEngine"  # server_plugin/megatron_rl_vllm_gloo.py

@@ -18,7 +18,8 @@ for an in-memory sync); VllmParityError past `probe_tolerance`. A sync inside a 
 paused and its probe waits for `after_resume()`: a paused server answers nothing.
 
 Every sync labels each server's weights with the trainer version (vLLM's weight version: the
-in-memory sync's finish sets it, a reload is followed by /update_weight_version), so each
+in-memory sync's finish sets it, a reload is followed by the dialect's version_label, vLLM's
+/update_weight_version), so each
 answer says which version made each token (protocol.py). A restarted server starts unlabelled.
 
 Cost: per sync, each server loads the whole model (disk: from the folder, all servers at once;
@@ -46,13 +47,14 @@ from megatron_rl.rollout.vllm.probe import (
     probe_tokens,
 )
 from megatron_rl.rollout.vllm.transfer import Watch, push_all
-from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync, WeightSync
+from megatron_rl.rollout.vllm.weight_sync import WeightSync
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
 
 class WeightUpdates:
-    """The engine's two weight receivers (module docstring). weight_sync: rollout.weight_sync
+    """The engine's two weight receivers (module docstring), the servers' dialect's (fleet.dialect:
+    its disk_receiver, version_label; the replicas' memory receivers). weight_sync: rollout.weight_sync
     (resolved: memory, reload, restart). `backend`: the in-memory sync's transfer backend, None for
     disk syncs."""
 
@@ -60,7 +62,7 @@ class WeightUpdates:
         self.arch, self.cfg, self.weight_sync, self.fleet, self.backend = arch, cfg, weight_sync, fleet, backend
         self.max_model_len = max_model_len
         self.stats = fleet.stats
-        self.sync: WeightSync = RestartSync() if weight_sync == "restart" else DiskReloadSync()
+        self.sync: WeightSync = fleet.dialect.disk_receiver(weight_sync)  # a folder's loader (disk syncs)
         self._syncs = 0
         self._deferred_probe: tuple[str, Reference] | None = None  # a paused sync's, run by after_resume()
 
@@ -156,8 +158,9 @@ class WeightUpdates:
         try:
             timings = self.sync.apply(replica.server, model_dir, self.cfg.request_timeout_s,
                                       lambda: self.fleet.warmup(replica))
-            if "timing/vllm_restart" not in timings:  # reloaded in place: the tokens from now on are `version`'s
-                request_json(replica.server.url + "/update_weight_version", {"new_version": str(version)},
+            label = self.fleet.dialect.version_label(version)  # reloaded in place: the tokens from now on
+            if "timing/vllm_restart" not in timings and label is not None:  # are `version`'s
+                request_json(replica.server.url + label.path, label.body if label.method == "POST" else None,
                              timeout=self.cfg.request_timeout_s, api_key=replica.server.api_key)
         except (TransportError, HttpStatusError) as e:
             return self._sync_failed(replica, model_dir, e)
@@ -203,11 +206,11 @@ class WeightUpdates:
         self.fleet.restart(replica, model_dir, f"died during the weight sync: {e}")
 
     def _probe(self, replica: Replica, what: str, reference: Reference) -> float:
-        """The parity probe on one server (one prompt_logprobs request: cheap enough for each)."""
+        """The parity probe on one server (one scoring request: cheap enough for each)."""
         tokens = probe_tokens(self.arch.vocab_size, min(self.cfg.probe_tokens, self.max_model_len - 1))
         server = replica.server
         diff = probe_diff(server.url, server.model_name, tokens, reference, self.cfg.request_timeout_s,
-                          api_key=server.api_key)
+                          api_key=server.api_key, dialect=self.fleet.dialect)
         replica.extra["probe_max_abs_diff"] = diff
         tol = self.cfg.tolerance(self.cfg.dtype)
         if not diff <= tol:

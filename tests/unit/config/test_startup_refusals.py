@@ -24,6 +24,9 @@ from megatron_rl.configure import load_config
     (["rollout.backend=vllm", "rollout.vllm={gpu_memory_utilization: 90}"],
      r"rollout.vllm.gpu_memory_utilization=90.0: must be a number > 0 and <= 1"),
     (["rollout.backend=vllm", "rollout.vllm={max_num_seqs: 0}"], r"rollout.vllm.max_num_seqs=0: must be an integer >= 1"),
+    (["rollout.backend=vllm", "rollout.vllm={dialect: sglang}"],
+     r"rollout.vllm.dialect='sglang': not a registered server kind; choose one of vllm \(megatron_rl.rollout.serving"),
+    (["rollout.backend=vllm", "rollout.vllm={dialect: [vllm]}"], r"rollout.vllm.dialect=\['vllm'\]"),
 ])
 def test_refused_at_startup(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -37,6 +40,7 @@ def test_refused_at_startup(overrides, msg):
     ["sft.steps=5", "sft.eval_size=600"],   # cut to train.eval_size (documented: SFTSection.eval_size)
     ["optim.min_lr=0"],
     ["rollout.backend=vllm", "rollout.vllm={gpu_memory_utilization: 0.5, max_num_seqs: 8, max_logprobs: null}"],
+    ["rollout.backend=vllm", "rollout.vllm={dialect: vllm}"],
 ])
 def test_neighbouring_settings_pass(overrides):
     load_config(None, overrides)
