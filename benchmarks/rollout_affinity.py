@@ -52,10 +52,10 @@ from megatron_rl.model.parity import random_hf_model
 from megatron_rl.model.presets import preset_arch
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
+from megatron_rl.rollout.serving.http import request
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.env import ensure_vllm_python
-from megatron_rl.rollout.vllm.http import request
 
 COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 

@@ -58,7 +58,7 @@ def fault_after_first_answer(monkeypatch, fault, url: str | None = None) -> thre
     (monkeypatch.undo() ends the patch)."""
     import asyncio
 
-    from megatron_rl.rollout.vllm import ahttp
+    from megatron_rl.rollout.serving import ahttp
 
     real = ahttp.request_json
     lock = threading.Lock()

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from megatron_rl.rollout.serving.http import HttpStatusError, request
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import (
     VllmBadResponseError,
@@ -17,7 +18,6 @@ from megatron_rl.rollout.vllm import (
     VllmServerDiedError,
     VllmStartError,
 )
-from megatron_rl.rollout.vllm.http import HttpStatusError, request
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 

@@ -17,9 +17,9 @@ import time
 
 import pytest
 
+from megatron_rl.rollout.serving.http import HttpStatusError, request
 from megatron_rl.rollout.vllm.env import detect_device, find_vllm_python
 from megatron_rl.rollout.vllm.errors import VllmError, VllmStartError
-from megatron_rl.rollout.vllm.http import HttpStatusError, request
 from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, LocalServer, reserve_port
 
 pytestmark = pytest.mark.vllm

@@ -18,12 +18,12 @@ from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
+from megatron_rl.rollout.serving.http import TransportError
 from megatron_rl.rollout.types import Request, SamplingParams, stream_seed
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError
 from megatron_rl.rollout.vllm.client import server_devices
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
-from megatron_rl.rollout.vllm.http import TransportError
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, Replica, ServerPool
 from megatron_rl.rollout.vllm.servers import server_cores, server_env, shared_gpu
 from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, Watch, packed_buckets, push_all

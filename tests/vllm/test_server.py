@@ -18,9 +18,9 @@ from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.pausing import GenerationAborted
+from megatron_rl.rollout.serving.http import HttpStatusError, request, request_json
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError, VllmUnsupportedError
-from megatron_rl.rollout.vllm.http import HttpStatusError, request, request_json
 from megatron_rl.rollout.vllm.probe import hf_reference
 from megatron_rl.rollout.vllm.protocol import GENERATE, generate_body
 from tests.vllm.conftest import HOLD_GUARD_S, ONE_PROCESS_ENGINE, hf_weights, push, tiny_arch
@@ -261,7 +261,7 @@ def test_abort_ends_the_call_in_flight_on_the_server_and_the_next_call_samples(e
     /abort_requests), returns once every request has returned, and the call raises GenerationAborted.
     The call's first request is held back until the abort has reached the server (an event), so the
     call is still running when abort() is called, however fast the machine."""
-    from megatron_rl.rollout.vllm import ahttp
+    from megatron_rl.rollout.serving import ahttp
 
     real = ahttp.request_json
     lock, first = threading.Lock(), [True]

@@ -15,10 +15,10 @@ import torch
 
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.serving import DIALECTS, Control, Parsed
+from megatron_rl.rollout.serving.http import BadResponse
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.errors import BadResponse
 from megatron_rl.rollout.vllm.launcher import LocalServer
 from megatron_rl.rollout.vllm.pool import READY
 from tests.vllm.conftest import hf_weights, push

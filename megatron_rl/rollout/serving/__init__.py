@@ -6,6 +6,11 @@ kind's own. A server kind plugs in as a `Dialect` (dialect.py), registered in `D
                     answer; Control, one control call; DIALECTS, the registry ("vllm": rollout/vllm/dialect.py,
                     registered in rollout/registered.py)
     handle.py       ServerHandle: what the layer needs of one server (url, key, alive, start / stop)
+    http.py         stdlib JSON over HTTP: one deadline per request, a capped answer, failures sorted
+                    (TransportError, HttpStatusError, BadResponse, AnswerTooLarge)
+    ahttp.py        the same contract over async HTTP (aiohttp): requests as coroutines
+    loop.py         LoopThread: an event loop in a thread of its own, where those coroutines run
+    affinity.py     PrefixTable: the server that last held the longest prefix of a request's tokens
 
 What a dialect supplies (one object, held by the engine and passed down explicitly):
     launch          the server's command line (module, model, host, port, flags from the config), its health path
@@ -20,8 +25,7 @@ What a dialect supplies (one object, held by the engine and passed down explicit
 What is engine-agnostic and uses a dialect (today still under rollout/vllm/, which a later step
 moves here; none of it reads a vLLM field name or flag once given the dialect):
     launcher.py     LocalServer (child process, key, port, health at dialect.health_path, reaping) / RemoteServer
-    http.py ahttp.py JSON over HTTP: one deadline per request, a capped answer, failures sorted
-    pool.py affinity.py   placement by least work in flight, prefix affinity
+    pool.py         placement by least work in flight and prefix affinity, each server's state
     fleet.py        starting, warming up (one dialect request), taking out and restarting servers
     generation.py   requests as coroutines: dialect body -> POST generate_path -> dialect parse; retries,
                     failover, requeue, the restart budget; pause / resume / abort: the dialect's control

@@ -35,7 +35,7 @@ in-place load. vLLM's are rollout/vllm/transfer.py and weight_sync.py; a new kin
 Probe (SCORE). After a weight sync the engine checks each server runs the weights it got: the
 server scores a fixed token sequence (`score_call`, `parse_score`) against a reference in-process.
 
-Errors. `parse_generate` raises the engine's BadResponse (rollout/vllm/errors.py) for an answer
+Errors. `parse_generate` raises BadResponse (serving/http.py) for an answer
 that is not a valid one to its request: the layer counts and retries it and never turns it into a
 sample; it may raise another error to stop the call (e.g. an unsupported setting).
 

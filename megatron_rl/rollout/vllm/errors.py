@@ -52,12 +52,3 @@ class VllmParityError(VllmError):
 class VllmProbeError(VllmError):
     """The parity probe after a weight sync got no measurement: the server refused the probe or
     answered it without usable prompt log-probs. The message names the server and what was wrong."""
-
-
-class BadResponse(ValueError):
-    """One response failed validation (internal: counted and retried by the client)."""
-
-
-class AnswerTooLarge(BadResponse):
-    """An answer longer than any valid answer to its request (http.request's max_bytes): refused
-    once the cap is read, the rest never read."""

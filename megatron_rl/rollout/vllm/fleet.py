@@ -36,15 +36,14 @@ import torch
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.model.hf_io import save_hf_config
 from megatron_rl.rollout.serving.dialect import Dialect
+from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import (
-    BadResponse,
     VllmServerDiedError,
     VllmStartError,
     VllmUnsupportedError,
 )
-from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, STALE, Replica, ServerPool
 from megatron_rl.rollout.vllm.weight_sync import WeightDirs
 

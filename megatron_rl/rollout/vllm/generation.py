@@ -10,7 +10,7 @@ call's sample j of prompt i is request (i, j) of `requests_of`) in the servers' 
 (rollout/serving: its body, path, answer cap and parse; vLLM's `/inference/v1/generate`,
 protocol.py, by default), each with its own sampling settings: token ids in; token ids, per-token sampled
 log-probs and each token's weight version out. Each request is one coroutine on the engine's event
-loop (loop.py: one thread for all of them) over async HTTP (ahttp.py), placed by the pool when it
+loop (serving/loop.py: one thread for all of them) over async HTTP (serving/ahttp.py), placed by the pool when it
 may be sent (pool.py: least work in flight, prefix affinity) on a server with fewer than
 `max_concurrency` of this engine's requests in flight (the per-server bound); a server batches
 them (continuous batching). `generate` is one call of many requests, `sample` a call of one: each
@@ -81,12 +81,12 @@ import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.pausing import GenerationAborted
+from megatron_rl.rollout.serving import ahttp
+from megatron_rl.rollout.serving.http import AnswerTooLarge, BadResponse, HttpStatusError, TransportError
+from megatron_rl.rollout.serving.loop import LoopThread
 from megatron_rl.rollout.types import Request, Sample, check_requests, stream_seed
-from megatron_rl.rollout.vllm import ahttp
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import (
-    AnswerTooLarge,
-    BadResponse,
     VllmBadResponseError,
     VllmError,
     VllmRequestError,
@@ -94,8 +94,6 @@ from megatron_rl.rollout.vllm.errors import (
     VllmUnsupportedError,
 )
 from megatron_rl.rollout.vllm.fleet import Fleet
-from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError
-from megatron_rl.rollout.vllm.loop import LoopThread
 from megatron_rl.rollout.vllm.pool import READY, Replica
 from megatron_rl.rollout.vllm.protocol import check_served, decode_routed_experts
 

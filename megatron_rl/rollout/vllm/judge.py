@@ -18,7 +18,7 @@ whole answer within judge.timeout_s (TransportError: the deadline covers the who
 answer larger than JUDGE_MAX_BYTES is cut off (AnswerTooLarge). A batch's requests run concurrently,
 at most judge.max_in_flight at once (the server batches them), so a batch of B items takes about
 B / max_in_flight round trips; one slow answer holds one slot, never the others. The requests are
-coroutines on the judge's own event loop (loop.py's LoopThread, async HTTP: ahttp.py), one thread
+coroutines on the judge's own event loop (serving/loop.py's LoopThread, async HTTP: serving/ahttp.py), one thread
 for the judge whatever max_in_flight is; score_batch waits for them from any thread.
 
 A launched judge runs like a rollout server (launcher.py: its own API key, its log in
@@ -36,11 +36,11 @@ import math
 import os
 import re
 
-from megatron_rl.rollout.vllm import ahttp
+from megatron_rl.rollout.serving import ahttp
+from megatron_rl.rollout.serving.loop import LoopThread
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
 from megatron_rl.rollout.vllm.errors import VllmStartError
 from megatron_rl.rollout.vllm.launcher import HOST, LocalServer, RemoteServer
-from megatron_rl.rollout.vllm.loop import LoopThread
 
 ENV_JUDGE_KEY = "MEGATRON_RL_JUDGE_API_KEY"
 JUDGE_MAX_BYTES = 1 << 20  # an answer of max_tokens tokens is far smaller

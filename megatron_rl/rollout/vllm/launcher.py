@@ -51,9 +51,9 @@ from typing import TypeVar
 from megatron_rl.fs import open_no_follow
 from megatron_rl.rollout.serving.dialect import Dialect
 from megatron_rl.rollout.serving.handle import ServerHandle  # noqa: F401 - its home before; importers use it here
+from megatron_rl.rollout.serving.http import HttpStatusError, TransportError, healthy, request_json
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.errors import VllmServerDiedError, VllmStartError
-from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, healthy, request_json
 
 HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "policy"

@@ -12,7 +12,7 @@ generation.py), on the READY server with the least work in flight, work = prompt
 last request (an idle pool, whose servers all tie at 0, spreads requests one by one instead of
 sending each to server 0). A slow server (fewer devices, a longer
 queue) so gets fewer requests, and a server that dies is simply not picked any more. With
-affinity (rollout.vllm.affinity, affinity.py), a request whose tokens start with a prefix the pool
+affinity (rollout.vllm.affinity, serving/affinity.py), a request whose tokens start with a prefix the pool
 has sent to a READY server goes there instead (the n samples of a prompt, the later turns of a
 trajectory: that server's prefix cache holds the shared part), unless that server carries more than
 AFFINITY_SLACK requests' worth of work beyond the least loaded one. Placement never changes a
@@ -27,7 +27,7 @@ When no server is READY, a request waits for one (a restart in progress) and fai
 VllmServerDiedError once none can become READY.
 
 Cost: placement is O(servers + prompt / 16) under one lock per request; the prefix table is
-bounded (affinity.py); nothing grows with model or batch.
+bounded (serving/affinity.py); nothing grows with model or batch.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from megatron_rl.rollout.vllm.affinity import PrefixTable
+from megatron_rl.rollout.serving.affinity import PrefixTable
 from megatron_rl.rollout.vllm.errors import VllmServerDiedError
 from megatron_rl.rollout.vllm.launcher import ServerHandle
 from megatron_rl.rollout.vllm.transfer import MemorySync

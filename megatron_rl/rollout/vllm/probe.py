@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from megatron_rl.rollout.serving.dialect import Dialect
-from megatron_rl.rollout.vllm.errors import BadResponse, VllmProbeError
-from megatron_rl.rollout.vllm.http import HttpStatusError, request_json
+from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError, request_json
+from megatron_rl.rollout.vllm.errors import VllmProbeError
 
 Reference = Callable[[list[int]], torch.Tensor]
 

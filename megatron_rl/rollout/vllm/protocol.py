@@ -33,8 +33,9 @@ import math
 import torch
 
 from megatron_rl.rollout.serving.dialect import Parsed
+from megatron_rl.rollout.serving.http import BadResponse
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm.errors import BadResponse, VllmUnsupportedError
+from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 
 _DROPPED = -9000.0  # vLLM writes -inf log-probs as -9999.0 in JSON
 

@@ -71,8 +71,8 @@ import numpy
 import torch
 
 from megatron_rl.rollout.serving.handle import ServerHandle
+from megatron_rl.rollout.serving.http import request_json
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
-from megatron_rl.rollout.vllm.http import request_json
 
 Named = Iterable[tuple[str, torch.Tensor]]
 GLOO_EXTENSION = "megatron_rl_vllm_gloo.RegistersGlooEngine"  # server_plugin/megatron_rl_vllm_gloo.py

@@ -34,10 +34,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.serving.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.errors import VllmError, VllmParityError, VllmServerDiedError
 from megatron_rl.rollout.vllm.fleet import Fleet
-from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.pool import FAILED, READY, STALE, Replica
 from megatron_rl.rollout.vllm.probe import (
     Reference,

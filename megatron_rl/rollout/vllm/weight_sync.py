@@ -34,8 +34,8 @@ from typing import Protocol
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.serving.handle import ServerHandle
+from megatron_rl.rollout.serving.http import request_json
 from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
-from megatron_rl.rollout.vllm.http import request_json
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 

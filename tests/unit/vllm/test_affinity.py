@@ -1,9 +1,9 @@
-"""Prefix affinity (rollout/vllm/affinity.py, ServerPool's placement): the longest recorded prefix
+"""Prefix affinity (rollout/serving/affinity.py, ServerPool's placement): the longest recorded prefix
 against a brute-force search, the table's bounds, and where a pool of stub servers sends requests
 with and without affinity."""
 import random
 
-from megatron_rl.rollout.vllm.affinity import BLOCK, PrefixTable, prefix_keys
+from megatron_rl.rollout.serving.affinity import BLOCK, PrefixTable, prefix_keys
 from megatron_rl.rollout.vllm.pool import AFFINITY_SLACK, DOWN, READY, Replica, ServerPool
 
 

@@ -8,9 +8,8 @@ from typing import ClassVar
 
 import pytest
 
-from megatron_rl.rollout.vllm import ahttp
-from megatron_rl.rollout.vllm.errors import AnswerTooLarge, BadResponse
-from megatron_rl.rollout.vllm.http import HttpStatusError, TransportError
+from megatron_rl.rollout.serving import ahttp
+from megatron_rl.rollout.serving.http import AnswerTooLarge, BadResponse, HttpStatusError, TransportError
 from tests.unit.vllm.test_http import GUARD_S, RawServer
 
 

@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import pytest
 
+from megatron_rl.rollout.serving.http import request
 from megatron_rl.rollout.vllm.config import VllmConfig
-from megatron_rl.rollout.vllm.http import request
 from megatron_rl.rollout.vllm.server_plugin.megatron_rl_vllm_auth import ENV_KEY, RequireBearerKey
 
 KEY = "s3cret-key"

@@ -7,8 +7,7 @@ import tracemalloc
 
 import pytest
 
-from megatron_rl.rollout.vllm.errors import AnswerTooLarge
-from megatron_rl.rollout.vllm.http import TransportError, request
+from megatron_rl.rollout.serving.http import AnswerTooLarge, TransportError, request
 
 GUARD_S = 600.0  # the server gives up after this at the latest (never hang CI)
 PACE_S = 0.05  # a trickle's pause before each byte: 400 bytes take 20 s, the deadline is 0.5 s

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.rollout.serving.http import BadResponse
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError, resolve_config
-from megatron_rl.rollout.vllm.errors import BadResponse
 from megatron_rl.rollout.vllm.protocol import (
     check_served,
     decode_routed_experts,

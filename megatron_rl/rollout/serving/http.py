@@ -26,7 +26,14 @@ import time
 import urllib.error
 import urllib.request
 
-from megatron_rl.rollout.vllm.errors import AnswerTooLarge, BadResponse
+
+class BadResponse(ValueError):
+    """One answer failed validation (internal: counted and retried by the client)."""
+
+
+class AnswerTooLarge(BadResponse):
+    """An answer longer than any valid answer to its request (request's max_bytes): refused
+    once the cap is read, the rest never read."""
 
 CONTROL_MAX_BYTES = 8 << 20  # the cap on answers with no bound of their own (/health, /pause, ...)
 _CHUNK = 64 << 10

@@ -21,11 +21,11 @@ import asyncio
 import json
 from typing import TYPE_CHECKING
 
-from megatron_rl.rollout.vllm.errors import AnswerTooLarge
-from megatron_rl.rollout.vllm.http import (
+from megatron_rl.rollout.serving.http import (
     _CHUNK,
     _ERROR_BODY_BYTES,
     CONTROL_MAX_BYTES,
+    AnswerTooLarge,
     HttpStatusError,
     TransportError,
     _timed_out,
