@@ -145,12 +145,20 @@ class Fleet:
 
     def _check_routing(self, replica: Replica) -> None:
         server = replica.server
-        body = self.dialect.generate_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
-        out = request_json(server.url + self.dialect.generate_path, body, timeout=self.cfg.request_timeout_s, api_key=server.api_key)
-        if not (isinstance(out, dict) and out.get("choices") and out["choices"][0].get("routed_experts")):
+        sampling = SamplingParams(max_tokens=2)
+        body = self.dialect.generate_body(server.model_name, [0, 1], sampling, seed=0)
+        out = request_json(server.url + self.dialect.generate_path, body, timeout=self.cfg.request_timeout_s,
+                           api_key=server.api_key, max_bytes=self.dialect.answer_cap(
+                               2, sampling, routed_values=self.arch.num_layers * self.arch.moe_topk))
+        try:  # the answer as the generate requests read it (the dialect's parse: its routed experts)
+            routed, why = self.dialect.parse_generate(out, 2, sampling, self.arch.vocab_size).routed, ""
+        except BadResponse as e:
+            routed, why = None, f"; its answer: {e}"
+        if routed is None:
             self.close()
             raise VllmUnsupportedError(f"router replay R3 was requested but the vLLM server at {server.url} "
-                                       f"returns no routed_experts (start it with --enable-return-routed-experts)")
+                                       f"returns no routed_experts (start it with --enable-return-routed-experts)"
+                                       f"{why}")
 
     def config_dir(self) -> str:
         """A folder with the model's config.json alone: what a server starts on before weights."""
