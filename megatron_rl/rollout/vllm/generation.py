@@ -122,7 +122,7 @@ class Generation:
         self._start_lock = threading.Lock()
         self._loop: LoopThread | None = None  # started by the first request
         # the blocking checks of a failed request (alive(), fleet.lose): close() waits for them
-        self._control = ThreadPoolExecutor(len(fleet.replicas) + 1, thread_name_prefix="vllm-control")
+        self._fleet_work = ThreadPoolExecutor(len(fleet.replicas) + 1, thread_name_prefix="vllm-fleet")
         # ---- the loop's
         self._session = None  # ahttp session, made on the loop
         self._open = asyncio.Event()  # set: calls may start (cleared from abort() / pause() to resume())
@@ -394,10 +394,10 @@ class Generation:
         return True
 
     async def _blocking(self, fn, *args):
-        """`fn(*args)` in a control thread. A cancelled caller (its call ended on another request's
+        """`fn(*args)` in a fleet-work thread. A cancelled caller (its call ended on another request's
         error) still waits for it: a call returns only once what it started on the fleet (taking a
         server out, stopping it) is done, never leaving it to race the caller's next step."""
-        done = asyncio.get_running_loop().run_in_executor(self._control, fn, *args)
+        done = asyncio.get_running_loop().run_in_executor(self._fleet_work, fn, *args)
         try:
             return await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -486,4 +486,4 @@ class Generation:
         if loop is not None:
             session = self._session
             loop.close(session.close() if session is not None else None)
-        self._control.shutdown(wait=True)  # a restart it began has started (fleet.close stops it)
+        self._fleet_work.shutdown(wait=True)  # a restart it began has started (fleet.close stops it)
