@@ -11,6 +11,7 @@ kind's own. A server kind plugs in as a `Dialect` (dialect.py), registered in `D
     ahttp.py        the same contract over async HTTP (aiohttp): requests as coroutines
     loop.py         LoopThread: an event loop in a thread of its own, where those coroutines run
     affinity.py     PrefixTable: the server that last held the longest prefix of a request's tokens
+    errors.py       ServingError and its kinds: every failure the trainer sees from a served engine
 
 What a dialect supplies (one object, held by the engine and passed down explicitly):
     launch          the server's command line (module, model, host, port, flags from the config), its health path
@@ -40,5 +41,16 @@ Cost: a dialect is pure; per request it builds one body and parses one answer, O
 state (a replica each: its state, counters and affinity index) and one command line per launch.
 """
 from megatron_rl.rollout.serving.dialect import DIALECTS, Control, Dialect, Parsed
+from megatron_rl.rollout.serving.errors import (
+    BadResponseError,
+    ParityError,
+    ProbeError,
+    RequestError,
+    ServerDiedError,
+    ServerStartError,
+    ServingError,
+    UnsupportedError,
+)
 
-__all__ = ["DIALECTS", "Control", "Dialect", "Parsed"]
+__all__ = ["DIALECTS", "BadResponseError", "Control", "Dialect", "ParityError", "Parsed", "ProbeError", "RequestError",
+           "ServerDiedError", "ServerStartError", "ServingError", "UnsupportedError"]

@@ -39,16 +39,6 @@ from megatron_rl.rollout.engine import EngineRequest, EngineSpec
 from megatron_rl.rollout.serving import DIALECTS
 from megatron_rl.rollout.vllm.client import VllmEngine
 from megatron_rl.rollout.vllm.config import VllmConfig
-from megatron_rl.rollout.vllm.errors import (
-    VllmBadResponseError,
-    VllmError,
-    VllmParityError,
-    VllmProbeError,
-    VllmRequestError,
-    VllmServerDiedError,
-    VllmStartError,
-    VllmUnsupportedError,
-)
 from megatron_rl.rollout.vllm.protocol import server_logprobs_mode
 from megatron_rl.rollout.vllm.weight_sync import TAKES
 
@@ -140,8 +130,4 @@ VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, 
                   in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight, check=_check)
 
 
-__all__ = [
-    "VLLM", "VllmBadResponseError", "VllmConfig", "VllmEngine", "VllmError",
-    "VllmParityError", "VllmProbeError", "VllmRequestError", "VllmServerDiedError", "VllmStartError", "VllmUnsupportedError",
-    "make_vllm_engine", "resolve_config",
-]
+__all__ = ["VLLM", "VllmConfig", "VllmEngine", "make_vllm_engine", "resolve_config"]

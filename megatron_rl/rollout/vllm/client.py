@@ -30,10 +30,10 @@ import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.serving.dialect import Dialect
+from megatron_rl.rollout.serving.errors import UnsupportedError
 from megatron_rl.rollout.types import Request, Sample, SamplingParams, check_prompts, grouped, requests_of
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.fleet import Fleet
 from megatron_rl.rollout.vllm.generation import Generation
 from megatron_rl.rollout.vllm.launcher import ServerHandle
@@ -68,7 +68,7 @@ class VllmEngine:
         receivers (default vLLM's, rollout/vllm/dialect.py).
 
     Configurations that would give wrong numbers are refused here, before anything starts
-    (VllmUnsupportedError): MoE + in-place reload on CPU, routed experts (R3) on CPU. The servers
+    (UnsupportedError): MoE + in-place reload on CPU, routed experts (R3) on CPU. The servers
     start at the first sync, on those weights.
 
     Cost: one request per sample spread over the servers, a coroutine each on one event loop
@@ -91,7 +91,7 @@ class VllmEngine:
         # with CUDA the trainer drives vLLM's own nccl engine: refused before anything starts
         self.backend = backend_for(torch.cuda.is_available()) if weight_sync == "memory" else None
         if self.backend is not None and self.backend.name == "nccl" and importlib.util.find_spec("vllm") is None:
-            raise VllmUnsupportedError(nccl_needs_vllm())
+            raise UnsupportedError(nccl_needs_vllm())
         self.cfg = cfg
         self.root = os.path.join(run_dir, "vllm")
         self.logprobs_mode = "raw_logprobs" if cfg.logprobs_mode == "auto" else cfg.logprobs_mode
@@ -149,8 +149,8 @@ class VllmEngine:
         """Stream HF checkpoint-format (name, tensor) pairs into every server (weight_sync=memory,
         transfer.py; the first call starts them on random weights; a server restarted since the
         last sync (STALE) is included, and READY after it), probe parity on each against the
-        same stream, then set policy_version. Raises VllmParityError when a probe differs by more
-        than the tolerance, VllmServerDiedError when the transfer fails (the servers are left
+        same stream, then set policy_version. Raises ParityError when a probe differs by more
+        than the tolerance, ServerDiedError when the transfer fails (the servers are left
         paused and half updated: the run stops)."""
         self.updates.update_weights(named_tensors, version, self.reference)
         self.policy_version = version
@@ -159,8 +159,8 @@ class VllmEngine:
         """Make every server serve the HF folder `model_dir` (start them on the first one; then
         reload in place or restart, as weight_sync says, all at once; a server that is down
         is restarted on it), probe parity on each against the reference, then set
-        policy_version. The engine owns the folder from now on. Raises VllmParityError when a
-        probe differs by more than the tolerance; VllmServerDiedError when no server took it."""
+        policy_version. The engine owns the folder from now on. Raises ParityError when a
+        probe differs by more than the tolerance; ServerDiedError when no server took it."""
         self.updates.load_weights_from(model_dir, version, self.reference)
         self.policy_version = version
 
@@ -198,7 +198,7 @@ class VllmEngine:
 
     def resume(self) -> None:
         """After abort() or pause(): calls start again and frozen requests go on; then the parity
-        probe of a sync made while paused (VllmParityError)."""
+        probe of a sync made while paused (ParityError)."""
         self.generation.resume()
         self.updates.after_resume()
 

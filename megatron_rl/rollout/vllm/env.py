@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_rl.rollout.vllm.errors import VllmError
+from megatron_rl.rollout.serving.errors import ServingError
 
 ENV_PYTHON = "MEGATRON_RL_VLLM_PYTHON"   # explicit interpreter of a vLLM environment
 ENV_INSTALL = "MEGATRON_RL_INSTALL_VLLM"  # "1": install the CPU lane's environment on demand
@@ -42,7 +42,7 @@ def find_vllm_python(explicit: str | None = None) -> str | None:
     for candidate in (explicit, os.environ.get(ENV_PYTHON)):
         if candidate:
             if not os.path.exists(candidate):
-                raise VllmError(f"vLLM interpreter {candidate!r} does not exist")
+                raise ServingError(f"vLLM interpreter {candidate!r} does not exist")
             return candidate
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
@@ -52,7 +52,7 @@ def find_vllm_python(explicit: str | None = None) -> str | None:
 
 def ensure_vllm_python(explicit: str | None = None, install: bool | None = None) -> str:
     """find_vllm_python, installing the CPU lane's .venv-vllm first when `install` (default:
-    $MEGATRON_RL_INSTALL_VLLM == "1"). Raises VllmError saying how to install otherwise."""
+    $MEGATRON_RL_INSTALL_VLLM == "1"). Raises ServingError saying how to install otherwise."""
     found = find_vllm_python(explicit)
     if found:
         return found
@@ -64,7 +64,7 @@ def ensure_vllm_python(explicit: str | None = None, install: bool | None = None)
         found = find_vllm_python(explicit)
         if found:
             return found
-    raise VllmError(f"no vLLM environment: run `bash {script}` (CPU lane, ~3 min, 3.5 GB), set "
+    raise ServingError(f"no vLLM environment: run `bash {script}` (CPU lane, ~3 min, 3.5 GB), set "
                     f"{ENV_INSTALL}=1 to install on demand, or point rollout.vllm.python / "
                     f"${ENV_PYTHON} at the python of an environment with vllm installed")
 

@@ -16,8 +16,8 @@ once; the sync waits for a restart in progress, so the next one always includes 
 `max_restarts` restarts while requests run without a break (one generate() call, or a rollout's
 requests; all servers together), a server at a URL
 (never restarted by us), or weight_sync=memory with no other server left: the server stays
-out, and when none is left VllmServerDiedError (the trainer checkpoints and stops). Never a
-restart once `stopping()` is true (the run got SIGTERM or Ctrl-C): VllmServerDiedError.
+out, and when none is left ServerDiedError (the trainer checkpoints and stops). Never a
+restart once `stopping()` is true (the run got SIGTERM or Ctrl-C): ServerDiedError.
 
 Cost: a start or restart is a model load on that server (~50 s for a tiny model on a 2-core
 CPU), plus one warm-up request of 2 tokens; the background restarts use one thread per server.
@@ -36,14 +36,14 @@ import torch
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.model.hf_io import save_hf_config
 from megatron_rl.rollout.serving.dialect import Dialect
+from megatron_rl.rollout.serving.errors import (
+    ServerDiedError,
+    ServerStartError,
+    UnsupportedError,
+)
 from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm.config import VllmConfig
-from megatron_rl.rollout.vllm.errors import (
-    VllmServerDiedError,
-    VllmStartError,
-    VllmUnsupportedError,
-)
 from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, STALE, Replica, ServerPool
 from megatron_rl.rollout.vllm.weight_sync import WeightDirs
 
@@ -101,13 +101,13 @@ class Fleet:
 
     def restart(self, replica: Replica, model_dir: str, reason: str) -> None:
         """Stop `replica` and start it anew on `model_dir` (READY for a disk sync; STALE, on random
-        weights, for weight_sync=memory). Raises VllmServerDiedError when we may not."""
+        weights, for weight_sync=memory). Raises ServerDiedError when we may not."""
         server = replica.server
         if not server.can_restart:
-            raise VllmServerDiedError(f"vLLM server at {server.url} failed ({reason}) and cannot be restarted by us")
+            raise ServerDiedError(f"vLLM server at {server.url} failed ({reason}) and cannot be restarted by us")
         if self.stopping():
-            raise VllmServerDiedError(f"vLLM server at {server.url} failed ({reason}); not restarted: the "
-                                      f"run is stopping")
+            raise ServerDiedError(f"vLLM server at {server.url} failed ({reason}); not restarted: the "
+                                  f"run is stopping")
         log.warning("restarting vLLM %s (%s) on %s", replica.name(), reason, model_dir)
         t0 = time.perf_counter()
         server.stop(graceful=False)
@@ -140,7 +140,7 @@ class Fleet:
                         f"without working bf16 kernels bfloat16 dies this way (SIGILL): try "
                         f"rollout.vllm.dtype=float16 or float32.")
             server.stop(graceful=False)
-            raise VllmStartError(f"the vLLM server started but failed its first request ({e}).{hint} Log "
+            raise ServerStartError(f"the vLLM server started but failed its first request ({e}).{hint} Log "
                                  f"{server.log_where}, last lines:\n" + "\n".join(tail.splitlines()[-25:])) from e
 
     def _check_routing(self, replica: Replica) -> None:
@@ -156,9 +156,9 @@ class Fleet:
             routed, why = None, f"; its answer: {e}"
         if routed is None:
             self.close()
-            raise VllmUnsupportedError(f"router replay R3 was requested but the vLLM server at {server.url} "
-                                       f"returns no routed_experts (start it with --enable-return-routed-experts)"
-                                       f"{why}")
+            raise UnsupportedError(f"router replay R3 was requested but the vLLM server at {server.url} "
+                                   f"returns no routed_experts (start it with --enable-return-routed-experts)"
+                                   f"{why}")
 
     def config_dir(self) -> str:
         """A folder with the model's config.json alone: what a server starts on before weights."""
@@ -181,7 +181,7 @@ class Fleet:
     def lose(self, replica: Replica, epoch: int, reason: str) -> None:
         """Take a dead or hung server (READY, or STALE: rejoining at a sync) out of the pool, stop
         it (its other requests fail fast and are resent) and restart it in the background. Raises
-        VllmServerDiedError when it may not come back and no other server is READY."""
+        ServerDiedError when it may not come back and no other server is READY."""
         with self.lock:
             if epoch != replica.epoch or replica.state not in (READY, STALE):
                 return
@@ -197,7 +197,7 @@ class Fleet:
                 replica.server.stop(graceful=False)
             if why:
                 if not others:
-                    raise VllmServerDiedError(why)
+                    raise ServerDiedError(why)
                 log.warning("vLLM %s stays out: %s", replica.name(), why)
                 return
             restart = self._restarter.submit(self._restart_in_background, replica, reason)

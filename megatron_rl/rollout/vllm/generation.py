@@ -25,9 +25,9 @@ sample, and raises the first request's error that is not retried (the others are
 - bad answer (malformed JSON, wrong lengths, missing / non-finite log-probs, inconsistent finish
   reason, longer than any valid answer to its request: the dialect's answer_cap, read no
   further than that): counted in `vllm/bad_responses`, retried after a backoff up to `max_retries` times per sample, then
-  VllmBadResponseError.
+  BadResponseError.
 - HTTP 5xx or a dropped connection while the server stays healthy: retried (`vllm/retries`) with
-  exponential backoff, up to `max_retries` per sample. HTTP 4xx: VllmRequestError at once.
+  exponential backoff, up to `max_retries` per sample. HTTP 4xx: RequestError at once.
 - server dead (process gone or /health failing, checked every `health_interval_s` while waiting)
   or hung (no whole answer within `request_timeout_s`, one deadline from connect to last byte:
   a server that trickles bytes is hung too): the server is taken out and restarted (fleet.py), and its
@@ -82,17 +82,17 @@ import torch
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.serving import ahttp
+from megatron_rl.rollout.serving.errors import (
+    BadResponseError,
+    RequestError,
+    ServerDiedError,
+    ServingError,
+    UnsupportedError,
+)
 from megatron_rl.rollout.serving.http import AnswerTooLarge, BadResponse, HttpStatusError, TransportError
 from megatron_rl.rollout.serving.loop import LoopThread
 from megatron_rl.rollout.types import Request, Sample, check_requests, stream_seed
 from megatron_rl.rollout.vllm.config import VllmConfig
-from megatron_rl.rollout.vllm.errors import (
-    VllmBadResponseError,
-    VllmError,
-    VllmRequestError,
-    VllmServerDiedError,
-    VllmUnsupportedError,
-)
 from megatron_rl.rollout.vllm.fleet import Fleet
 from megatron_rl.rollout.vllm.pool import READY, Replica
 from megatron_rl.rollout.vllm.protocol import check_served, decode_routed_experts
@@ -202,8 +202,8 @@ class Generation:
         if refused is not None:
             self.resume()  # the servers frozen so far go on, and calls may start: the run stops on the error
             r, e = refused
-            raise VllmUnsupportedError(f"{self.dialect.name} {r.name()} refused to pause ({e}): a pause needs "
-                                       f"{self.dialect.control_hint}") from e
+            raise UnsupportedError(f"{self.dialect.name} {r.name()} refused to pause ({e}): a pause needs "
+                                   f"{self.dialect.control_hint}") from e
         for r, e in zip(ready, errors, strict=True):
             if e is not None:
                 self.fleet.lose(r, r.epoch, f"did not pause for a weight update: {e}")
@@ -337,7 +337,7 @@ class Generation:
                     try:
                         await self._blocking(self.fleet.lose, r, r.epoch,
                                                 "server not alive (process gone or /health not answering)")
-                    except VllmServerDiedError as e:  # its requests fail with it as they find no server
+                    except ServerDiedError as e:  # its requests fail with it as they find no server
                         log.error("%s", e)
 
     # ---- one request ----------------------------------------------------------------------------
@@ -359,8 +359,8 @@ class Generation:
                 if isinstance(e, HttpStatusError) and e.status < 500:
                     hint = (" (a server at a URL must run with --enable-scale-out, which mounts the token-in/"
                             "token-out endpoint)" if e.status in (403, 404) else "")
-                    raise VllmRequestError(f"the vLLM server refused sample {request.stream}: {e}{hint}",
-                                           e.status) from None
+                    raise RequestError(f"the vLLM server refused sample {request.stream}: {e}{hint}",
+                                       e.status) from None
                 if isinstance(e, BadResponse):
                     self.stats["vllm/bad_responses"] += 1
                     bad += 1
@@ -374,10 +374,10 @@ class Generation:
     def _give_up(self, request: Request, e: Exception, bad: int):
         reason = f"{request.stream}: {e}"
         if isinstance(e, BadResponse):
-            raise VllmBadResponseError(f"sample {request.stream} still got invalid answers after {self.cfg.max_retries} "
-                                       f"retries ({bad} bad answers); e.g. {reason}", count=bad, examples=[reason])
-        raise VllmServerDiedError(f"sample {request.stream} kept failing after {self.cfg.max_retries} retries: "
-                                  f"{reason}")
+            raise BadResponseError(f"sample {request.stream} still got invalid answers after {self.cfg.max_retries} "
+                                   f"retries ({bad} bad answers); e.g. {reason}", count=bad, examples=[reason])
+        raise ServerDiedError(f"sample {request.stream} kept failing after {self.cfg.max_retries} retries: "
+                              f"{reason}")
 
     async def _lost(self, replica: Replica, epoch: int, e: TransportError) -> bool:
         """Whether a dropped request went down with its server (-> resend; the server is taken
@@ -423,7 +423,7 @@ class Generation:
             none_ready = not self.fleet.pool.ready()
             timeout = self.cfg.startup_timeout_s if none_ready else None
             if not await self._changes(timeout) and not self.fleet.pool.ready():
-                raise VllmServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
+                raise ServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
 
     async def _one(self, request: Request, policy_version: int) -> Sample:
         prompt, sampling, (i, j) = list(request.prompt_ids), request.sampling, request.stream
@@ -467,7 +467,7 @@ class Generation:
 
     def _check_args(self, requests: Sequence[Request]) -> None:
         if not self.fleet.started:
-            raise VllmError("the vLLM engine has no weights yet: call load_weights_from() first (the server starts "
+            raise ServingError("the vLLM engine has no weights yet: call load_weights_from() first (the server starts "
                             "on the first weights it is given)")
         check_requests(list(requests), self.arch.vocab_size)
         for k, r in enumerate(requests):
@@ -476,7 +476,7 @@ class Generation:
                                  f"{r.sampling.max_tokens} exceeds max_model_len={self.max_model_len} "
                                  f"(rollout.vllm.max_model_len)")
             if r.sampling.return_kept_ids and self.max_logprobs < 1:
-                raise VllmUnsupportedError("return_kept_ids needs rollout.vllm.max_logprobs >= 1")
+                raise UnsupportedError("return_kept_ids needs rollout.vllm.max_logprobs >= 1")
         for sampling in {r.sampling for r in requests}:
             check_served(self.logprobs_mode, sampling, self.arch.vocab_size)
 

@@ -37,9 +37,9 @@ import os
 import re
 
 from megatron_rl.rollout.serving import ahttp
+from megatron_rl.rollout.serving.errors import ServerStartError
 from megatron_rl.rollout.serving.loop import LoopThread
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
-from megatron_rl.rollout.vllm.errors import VllmStartError
 from megatron_rl.rollout.vllm.launcher import HOST, LocalServer, RemoteServer
 
 ENV_JUDGE_KEY = "MEGATRON_RL_JUDGE_API_KEY"
@@ -61,8 +61,8 @@ class Judge:
                                        api_key=os.environ.get(ENV_JUDGE_KEY) or None)
             try:
                 self.server.start(None)  # healthy, and the model it serves
-            except VllmStartError as e:
-                raise VllmStartError(f"judge.url: {e} (the judge's key goes in ${ENV_JUDGE_KEY})") from None
+            except ServerStartError as e:
+                raise ServerStartError(f"judge.url: {e} (the judge's key goes in ${ENV_JUDGE_KEY})") from None
         else:
             python = ensure_vllm_python(section.python)
             env = {"VLLM_HOST_IP": HOST}

@@ -50,10 +50,10 @@ from typing import TypeVar
 
 from megatron_rl.fs import open_no_follow
 from megatron_rl.rollout.serving.dialect import Dialect
+from megatron_rl.rollout.serving.errors import ServerDiedError, ServerStartError
 from megatron_rl.rollout.serving.handle import ServerHandle  # noqa: F401 - its home before; importers use it here
 from megatron_rl.rollout.serving.http import HttpStatusError, TransportError, healthy, request_json
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.errors import VllmServerDiedError, VllmStartError
 
 HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "policy"
@@ -259,7 +259,7 @@ class LocalServer:
         return [self.python, *self.dialect.server_argv(model_dir, SERVED_MODEL_NAME, HOST, port, self.args)]
 
     def start(self, model_dir: str) -> float:
-        """Launch on `model_dir` and wait until healthy; seconds it took. Raises VllmStartError."""
+        """Launch on `model_dir` and wait until healthy; seconds it took. Raises ServerStartError."""
         if self.proc is not None:
             raise RuntimeError("server already started; use restart()")
         t0 = time.perf_counter()
@@ -272,7 +272,7 @@ class LocalServer:
                 self._spawn(model_dir)
                 self._wait_healthy(t0)
                 break
-            except VllmStartError as e:
+            except ServerStartError as e:
                 if attempt == 2 or "address already in use" not in str(e).lower():
                     raise
             finally:
@@ -316,13 +316,13 @@ class LocalServer:
             if self.proc.poll() is not None:
                 rc = self.proc.returncode
                 self.stop()
-                raise VllmStartError(f"vLLM server exited with code {rc} during start-up; log "
+                raise ServerStartError(f"vLLM server exited with code {rc} during start-up; log "
                                      f"{self.log_path}:\n{self.log_tail()}")
             if healthy(self.url, timeout=self.health_timeout_s, api_key=self.api_key, path=self.dialect.health_path):
                 return
             if time.perf_counter() - t0 > self.startup_timeout_s:
                 self.stop()
-                raise VllmStartError(f"vLLM server not healthy after {self.startup_timeout_s:g} s; log "
+                raise ServerStartError(f"vLLM server not healthy after {self.startup_timeout_s:g} s; log "
                                      f"{self.log_path}:\n{self.log_tail()}")
             time.sleep(0.5)
 
@@ -375,20 +375,20 @@ class RemoteServer:
                 try:
                     self.model_name = models["data"][0]["id"]
                 except (TypeError, KeyError, IndexError):
-                    raise VllmStartError(f"{self.url}/v1/models lists no model: {models!r:.200}") from None
+                    raise ServerStartError(f"{self.url}/v1/models lists no model: {models!r:.200}") from None
         except HttpStatusError as e:
             if e.status in (401, 403):
                 given = "the API key we sent" if self.api_key else "a request without an API key"
-                raise VllmStartError(f"the vLLM server at {self.url} refused {given} (HTTP {e.status}): set "
+                raise ServerStartError(f"the vLLM server at {self.url} refused {given} (HTTP {e.status}): set "
                                      f"rollout.vllm.api_key or ${ENV_API_KEY} to its key") from None
-            raise VllmStartError(f"no healthy vLLM server at {self.url}: {e}") from None
+            raise ServerStartError(f"no healthy vLLM server at {self.url}: {e}") from None
         except (TransportError, ValueError) as e:
-            raise VllmStartError(f"no healthy vLLM server at {self.url}: {e}") from None
+            raise ServerStartError(f"no healthy vLLM server at {self.url}: {e}") from None
         return time.perf_counter() - t0
 
     def restart(self, model_dir: str) -> float:
-        raise VllmServerDiedError(f"the vLLM server at {self.url} is not answering and was not launched by "
-                                  f"us, so it cannot be restarted")
+        raise ServerDiedError(f"the vLLM server at {self.url} is not answering and was not launched by "
+                              f"us, so it cannot be restarted")
 
     def alive(self) -> bool:
         return healthy(self.url, self.health_timeout_s, self.api_key, self.health_path)

@@ -24,7 +24,7 @@ restarted with `weight_sync=memory`, so it runs random weights until the next in
 reaches it (the engine keeps no copy of the streamed weights to push them at once); not picked.
 FAILED: its restart failed, or it cannot be restarted (a server at a URL); not picked again.
 When no server is READY, a request waits for one (a restart in progress) and fails with
-VllmServerDiedError once none can become READY.
+ServerDiedError once none can become READY.
 
 Cost: placement is O(servers + prompt / 16) under one lock per request; the prefix table is
 bounded (serving/affinity.py); nothing grows with model or batch.
@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from megatron_rl.rollout.serving.affinity import PrefixTable
-from megatron_rl.rollout.vllm.errors import VllmServerDiedError
+from megatron_rl.rollout.serving.errors import ServerDiedError
 from megatron_rl.rollout.vllm.launcher import ServerHandle
 from megatron_rl.rollout.vllm.transfer import MemorySync
 
@@ -109,14 +109,14 @@ class ServerPool:
                 if replica is not None:
                     return replica
                 if not self._cond.wait(timeout):
-                    raise VllmServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
+                    raise ServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
 
     def _choose(self, work: int, tokens, full: frozenset[int] = frozenset()) -> Replica | None:
         """The READY server (not in `full`) a request goes to, None when none is READY or all READY
-        ones are full; VllmServerDiedError when none is on its way back either (under the lock)."""
+        ones are full; ServerDiedError when none is on its way back either (under the lock)."""
         ready = [r for r in self.replicas if r.state == READY]
         if not ready and not any(r.state == DOWN for r in self.replicas):
-            raise VllmServerDiedError("no vLLM server of the pool can serve: " + "; ".join(
+            raise ServerDiedError("no vLLM server of the pool can serve: " + "; ".join(
                 f"{r.name()} {r.state}: {r.why or '-'}" for r in self.replicas))
         free = [r for r in ready if r.index not in full]
         if not free:

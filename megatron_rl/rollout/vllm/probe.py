@@ -7,7 +7,7 @@ largest absolute difference is the metric `vllm/probe_max_abs_diff`. The referen
 `hf_reference` runs `transformers` in fp32 on the exported directory, and after an in-memory
 sync (no directory) `StreamedReference` fills the same model from the stream the server got.
 A server that refuses the probe (e.g. HTTP 400 for log-probs it cannot write as JSON: NaN or inf)
-or answers it without usable prompt log-probs raises VllmProbeError naming the server and cause.
+or answers it without usable prompt log-probs raises ProbeError naming the server and cause.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from megatron_rl.rollout.serving.dialect import Dialect
+from megatron_rl.rollout.serving.errors import ProbeError
 from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError, request_json
-from megatron_rl.rollout.vllm.errors import VllmProbeError
 
 Reference = Callable[[list[int]], torch.Tensor]
 
@@ -94,7 +94,7 @@ class StreamedReference:
 def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,
                     api_key: str | None = None, *, dialect: Dialect) -> torch.Tensor:
     """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t]), by its dialect's scoring request.
-    VllmProbeError, naming the server and the cause, when it refuses the probe or answers without
+    ProbeError, naming the server and the cause, when it refuses the probe or answers without
     usable log-probs; a server that does not answer raises http.TransportError (dead or hung: the
     caller's case)."""
     call = dialect.score_call(model, tokens)
@@ -109,11 +109,11 @@ def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,
                    "the weights it got are broken")
         else:
             why = f"it refused the probe's {call.path} request"
-        raise VllmProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {why} ({e})") from None
+        raise ProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {why} ({e})") from None
     except BadResponse as e:
-        raise VllmProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {e}. The probe needs a "
-                             f"server that answers {call.path} as {dialect.name} does (its score_call); "
-                             f"rollout.vllm.probe_every=0 turns it off") from None
+        raise ProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {e}. The probe needs a "
+                         f"server that answers {call.path} as {dialect.name} does (its score_call); "
+                         f"rollout.vllm.probe_every=0 turns it off") from None
 
 
 def probe_diff(url: str, model: str, tokens: list[int], reference: Reference, timeout: float,

@@ -19,10 +19,10 @@ import os
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.serving.dialect import Dialect
+from megatron_rl.rollout.serving.errors import UnsupportedError
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
-from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, HOST, LocalServer, RemoteServer, ServerHandle
 from megatron_rl.rollout.vllm.weight_sync import check_supported
 
@@ -93,7 +93,7 @@ def check_own_gpus(cfg: VllmConfig, trainer_gpu: int) -> None:
         visible = server_env(cfg, "cuda", k, dev=False).get("CUDA_VISIBLE_DEVICES") or trainer_visible
         gpu = shared_gpu(visible, cfg.tensor_parallel_size, trainer_visible, trainer_gpu)
         if gpu is not None:
-            raise VllmUnsupportedError(
+            raise UnsupportedError(
                 f"rollout.weight_sync=memory with CUDA streams the weights over NCCL, which cannot join "
                 f"the trainer's rank 0 and vLLM server {k} on one GPU ({gpu}): give the servers GPUs of their own "
                 f"(fewer trainer ranks per node and rollout.vllm.env={{CUDA_VISIBLE_DEVICES: ...}}, or "
@@ -115,8 +115,8 @@ def server_devices(visible: str | None, k: int, per_server: int, servers: int) -
     `visible` (the devices given, "0,1,..."; None = 0..servers * per_server - 1)."""
     devices = visible.split(",") if visible else [str(d) for d in range(servers * per_server)]
     if len(devices) < servers * per_server:
-        raise VllmUnsupportedError(f"rollout.vllm.num_servers={servers} x tensor_parallel_size={per_server} needs "
-                                   f"{servers * per_server} GPUs, CUDA_VISIBLE_DEVICES gives {len(devices)} "
-                                   f"({visible}); lower num_servers, or connect to servers on other nodes "
-                                   f"(rollout.vllm.urls)")
+        raise UnsupportedError(f"rollout.vllm.num_servers={servers} x tensor_parallel_size={per_server} needs "
+                               f"{servers * per_server} GPUs, CUDA_VISIBLE_DEVICES gives {len(devices)} "
+                               f"({visible}); lower num_servers, or connect to servers on other nodes "
+                               f"(rollout.vllm.urls)")
     return ",".join(devices[k * per_server:(k + 1) * per_server])

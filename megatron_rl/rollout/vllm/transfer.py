@@ -70,9 +70,9 @@ from typing import Protocol
 import numpy
 import torch
 
+from megatron_rl.rollout.serving.errors import ServingError, UnsupportedError
 from megatron_rl.rollout.serving.handle import ServerHandle
 from megatron_rl.rollout.serving.http import request_json
-from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
 
 Named = Iterable[tuple[str, torch.Tensor]]
 GLOO_EXTENSION = "megatron_rl_vllm_gloo.RegistersGlooEngine"  # server_plugin/megatron_rl_vllm_gloo.py
@@ -212,7 +212,7 @@ class NcclChannel:
         try:
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
         except ImportError as e:
-            raise VllmUnsupportedError(nccl_needs_vllm()) from e
+            raise UnsupportedError(nccl_needs_vllm()) from e
         port = _free_port(host)  # vLLM's StatelessProcessGroup binds the port it is given
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(start_peers, port, None)  # vLLM's rendezvous takes no token
@@ -291,7 +291,7 @@ class MemorySync:
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="vllm-weight-update")
         size = request_json(self.server.url + "/get_world_size", timeout=timeout, api_key=self.server.api_key)
         if not isinstance(size, dict) or not isinstance(size.get("world_size"), int):
-            raise VllmError(f"{self.server.url}/get_world_size answered {size!r:.200}; in-memory weight sync needs a "
+            raise ServingError(f"{self.server.url}/get_world_size answered {size!r:.200}; in-memory weight sync needs a "
                             f"vLLM server with VLLM_SERVER_DEV_MODE=1")
         world = 1 + size["world_size"]
 
@@ -304,7 +304,7 @@ class MemorySync:
 
     def begin(self, timeout: float, held: bool = False) -> None:
         if self.channel is None:
-            raise VllmError("in-memory weight sync is not open: call open() once the server is up")
+            raise ServingError("in-memory weight sync is not open: call open() once the server is up")
         if not held:
             self._post("/pause?mode=wait", None, timeout)
         self._post("/start_weight_update", None, timeout)

@@ -10,10 +10,10 @@ bounds each sync as it bounds each generate() call). Memory: a server found dead
 sync, or dropped during it (failed, stopped answering /health, or past `sync_timeout_s`:
 transfer.push_all), is taken out and restarted in the background on random weights (STALE: it
 serves nothing) and filled by the next sync; the sync goes on to the others. When it reaches
-none, VllmServerDiedError names each server and why, and the servers it left half updated are
+none, ServerDiedError names each server and why, and the servers it left half updated are
 FAILED (never resumed or served; the next sync restarts them). After every `probe_every`-th sync (the first too) each READY server answers the parity
 probe (probe.py) against `reference` (None: transformers fp32 on the folder, or on the stream
-for an in-memory sync); VllmParityError past `probe_tolerance`. A sync inside a partial rollout
+for an in-memory sync); ParityError past `probe_tolerance`. A sync inside a partial rollout
 (`fleet.paused`: the servers whose requests the generation froze, generation.py) leaves them
 paused and its probe waits for `after_resume()`: a paused server answers nothing.
 
@@ -34,9 +34,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.serving.errors import ParityError, ServerDiedError, ServingError
 from megatron_rl.rollout.serving.http import HttpStatusError, TransportError, request_json
 from megatron_rl.rollout.vllm.config import VllmConfig
-from megatron_rl.rollout.vllm.errors import VllmError, VllmParityError, VllmServerDiedError
 from megatron_rl.rollout.vllm.fleet import Fleet
 from megatron_rl.rollout.vllm.pool import FAILED, READY, STALE, Replica
 from megatron_rl.rollout.vllm.probe import (
@@ -71,7 +71,7 @@ class WeightUpdates:
         VllmEngine.update_weights)."""
         fleet = self.fleet
         if self.backend is None:
-            raise VllmError(f"rollout.weight_sync={self.weight_sync} takes HF folders (load_weights_from, the "
+            raise ServingError(f"rollout.weight_sync={self.weight_sync} takes HF folders (load_weights_from, the "
                             f"disk transport), not tensors in memory")
         t0 = time.perf_counter()
         if not fleet.started:
@@ -81,14 +81,14 @@ class WeightUpdates:
             if r.state == FAILED and r.server.can_restart and not fleet.stopping():
                 try:  # out since a restart failed or the restart budget ran out: on random weights, joins this push
                     fleet.restart(r, fleet.config_dir(), r.why)
-                except (VllmError, OSError) as e:
+                except (ServingError, OSError) as e:
                     log.warning("vLLM %s stays out of the pool: %s", r.name(), e)
         for r in fleet.replicas:  # a server that died since the last call: out, restarted, not pushed to
             if r.state in (READY, STALE) and not r.server.alive():
                 fleet.lose(r, r.epoch, f"found dead before the in-memory sync of version {version}")
         targets = [r for r in fleet.replicas if r.state in (READY, STALE)]
         if not targets:
-            raise VllmServerDiedError("no vLLM server of the pool is up for the in-memory weight sync: " + "; ".join(
+            raise ServerDiedError("no vLLM server of the pool is up for the in-memory weight sync: " + "; ".join(
                 f"{r.name()} {r.state}: {r.why}" for r in fleet.replicas))
         probed = self._probes_next()
         streamed = StreamedReference(self.arch) if probed and reference is None else None
@@ -107,10 +107,10 @@ class WeightUpdates:
         failed = {by_sync[s]: why for s, why in pushed.failed.items()}
         if len(failed) == len(targets):
             self._torn(targets, f"half updated by the failed in-memory sync of version {version}")
-            raise VllmServerDiedError(f"the in-memory weight sync of version {version} reached no vLLM server: " +
-                                      "; ".join(f"{r.name()} {why}" for r, why in failed.items()) +
-                                      f". Their weights are half updated. Logs: "
-                                      f"{', '.join(r.server.log_where for r in targets)}")
+            raise ServerDiedError(f"the in-memory weight sync of version {version} reached no vLLM server: " +
+                                  "; ".join(f"{r.name()} {why}" for r, why in failed.items()) +
+                                  f". Their weights are half updated. Logs: "
+                                  f"{', '.join(r.server.log_where for r in targets)}")
         for r in targets:
             if r not in failed:
                 fleet.pool.set_state(r, READY)
@@ -130,7 +130,7 @@ class WeightUpdates:
         """Make every server serve the HF folder `model_dir` (see VllmEngine.load_weights_from)."""
         fleet = self.fleet
         if self.backend is not None:
-            raise VllmError("rollout.weight_sync=memory takes tensors in memory (update_weights, the memory "
+            raise ServingError("rollout.weight_sync=memory takes tensors in memory (update_weights, the memory "
                             "transport), not folders")
         t0 = time.perf_counter()
         fleet.dirs.add(model_dir)
@@ -185,7 +185,7 @@ class WeightUpdates:
 
     def after_resume(self) -> None:
         """The parity probe of a sync made while the generation was paused, now that the servers
-        answer again (VllmParityError as after any sync)."""
+        answer again (ParityError as after any sync)."""
         deferred, self._deferred_probe = self._deferred_probe, None
         if deferred is not None:
             self._probe_all(*deferred)
@@ -199,10 +199,10 @@ class WeightUpdates:
         a load_weights_from() call as it does those of a generate() call)."""
         server = replica.server
         if not server.can_restart or (replica.state == READY and server.alive()):
-            raise VllmServerDiedError(f"weight sync to {model_dir} failed: {e}")
+            raise ServerDiedError(f"weight sync to {model_dir} failed: {e}")
         if self.cfg.max_restarts < 1:
-            raise VllmServerDiedError(f"the vLLM server died during the weight sync to {model_dir} ({e}) and "
-                                      f"rollout.vllm.max_restarts=0 allows no restart. Log: {server.log_where}")
+            raise ServerDiedError(f"the vLLM server died during the weight sync to {model_dir} ({e}) and "
+                                  f"rollout.vllm.max_restarts=0 allows no restart. Log: {server.log_where}")
         self.fleet.restart(replica, model_dir, f"died during the weight sync: {e}")
 
     def _probe(self, replica: Replica, what: str, reference: Reference) -> float:
@@ -214,7 +214,7 @@ class WeightUpdates:
         replica.extra["probe_max_abs_diff"] = diff
         tol = self.cfg.tolerance(self.cfg.dtype)
         if not diff <= tol:
-            raise VllmParityError(f"after {what} the vLLM server at {server.url}'s log-probs differ from the "
-                                  f"reference by {diff:.3g} > {tol:g} (rollout.vllm.probe_tolerance): the server "
-                                  f"is not running the exported weights", diff)
+            raise ParityError(f"after {what} the vLLM server at {server.url}'s log-probs differ from the "
+                              f"reference by {diff:.3g} > {tol:g} (rollout.vllm.probe_tolerance): the server "
+                              f"is not running the exported weights", diff)
         return diff
