@@ -19,8 +19,8 @@ import pytest
 
 from megatron_rl.rollout.serving.errors import ServerStartError, ServingError
 from megatron_rl.rollout.serving.http import HttpStatusError, request
-from megatron_rl.rollout.vllm.env import detect_device, find_vllm_python
-from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, LocalServer, reserve_port
+from megatron_rl.rollout.serving.launcher import reserve_port
+from megatron_rl.rollout.vllm.env import ENV_API_KEY, detect_device, find_vllm_python, local_server
 
 pytestmark = pytest.mark.vllm
 
@@ -65,8 +65,8 @@ def fake_vllm(tmp_path_factory):
 
 
 def server(fake_vllm, tmp_path, mode="ok", timeout=DEADLINE):
-    return LocalServer(sys.executable, ["--mode", mode], {"PYTHONPATH": fake_vllm}, str(tmp_path / "server.log"),
-                       startup_timeout_s=timeout, health_timeout_s=DEADLINE)
+    return local_server(sys.executable, ["--mode", mode], {"PYTHONPATH": fake_vllm}, str(tmp_path / "server.log"),
+                        startup_timeout_s=timeout, health_timeout_s=DEADLINE)
 
 
 def _state(pid: int) -> tuple[str, int] | None:
@@ -216,8 +216,8 @@ import os, signal, sys, time
 # runners): then no Ctrl-C would reach us. Install it explicitly, as an interactive run has it.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {repo!r})
-from megatron_rl.rollout.vllm.launcher import LocalServer
-s = LocalServer(sys.executable, [], {{"PYTHONPATH": {fake!r}}}, {log!r})
+from megatron_rl.rollout.vllm.env import local_server
+s = local_server(sys.executable, [], {{"PYTHONPATH": {fake!r}}}, {log!r})
 s.start(".")
 print(s.pid, flush=True)  # the handlers (atexit, SIGTERM, SIGINT) are in place by now
 if {how!r} == "exit":

@@ -20,11 +20,11 @@ from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.serving.errors import ServerDiedError, UnsupportedError
 from megatron_rl.rollout.serving.http import TransportError
+from megatron_rl.rollout.serving.pool import DOWN, FAILED, READY, Replica, ServerPool
 from megatron_rl.rollout.types import Request, SamplingParams, stream_seed
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.client import server_devices
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, Replica, ServerPool
 from megatron_rl.rollout.vllm.servers import server_cores, server_env, shared_gpu
 from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, Watch, packed_buckets, push_all
 from tests.vllm.conftest import hf_weights, push, tiny_arch
@@ -60,7 +60,7 @@ def test_placement_takes_the_ready_server_with_least_work_in_flight():
 
 
 def test_placement_waits_for_a_server_coming_back_and_fails_when_none_can():
-    pool = ServerPool([Replica(0, _Handle(), state=DOWN), Replica(1, _Handle(), state=FAILED, why="gone")])
+    pool = ServerPool([Replica(0, _Handle(), state=DOWN), Replica(1, _Handle(), state=FAILED, why="gone")], kind="vLLM")
     got = []
     waiter = threading.Thread(target=lambda: got.append(pool.serving(1, 600.0).__enter__().index))
     waiter.start()

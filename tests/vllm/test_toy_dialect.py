@@ -17,11 +17,11 @@ from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.serving import DIALECTS, Control, Parsed
 from megatron_rl.rollout.serving.errors import ParityError
 from megatron_rl.rollout.serving.http import BadResponse
+from megatron_rl.rollout.serving.launcher import LocalServer
+from megatron_rl.rollout.serving.pool import READY
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.launcher import LocalServer
-from megatron_rl.rollout.vllm.pool import READY
 from tests.vllm.conftest import hf_weights, push
 from tests.vllm.fake_server import FakeVllm
 from tests.vllm.test_abort import GUARD_S, generate_in_background

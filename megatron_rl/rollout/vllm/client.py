@@ -31,13 +31,13 @@ import torch
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.serving.dialect import Dialect
 from megatron_rl.rollout.serving.errors import UnsupportedError
+from megatron_rl.rollout.serving.handle import ServerHandle
+from megatron_rl.rollout.serving.pool import Replica, ServerPool
 from megatron_rl.rollout.types import Request, Sample, SamplingParams, check_prompts, grouped, requests_of
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
 from megatron_rl.rollout.vllm.fleet import Fleet
 from megatron_rl.rollout.vllm.generation import Generation
-from megatron_rl.rollout.vllm.launcher import ServerHandle
-from megatron_rl.rollout.vllm.pool import Replica, ServerPool
 from megatron_rl.rollout.vllm.probe import Reference
 from megatron_rl.rollout.vllm.servers import make_servers, server_devices
 from megatron_rl.rollout.vllm.transfer import backend_for, nccl_needs_vllm
@@ -109,7 +109,7 @@ class VllmEngine:
         for s in servers:
             check_supported(arch, weight_sync, self.device, cfg.enable_return_routed_experts, s.can_restart)
         pool = ServerPool([Replica(k, s, dialect.memory_receiver(s, self.backend, cfg.bucket_bytes, cfg.transfer_host)
-                                   if self.backend else None) for k, s in enumerate(servers)], cfg.affinity)
+                                   if self.backend else None) for k, s in enumerate(servers)], cfg.affinity, dialect.name)
         self.fleet = Fleet(arch, cfg, self.root, pool, stopping, dialect)
         self.generation = Generation(arch, cfg, self.fleet, self.logprobs_mode, self.max_model_len,
                                      self.max_logprobs)

@@ -42,9 +42,9 @@ from megatron_rl.rollout.serving.errors import (
     UnsupportedError,
 )
 from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError, TransportError, request_json
+from megatron_rl.rollout.serving.pool import DOWN, FAILED, READY, STALE, Replica, ServerPool
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm.config import VllmConfig
-from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, STALE, Replica, ServerPool
 from megatron_rl.rollout.vllm.weight_sync import WeightDirs
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
@@ -141,7 +141,7 @@ class Fleet:
                         f"rollout.vllm.dtype=float16 or float32.")
             server.stop(graceful=False)
             raise ServerStartError(f"the vLLM server started but failed its first request ({e}).{hint} Log "
-                                 f"{server.log_where}, last lines:\n" + "\n".join(tail.splitlines()[-25:])) from e
+                                   f"{server.log_where}, last lines:\n" + "\n".join(tail.splitlines()[-25:])) from e
 
     def _check_routing(self, replica: Replica) -> None:
         server = replica.server

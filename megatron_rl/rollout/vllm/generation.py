@@ -91,10 +91,10 @@ from megatron_rl.rollout.serving.errors import (
 )
 from megatron_rl.rollout.serving.http import AnswerTooLarge, BadResponse, HttpStatusError, TransportError
 from megatron_rl.rollout.serving.loop import LoopThread
+from megatron_rl.rollout.serving.pool import READY, Replica
 from megatron_rl.rollout.types import Request, Sample, check_requests, stream_seed
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.fleet import Fleet
-from megatron_rl.rollout.vllm.pool import READY, Replica
 from megatron_rl.rollout.vllm.protocol import check_served, decode_routed_experts
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
@@ -468,7 +468,7 @@ class Generation:
     def _check_args(self, requests: Sequence[Request]) -> None:
         if not self.fleet.started:
             raise ServingError("the vLLM engine has no weights yet: call load_weights_from() first (the server starts "
-                            "on the first weights it is given)")
+                               "on the first weights it is given)")
         check_requests(list(requests), self.arch.vocab_size)
         for k, r in enumerate(requests):
             if len(r.prompt_ids) + r.sampling.max_tokens > self.max_model_len:

@@ -21,7 +21,7 @@ B / max_in_flight round trips; one slow answer holds one slot, never the others.
 coroutines on the judge's own event loop (serving/loop.py's LoopThread, async HTTP: serving/ahttp.py), one thread
 for the judge whatever max_in_flight is; score_batch waits for them from any thread.
 
-A launched judge runs like a rollout server (launcher.py: its own API key, its log in
+A launched judge runs like a rollout server (serving/launcher.py: its own API key, its log in
 <run_dir>/judge/server.log, stopped with the run) on judge.model (an HF folder with its tokenizer),
 with judge.dtype and judge.max_model_len; judge.url is a server someone else runs (its key in
 $MEGATRON_RL_JUDGE_API_KEY).
@@ -38,9 +38,9 @@ import re
 
 from megatron_rl.rollout.serving import ahttp
 from megatron_rl.rollout.serving.errors import ServerStartError
+from megatron_rl.rollout.serving.launcher import HOST, LocalServer, RemoteServer
 from megatron_rl.rollout.serving.loop import LoopThread
-from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
-from megatron_rl.rollout.vllm.launcher import HOST, LocalServer, RemoteServer
+from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python, local_server
 
 ENV_JUDGE_KEY = "MEGATRON_RL_JUDGE_API_KEY"
 JUDGE_MAX_BYTES = 1 << 20  # an answer of max_tokens tokens is far smaller
@@ -58,7 +58,8 @@ class Judge:
         self.pattern = re.compile(section.pattern)
         if section.url:
             self.server = RemoteServer(section.url.rstrip("/"), section.timeout_s,
-                                       api_key=os.environ.get(ENV_JUDGE_KEY) or None)
+                                       api_key=os.environ.get(ENV_JUDGE_KEY) or None, kind="vLLM",
+                                       key_hint=f"${ENV_JUDGE_KEY}")
             try:
                 self.server.start(None)  # healthy, and the model it serves
             except ServerStartError as e:
@@ -70,8 +71,8 @@ class Judge:
                 env["VLLM_CPU_KVCACHE_SPACE"] = "1"
             args = ["--dtype", section.dtype, "--max-model-len", str(section.max_model_len), "--enforce-eager",
                     "--max-num-seqs", str(section.max_in_flight), "--seed", "0"]
-            self.server = LocalServer(python, args, env, os.path.join(run_dir, "judge", "server.log"),
-                                      section.startup_timeout_s, section.timeout_s)
+            self.server = local_server(python, args, env, os.path.join(run_dir, "judge", "server.log"),
+                                       section.startup_timeout_s, section.timeout_s)
             self.server.start(section.model)
         self._loop = LoopThread("judge-requests")
         self._session = None  # made on the loop by the first request (aiohttp sessions belong to one loop)

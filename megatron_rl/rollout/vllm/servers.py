@@ -20,10 +20,11 @@ import os
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.serving.dialect import Dialect
 from megatron_rl.rollout.serving.errors import UnsupportedError
+from megatron_rl.rollout.serving.handle import ServerHandle
+from megatron_rl.rollout.serving.launcher import HOST, RemoteServer
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
-from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, HOST, LocalServer, RemoteServer, ServerHandle
+from megatron_rl.rollout.vllm.env import ENV_API_KEY, detect_device, ensure_vllm_python, local_server
 from megatron_rl.rollout.vllm.weight_sync import check_supported
 
 
@@ -37,8 +38,8 @@ def make_servers(arch: ModelArch, cfg: VllmConfig, weight_sync: str, root: str, 
     dialect: the server kind (rollout/serving): its flags, command line and health path."""
     if cfg.server_urls:
         key = cfg.api_key or os.environ.get(ENV_API_KEY) or None
-        return ([RemoteServer(u, cfg.health_timeout_s, api_key=key, health_path=dialect.health_path)
-                 for u in cfg.server_urls],
+        return ([RemoteServer(u, cfg.health_timeout_s, api_key=key, health_path=dialect.health_path, kind=dialect.name,
+                              key_hint=f"rollout.vllm.api_key or ${ENV_API_KEY}") for u in cfg.server_urls],
                 device or (cfg.device if cfg.device != "auto" else "unknown"))
     device = device or (cfg.device if cfg.device != "auto" else None)
     if device is not None:  # refuse before looking for (or installing) the environment
@@ -49,9 +50,9 @@ def make_servers(arch: ModelArch, cfg: VllmConfig, weight_sync: str, root: str, 
         check_own_gpus(cfg, trainer_gpu)
     receiver = dialect.receiver_flags(backend) if backend is not None else []  # started on random weights
     args = dialect.server_flags(cfg, max_model_len, logprobs_mode, max_logprobs, receiver)
-    return [LocalServer(python, args, server_env(cfg, device, k, dev=weight_sync in ("reload", "memory")),
-                        os.path.join(root, "server.log" if k == 0 else f"server{k}.log"),
-                        cfg.startup_timeout_s, cfg.health_timeout_s, dialect=dialect)
+    return [local_server(python, args, server_env(cfg, device, k, dev=weight_sync in ("reload", "memory")),
+                         os.path.join(root, "server.log" if k == 0 else f"server{k}.log"),
+                         cfg.startup_timeout_s, cfg.health_timeout_s, dialect=dialect)
             for k in range(cfg.num_servers)], device
 
 

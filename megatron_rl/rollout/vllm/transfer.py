@@ -292,7 +292,7 @@ class MemorySync:
         size = request_json(self.server.url + "/get_world_size", timeout=timeout, api_key=self.server.api_key)
         if not isinstance(size, dict) or not isinstance(size.get("world_size"), int):
             raise ServingError(f"{self.server.url}/get_world_size answered {size!r:.200}; in-memory weight sync needs a "
-                            f"vLLM server with VLLM_SERVER_DEV_MODE=1")
+                               f"vLLM server with VLLM_SERVER_DEV_MODE=1")
         world = 1 + size["world_size"]
 
         def start_peers(port: int, token: str | None) -> None:

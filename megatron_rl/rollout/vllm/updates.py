@@ -36,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.serving.errors import ParityError, ServerDiedError, ServingError
 from megatron_rl.rollout.serving.http import HttpStatusError, TransportError, request_json
+from megatron_rl.rollout.serving.pool import FAILED, READY, STALE, Replica
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.fleet import Fleet
-from megatron_rl.rollout.vllm.pool import FAILED, READY, STALE, Replica
 from megatron_rl.rollout.vllm.probe import (
     Reference,
     StreamedReference,
@@ -72,7 +72,7 @@ class WeightUpdates:
         fleet = self.fleet
         if self.backend is None:
             raise ServingError(f"rollout.weight_sync={self.weight_sync} takes HF folders (load_weights_from, the "
-                            f"disk transport), not tensors in memory")
+                               f"disk transport), not tensors in memory")
         t0 = time.perf_counter()
         if not fleet.started:
             fleet.start(fleet.config_dir())
@@ -131,7 +131,7 @@ class WeightUpdates:
         fleet = self.fleet
         if self.backend is not None:
             raise ServingError("rollout.weight_sync=memory takes tensors in memory (update_weights, the memory "
-                            "transport), not folders")
+                               "transport), not folders")
         t0 = time.perf_counter()
         fleet.dirs.add(model_dir)
         if not fleet.started:

@@ -88,7 +88,7 @@ class DiskReloadSync:
                            timeout=timeout, api_key=server.api_key)
         if not isinstance(out, dict) or "results" not in out:
             raise ServingError(f"/collective_rpc reload_weights answered {out!r:.300}; is the server running with "
-                            f"VLLM_SERVER_DEV_MODE=1?")
+                               f"VLLM_SERVER_DEV_MODE=1?")
         request_json(server.url + "/reset_prefix_cache", {}, timeout=timeout, api_key=server.api_key)
         return {"timing/vllm_reload": time.perf_counter() - t0}
 
