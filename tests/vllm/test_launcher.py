@@ -20,7 +20,8 @@ import pytest
 from megatron_rl.rollout.serving.errors import ServerStartError, ServingError
 from megatron_rl.rollout.serving.http import HttpStatusError, request
 from megatron_rl.rollout.serving.launcher import reserve_port
-from megatron_rl.rollout.vllm.env import ENV_API_KEY, detect_device, find_vllm_python, local_server
+from megatron_rl.rollout.vllm.config import ENV_API_KEY
+from megatron_rl.rollout.vllm.env import detect_device, find_vllm_python, local_server
 
 pytestmark = pytest.mark.vllm
 

@@ -21,12 +21,13 @@ from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.serving.errors import ServerDiedError, UnsupportedError
 from megatron_rl.rollout.serving.http import TransportError
 from megatron_rl.rollout.serving.pool import DOWN, FAILED, READY, Replica, ServerPool
+from megatron_rl.rollout.serving.receivers import Watch
+from megatron_rl.rollout.serving.servers import server_cores, server_devices, shared_gpu
 from megatron_rl.rollout.types import Request, SamplingParams, stream_seed
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from megatron_rl.rollout.vllm.client import server_devices
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.servers import server_cores, server_env, shared_gpu
-from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, Watch, packed_buckets, push_all
+from megatron_rl.rollout.vllm.env import server_env
+from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, packed_buckets, push_all
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm, good_answer
 
@@ -94,7 +95,7 @@ def test_a_server_on_the_sender_s_gpu_is_found():
 def test_in_memory_sync_over_nccl_refuses_a_server_on_the_trainer_s_gpu(monkeypatch, tmp_path):
     """NCCL takes no two ranks of one group on one GPU: the first sync would fail, so the start-up
     refuses it, naming the field and the ways out."""
-    from megatron_rl.rollout.vllm import servers
+    from megatron_rl.rollout.vllm import env as servers
 
     monkeypatch.setattr(servers, "ensure_vllm_python", lambda python: "python")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -115,10 +116,10 @@ def test_in_memory_sync_over_nccl_refuses_a_server_on_the_trainer_s_gpu(monkeypa
 
 
 def test_each_launched_server_gets_devices_of_its_own():
-    assert [server_devices(None, k, 2, 3) for k in range(3)] == ["0,1", "2,3", "4,5"]
-    assert server_devices("4,5,6,7", 1, 2, 2) == "6,7"
-    with pytest.raises(UnsupportedError, match="num_servers=3 x tensor_parallel_size=2 needs 6 GPUs"):
-        server_devices("0,1,2,3", 0, 2, 3)
+    assert [server_devices(None, k, 2, 3, section="rollout.vllm") for k in range(3)] == ["0,1", "2,3", "4,5"]
+    assert server_devices("4,5,6,7", 1, 2, 2, section="rollout.vllm") == "6,7"
+    with pytest.raises(UnsupportedError, match="rollout.vllm.num_servers=3 x tensor_parallel_size=2 needs 6 GPUs"):
+        server_devices("0,1,2,3", 0, 2, 3, section="rollout.vllm")
 
 
 def test_each_launched_cpu_server_of_a_pool_computes_on_cores_of_its_own(monkeypatch):

@@ -20,9 +20,9 @@ from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.serving.errors import ParityError, UnsupportedError
 from megatron_rl.rollout.serving.http import HttpStatusError, request, request_json
+from megatron_rl.rollout.serving.probe import hf_reference
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from megatron_rl.rollout.vllm.probe import hf_reference
 from megatron_rl.rollout.vllm.protocol import GENERATE, generate_body
 from tests.vllm.conftest import HOLD_GUARD_S, ONE_PROCESS_ENGINE, hf_weights, push, tiny_arch
 

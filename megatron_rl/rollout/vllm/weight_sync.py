@@ -1,19 +1,18 @@
 """The weight syncs the vLLM engine takes, and making a server serve new weights from an HF model
-folder: one `WeightSync` backend per disk sync.
+folder: one disk receiver (serving/receivers.py DiskReceiver) per disk sync.
 
     sync.apply(server, model_dir, timeout, warmup)   # -> {"timing/vllm_reload": s} or {"timing/vllm_restart": s}
-    dirs = WeightDirs(keep=2); dirs.add(model_dir); dirs.prune(); dirs.clear()
 
 The folder comes from the trainer's weight transport (trainer/transport.py: `disk` writes it and
-hands it to VllmEngine.load_weights_from); the engine owns it from then on (`WeightDirs`: the
-newest `keep` stay, for restarts and the parity probe's reference).
+hands it to VllmEngine.load_weights_from); the engine owns it from then on (serving/receivers.py
+`WeightDirs`: the newest `keep` stay, for restarts and the parity probe's reference).
 
 TAKES, the rollout.weight_sync names it takes (rollout/registered.py registers each; the first is
 its default): "memory" (transfer.py), "reload" and "restart" (below). Backends:
 - `DiskReloadSync` (dense models; any device): vLLM's `reload_weights` collective RPC reads the
   new safetensors in place (VLLM_SERVER_DEV_MODE=1), then the prefix cache (KV computed with
   the old weights) is dropped. Both requests carry the server's key: the development endpoints
-  are open only to it (see launcher.py, Access). ~0.05 s for a tiny model on CPU, plus the write.
+  are open only to it (see serving/launcher.py, Access). ~0.05 s for a tiny model on CPU, plus the write.
 - `RestartSync` (MoE on CPU, from disk): vLLM's CPU backend reloads MoE experts wrongly in
   place from a folder (its CPU kernel keeps the experts it prepacked at the first load; the
   in-memory sync repacks them, see server_plugin/megatron_rl_vllm_gloo.py), so the server is
@@ -27,10 +26,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.serving.errors import ServingError, UnsupportedError
@@ -41,40 +38,6 @@ log = logging.getLogger("megatron_rl.rollout.vllm")
 
 TAKES = ("memory", "reload", "restart")
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
-
-
-class WeightDirs:
-    """The weight folders an engine was given, oldest first; all but the newest `keep` are deleted."""
-
-    def __init__(self, keep: int = 2):
-        self.keep = keep
-        self.dirs: list[str] = []
-
-    @property
-    def latest(self) -> str | None:
-        return self.dirs[-1] if self.dirs else None
-
-    def add(self, path: str) -> None:
-        self.dirs.append(path)
-
-    def prune(self) -> None:
-        while len(self.dirs) > self.keep:
-            shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
-
-    def clear(self) -> None:
-        for d in self.dirs:
-            shutil.rmtree(d, ignore_errors=True)
-        self.dirs = []
-
-
-class WeightSync(Protocol):
-    """Make a running server serve the weights in `model_dir`."""
-
-    def apply(self, server: ServerHandle, model_dir: str, timeout: float,
-              warmup: Callable[[], None]) -> dict[str, float]:
-        """The timings it measured (seconds, `timing/...`). Transport failures propagate (the
-        client restarts); `warmup` is the client's first-request check, for a backend that
-        starts a new server process."""
 
 
 class DiskReloadSync:

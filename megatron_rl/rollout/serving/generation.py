@@ -1,16 +1,17 @@
-"""A VllmEngine's requests as coroutines: their retries, failover, and a weight update in the middle.
+"""An engine's requests to its servers (any kind: its dialect; vLLM's VllmEngine) as coroutines: their
+retries, failover, and a weight update in the middle.
 
-    gen = Generation(arch, cfg, fleet, logprobs_mode, max_model_len, max_logprobs)   # fleet.dialect: the wire format
+    gen = Generation(arch, cfg, fleet, max_model_len, max_logprobs, check_sampling, decode_routed)  # fleet.dialect: the wire format
     samples = gen.generate(requests, version)      # one per rollout/types.py Request, in order (blocks)
     sample = await gen.sample(request, version)    # one request, from any event loop (rollout/requests.py)
     gen.abort() | gen.pause(); push the weights; gen.resume()       # trainer thread, while they run
 
 Requests. One token-in/token-out request per `Request` of the call (rollout/types.py; a generate()
 call's sample j of prompt i is request (i, j) of `requests_of`) in the servers' dialect
-(rollout/serving: its body, path, answer cap and parse; vLLM's `/inference/v1/generate`,
-protocol.py, by default), each with its own sampling settings: token ids in; token ids, per-token sampled
+(dialect.py: its body, path, answer cap and parse; vLLM's `/inference/v1/generate`,
+rollout/vllm/protocol.py), each with its own sampling settings: token ids in; token ids, per-token sampled
 log-probs and each token's weight version out. Each request is one coroutine on the engine's event
-loop (serving/loop.py: one thread for all of them) over async HTTP (serving/ahttp.py), placed by the pool when it
+loop (loop.py: one thread for all of them) over async HTTP (ahttp.py), placed by the pool when it
 may be sent (pool.py: least work in flight, prefix affinity) on a server with fewer than
 `max_concurrency` of this engine's requests in flight (the per-server bound); a server batches
 them (continuous batching). `generate` is one call of many requests, `sample` a call of one: each
@@ -34,8 +35,8 @@ sample, and raises the first request's error that is not retried (the others are
   unfinished samples are sent again at once (to the other servers; with one server, to it once
   it is back). `max_restarts` counts the restarts while calls run without a break.
 
-Control calls. Abort, pause and resume are the dialect's (rollout/serving: its abort_calls,
-pause_calls, resume_calls; vLLM's development endpoints by default, rollout/vllm/dialect.py), sent
+Control calls. Abort, pause and resume are the dialect's (its abort_calls, pause_calls,
+resume_calls; vLLM's development endpoints, rollout/vllm/dialect.py), sent
 on the requests' event loop over their HTTP session to every server at once, each with the
 request deadline (request_timeout_s); the trainer's thread waits for all of them.
 
@@ -55,7 +56,7 @@ weights are pushed, each sync labelling the server's weights with the trainer ve
 `resume()` drops the KV computed by the old weights (`/reset_prefix_cache?reset_running_requests
 =true`: the running requests are preempted, and recomputed from prompt + tokens so far on the
 new weights, one prefill each, as the embedded engine does) and lets them go on (`/resume`).
-Each answer's weight-version spans (protocol.py) give every token's version: the tokens before
+Each answer's weight-version spans (the dialect's parse) give every token's version: the tokens before
 the update carry the old one (Sample.token_versions). The call sees a pause only as slower
 requests.
 
@@ -82,6 +83,7 @@ import torch
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.serving import ahttp
+from megatron_rl.rollout.serving.config import ServingConfig
 from megatron_rl.rollout.serving.errors import (
     BadResponseError,
     RequestError,
@@ -89,15 +91,13 @@ from megatron_rl.rollout.serving.errors import (
     ServingError,
     UnsupportedError,
 )
+from megatron_rl.rollout.serving.fleet import Fleet
 from megatron_rl.rollout.serving.http import AnswerTooLarge, BadResponse, HttpStatusError, TransportError
 from megatron_rl.rollout.serving.loop import LoopThread
 from megatron_rl.rollout.serving.pool import READY, Replica
-from megatron_rl.rollout.types import Request, Sample, check_requests, stream_seed
-from megatron_rl.rollout.vllm.config import VllmConfig
-from megatron_rl.rollout.vllm.fleet import Fleet
-from megatron_rl.rollout.vllm.protocol import check_served, decode_routed_experts
+from megatron_rl.rollout.types import Request, Sample, SamplingParams, check_requests, stream_seed
 
-log = logging.getLogger("megatron_rl.rollout.vllm")
+log = logging.getLogger("megatron_rl.rollout.serving")
 
 
 class _Failed(Exception):
@@ -111,18 +111,26 @@ class _Failed(Exception):
 class Generation:
     """Sends requests and collects their samples (module docstring). The state below the loop
     line is the loop's: touched only by coroutines on it (the trainer thread goes through
-    `LoopThread.call`)."""
+    `LoopThread.call`).
 
-    def __init__(self, arch: ModelArch, cfg: VllmConfig, fleet: Fleet, logprobs_mode: str, max_model_len: int,
-                 max_logprobs: int):
+    What is the engine kind's own comes in with it: `check_sampling(sampling)` refuses settings
+    whose log-probs its servers do not return as the trainer needs them (UnsupportedError; vLLM's:
+    protocol.check_served under its log-prob mode), and `decode_routed(routed, tokens, topk)` turns
+    an answer's routed experts (Parsed.routed) into [tokens, topk] int (vLLM's:
+    protocol.decode_routed_experts; used when cfg.routed_experts)."""
+
+    def __init__(self, arch: ModelArch, cfg: ServingConfig, fleet: Fleet, max_model_len: int, max_logprobs: int,
+                 check_sampling: Callable[[SamplingParams], None] = lambda sampling: None,
+                 decode_routed: Callable[[str | None, int, int], torch.Tensor] | None = None):
         self.arch, self.cfg, self.fleet = arch, cfg, fleet
         self.dialect = fleet.dialect  # the servers' wire format: one for the engine
-        self.logprobs_mode, self.max_model_len, self.max_logprobs = logprobs_mode, max_model_len, max_logprobs
+        self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
+        self.check_sampling, self.decode_routed = check_sampling, decode_routed
         self.stats = fleet.stats
         self._start_lock = threading.Lock()
         self._loop: LoopThread | None = None  # started by the first request
         # the blocking checks of a failed request (alive(), fleet.lose): close() waits for them
-        self._fleet_work = ThreadPoolExecutor(len(fleet.replicas) + 1, thread_name_prefix="vllm-fleet")
+        self._fleet_work = ThreadPoolExecutor(len(fleet.replicas) + 1, thread_name_prefix="serving-fleet")
         # ---- the loop's
         self._session = None  # ahttp session, made on the loop
         self._open = asyncio.Event()  # set: calls may start (cleared from abort() / pause() to resume())
@@ -140,7 +148,7 @@ class Generation:
     def _started(self) -> LoopThread:
         with self._start_lock:
             if self._loop is None:
-                self._loop = LoopThread("vllm-requests")
+                self._loop = LoopThread("serving-requests")
                 self.fleet.pool.on_change.append(self._wake_threadsafe)
             return self._loop
 
@@ -250,7 +258,7 @@ class Generation:
                     answer = await ahttp.request_json(self._http(), server.url + call.path,
                                                       call.body if call.method == "POST" else None,
                                                       timeout=self.cfg.request_timeout_s, api_key=server.api_key,
-                                                      setting="rollout.vllm.request_timeout_s")
+                                                      setting=f"{self.cfg.section}.request_timeout_s")
                     self.dialect.read_control(call, answer)
             except (TransportError, HttpStatusError, BadResponse) as e:
                 return e
@@ -293,7 +301,7 @@ class Generation:
                 for t in tasks:
                     if not t.cancelled():
                         t.exception()  # retrieved: the call's one error is the abort
-                raise GenerationAborted("vLLM generation aborted for a weight update")
+                raise GenerationAborted(f"{self.dialect.name} generation aborted for a weight update")
             if failed:
                 raise failed[0].exception()
             return [t.result() for t in tasks]
@@ -310,7 +318,7 @@ class Generation:
 
     def _enter(self) -> None:
         if self._active == 0:
-            self.fleet.call_restarts = 0  # rollout.vllm.max_restarts counts per burst of calls
+            self.fleet.call_restarts = 0  # max_restarts counts per burst of calls
             self._burst = (time.perf_counter(), [r.tokens for r in self.fleet.replicas])
             self._idle.clear()
             self._watch = asyncio.ensure_future(self._watchdog())
@@ -346,20 +354,20 @@ class Generation:
         tries, bad, backoff = 0, 0, self.cfg.retry_backoff_s
         while True:
             if self._aborting:
-                raise GenerationAborted("vLLM generation aborted for a weight update")
+                raise GenerationAborted(f"{self.dialect.name} generation aborted for a weight update")
             try:
                 return await self._one(request, policy_version)
             except _Failed as failed:
                 e = failed.error
                 if self._aborting:  # ended by the abort (finish_reason "abort"): not a fault
-                    raise GenerationAborted("vLLM generation aborted for a weight update") from None
+                    raise GenerationAborted(f"{self.dialect.name} generation aborted for a weight update") from None
                 if isinstance(e, TransportError) and await self._lost(failed.replica, failed.epoch, e):
                     self.stats["vllm/retries"] += 1
                     continue
                 if isinstance(e, HttpStatusError) and e.status < 500:
-                    hint = (" (a server at a URL must run with --enable-scale-out, which mounts the token-in/"
-                            "token-out endpoint)" if e.status in (403, 404) else "")
-                    raise RequestError(f"the vLLM server refused sample {request.stream}: {e}{hint}",
+                    hint = (f" (a server at a URL must serve {self.dialect.name}'s token-in/token-out endpoint "
+                            f"{self.dialect.generate_path})" if e.status in (403, 404) else "")
+                    raise RequestError(f"the {self.dialect.name} server refused sample {request.stream}: {e}{hint}",
                                        e.status) from None
                 if isinstance(e, BadResponse):
                     self.stats["vllm/bad_responses"] += 1
@@ -411,7 +419,7 @@ class Generation:
         it is placed, or told that no server can serve, only once it could be sent."""
         while True:
             if self._aborting:
-                raise GenerationAborted("vLLM generation aborted for a weight update")
+                raise GenerationAborted(f"{self.dialect.name} generation aborted for a weight update")
             if sum(self._slots.values()) >= self.cfg.max_concurrency * len(self._slots):
                 await self._changes(None)  # every slot taken: the pool is asked once one frees
                 continue
@@ -423,12 +431,12 @@ class Generation:
             none_ready = not self.fleet.pool.ready()
             timeout = self.cfg.startup_timeout_s if none_ready else None
             if not await self._changes(timeout) and not self.fleet.pool.ready():
-                raise ServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
+                raise ServerDiedError(f"no {self.dialect.name} server of the pool became ready within {timeout:g} s")
 
     async def _one(self, request: Request, policy_version: int) -> Sample:
         prompt, sampling, (i, j) = list(request.prompt_ids), request.sampling, request.stream
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
-        routed = self.arch.num_layers * self.arch.moe_topk if self.cfg.enable_return_routed_experts else 0
+        routed = self.arch.num_layers * self.arch.moe_topk if self.cfg.routed_experts else 0
         dialect = self.dialect
         cap = dialect.answer_cap(len(prompt), sampling, num_logprobs, routed)
         work = len(prompt) + sampling.max_tokens
@@ -439,7 +447,7 @@ class Generation:
         try:
             resp = await ahttp.request_json(self._http(), server.url + dialect.generate_path, body,
                                             timeout=self.cfg.request_timeout_s, api_key=server.api_key,
-                                            max_bytes=cap, setting="rollout.vllm.request_timeout_s")
+                                            max_bytes=cap, setting=f"{self.cfg.section}.request_timeout_s")
             out = dialect.parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len,
                                          num_logprobs)
         except AnswerTooLarge as e:
@@ -455,8 +463,8 @@ class Generation:
             self._wake()
         self.fleet.pool.add_tokens(replica, len(out.ids), [*prompt, *out.ids.tolist()])
         routed_experts = None
-        if self.cfg.enable_return_routed_experts:
-            routed_experts = decode_routed_experts(out.routed, len(prompt) + len(out.ids) - 1, self.arch.moe_topk)
+        if self.cfg.routed_experts:
+            routed_experts = self.decode_routed(out.routed, len(prompt) + len(out.ids) - 1, self.arch.moe_topk)
         versions = out.versions
         mixed = versions is not None and bool((versions != versions[0]).any())
         return Sample(prompt_ids=torch.tensor(prompt, dtype=torch.long), response_ids=out.ids,
@@ -467,18 +475,18 @@ class Generation:
 
     def _check_args(self, requests: Sequence[Request]) -> None:
         if not self.fleet.started:
-            raise ServingError("the vLLM engine has no weights yet: call load_weights_from() first (the server starts "
-                               "on the first weights it is given)")
+            raise ServingError(f"the {self.dialect.name} engine has no weights yet: call load_weights_from() first (the "
+                               f"server starts on the first weights it is given)")
         check_requests(list(requests), self.arch.vocab_size)
         for k, r in enumerate(requests):
             if len(r.prompt_ids) + r.sampling.max_tokens > self.max_model_len:
                 raise ValueError(f"request {k}: prompt of {len(r.prompt_ids)} tokens + max_tokens="
                                  f"{r.sampling.max_tokens} exceeds max_model_len={self.max_model_len} "
-                                 f"(rollout.vllm.max_model_len)")
+                                 f"({self.cfg.section}.max_model_len)")
             if r.sampling.return_kept_ids and self.max_logprobs < 1:
-                raise UnsupportedError("return_kept_ids needs rollout.vllm.max_logprobs >= 1")
+                raise UnsupportedError(f"return_kept_ids needs {self.cfg.section}.max_logprobs >= 1")
         for sampling in {r.sampling for r in requests}:
-            check_served(self.logprobs_mode, sampling, self.arch.vocab_size)
+            self.check_sampling(sampling)
 
     def close(self) -> None:
         """Stop the requests still running and the loop's thread."""
