@@ -21,6 +21,10 @@ out, and when none is left ServerDiedError (the trainer checkpoints and stops). 
 restart once `stopping()` is true (the run got SIGTERM or Ctrl-C): ServerDiedError. The settings
 come as ServingConfig (config.py); a message names them in the engine's section (`cfg.section`).
 
+The fleet holds the engine's request loop (loop.py RequestLoop): the warm-up and the routing check
+after a start are requests on it, as are generation.py's and updates.py's; a thread that needs one
+waits for its answer.
+
 Cost: a start or restart is a model load on that server (~50 s for a tiny model on a 2-core
 CPU), plus one warm-up request of 2 tokens; the background restarts use one thread per server.
 """
@@ -44,7 +48,8 @@ from megatron_rl.rollout.serving.errors import (
     ServerStartError,
     UnsupportedError,
 )
-from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError, TransportError, request_json
+from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError, TransportError
+from megatron_rl.rollout.serving.loop import RequestLoop
 from megatron_rl.rollout.serving.pool import DOWN, FAILED, READY, STALE, Replica, ServerPool
 from megatron_rl.rollout.serving.receivers import WeightDirs
 from megatron_rl.rollout.types import SamplingParams
@@ -60,6 +65,9 @@ class Fleet:
                  stopping: Callable[[], bool], dialect: Dialect):
         self.arch, self.cfg, self.root, self.pool = arch, cfg, root, pool
         self.dialect = dialect  # the servers' kind: the warm-up request's body and path
+        # the engine's request loop and HTTP session (loop.py): the warm-up and routing checks here,
+        # generation.py's requests and control calls, updates.py's labels and probes
+        self.requests = RequestLoop("serving-requests")
         # The trainer's stop flag. A server that dies once the run is stopping is not restarted:
         # SLURM signals every process of a job step, this server too, and a restart (a model
         # load) would outlast the grace period before SIGKILL that the trainer needs to save.
@@ -134,7 +142,8 @@ class Fleet:
         server = replica.server
         body = self.dialect.generate_body(server.model_name, [0, 1], SamplingParams(max_tokens=2), seed=0)
         try:
-            request_json(server.url + self.dialect.generate_path, body, timeout=self.cfg.startup_timeout_s, api_key=server.api_key)
+            self.requests.call(self.requests.json(server.url + self.dialect.generate_path, body,
+                                                  timeout=self.cfg.startup_timeout_s, api_key=server.api_key))
         except (TransportError, HttpStatusError, BadResponse) as e:
             tail = server.log_tail(400)
             hint = ""
@@ -150,9 +159,10 @@ class Fleet:
         server = replica.server
         sampling = SamplingParams(max_tokens=2)
         body = self.dialect.generate_body(server.model_name, [0, 1], sampling, seed=0)
-        out = request_json(server.url + self.dialect.generate_path, body, timeout=self.cfg.request_timeout_s,
-                           api_key=server.api_key, max_bytes=self.dialect.answer_cap(
-                               2, sampling, routed_values=self.arch.num_layers * self.arch.moe_topk))
+        cap = self.dialect.answer_cap(2, sampling, routed_values=self.arch.num_layers * self.arch.moe_topk)
+        out = self.requests.call(self.requests.json(server.url + self.dialect.generate_path, body,
+                                                    timeout=self.cfg.request_timeout_s, api_key=server.api_key,
+                                                    max_bytes=cap))
         try:  # the answer as the generate requests read it (the dialect's parse: its routed experts)
             routed, why = self.dialect.parse_generate(out, 2, sampling, self.arch.vocab_size).routed, ""
         except BadResponse as e:
@@ -251,8 +261,10 @@ class Fleet:
             replica.server.stop(graceful=False)
 
     def close(self) -> None:
-        """Stop the servers (if ours) and their in-memory syncs, and delete the weight folders."""
+        """Stop the request loop, the servers (if ours) and their in-memory syncs, and delete the
+        weight folders."""
         self.closed = True
+        self.requests.close()
         for r in self.replicas:
             if r.memory is not None:
                 r.memory.close()

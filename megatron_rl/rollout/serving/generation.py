@@ -11,7 +11,7 @@ call's sample j of prompt i is request (i, j) of `requests_of`) in the servers' 
 (dialect.py: its body, path, answer cap and parse; vLLM's `/inference/v1/generate`,
 rollout/vllm/protocol.py), each with its own sampling settings: token ids in; token ids, per-token sampled
 log-probs and each token's weight version out. Each request is one coroutine on the engine's event
-loop (loop.py: one thread for all of them) over async HTTP (ahttp.py), placed by the pool when it
+loop (loop.py RequestLoop, held by the fleet: one thread for all of them) over async HTTP (ahttp.py), placed by the pool when it
 may be sent (pool.py: least work in flight, prefix affinity) on a server with fewer than
 `max_concurrency` of this engine's requests in flight (the per-server bound); a server batches
 them (continuous batching). `generate` is one call of many requests, `sample` a call of one: each
@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -82,7 +81,6 @@ import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.pausing import GenerationAborted
-from megatron_rl.rollout.serving import ahttp
 from megatron_rl.rollout.serving.config import ServingConfig
 from megatron_rl.rollout.serving.errors import (
     BadResponseError,
@@ -93,7 +91,7 @@ from megatron_rl.rollout.serving.errors import (
 )
 from megatron_rl.rollout.serving.fleet import Fleet
 from megatron_rl.rollout.serving.http import AnswerTooLarge, BadResponse, HttpStatusError, TransportError
-from megatron_rl.rollout.serving.loop import LoopThread
+from megatron_rl.rollout.serving.loop import LoopThread, RequestLoop
 from megatron_rl.rollout.serving.pool import READY, Replica
 from megatron_rl.rollout.types import Request, Sample, SamplingParams, check_requests, stream_seed
 
@@ -127,12 +125,11 @@ class Generation:
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
         self.check_sampling, self.decode_routed = check_sampling, decode_routed
         self.stats = fleet.stats
-        self._start_lock = threading.Lock()
-        self._loop: LoopThread | None = None  # started by the first request
+        self.requests: RequestLoop = fleet.requests  # the engine's request loop and HTTP session (fleet.py's)
+        fleet.pool.on_change.append(self._wake_threadsafe)
         # the blocking checks of a failed request (alive(), fleet.lose): close() waits for them
         self._fleet_work = ThreadPoolExecutor(len(fleet.replicas) + 1, thread_name_prefix="serving-fleet")
         # ---- the loop's
-        self._session = None  # ahttp session, made on the loop
         self._open = asyncio.Event()  # set: calls may start (cleared from abort() / pause() to resume())
         self._open.set()
         self._aborting = False  # set by abort(): the calls running end with GenerationAborted
@@ -146,15 +143,14 @@ class Generation:
 
     # ---- the loop -------------------------------------------------------------------------------
     def _started(self) -> LoopThread:
-        with self._start_lock:
-            if self._loop is None:
-                self._loop = LoopThread("serving-requests")
-                self.fleet.pool.on_change.append(self._wake_threadsafe)
-            return self._loop
+        return self.requests.started()
 
     def _wake_threadsafe(self) -> None:
+        loop = self.requests.running
+        if loop is None:  # not started yet (nobody waits), or closed
+            return
         try:
-            self._loop.loop.call_soon_threadsafe(self._wake)
+            loop.loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the loop is closed: nobody waits
             pass
 
@@ -181,7 +177,7 @@ class Generation:
         with self.fleet.lock:
             self.stats["vllm/aborts"] = self.stats.get("vllm/aborts", 0) + 1
         self._abort_servers()
-        self._loop.call(self._idle.wait())
+        self._started().call(self._idle.wait())
 
     async def _hold(self, abort: bool) -> bool:
         """No call starts until resume(); with `abort`, the running ones end. -> whether any runs."""
@@ -255,7 +251,7 @@ class Generation:
             server = replica.server
             try:
                 for call in calls:
-                    answer = await ahttp.request_json(self._http(), server.url + call.path,
+                    answer = await self.requests.json(server.url + call.path,
                                                       call.body if call.method == "POST" else None,
                                                       timeout=self.cfg.request_timeout_s, api_key=server.api_key,
                                                       setting=f"{self.cfg.section}.request_timeout_s")
@@ -265,12 +261,6 @@ class Generation:
             return None
 
         return list(await asyncio.gather(*(one(r, calls) for r, calls in sends)))
-
-    def _http(self):
-        """The loop's HTTP session (made on first use, on the loop)."""
-        if self._session is None:
-            self._session = ahttp.session()
-        return self._session
 
     # ---- calls ----------------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], version: Callable[[], int]) -> list[Sample]:
@@ -445,7 +435,7 @@ class Generation:
         epoch, server = replica.epoch, replica.server
         body = dialect.generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
         try:
-            resp = await ahttp.request_json(self._http(), server.url + dialect.generate_path, body,
+            resp = await self.requests.json(server.url + dialect.generate_path, body,
                                             timeout=self.cfg.request_timeout_s, api_key=server.api_key,
                                             max_bytes=cap, setting=f"{self.cfg.section}.request_timeout_s")
             out = dialect.parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len,
@@ -489,9 +479,7 @@ class Generation:
             self.check_sampling(sampling)
 
     def close(self) -> None:
-        """Stop the requests still running and the loop's thread."""
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            session = self._session
-            loop.close(session.close() if session is not None else None)
+        """Stop the requests still running and the loop's thread (the engine's request loop: closed
+        for the fleet too)."""
+        self.requests.close()
         self._fleet_work.shutdown(wait=True)  # a restart it began has started (fleet.close stops it)

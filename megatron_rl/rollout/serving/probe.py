@@ -21,7 +21,8 @@ import torch
 
 from megatron_rl.rollout.serving.dialect import Dialect
 from megatron_rl.rollout.serving.errors import ProbeError
-from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError, request_json
+from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError
+from megatron_rl.rollout.serving.loop import RequestLoop
 
 Reference = Callable[[list[int]], torch.Tensor]
 
@@ -95,16 +96,17 @@ class StreamedReference:
         self.loader.finish()
 
 
-def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,
-                    api_key: str | None = None, *, dialect: Dialect, section: str) -> torch.Tensor:
-    """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t]), by its dialect's scoring request.
+async def server_logprobs(requests: RequestLoop, url: str, model: str, tokens: list[int], timeout: float,
+                          api_key: str | None = None, *, dialect: Dialect, section: str) -> torch.Tensor:
+    """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t]), by its dialect's scoring request,
+    awaited on the engine's request loop (`requests`, loop.py).
     ProbeError, naming the server and the cause, when it refuses the probe or answers without
     usable log-probs; a server that does not answer raises http.TransportError (dead or hung: the
     caller's case). section: where the engine's settings live (messages name its fields)."""
     call = dialect.score_call(model, tokens)
     try:
-        answer = request_json(url + call.path, call.body if call.method == "POST" else None, timeout=timeout,
-                              api_key=api_key, max_bytes=dialect.score_cap(len(tokens)),
+        answer = await requests.json(url + call.path, call.body if call.method == "POST" else None, timeout=timeout,
+                                     api_key=api_key, max_bytes=dialect.score_cap(len(tokens)),
                               setting=f"{section}.request_timeout_s")
         return dialect.parse_score(answer, tokens)
     except HttpStatusError as e:
@@ -120,10 +122,12 @@ def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,
                          f"{section}.probe_every=0 turns it off") from None
 
 
-def probe_diff(url: str, model: str, tokens: list[int], reference: Reference, timeout: float,
+def probe_diff(requests: RequestLoop, url: str, model: str, tokens: list[int], reference: Reference, timeout: float,
                api_key: str | None = None, *, dialect: Dialect, section: str) -> float:
-    """max |server - reference| over the probe's log-probs (`api_key`: the server's key)."""
-    got = server_logprobs(url, model, tokens, timeout, api_key, dialect=dialect, section=section)
+    """max |server - reference| over the probe's log-probs (`api_key`: the server's key): the
+    server's by a request on the engine's loop, the reference's here, in the calling thread."""
+    got = requests.call(server_logprobs(requests, url, model, tokens, timeout, api_key, dialect=dialect,
+                                        section=section))
     want = reference(tokens).float().reshape(-1)
     if want.shape != got.shape:
         raise ValueError(f"reference gave {tuple(want.shape)} log-probs for {len(tokens)} tokens, expected "

@@ -22,7 +22,9 @@ paused and its probe waits for `after_resume()`: a paused server answers nothing
 Every sync labels each server's weights with the trainer version (vLLM's weight version: the
 in-memory sync's finish sets it, a reload is followed by the dialect's version_label, vLLM's
 /update_weight_version), so each answer says which version made each token (vLLM: protocol.py).
-A restarted server starts unlabelled.
+A restarted server starts unlabelled. The label and the probe's
+scoring request are requests on the engine's loop (fleet.requests, loop.py); the probe's reference
+runs in the calling thread.
 
 Cost: per sync, each server loads the whole model (disk: from the folder, all servers at once;
 memory: the bytes once per server worker through the trainer, the push) and answers
@@ -39,7 +41,7 @@ from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.serving.config import ServingConfig
 from megatron_rl.rollout.serving.errors import ParityError, ServerDiedError, ServingError
 from megatron_rl.rollout.serving.fleet import Fleet
-from megatron_rl.rollout.serving.http import HttpStatusError, TransportError, request_json
+from megatron_rl.rollout.serving.http import HttpStatusError, TransportError
 from megatron_rl.rollout.serving.pool import FAILED, READY, STALE, Replica
 from megatron_rl.rollout.serving.probe import (
     Reference,
@@ -163,8 +165,10 @@ class WeightUpdates:
                                       lambda: self.fleet.warmup(replica))
             label = self.fleet.dialect.version_label(version)  # reloaded in place: the tokens from now on
             if "timing/vllm_restart" not in timings and label is not None:  # are `version`'s
-                request_json(replica.server.url + label.path, label.body if label.method == "POST" else None,
-                             timeout=self.cfg.request_timeout_s, api_key=replica.server.api_key)
+                requests = self.fleet.requests  # on the engine's request loop
+                requests.call(requests.json(replica.server.url + label.path, label.body if label.method == "POST"
+                                            else None, timeout=self.cfg.request_timeout_s,
+                                            api_key=replica.server.api_key))
         except (TransportError, HttpStatusError) as e:
             return self._sync_failed(replica, model_dir, e)
         if "timing/vllm_restart" in timings:  # RestartSync: a new process
@@ -213,7 +217,8 @@ class WeightUpdates:
         """The parity probe on one server (one scoring request: cheap enough for each)."""
         tokens = probe_tokens(self.arch.vocab_size, min(self.cfg.probe_tokens, self.max_model_len - 1))
         server = replica.server
-        diff = probe_diff(server.url, server.model_name, tokens, reference, self.cfg.request_timeout_s,
+        diff = probe_diff(self.fleet.requests, server.url, server.model_name, tokens, reference,
+                          self.cfg.request_timeout_s,
                           api_key=server.api_key, dialect=self.fleet.dialect, section=self.cfg.section)
         replica.extra["probe_max_abs_diff"] = diff
         tol = self.cfg.probe_tolerance

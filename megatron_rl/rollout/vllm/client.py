@@ -41,7 +41,6 @@ from megatron_rl.rollout.serving.handle import ServerHandle
 from megatron_rl.rollout.serving.pool import Replica, ServerPool
 from megatron_rl.rollout.serving.probe import Reference
 from megatron_rl.rollout.serving.receivers import WeightDirs
-from megatron_rl.rollout.serving.servers import server_devices
 from megatron_rl.rollout.serving.updates import WeightUpdates
 from megatron_rl.rollout.types import Request, Sample, SamplingParams, check_prompts, grouped, requests_of
 from megatron_rl.rollout.vllm.config import VllmConfig
@@ -51,7 +50,7 @@ from megatron_rl.rollout.vllm.protocol import check_served, decode_routed_expert
 from megatron_rl.rollout.vllm.transfer import backend_for, nccl_needs_vllm, push_all
 from megatron_rl.rollout.vllm.weight_sync import TAKES, check_supported
 
-__all__ = ["VllmEngine", "server_devices"]
+__all__ = ["VllmEngine"]
 
 
 class VllmEngine:
