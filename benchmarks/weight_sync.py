@@ -210,10 +210,10 @@ def run_cuda(args, tmp: str) -> tuple[str, str]:
     import torch
     import weight_sync_runs as runs
 
-    from megatron_rl.rollout.vllm.servers import server_devices
+    from megatron_rl.rollout.serving.servers import server_devices
 
     archs = [cut_preset(name, args.layers) for name in args.preset]
-    server_gpu = server_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), 1, 1, 2)  # the trainer takes the first
+    server_gpu = server_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), 1, 1, 2, section="rollout.vllm")  # the trainer takes the first
     share = args.gpu_memory_utilization or "vLLM's default"
     lines = [CUDA_TITLE, "", _setting(args, runs.machine(), f"trainer on GPU 0, vLLM {_version('vllm')} server on "
                                       f"GPU {server_gpu} (share {share}), bf16, nccl"), ""]

@@ -9,8 +9,8 @@ import pytest
 from megatron_rl.data.envs import ENVS, Environment, Step, register_env
 from megatron_rl.data.types import Example
 from megatron_rl.model.presets import preset_arch
+from megatron_rl.rollout.serving.errors import ServingError
 from megatron_rl.rollout.vllm.env import ensure_vllm_python
-from megatron_rl.rollout.vllm.errors import VllmError
 
 # The environment of the tests' launched CPU servers (VllmConfig.env; a pretrain_rl.py run's servers
 # inherit its environment): the model runs inside vLLM's EngineCore process (the "uni" executor)
@@ -96,7 +96,7 @@ def fault_after_first_answer(monkeypatch, fault, url: str | None = None) -> thre
 def vllm_python():
     try:
         return ensure_vllm_python()
-    except VllmError as e:
+    except ServingError as e:
         pytest.skip(str(e))
 
 

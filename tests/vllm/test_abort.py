@@ -9,8 +9,9 @@ import threading
 import pytest
 
 from megatron_rl.rollout.pausing import GenerationAborted
+from megatron_rl.rollout.serving.errors import ServerDiedError, UnsupportedError
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError, VllmUnsupportedError
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 
@@ -155,7 +156,7 @@ def test_a_server_that_cannot_pause_is_refused_naming_why_and_the_engine_is_not_
     fake.refused.add("/pause?mode=keep&clear_cache=false")  # VLLM_SERVER_DEV_MODE=0
     thread, outcome = generate_in_background(engine)
     assert fake.hanging.wait(GUARD_S)
-    with pytest.raises(VllmUnsupportedError, match="refused to pause .*VLLM_SERVER_DEV_MODE=1"):
+    with pytest.raises(UnsupportedError, match="refused to pause .*VLLM_SERVER_DEV_MODE=1"):
         engine.pause()
     hold.clear()
     fake.release_hung()
@@ -175,13 +176,13 @@ def test_a_failed_sync_while_paused_ends_the_frozen_requests_and_never_resumes_t
     assert fake.hanging.wait(GUARD_S)
     engine.pause()
     fake.refused.add("/collective_rpc")  # the reload fails: the server is left half updated
-    with pytest.raises(VllmServerDiedError, match="weight sync to .* failed"):
+    with pytest.raises(ServerDiedError, match="weight sync to .* failed"):
         push(engine, weights, 4)
     engine.abort()
     engine.resume()
     thread.join(GUARD_S)
     assert isinstance(outcome.get("error"), GenerationAborted), outcome
     assert fake.posts[-1] == "/pause?mode=abort&clear_cache=false" and "/resume" not in fake.posts
-    with pytest.raises(VllmServerDiedError, match="no vLLM server of the pool can serve"):
+    with pytest.raises(ServerDiedError, match="no vLLM server of the pool can serve"):
         engine.generate(PROMPTS, 1, SAMPLING)
     engine.close()

@@ -8,16 +8,15 @@ import threading
 
 import pytest
 
+from megatron_rl.rollout.serving.errors import (
+    BadResponseError,
+    RequestError,
+    ServerDiedError,
+    ServerStartError,
+)
 from megatron_rl.rollout.serving.http import HttpStatusError, request
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import (
-    VllmBadResponseError,
-    VllmConfig,
-    VllmEngine,
-    VllmRequestError,
-    VllmServerDiedError,
-    VllmStartError,
-)
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm
 
@@ -78,7 +77,7 @@ def test_good_answers_make_samples_keyed_by_prompt_and_sample(tmp_path, weights)
 ])
 def test_bad_answers_are_retried_then_raise_the_named_error(tmp_path, weights, corrupt, why):
     engine, fake = make_engine(tmp_path, weights, behaviour=lambda body, answer: corrupt(answer), max_retries=2)
-    with pytest.raises(VllmBadResponseError, match=why) as info:
+    with pytest.raises(BadResponseError, match=why) as info:
         engine.generate([[4, 5]], 1, SAMPLING)
     assert len(fake.requests) == 3 and info.value.count == 3  # first try + 2 retries, all counted
     assert engine.stats()["vllm/bad_responses"] == 3
@@ -102,7 +101,7 @@ def test_nan_json_literal_is_rejected(tmp_path, weights):
         return json.dumps(answer).replace("-1.0", "NaN", 1).encode()
 
     engine, _ = make_engine(tmp_path, weights, behaviour=nan_answer, max_retries=0)
-    with pytest.raises(VllmBadResponseError, match="not finite"):
+    with pytest.raises(BadResponseError, match="not finite"):
         engine.generate([[4, 5]], 1, SAMPLING)
     engine.close()
 
@@ -135,7 +134,7 @@ def test_transient_bad_answers_and_5xx_are_retried_and_counted(tmp_path, weights
 
 def test_4xx_is_not_retried(tmp_path, weights):
     engine, fake = make_engine(tmp_path, weights, behaviour=lambda body, answer: 400)
-    with pytest.raises(VllmRequestError, match="refused"):
+    with pytest.raises(RequestError, match="refused"):
         engine.generate([[4, 5]], 1, SAMPLING)
     assert len(fake.requests) == 1
     engine.close()
@@ -187,7 +186,7 @@ def test_hung_server_is_restarted(tmp_path, weights):
 
 def test_restarts_are_bounded(tmp_path, weights):
     engine, fake = make_engine(tmp_path, weights, behaviour=lambda body, answer: "drop", max_restarts=2)
-    with pytest.raises(VllmServerDiedError, match="after 2 restarts"):
+    with pytest.raises(ServerDiedError, match="after 2 restarts"):
         engine.generate(PROMPTS, 1, SAMPLING)
     assert fake.restarts == 2
     engine.close()
@@ -203,10 +202,10 @@ def test_no_restart_once_the_run_is_stopping(tmp_path, weights):
     engine.stopping = lambda: bool(stopping)
     assert len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
     stopping.append("SIGTERM")
-    with pytest.raises(VllmServerDiedError, match="not restarted: the run is stopping"):
+    with pytest.raises(ServerDiedError, match="not restarted: the run is stopping"):
         engine.generate(PROMPTS, 1, SAMPLING)
     fake.stop()
-    with pytest.raises(VllmServerDiedError, match="not restarted: the run is stopping"):
+    with pytest.raises(ServerDiedError, match="not restarted: the run is stopping"):
         push(engine, weights, 4)
     assert fake.restarts == 0 and engine.stats()["vllm/restarts"] == 0
     engine.close()
@@ -224,7 +223,7 @@ def test_a_server_dead_at_the_weight_sync_is_restarted_on_the_new_weights(tmp_pa
 def test_max_restarts_bounds_the_weight_sync_too(tmp_path, weights):
     engine, fake = make_engine(tmp_path, weights, max_restarts=0)
     fake.stop()
-    with pytest.raises(VllmServerDiedError, match="max_restarts=0 allows no restart"):
+    with pytest.raises(ServerDiedError, match="max_restarts=0 allows no restart"):
         push(engine, weights, 4)
     assert fake.restarts == 0 and engine.policy_version == 3
     engine.close()
@@ -251,9 +250,9 @@ def test_a_server_at_a_url_takes_its_key_from_the_config_or_the_environment(tmp_
     options = {"url": fake.url, "warmup": False, "probe_every": 0, "health_timeout_s": 120.0}
     try:
         monkeypatch.delenv("MEGATRON_RL_VLLM_API_KEY", raising=False)
-        with pytest.raises(VllmStartError, match="refused a request without an API key.*MEGATRON_RL_VLLM_API_KEY"):
+        with pytest.raises(ServerStartError, match="refused a request without an API key.*MEGATRON_RL_VLLM_API_KEY"):
             push(VllmEngine(ARCH, VllmConfig(**options), str(tmp_path), weight_sync="reload"), weights, 0)
-        with pytest.raises(VllmStartError, match="refused the API key we sent"):
+        with pytest.raises(ServerStartError, match="refused the API key we sent"):
             push(VllmEngine(ARCH, VllmConfig(**options, api_key="wrong"), str(tmp_path), weight_sync="reload"), weights, 0)
         cfg = VllmConfig(**options, api_key=fake.api_key)
         assert fake.api_key not in repr(cfg)
@@ -281,7 +280,7 @@ def test_a_server_at_a_url_is_used_but_never_restarted(tmp_path, weights):
     push(engine, weights, 0)
     assert engine.server.model_name == "fake" and len(engine.generate(PROMPTS, 1, SAMPLING)) == 3
     fake.behaviour = lambda body, answer: "drop"
-    with pytest.raises(VllmServerDiedError, match="cannot be restarted"):
+    with pytest.raises(ServerDiedError, match="cannot be restarted"):
         engine.generate(PROMPTS, 1, SAMPLING)
     assert fake.restarts == 0
     engine.close()

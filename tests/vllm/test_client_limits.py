@@ -5,14 +5,9 @@ would take minutes where the deadline is 1 s)."""
 import pytest
 import torch
 
+from megatron_rl.rollout.serving.errors import BadResponseError, ProbeError, ServerDiedError
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import (
-    VllmBadResponseError,
-    VllmConfig,
-    VllmEngine,
-    VllmProbeError,
-    VllmServerDiedError,
-)
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.protocol import generate_answer_cap
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FLOOD_BYTES, HANG_GUARD_S, FakeVllm
@@ -44,7 +39,7 @@ def test_a_trickling_server_is_taken_out_at_the_request_deadline(tmp_path, weigh
                                max_restarts=1, max_concurrency=1)
     push(engine, weights, 3)
     try:
-        with pytest.raises(VllmServerDiedError, match=r"within rollout\.vllm\.request_timeout_s=1 s") as info:
+        with pytest.raises(ServerDiedError, match=r"within rollout\.vllm\.request_timeout_s=1 s") as info:
             engine.generate([[4, 5]], 1, SAMPLING)
         assert "connect to last byte" in str(info.value)
         assert fake.restarts == 1  # taken out once, restarted, and hung again
@@ -61,7 +56,7 @@ def test_an_answer_past_the_cap_is_refused_after_reading_at_most_the_cap(tmp_pat
     push(engine, weights, 3)
     cap = generate_answer_cap(2, SAMPLING, 0)
     try:
-        with pytest.raises(VllmBadResponseError, match=f"larger than {cap} bytes") as info:
+        with pytest.raises(BadResponseError, match=f"larger than {cap} bytes") as info:
             engine.generate([[4, 5]], 1, SAMPLING)
         assert "max_tokens=6" in str(info.value)
         assert fake.flood_ended.wait(HANG_GUARD_S)
@@ -84,7 +79,7 @@ def test_a_probe_refused_for_non_finite_log_probs_says_the_probe_failed(tmp_path
     out_of_range = b'{"error": {"message": "Out of range float values are not JSON compliant", "code": 400}}'
     engine, fake = _probe_engine(tmp_path, weights, lambda body: (400, out_of_range))
     try:
-        with pytest.raises(VllmProbeError) as info:
+        with pytest.raises(ProbeError) as info:
             push(engine, weights, 3)
         message = str(info.value)
         assert "parity probe" in message and fake.url in message and "HTTP 400" in message
@@ -97,7 +92,7 @@ def test_a_probe_answer_without_prompt_logprobs_says_the_probe_failed(tmp_path, 
     answer = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
     engine, fake = _probe_engine(tmp_path, weights, lambda body: answer)
     try:
-        with pytest.raises(VllmProbeError) as info:
+        with pytest.raises(ProbeError) as info:
             push(engine, weights, 3)
         message = str(info.value)
         assert "parity probe" in message and fake.url in message and "prompt_logprobs missing" in message

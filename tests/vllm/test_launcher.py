@@ -17,10 +17,11 @@ import time
 
 import pytest
 
+from megatron_rl.rollout.serving.errors import ServerStartError, ServingError
 from megatron_rl.rollout.serving.http import HttpStatusError, request
-from megatron_rl.rollout.vllm.env import detect_device, find_vllm_python
-from megatron_rl.rollout.vllm.errors import VllmError, VllmStartError
-from megatron_rl.rollout.vllm.launcher import ENV_API_KEY, LocalServer, reserve_port
+from megatron_rl.rollout.serving.launcher import reserve_port
+from megatron_rl.rollout.vllm.config import ENV_API_KEY
+from megatron_rl.rollout.vllm.env import detect_device, find_vllm_python, local_server
 
 pytestmark = pytest.mark.vllm
 
@@ -65,8 +66,8 @@ def fake_vllm(tmp_path_factory):
 
 
 def server(fake_vllm, tmp_path, mode="ok", timeout=DEADLINE):
-    return LocalServer(sys.executable, ["--mode", mode], {"PYTHONPATH": fake_vllm}, str(tmp_path / "server.log"),
-                       startup_timeout_s=timeout, health_timeout_s=DEADLINE)
+    return local_server(sys.executable, ["--mode", mode], {"PYTHONPATH": fake_vllm}, str(tmp_path / "server.log"),
+                        startup_timeout_s=timeout, health_timeout_s=DEADLINE)
 
 
 def _state(pid: int) -> tuple[str, int] | None:
@@ -165,11 +166,11 @@ def test_the_port_is_held_until_the_server_listens(fake_vllm, tmp_path):
 
 
 def test_start_failure_and_timeout_raise_with_the_log(fake_vllm, tmp_path):
-    with pytest.raises(VllmStartError, match="no such model"):
+    with pytest.raises(ServerStartError, match="no such model"):
         server(fake_vllm, tmp_path, mode="crash").start(str(tmp_path))
     # a server that never answers: the start-up timeout under test, not a race (it cannot win)
     s = server(fake_vllm, tmp_path, mode="never", timeout=2.0)
-    with pytest.raises(VllmStartError, match="not healthy after 2 s"):
+    with pytest.raises(ServerStartError, match="not healthy after 2 s"):
         s.start(str(tmp_path))
     assert s.proc is None
 
@@ -216,8 +217,8 @@ import os, signal, sys, time
 # runners): then no Ctrl-C would reach us. Install it explicitly, as an interactive run has it.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {repo!r})
-from megatron_rl.rollout.vllm.launcher import LocalServer
-s = LocalServer(sys.executable, [], {{"PYTHONPATH": {fake!r}}}, {log!r})
+from megatron_rl.rollout.vllm.env import local_server
+s = local_server(sys.executable, [], {{"PYTHONPATH": {fake!r}}}, {log!r})
 s.start(".")
 print(s.pid, flush=True)  # the handlers (atexit, SIGTERM, SIGINT) are in place by now
 if {how!r} == "exit":
@@ -268,7 +269,7 @@ def test_environment_discovery(tmp_path, monkeypatch):
     assert detect_device(str(venv / "bin" / "python")) == "cpu"
     monkeypatch.setenv("MEGATRON_RL_VLLM_PYTHON", str(venv / "bin" / "python"))
     assert find_vllm_python() == str(venv / "bin" / "python")
-    with pytest.raises(VllmError, match="does not exist"):
+    with pytest.raises(ServingError, match="does not exist"):
         find_vllm_python(str(tmp_path / "nope"))
 
 

@@ -18,15 +18,16 @@ from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.data.types import Example
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
+from megatron_rl.rollout.serving.errors import ServerDiedError, UnsupportedError
 from megatron_rl.rollout.serving.http import TransportError
+from megatron_rl.rollout.serving.pool import DOWN, FAILED, READY, Replica, ServerPool
+from megatron_rl.rollout.serving.receivers import Watch
+from megatron_rl.rollout.serving.servers import server_cores, server_devices, shared_gpu
 from megatron_rl.rollout.types import Request, SamplingParams, stream_seed
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmServerDiedError
-from megatron_rl.rollout.vllm.client import server_devices
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
-from megatron_rl.rollout.vllm.pool import DOWN, FAILED, READY, Replica, ServerPool
-from megatron_rl.rollout.vllm.servers import server_cores, server_env, shared_gpu
-from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, Watch, packed_buckets, push_all
+from megatron_rl.rollout.vllm.env import server_env
+from megatron_rl.rollout.vllm.transfer import BACKENDS, MemorySync, packed_buckets, push_all
 from tests.vllm.conftest import hf_weights, push, tiny_arch
 from tests.vllm.fake_server import FakeVllm, good_answer
 
@@ -60,7 +61,7 @@ def test_placement_takes_the_ready_server_with_least_work_in_flight():
 
 
 def test_placement_waits_for_a_server_coming_back_and_fails_when_none_can():
-    pool = ServerPool([Replica(0, _Handle(), state=DOWN), Replica(1, _Handle(), state=FAILED, why="gone")])
+    pool = ServerPool([Replica(0, _Handle(), state=DOWN), Replica(1, _Handle(), state=FAILED, why="gone")], kind="vLLM")
     got = []
     waiter = threading.Thread(target=lambda: got.append(pool.serving(1, 600.0).__enter__().index))
     waiter.start()
@@ -68,7 +69,7 @@ def test_placement_waits_for_a_server_coming_back_and_fails_when_none_can():
     waiter.join(600.0)
     assert got == [0]
     pool.set_state(pool.replicas[0], FAILED, "restart failed")
-    with pytest.raises(VllmServerDiedError, match="no vLLM server of the pool can serve.*restart failed"):
+    with pytest.raises(ServerDiedError, match="no vLLM server of the pool can serve.*restart failed"):
         pool.serving(1, 600.0).__enter__()
 
 
@@ -94,31 +95,31 @@ def test_a_server_on_the_sender_s_gpu_is_found():
 def test_in_memory_sync_over_nccl_refuses_a_server_on_the_trainer_s_gpu(monkeypatch, tmp_path):
     """NCCL takes no two ranks of one group on one GPU: the first sync would fail, so the start-up
     refuses it, naming the field and the ways out."""
-    from megatron_rl.rollout.vllm import servers
+    from megatron_rl.rollout.vllm import env as servers
 
     monkeypatch.setattr(servers, "ensure_vllm_python", lambda python: "python")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     nccl = BACKENDS["nccl"]
-    with pytest.raises(VllmUnsupportedError, match=r"weight_sync=memory with CUDA .* one GPU \(0\).*weight_sync=reload"):
+    with pytest.raises(UnsupportedError, match=r"weight_sync=memory with CUDA .* one GPU \(0\).*weight_sync=reload"):
         servers.make_servers(ARCH, VllmConfig(), "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)
     own = VllmConfig(env={"CUDA_VISIBLE_DEVICES": "1"})
     launched, device = servers.make_servers(ARCH, own, "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)
     assert device == "cuda" and len(launched) == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4")  # the trainer's device 0 is physical 2
-    with pytest.raises(VllmUnsupportedError, match=r"vLLM server 0 on one GPU \(2\)"):  # server k: k-th of 2,3,4
+    with pytest.raises(UnsupportedError, match=r"vLLM server 0 on one GPU \(2\)"):  # server k: k-th of 2,3,4
         servers.make_servers(ARCH, VllmConfig(num_servers=2), "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8,
                              trainer_gpu=0)
     pool = VllmConfig(num_servers=2, env={"CUDA_VISIBLE_DEVICES": "3,4"})  # servers 0 and 1 on 3 and 4
     assert len(servers.make_servers(ARCH, pool, "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=0)[0]) == 2
-    with pytest.raises(VllmUnsupportedError, match=r"vLLM server 1 on one GPU \(4\)"):
+    with pytest.raises(UnsupportedError, match=r"vLLM server 1 on one GPU \(4\)"):
         servers.make_servers(ARCH, pool, "memory", str(tmp_path), "cuda", nccl, 64, "raw_logprobs", 8, trainer_gpu=2)
 
 
 def test_each_launched_server_gets_devices_of_its_own():
-    assert [server_devices(None, k, 2, 3) for k in range(3)] == ["0,1", "2,3", "4,5"]
-    assert server_devices("4,5,6,7", 1, 2, 2) == "6,7"
-    with pytest.raises(VllmUnsupportedError, match="num_servers=3 x tensor_parallel_size=2 needs 6 GPUs"):
-        server_devices("0,1,2,3", 0, 2, 3)
+    assert [server_devices(None, k, 2, 3, section="rollout.vllm") for k in range(3)] == ["0,1", "2,3", "4,5"]
+    assert server_devices("4,5,6,7", 1, 2, 2, section="rollout.vllm") == "6,7"
+    with pytest.raises(UnsupportedError, match="rollout.vllm.num_servers=3 x tensor_parallel_size=2 needs 6 GPUs"):
+        server_devices("0,1,2,3", 0, 2, 3, section="rollout.vllm")
 
 
 def test_each_launched_cpu_server_of_a_pool_computes_on_cores_of_its_own(monkeypatch):
@@ -223,7 +224,7 @@ def test_a_server_that_may_not_restart_stays_out_and_the_pool_fails_when_none_is
     assert "cannot be restarted by us" in engine.replicas[1].why
     a.can_restart = False
     a.behaviour = lambda body, answer: "drop"
-    with pytest.raises(VllmServerDiedError, match="cannot be restarted by us"):
+    with pytest.raises(ServerDiedError, match="cannot be restarted by us"):
         engine.generate(PROMPTS, 1, SAMPLING)
     engine.close()
 

@@ -18,10 +18,11 @@ from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.function import RolloutFnInputs
 from megatron_rl.rollout.multi_turn import MultiTurn
 from megatron_rl.rollout.pausing import GenerationAborted
+from megatron_rl.rollout.serving.errors import ParityError, UnsupportedError
 from megatron_rl.rollout.serving.http import HttpStatusError, request, request_json
+from megatron_rl.rollout.serving.probe import hf_reference
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError, VllmUnsupportedError
-from megatron_rl.rollout.vllm.probe import hf_reference
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.protocol import GENERATE, generate_body
 from tests.vllm.conftest import HOLD_GUARD_S, ONE_PROCESS_ENGINE, hf_weights, push, tiny_arch
 
@@ -99,7 +100,7 @@ def test_stop_tokens_end_the_response(engine):
 
 
 def test_temperature_needs_the_matching_logprobs_mode(engine):
-    with pytest.raises(VllmUnsupportedError, match="raw_logprobs has no temperature"):
+    with pytest.raises(UnsupportedError, match="raw_logprobs has no temperature"):
         engine.generate(PROMPTS, 1, SamplingParams(temperature=0.7, max_tokens=4))
 
 
@@ -160,7 +161,7 @@ def test_parity_probe_catches_a_server_on_other_weights(engine, models, tmp_path
     save_hf_checkpoint(str(tmp_path / "b"), ARCH, weights_b)
     engine.reference = hf_reference(str(tmp_path / "b"))  # a reference that disagrees with what we sync
     try:
-        with pytest.raises(VllmParityError, match="not running the exported weights") as info:
+        with pytest.raises(ParityError, match="not running the exported weights") as info:
             push(engine, weights_a, 3)
         assert info.value.max_abs_diff > 0.1
     finally:

@@ -15,12 +15,13 @@ import torch
 
 from megatron_rl.rollout.pausing import GenerationAborted
 from megatron_rl.rollout.serving import DIALECTS, Control, Parsed
+from megatron_rl.rollout.serving.errors import ParityError
 from megatron_rl.rollout.serving.http import BadResponse
+from megatron_rl.rollout.serving.launcher import LocalServer
+from megatron_rl.rollout.serving.pool import READY
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmParityError
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.launcher import LocalServer
-from megatron_rl.rollout.vllm.pool import READY
 from tests.vllm.conftest import hf_weights, push
 from tests.vllm.fake_server import FakeVllm
 from tests.vllm.test_abort import GUARD_S, generate_in_background
@@ -253,7 +254,7 @@ def test_the_toy_s_abort_pause_and_resume_reach_both_servers_at_once(tmp_path, w
 
 def test_the_parity_probe_asks_the_toy_s_scoring(tmp_path, weights, toy):
     """After each sync the probe scores its tokens through /toy/score (never vLLM's /v1/completions)
-    and compares them with the reference: equal, the sync passes; 0.25 off, VllmParityError."""
+    and compares them with the reference: equal, the sync passes; 0.25 off, ParityError."""
     score = {"logprob": -1.0}
     routes, _ = _routes()
     routes["/toy/score"] = lambda body: {"logprobs": [score["logprob"]] * (len(body["input_ids"]) - 1)}
@@ -264,7 +265,7 @@ def test_the_parity_probe_asks_the_toy_s_scoring(tmp_path, weights, toy):
     push(engine, weights, 3)
     assert engine.stats()["vllm/probe_max_abs_diff"] == 0.0 and "/toy/score" in fake.posts
     score["logprob"] = -1.25
-    with pytest.raises(VllmParityError, match="differ from the reference by 0.25"):
+    with pytest.raises(ParityError, match="differ from the reference by 0.25"):
         push(engine, weights, 4)
     assert fake.posts.count("/toy/score") == 2 and "/v1/completions" not in fake.posts
     engine.close()

@@ -20,7 +20,7 @@ An entry is an object that has every member of `Dialect` (checked when it is reg
 Control. A pause freezes the server's running requests in place (requests that arrive meanwhile
 queue), a resume lets them go on after new weights came in (on those weights), an abort ends them
 (each answer comes back, marked aborted). Each is a short list of `Control` calls the layer sends
-in order to one server, every server at once (rollout/vllm/generation.py); `read_control` raises
+in order to one server, every server at once (generation.py); `read_control` raises
 BadResponse for an answer that says the call did not take. A server that answers a control call
 with HTTP 4xx cannot do it (`control_hint` says what it needs): a refused pause stops the run, a
 refused abort lets the requests run to their end.
@@ -149,13 +149,15 @@ class Dialect(Protocol):
         ...
 
     def memory_receiver(self, server, backend, bucket_bytes: int, host: str):
-        """One server's in-memory receiver (weight_sync=memory): what push_all drives, with open /
-        close per server process (rollout/vllm/transfer.py: MemorySync)."""
+        """One server's in-memory receiver (weight_sync=memory; receivers.py Receiver): what the
+        engine's push drives, with open / close per server process (vLLM's: rollout/vllm/transfer.py
+        MemorySync, pushed by transfer.push_all)."""
         ...
 
     def disk_receiver(self, weight_sync: str):
         """What makes a running server serve an HF folder for `weight_sync` ("reload" | "restart"):
-        apply(server, model_dir, timeout, warmup) -> timings (rollout/vllm/weight_sync.py: WeightSync)."""
+        apply(server, model_dir, timeout, warmup) -> timings (receivers.py DiskReceiver; vLLM's:
+        rollout/vllm/weight_sync.py)."""
         ...
 
     def version_label(self, version: int) -> Control | None:
@@ -164,8 +166,8 @@ class Dialect(Protocol):
         ...
 
     def score_call(self, model: str, tokens: list[int]) -> Control:
-        """The request scoring fixed `tokens` (the parity probe after a weight sync, rollout/vllm/
-        probe.py): log p(tokens[t] | tokens[:t]) at temperature 1, nothing sampled that matters."""
+        """The request scoring fixed `tokens` (the parity probe after a weight sync, probe.py):
+        log p(tokens[t] | tokens[:t]) at temperature 1, nothing sampled that matters."""
         ...
 
     def score_cap(self, num_tokens: int) -> int:

@@ -1,4 +1,4 @@
-"""What the serving layer needs of one server, launched or at a URL (rollout/vllm/launcher.py:
+"""What the serving layer needs of one server, launched or at a URL (serving/launcher.py:
 LocalServer, RemoteServer; tests/vllm/fake_server.py). Here, below the servers and their dialects,
 so that a dialect's weight receivers can name it without importing the launcher.
 

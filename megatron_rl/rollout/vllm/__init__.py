@@ -2,30 +2,23 @@
 
 vLLM runs as a separate OpenAI-compatible server process (its own environment: it pins its own
 torch build; `tools/install_vllm_cpu.sh` makes the CPU lane's `.venv-vllm`), and the trainer
-talks to it over HTTP on 127.0.0.1. What any HTTP inference server needs (launching, health,
-keys, HTTP, the pool, failover) reads the server's kind from a dialect (rollout/serving/: which
-of the modules below are engine-agnostic and which are vLLM's own; HTTP, the event loop and
-prefix affinity already live there):
+talks to it over HTTP on 127.0.0.1. Launching, health, keys, HTTP, the pool, failover, restarts,
+the parity probe, generation and the order of pause, weight update and resume are the engine-agnostic
+serving layer's (rollout/serving/); vLLM is what plugs into it:
 
-    config.py       VllmConfig (`rollout.vllm` in a run config)
-    env.py          finding / installing the vLLM environment, its device
-    launcher.py     LocalServer (child process, health, stop on exit) / RemoteServer (a URL)
-    protocol.py     request bodies, answer size caps, strict answer validation, log-prob mode semantics
     dialect.py      VllmDialect: vLLM's flags and command line, protocol.py's requests, its pause / resume /
                     abort calls, its weight receivers (transfer.py, weight_sync.py) and the probe's scoring,
-                    behind the serving layer's Dialect (rollout/serving/); rollout.vllm.dialect picks the
-                    engine's, passed to servers, fleet, generation, updates
-    client.py       VllmEngine: the RolloutEngine contract, a facade over the next four
-    servers.py      the servers as configured: flags, environment, devices
-    pool.py         ServerPool: several servers, least-loaded placement (prefix affinity:
-                    rollout/serving/affinity.py), each one's state
-    fleet.py        starting the servers, taking a failed one out and restarting it, the counters
-    generation.py   requests as coroutines: retries, failover, abort / pause for a weight update
-    updates.py      weight syncs into the servers and the parity probe after each
-    transfer.py     MemorySync: in-memory weight sync over vLLM's weight-transfer API (default)
+                    behind the serving layer's Dialect; rollout.vllm.dialect picks the engine's
+    protocol.py     request bodies, answer size caps, strict answer validation, log-prob mode semantics
+    config.py       VllmConfig (`rollout.vllm` in a run config); VllmConfig.serving(): what the serving
+                    layer reads of it (serving/config.py ServingConfig)
+    transfer.py     MemorySync, push_all: in-memory weight sync over vLLM's weight-transfer API (default)
     weight_sync.py  the weight syncs it takes (TAKES); DiskReloadSync, RestartSync of a weights folder; the refusals
+    env.py          finding / installing the vLLM environment, its device; its launched servers (flags,
+                    environment, devices, server_plugin/ on PYTHONPATH, the key's variables)
     server_plugin/  code the server imports: the bearer-key middleware, the gloo transfer engine
-    probe.py        the post-sync parity probe
+    client.py       VllmEngine: the RolloutEngine contract, assembling the above with the serving layer
+    judge.py        the judge reward's server (launched like a rollout server, or at a URL)
 
     VLLM                                               # its ENGINES entry (rollout/registered.py)
 """
@@ -39,16 +32,6 @@ from megatron_rl.rollout.engine import EngineRequest, EngineSpec
 from megatron_rl.rollout.serving import DIALECTS
 from megatron_rl.rollout.vllm.client import VllmEngine
 from megatron_rl.rollout.vllm.config import VllmConfig
-from megatron_rl.rollout.vllm.errors import (
-    VllmBadResponseError,
-    VllmError,
-    VllmParityError,
-    VllmProbeError,
-    VllmRequestError,
-    VllmServerDiedError,
-    VllmStartError,
-    VllmUnsupportedError,
-)
 from megatron_rl.rollout.vllm.protocol import server_logprobs_mode
 from megatron_rl.rollout.vllm.weight_sync import TAKES
 
@@ -140,8 +123,4 @@ VLLM = EngineSpec(make=make_vllm_engine, settings=VllmConfig, max_len=_max_len, 
                   in_flight_updates=("wait", "pause", "abort"), no_in_flight=_no_in_flight, check=_check)
 
 
-__all__ = [
-    "VLLM", "VllmBadResponseError", "VllmConfig", "VllmEngine", "VllmError",
-    "VllmParityError", "VllmProbeError", "VllmRequestError", "VllmServerDiedError", "VllmStartError", "VllmUnsupportedError",
-    "make_vllm_engine", "resolve_config",
-]
+__all__ = ["VLLM", "VllmConfig", "VllmEngine", "make_vllm_engine", "resolve_config"]

@@ -9,16 +9,20 @@
     engine.stats()   # {"vllm/restarts": 0, "vllm/retries": 0, "vllm/bad_responses": 0, ...}
     engine.close()
 
-A facade over the modules that do the work, one job each:
+It assembles vLLM's parts (its dialect, its config as the serving layer's ServingConfig, its
+weight receivers, its environment) with the engine-agnostic serving layer (rollout/serving/),
+whose modules do the work, one job each:
 
-    servers.py     the servers as configured: flags, environment, devices (nothing starts)
-    pool.py        which server takes the next request; each server's state and counters
-    fleet.py       starting the servers, taking a failed one out and restarting it; the counters
-    generation.py  requests as coroutines: retries, failover, abort or pause for a weight update
-    updates.py     weight syncs (memory / disk) and the parity probe after them
+    env.py (here)          the servers as configured: flags, environment, devices (nothing starts)
+    serving/pool.py        which server takes the next request; each server's state and counters
+    serving/fleet.py       starting the servers, taking a failed one out and restarting it; the counters
+    serving/generation.py  requests as coroutines: retries, failover, abort or pause for a weight update
+    serving/updates.py     weight syncs (memory: transfer.push_all / disk) and the parity probe after them
 
 Servers. `rollout.vllm.num_servers` launched ones or the `urls` given (pool.py): every sync
 reaches each of them, and each request goes to the ready one with the least work in flight.
+
+Cost: the serving layer's (generation.py, updates.py); building it is O(servers).
 """
 from __future__ import annotations
 
@@ -30,21 +34,23 @@ import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.serving.dialect import Dialect
+from megatron_rl.rollout.serving.errors import UnsupportedError
+from megatron_rl.rollout.serving.fleet import Fleet
+from megatron_rl.rollout.serving.generation import Generation
+from megatron_rl.rollout.serving.handle import ServerHandle
+from megatron_rl.rollout.serving.pool import Replica, ServerPool
+from megatron_rl.rollout.serving.probe import Reference
+from megatron_rl.rollout.serving.receivers import WeightDirs
+from megatron_rl.rollout.serving.updates import WeightUpdates
 from megatron_rl.rollout.types import Request, Sample, SamplingParams, check_prompts, grouped, requests_of
 from megatron_rl.rollout.vllm.config import VllmConfig
 from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
-from megatron_rl.rollout.vllm.fleet import Fleet
-from megatron_rl.rollout.vllm.generation import Generation
-from megatron_rl.rollout.vllm.launcher import ServerHandle
-from megatron_rl.rollout.vllm.pool import Replica, ServerPool
-from megatron_rl.rollout.vllm.probe import Reference
-from megatron_rl.rollout.vllm.servers import make_servers, server_devices
-from megatron_rl.rollout.vllm.transfer import backend_for, nccl_needs_vllm
-from megatron_rl.rollout.vllm.updates import WeightUpdates
-from megatron_rl.rollout.vllm.weight_sync import TAKES, WeightDirs, check_supported
+from megatron_rl.rollout.vllm.env import make_servers
+from megatron_rl.rollout.vllm.protocol import check_served, decode_routed_experts
+from megatron_rl.rollout.vllm.transfer import backend_for, nccl_needs_vllm, push_all
+from megatron_rl.rollout.vllm.weight_sync import TAKES, check_supported
 
-__all__ = ["VllmEngine", "server_devices"]
+__all__ = ["VllmEngine"]
 
 
 class VllmEngine:
@@ -68,7 +74,7 @@ class VllmEngine:
         receivers (default vLLM's, rollout/vllm/dialect.py).
 
     Configurations that would give wrong numbers are refused here, before anything starts
-    (VllmUnsupportedError): MoE + in-place reload on CPU, routed experts (R3) on CPU. The servers
+    (UnsupportedError): MoE + in-place reload on CPU, routed experts (R3) on CPU. The servers
     start at the first sync, on those weights.
 
     Cost: one request per sample spread over the servers, a coroutine each on one event loop
@@ -91,7 +97,7 @@ class VllmEngine:
         # with CUDA the trainer drives vLLM's own nccl engine: refused before anything starts
         self.backend = backend_for(torch.cuda.is_available()) if weight_sync == "memory" else None
         if self.backend is not None and self.backend.name == "nccl" and importlib.util.find_spec("vllm") is None:
-            raise VllmUnsupportedError(nccl_needs_vllm())
+            raise UnsupportedError(nccl_needs_vllm())
         self.cfg = cfg
         self.root = os.path.join(run_dir, "vllm")
         self.logprobs_mode = "raw_logprobs" if cfg.logprobs_mode == "auto" else cfg.logprobs_mode
@@ -109,11 +115,14 @@ class VllmEngine:
         for s in servers:
             check_supported(arch, weight_sync, self.device, cfg.enable_return_routed_experts, s.can_restart)
         pool = ServerPool([Replica(k, s, dialect.memory_receiver(s, self.backend, cfg.bucket_bytes, cfg.transfer_host)
-                                   if self.backend else None) for k, s in enumerate(servers)], cfg.affinity)
-        self.fleet = Fleet(arch, cfg, self.root, pool, stopping, dialect)
-        self.generation = Generation(arch, cfg, self.fleet, self.logprobs_mode, self.max_model_len,
-                                     self.max_logprobs)
-        self.updates = WeightUpdates(arch, cfg, weight_sync, self.fleet, self.backend, self.max_model_len)
+                                   if self.backend else None) for k, s in enumerate(servers)], cfg.affinity, dialect.name)
+        serving = cfg.serving()  # what the serving layer reads of rollout.vllm
+        self.fleet = Fleet(arch, serving, self.root, pool, stopping, dialect)
+        self.generation = Generation(arch, serving, self.fleet, self.max_model_len, self.max_logprobs,
+                                     check_sampling=lambda s: check_served(self.logprobs_mode, s, arch.vocab_size),
+                                     decode_routed=decode_routed_experts)
+        self.updates = WeightUpdates(arch, serving, weight_sync, self.fleet, push_all if self.backend else None,
+                                     self.max_model_len)
 
     @property
     def max_len(self) -> int:
@@ -149,8 +158,8 @@ class VllmEngine:
         """Stream HF checkpoint-format (name, tensor) pairs into every server (weight_sync=memory,
         transfer.py; the first call starts them on random weights; a server restarted since the
         last sync (STALE) is included, and READY after it), probe parity on each against the
-        same stream, then set policy_version. Raises VllmParityError when a probe differs by more
-        than the tolerance, VllmServerDiedError when the transfer fails (the servers are left
+        same stream, then set policy_version. Raises ParityError when a probe differs by more
+        than the tolerance, ServerDiedError when the transfer fails (the servers are left
         paused and half updated: the run stops)."""
         self.updates.update_weights(named_tensors, version, self.reference)
         self.policy_version = version
@@ -159,8 +168,8 @@ class VllmEngine:
         """Make every server serve the HF folder `model_dir` (start them on the first one; then
         reload in place or restart, as weight_sync says, all at once; a server that is down
         is restarted on it), probe parity on each against the reference, then set
-        policy_version. The engine owns the folder from now on. Raises VllmParityError when a
-        probe differs by more than the tolerance; VllmServerDiedError when no server took it."""
+        policy_version. The engine owns the folder from now on. Raises ParityError when a
+        probe differs by more than the tolerance; ServerDiedError when no server took it."""
         self.updates.load_weights_from(model_dir, version, self.reference)
         self.policy_version = version
 
@@ -198,7 +207,7 @@ class VllmEngine:
 
     def resume(self) -> None:
         """After abort() or pause(): calls start again and frozen requests go on; then the parity
-        probe of a sync made while paused (VllmParityError)."""
+        probe of a sync made while paused (ParityError)."""
         self.generation.resume()
         self.updates.after_resume()
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from megatron_rl import checks
 from megatron_rl.rollout.engine import weight_sync
+from megatron_rl.rollout.serving.config import ServingConfig
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -26,6 +27,7 @@ _SECRET = re.compile(r"(^|-)(token|key|secret|password|passwd)$", re.IGNORECASE)
 # rollout.vllm.bucket_bytes' ceiling: a tensor larger than a bucket is sent alone, so a bucket past a
 # few GiB only saves HTTP round trips, while the trainer and every server worker hold one
 MAX_BUCKET_BYTES = 16 << 30
+ENV_API_KEY = "MEGATRON_RL_VLLM_API_KEY"  # a url server's key when api_key is unset; a launched server's middleware reads it
 
 
 def _flag(arg: str) -> str:
@@ -330,6 +332,20 @@ class VllmConfig:
             elif "dict" in kinds and not (isinstance(value, dict) and all(map(_scalar, value.values()))):
                 raise ValueError(f"{where}={value!r}: must be a mapping of names to values, e.g. "
                                  f"{{HF_TOKEN: ...}}")
+
+    def serving(self) -> ServingConfig:
+        """What the serving layer reads of this section (serving/config.py): the servers, their
+        health, restarts, requests, weight folders and parity probe; the probe's tolerance resolved
+        for `dtype`, the key of a url server from api_key or $MEGATRON_RL_VLLM_API_KEY."""
+        return ServingConfig(
+            section="rollout.vllm", urls=tuple(self.server_urls), api_key=self.api_key or os.environ.get(ENV_API_KEY) or None,
+            num_servers=self.num_servers, dtype=self.dtype, routed_experts=self.enable_return_routed_experts,
+            warmup=self.warmup, startup_timeout_s=self.startup_timeout_s, health_timeout_s=self.health_timeout_s,
+            health_interval_s=self.health_interval_s, request_timeout_s=self.request_timeout_s,
+            sync_timeout_s=self.sync_timeout_s, max_concurrency=self.max_concurrency, max_retries=self.max_retries,
+            retry_backoff_s=self.retry_backoff_s, max_restarts=self.max_restarts,
+            keep_weight_dirs=self.keep_weight_dirs, probe_every=self.probe_every, probe_tokens=self.probe_tokens,
+            probe_tolerance=self.tolerance(self.dtype))
 
     def resolved_dtype(self, rollout_dtype: str | None) -> str:
         """The vLLM --dtype: this field, or rollout.dtype's vLLM name when it is "auto"."""

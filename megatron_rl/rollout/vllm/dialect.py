@@ -27,8 +27,8 @@ from megatron_rl.rollout.vllm.config import VllmConfig
 
 if TYPE_CHECKING:  # the receivers' modules, imported where used (not needed to launch or send requests)
     from megatron_rl.rollout.serving.handle import ServerHandle
+    from megatron_rl.rollout.serving.receivers import DiskReceiver
     from megatron_rl.rollout.vllm.transfer import Backend, MemorySync
-    from megatron_rl.rollout.vllm.weight_sync import WeightSync
 
 AUTH_MIDDLEWARE = "megatron_rl_vllm_auth.RequireBearerKey"  # server_plugin/: the bearer key on every path
 
@@ -118,7 +118,7 @@ class VllmDialect:
 
         return MemorySync(server, backend, bucket_bytes, host)
 
-    def disk_receiver(self, weight_sync: str) -> WeightSync:
+    def disk_receiver(self, weight_sync: str) -> DiskReceiver:
         from megatron_rl.rollout.vllm.weight_sync import DiskReloadSync, RestartSync
 
         return RestartSync() if weight_sync == "restart" else DiskReloadSync()

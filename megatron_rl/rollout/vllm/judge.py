@@ -18,10 +18,10 @@ whole answer within judge.timeout_s (TransportError: the deadline covers the who
 answer larger than JUDGE_MAX_BYTES is cut off (AnswerTooLarge). A batch's requests run concurrently,
 at most judge.max_in_flight at once (the server batches them), so a batch of B items takes about
 B / max_in_flight round trips; one slow answer holds one slot, never the others. The requests are
-coroutines on the judge's own event loop (serving/loop.py's LoopThread, async HTTP: serving/ahttp.py), one thread
+coroutines on the judge's own event loop (serving/loop.py's RequestLoop, async HTTP: serving/ahttp.py), one thread
 for the judge whatever max_in_flight is; score_batch waits for them from any thread.
 
-A launched judge runs like a rollout server (launcher.py: its own API key, its log in
+A launched judge runs like a rollout server (serving/launcher.py: its own API key, its log in
 <run_dir>/judge/server.log, stopped with the run) on judge.model (an HF folder with its tokenizer),
 with judge.dtype and judge.max_model_len; judge.url is a server someone else runs (its key in
 $MEGATRON_RL_JUDGE_API_KEY).
@@ -36,11 +36,10 @@ import math
 import os
 import re
 
-from megatron_rl.rollout.serving import ahttp
-from megatron_rl.rollout.serving.loop import LoopThread
-from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python
-from megatron_rl.rollout.vllm.errors import VllmStartError
-from megatron_rl.rollout.vllm.launcher import HOST, LocalServer, RemoteServer
+from megatron_rl.rollout.serving.errors import ServerStartError
+from megatron_rl.rollout.serving.launcher import HOST, LocalServer, RemoteServer
+from megatron_rl.rollout.serving.loop import RequestLoop
+from megatron_rl.rollout.vllm.env import detect_device, ensure_vllm_python, local_server
 
 ENV_JUDGE_KEY = "MEGATRON_RL_JUDGE_API_KEY"
 JUDGE_MAX_BYTES = 1 << 20  # an answer of max_tokens tokens is far smaller
@@ -58,11 +57,12 @@ class Judge:
         self.pattern = re.compile(section.pattern)
         if section.url:
             self.server = RemoteServer(section.url.rstrip("/"), section.timeout_s,
-                                       api_key=os.environ.get(ENV_JUDGE_KEY) or None)
+                                       api_key=os.environ.get(ENV_JUDGE_KEY) or None, kind="vLLM",
+                                       key_hint=f"${ENV_JUDGE_KEY}")
             try:
                 self.server.start(None)  # healthy, and the model it serves
-            except VllmStartError as e:
-                raise VllmStartError(f"judge.url: {e} (the judge's key goes in ${ENV_JUDGE_KEY})") from None
+            except ServerStartError as e:
+                raise ServerStartError(f"judge.url: {e} (the judge's key goes in ${ENV_JUDGE_KEY})") from None
         else:
             python = ensure_vllm_python(section.python)
             env = {"VLLM_HOST_IP": HOST}
@@ -70,11 +70,10 @@ class Judge:
                 env["VLLM_CPU_KVCACHE_SPACE"] = "1"
             args = ["--dtype", section.dtype, "--max-model-len", str(section.max_model_len), "--enforce-eager",
                     "--max-num-seqs", str(section.max_in_flight), "--seed", "0"]
-            self.server = LocalServer(python, args, env, os.path.join(run_dir, "judge", "server.log"),
-                                      section.startup_timeout_s, section.timeout_s)
+            self.server = local_server(python, args, env, os.path.join(run_dir, "judge", "server.log"),
+                                       section.startup_timeout_s, section.timeout_s)
             self.server.start(section.model)
-        self._loop = LoopThread("judge-requests")
-        self._session = None  # made on the loop by the first request (aiohttp sessions belong to one loop)
+        self._requests = RequestLoop("judge-requests")  # its HTTP session is made on the loop by the first request
 
     # ---- the reward -------------------------------------------------------------------------------
     def __call__(self, prompt: str, response: str, label: str) -> float:
@@ -87,11 +86,9 @@ class Judge:
     def score_batch(self, items: list[tuple[str, str, str]]) -> list[float | Exception]:
         """Every item's score, or the exception that left it without one, in order; concurrently,
         at most judge.max_in_flight requests at a time."""
-        return self._loop.call(self._score_all(items))
+        return self._requests.call(self._score_all(items))
 
     async def _score_all(self, items: list[tuple[str, str, str]]) -> list[float | Exception]:
-        if self._session is None:
-            self._session = ahttp.session()
         slots = asyncio.Semaphore(self.cfg.max_in_flight)
 
         async def one(prompt: str, response: str, label: str) -> float:
@@ -104,18 +101,14 @@ class Judge:
         text = self.cfg.template.format(prompt=prompt, response=response, label=label)
         body = {"model": self.server.model_name, "prompt": text, "max_tokens": self.cfg.max_tokens,
                 "temperature": self.cfg.temperature, "seed": 0}
-        answer = await ahttp.request_json(self._session, self.server.url + "/v1/completions", body,
-                                          timeout=self.cfg.timeout_s, api_key=self.server.api_key,
-                                          max_bytes=JUDGE_MAX_BYTES, setting="judge.timeout_s")
+        answer = await self._requests.json(self.server.url + "/v1/completions", body, timeout=self.cfg.timeout_s,
+                                           api_key=self.server.api_key, max_bytes=JUDGE_MAX_BYTES,
+                                           setting="judge.timeout_s")
         return parse_score(answer_text(answer), self.pattern, self.cfg.scale)
 
     def close(self) -> None:
         """Cancel requests still running, close the HTTP session and the loop, stop a launched server."""
-        async def close_session():
-            if self._session is not None:
-                await self._session.close()
-
-        self._loop.close(last=close_session())
+        self._requests.close()
         if isinstance(self.server, LocalServer):
             self.server.stop()
 

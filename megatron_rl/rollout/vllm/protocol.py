@@ -33,9 +33,9 @@ import math
 import torch
 
 from megatron_rl.rollout.serving.dialect import Parsed
+from megatron_rl.rollout.serving.errors import UnsupportedError
 from megatron_rl.rollout.serving.http import BadResponse
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm.errors import VllmUnsupportedError
 
 _DROPPED = -9000.0  # vLLM writes -inf log-probs as -9999.0 in JSON
 
@@ -56,13 +56,13 @@ def serves(server_mode: str, sampling: SamplingParams, vocab_size: int) -> bool:
 
 
 def check_served(server_mode: str, sampling: SamplingParams, vocab_size: int) -> None:
-    """Raise VllmUnsupportedError when the server cannot report what `sampling` asks for."""
+    """Raise UnsupportedError when the server cannot report what `sampling` asks for."""
     if sampling.return_kept_ids and server_mode != "processed_logprobs":
-        raise VllmUnsupportedError(
+        raise UnsupportedError(
             "return_kept_ids needs a server with --logprobs-mode processed_logprobs (the kept set is read "
             "from the truncated top log-probs); set rollout.vllm.logprobs_mode=processed_logprobs")
     if not serves(server_mode, sampling, vocab_size):
-        raise VllmUnsupportedError(
+        raise UnsupportedError(
             f"the vLLM server runs --logprobs-mode {server_mode}, which does not report "
             f"logprobs_mode={sampling.logprobs_mode!r} log-probs at temperature={sampling.temperature}, "
             f"top_p={sampling.top_p}, top_k={sampling.top_k}: raw_logprobs has no temperature (exact only at "
@@ -76,7 +76,7 @@ def server_logprobs_mode(temperature: float, top_p: float, top_k: int, logprobs_
     for mode in ("raw_logprobs", "processed_logprobs"):
         if serves(mode, sampling, vocab_size):
             return mode
-    raise VllmUnsupportedError(
+    raise UnsupportedError(
         f"no vLLM --logprobs-mode reports raw (untruncated) log-probs at temperature={temperature} with "
         f"top_p={top_p}, top_k={top_k}: vLLM gives either no temperature (raw) or temperature and truncation "
         f"(processed). Use temperature 1, or no top-k/top-p, or loss.keep_sampling_mask (processed log-probs)")
@@ -268,7 +268,7 @@ def _kept_ids(content: list[dict], ids: list[int], num_logprobs: int, vocab_size
         if ids[t] not in kept:
             raise BadResponse(f"position {t}: the sampled token {ids[t]} is not in the kept set")
         if len(kept) >= num_logprobs and num_logprobs < vocab_size:
-            raise VllmUnsupportedError(
+            raise UnsupportedError(
                 f"the kept top-p/top-k set at position {t} has >= {num_logprobs} tokens, more than the server "
                 f"returns (--max-logprobs); raise rollout.vllm.max_logprobs")
         rows.append(kept)

@@ -5,7 +5,7 @@
     pushed = push_all([sync, ...], named, version, timeout)   # per sync, to every server: no file, no restart
 
 Control plane: HTTP to the server's RL endpoints (VLLM_SERVER_DEV_MODE=1; every request carries
-the server's bearer key like all others, launcher.py Access). Per sync:
+the server's bearer key like all others, serving/launcher.py Access). Per sync:
 
     POST /pause?mode=wait          in-flight requests finish on the old weights, caches are dropped
     POST /start_weight_update      the workers begin a layerwise reload
@@ -70,9 +70,10 @@ from typing import Protocol
 import numpy
 import torch
 
+from megatron_rl.rollout.serving.errors import ServingError, UnsupportedError
 from megatron_rl.rollout.serving.handle import ServerHandle
 from megatron_rl.rollout.serving.http import request_json
-from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
+from megatron_rl.rollout.serving.receivers import Pushed, Watch
 
 Named = Iterable[tuple[str, torch.Tensor]]
 GLOO_EXTENSION = "megatron_rl_vllm_gloo.RegistersGlooEngine"  # server_plugin/megatron_rl_vllm_gloo.py
@@ -212,7 +213,7 @@ class NcclChannel:
         try:
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
         except ImportError as e:
-            raise VllmUnsupportedError(nccl_needs_vllm()) from e
+            raise UnsupportedError(nccl_needs_vllm()) from e
         port = _free_port(host)  # vLLM's StatelessProcessGroup binds the port it is given
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(start_peers, port, None)  # vLLM's rendezvous takes no token
@@ -291,8 +292,8 @@ class MemorySync:
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="vllm-weight-update")
         size = request_json(self.server.url + "/get_world_size", timeout=timeout, api_key=self.server.api_key)
         if not isinstance(size, dict) or not isinstance(size.get("world_size"), int):
-            raise VllmError(f"{self.server.url}/get_world_size answered {size!r:.200}; in-memory weight sync needs a "
-                            f"vLLM server with VLLM_SERVER_DEV_MODE=1")
+            raise ServingError(f"{self.server.url}/get_world_size answered {size!r:.200}; in-memory weight sync needs a "
+                               f"vLLM server with VLLM_SERVER_DEV_MODE=1")
         world = 1 + size["world_size"]
 
         def start_peers(port: int, token: str | None) -> None:
@@ -304,7 +305,7 @@ class MemorySync:
 
     def begin(self, timeout: float, held: bool = False) -> None:
         if self.channel is None:
-            raise VllmError("in-memory weight sync is not open: call open() once the server is up")
+            raise ServingError("in-memory weight sync is not open: call open() once the server is up")
         if not held:
             self._post("/pause?mode=wait", None, timeout)
         self._post("/start_weight_update", None, timeout)
@@ -328,30 +329,11 @@ class MemorySync:
             self.channel = None
 
 
-@dataclass
-class Pushed:
-    """What push_all did: seconds it took, and the servers dropped on the way (their sync -> why)."""
-
-    seconds: float
-    failed: dict[MemorySync, str]
-
-
-@dataclass
-class Watch:
-    """How push_all watches the servers: the whole push must end within `deadline_s` (the
-    setting's name goes in the error); while it waits on a server, `alive(sync)` is asked every
-    `interval_s` seconds (None: never)."""
-
-    deadline_s: float = math.inf
-    setting: str = "the sync's deadline"
-    alive: Callable[[MemorySync], bool] | None = None
-    interval_s: float = 5.0
-    health_setting: str = "the health check"
-
-
 def push_all(syncs: list[MemorySync], named: Named, version: int, timeout: float,
              held: Collection[MemorySync] = (), watch: Watch | None = None) -> Pushed:
-    """Send the stream to every server of `syncs` (each over its own group) as weights `version`.
+    """Send the stream to every server of `syncs` (each over its own group) as weights `version`
+    (the engine hands it to the serving layer as its Push, serving/receivers.py, whose Watch and
+    Pushed these are).
     held: those of them already paused (a partial rollout's /pause?mode=keep), which stay so. The
     stream is read and packed once; each bucket goes to all servers at once (one thread per
     server). The next bucket is gathered and packed into the same buffer while the servers load

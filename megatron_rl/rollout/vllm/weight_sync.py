@@ -1,19 +1,18 @@
 """The weight syncs the vLLM engine takes, and making a server serve new weights from an HF model
-folder: one `WeightSync` backend per disk sync.
+folder: one disk receiver (serving/receivers.py DiskReceiver) per disk sync.
 
     sync.apply(server, model_dir, timeout, warmup)   # -> {"timing/vllm_reload": s} or {"timing/vllm_restart": s}
-    dirs = WeightDirs(keep=2); dirs.add(model_dir); dirs.prune(); dirs.clear()
 
 The folder comes from the trainer's weight transport (trainer/transport.py: `disk` writes it and
-hands it to VllmEngine.load_weights_from); the engine owns it from then on (`WeightDirs`: the
-newest `keep` stay, for restarts and the parity probe's reference).
+hands it to VllmEngine.load_weights_from); the engine owns it from then on (serving/receivers.py
+`WeightDirs`: the newest `keep` stay, for restarts and the parity probe's reference).
 
 TAKES, the rollout.weight_sync names it takes (rollout/registered.py registers each; the first is
 its default): "memory" (transfer.py), "reload" and "restart" (below). Backends:
 - `DiskReloadSync` (dense models; any device): vLLM's `reload_weights` collective RPC reads the
   new safetensors in place (VLLM_SERVER_DEV_MODE=1), then the prefix cache (KV computed with
   the old weights) is dropped. Both requests carry the server's key: the development endpoints
-  are open only to it (see launcher.py, Access). ~0.05 s for a tiny model on CPU, plus the write.
+  are open only to it (see serving/launcher.py, Access). ~0.05 s for a tiny model on CPU, plus the write.
 - `RestartSync` (MoE on CPU, from disk): vLLM's CPU backend reloads MoE experts wrongly in
   place from a folder (its CPU kernel keeps the experts it prepacked at the first load; the
   in-memory sync repacks them, see server_plugin/megatron_rl_vllm_gloo.py), so the server is
@@ -27,54 +26,18 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from megatron_rl.model.arch import ModelArch
+from megatron_rl.rollout.serving.errors import ServingError, UnsupportedError
 from megatron_rl.rollout.serving.handle import ServerHandle
 from megatron_rl.rollout.serving.http import request_json
-from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
 
 log = logging.getLogger("megatron_rl.rollout.vllm")
 
 TAKES = ("memory", "reload", "restart")
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
-
-
-class WeightDirs:
-    """The weight folders an engine was given, oldest first; all but the newest `keep` are deleted."""
-
-    def __init__(self, keep: int = 2):
-        self.keep = keep
-        self.dirs: list[str] = []
-
-    @property
-    def latest(self) -> str | None:
-        return self.dirs[-1] if self.dirs else None
-
-    def add(self, path: str) -> None:
-        self.dirs.append(path)
-
-    def prune(self) -> None:
-        while len(self.dirs) > self.keep:
-            shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
-
-    def clear(self) -> None:
-        for d in self.dirs:
-            shutil.rmtree(d, ignore_errors=True)
-        self.dirs = []
-
-
-class WeightSync(Protocol):
-    """Make a running server serve the weights in `model_dir`."""
-
-    def apply(self, server: ServerHandle, model_dir: str, timeout: float,
-              warmup: Callable[[], None]) -> dict[str, float]:
-        """The timings it measured (seconds, `timing/...`). Transport failures propagate (the
-        client restarts); `warmup` is the client's first-request check, for a backend that
-        starts a new server process."""
 
 
 class DiskReloadSync:
@@ -87,8 +50,8 @@ class DiskReloadSync:
                            {"method": "reload_weights", "kwargs": {"weights_path": os.path.abspath(model_dir)}},
                            timeout=timeout, api_key=server.api_key)
         if not isinstance(out, dict) or "results" not in out:
-            raise VllmError(f"/collective_rpc reload_weights answered {out!r:.300}; is the server running with "
-                            f"VLLM_SERVER_DEV_MODE=1?")
+            raise ServingError(f"/collective_rpc reload_weights answered {out!r:.300}; is the server running with "
+                               f"VLLM_SERVER_DEV_MODE=1?")
         request_json(server.url + "/reset_prefix_cache", {}, timeout=timeout, api_key=server.api_key)
         return {"timing/vllm_reload": time.perf_counter() - t0}
 
@@ -112,17 +75,17 @@ def check_supported(arch: ModelArch, weight_sync: str, device: str, routed_exper
     """
     on_cpu = device != "cuda"
     if device == "cpu" and arch.family.mla:
-        raise VllmUnsupportedError(
+        raise UnsupportedError(
             f"model.arch={arch.arch} (multi-latent attention) is refused on vLLM's CPU backend: its CPU MLA path "
             "computes other log-probs than transformers from the same checkpoint (vLLM 0.32.0: equal at the first "
             "position, off by 0.05 to 0.44 nats after it in our probes: attention across positions differs). Use the embedded "
             "engine (rollout.backend=embedded) on CPU, or a GPU vLLM server (rollout.vllm.device=cuda).")
     if device == "cpu" and arch.head_dim not in CPU_HEAD_DIMS:
-        raise VllmUnsupportedError(f"vLLM's CPU attention supports head_dim in {CPU_HEAD_DIMS}, the model has "
-                                   f"head_dim={arch.head_dim}; set model.overrides.head_dim (e.g. 32)")
+        raise UnsupportedError(f"vLLM's CPU attention supports head_dim in {CPU_HEAD_DIMS}, the model has "
+                               f"head_dim={arch.head_dim}; set model.overrides.head_dim (e.g. 32)")
     where = "vLLM's CPU backend" if device == "cpu" else "a vLLM server of unknown device (say rollout.vllm.device=cuda for a GPU server)"
     if arch.is_moe and weight_sync == "reload" and on_cpu:
-        raise VllmUnsupportedError(
+        raise UnsupportedError(
             f"in-place weight reload of a MoE model is refused on {where}: vLLM's CPU backend leaves the expert "
             f"weights wrong after reload_weights (checksums differ from a fresh load), so rollouts would come "
             f"from a different policy than the trainer's. Use rollout.weight_sync=memory (the default: the "
@@ -130,13 +93,13 @@ def check_supported(arch: ModelArch, weight_sync: str, device: str, routed_exper
             f"restarts the server on the new weights every sync, ~1 min each on a 2-core CPU, timed as "
             f"timing/vllm_restart), or run the server on GPUs.")
     if weight_sync == "restart" and not can_restart:
-        raise VllmUnsupportedError("rollout.weight_sync=restart needs a server we launch; it cannot "
-                                   "restart the server at rollout.vllm.url")
+        raise UnsupportedError("rollout.weight_sync=restart needs a server we launch; it cannot "
+                               "restart the server at rollout.vllm.url")
     if routed_experts:
         if not arch.is_moe:
-            raise VllmUnsupportedError("routed-expert capture (router replay R3) was requested for a dense model")
+            raise UnsupportedError("routed-expert capture (router replay R3) was requested for a dense model")
         if on_cpu:
-            raise VllmUnsupportedError(
+            raise UnsupportedError(
                 f"router replay R3 needs the rollout engine's routed experts, and {where} cannot return them: "
                 f"vLLM's enable_return_routed_experts needs Model Runner V2 with Triton (GPU) and fails on CPU. "
                 f"Use the embedded engine (rollout.backend=embedded) for R3 on CPU, R2 (replay the trainer's own "

@@ -96,10 +96,11 @@ def test_a_metrics_link_is_not_followed(tmp_path, victim):
 
 
 def test_a_server_log_link_is_not_followed(tmp_path, victim):
-    from megatron_rl.rollout.vllm.launcher import LocalServer, _popen_logged
+    from megatron_rl.rollout.serving.launcher import _popen_logged
+    from megatron_rl.rollout.vllm.env import local_server
 
     plant(tmp_path / "vllm" / "server.log", victim)
     with pytest.raises(OSError, match="server.log is a symbolic link"):
         _popen_logged([sys.executable, "-c", "pass"], {}, str(tmp_path / "vllm" / "server.log"), "header\n")
-    server = LocalServer(sys.executable, [], {}, str(tmp_path / "vllm" / "server.log"))
+    server = local_server(sys.executable, [], {}, str(tmp_path / "vllm" / "server.log"))
     assert server.log_tail() == "(no log)"   # the target's lines are not shown as the server's

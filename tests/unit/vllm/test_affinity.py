@@ -4,7 +4,7 @@ with and without affinity."""
 import random
 
 from megatron_rl.rollout.serving.affinity import BLOCK, PrefixTable, prefix_keys
-from megatron_rl.rollout.vllm.pool import AFFINITY_SLACK, DOWN, READY, Replica, ServerPool
+from megatron_rl.rollout.serving.pool import AFFINITY_SLACK, DOWN, READY, Replica, ServerPool
 
 
 class _Handle:

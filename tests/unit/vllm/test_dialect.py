@@ -4,9 +4,9 @@ import pytest
 
 import megatron_rl.rollout.registered  # noqa: F401 - registers the "vllm" dialect
 from megatron_rl.rollout.serving import DIALECTS, Dialect
+from megatron_rl.rollout.serving.launcher import LocalServer
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.vllm import VllmConfig
-from megatron_rl.rollout.vllm.launcher import LocalServer
 from megatron_rl.rollout.vllm.protocol import generate_answer_cap, generate_body, parse_generate
 from tests.vllm.fake_server import good_answer
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.rollout.serving.errors import UnsupportedError
 from megatron_rl.rollout.serving.http import BadResponse
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, VllmUnsupportedError, resolve_config
+from megatron_rl.rollout.vllm import VllmConfig, VllmEngine, resolve_config
 from megatron_rl.rollout.vllm.protocol import (
     check_served,
     decode_routed_experts,
@@ -47,11 +48,11 @@ def test_auto_mode_and_refusal_message():
     assert server_logprobs_mode(1.0, 1.0, -1, "raw", V) == "raw_logprobs"
     assert server_logprobs_mode(0.7, 1.0, -1, "raw", V) == "processed_logprobs"
     assert server_logprobs_mode(0.7, 0.9, -1, "processed", V) == "processed_logprobs"
-    with pytest.raises(VllmUnsupportedError, match="no vLLM --logprobs-mode"):
+    with pytest.raises(UnsupportedError, match="no vLLM --logprobs-mode"):
         server_logprobs_mode(0.7, 0.9, -1, "raw", V)
-    with pytest.raises(VllmUnsupportedError, match="raw_logprobs has no temperature"):
+    with pytest.raises(UnsupportedError, match="raw_logprobs has no temperature"):
         check_served("raw_logprobs", SamplingParams(temperature=0.5), V)
-    with pytest.raises(VllmUnsupportedError, match="return_kept_ids needs"):
+    with pytest.raises(UnsupportedError, match="return_kept_ids needs"):
         check_served("raw_logprobs", SamplingParams(return_kept_ids=True, top_k=4), V)
 
 
@@ -141,7 +142,7 @@ def test_kept_ids_from_processed_top_logprobs():
     kept = parse_generate(answer, 3, s, V, num_logprobs=4).kept
     assert kept.tolist() == [[2, 3, 9], [10, -1, -1]]
     content[0]["top_logprobs"] = [{"token_id": t, "logprob": -1.0} for t in (3, 4, 5, 6)]
-    with pytest.raises(VllmUnsupportedError, match="max_logprobs"):  # all listed are kept: the set may go on
+    with pytest.raises(UnsupportedError, match="max_logprobs"):  # all listed are kept: the set may go on
         parse_generate(answer, 3, s, V, num_logprobs=4)
     content[0]["top_logprobs"] = [{"token_id": 4, "logprob": -1.0}, {"token_id": 3, "logprob": -9999.0}]
     with pytest.raises(BadResponse, match="sampled token 3 is not in the kept set"):

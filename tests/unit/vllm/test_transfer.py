@@ -10,8 +10,8 @@ import torch
 from megatron_rl.config import ConfigError
 from megatron_rl.configure import load_config
 from megatron_rl.rollout.engine import WEIGHT_SYNCS, weight_sync
+from megatron_rl.rollout.serving.errors import ServingError, UnsupportedError
 from megatron_rl.rollout.vllm import VllmConfig, VllmEngine
-from megatron_rl.rollout.vllm.errors import VllmError, VllmUnsupportedError
 from megatron_rl.rollout.vllm.transfer import (
     BACKENDS,
     MemorySync,
@@ -191,7 +191,7 @@ def test_memory_with_cuda_needs_vllm_in_the_trainer(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    with pytest.raises(VllmUnsupportedError, match=r"pip install .\[vllm\].*weight_sync=reload"):
+    with pytest.raises(UnsupportedError, match=r"pip install .\[vllm\].*weight_sync=reload"):
         VllmEngine(tiny_arch(), VllmConfig(url=NOWHERE, device="cpu"), "unused")
 
 
@@ -199,9 +199,9 @@ def test_each_sync_takes_only_its_own_kind_of_weights(tmp_path):
     memory = VllmEngine(tiny_arch(), VllmConfig(url=NOWHERE, device="cpu"), str(tmp_path))
     disk = VllmEngine(tiny_arch(), VllmConfig(url=NOWHERE, device="cpu"), str(tmp_path), weight_sync="reload")
     try:
-        with pytest.raises(VllmError, match="weight_sync=memory takes tensors in memory"):
+        with pytest.raises(ServingError, match="weight_sync=memory takes tensors in memory"):
             memory.load_weights_from(str(tmp_path), 0)
-        with pytest.raises(VllmError, match="weight_sync=reload takes HF folders"):
+        with pytest.raises(ServingError, match="weight_sync=reload takes HF folders"):
             disk.update_weights([], 0)
     finally:
         memory.close()
@@ -222,7 +222,7 @@ def test_a_dead_server_is_not_restarted_on_random_weights(tmp_path):
     of what it streamed, so the run stops instead (and resumes)."""
     engine = VllmEngine(tiny_arch(), VllmConfig(device="cpu"), str(tmp_path), server=_LaunchedServer(), device="cpu")
     try:
-        with pytest.raises(VllmError, match="weight_sync=memory it is not restarted: the engine holds no copy"):
+        with pytest.raises(ServingError, match="weight_sync=memory it is not restarted: the engine holds no copy"):
             engine.replicas[0].state = "ready"
             engine.fleet.lose(engine.replicas[0], 0, "died")
     finally:
@@ -236,7 +236,7 @@ def test_when_every_server_of_a_pool_is_out_the_error_says_so_and_gives_the_real
     try:
         engine.replicas[0].state = "ready"
         engine.replicas[1].state, engine.replicas[1].why = "failed", "restart failed: out of memory"
-        with pytest.raises(VllmError) as e:
+        with pytest.raises(ServingError) as e:
             engine.fleet.lose(engine.replicas[0], 0, "server died")
         message = str(e.value)
         assert "every vLLM server of the pool of 2 is out" in message and "restart failed: out of memory" in message

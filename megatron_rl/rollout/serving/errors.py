@@ -1,26 +1,30 @@
-"""Errors of the vLLM backend. Every failure the trainer can see is one of these, by name."""
+"""Errors of the serving layer. Every failure the trainer can see from a served engine (vLLM's, or
+any server kind with a dialect) is one of these, by name.
+
+Cost: none; raising one is O(message).
+"""
 from __future__ import annotations
 
 
-class VllmError(RuntimeError):
-    """Base class of every vLLM-backend error."""
+class ServingError(RuntimeError):
+    """Base class of every serving-layer error."""
 
 
-class VllmUnsupportedError(VllmError, ValueError):
-    """A configuration the backend refuses instead of producing wrong numbers (the message says
+class UnsupportedError(ServingError, ValueError):
+    """A configuration the engine refuses instead of producing wrong numbers (the message says
     why and what to use instead)."""
 
 
-class VllmStartError(VllmError):
+class ServerStartError(ServingError):
     """The server did not become healthy (exited, or timed out); the message has its log's tail."""
 
 
-class VllmServerDiedError(VllmError):
+class ServerDiedError(ServingError):
     """The server kept dying or hanging and the bounded restarts are spent. The trainer should
     checkpoint and stop; no partial batch is returned."""
 
 
-class VllmRequestError(VllmError):
+class RequestError(ServingError):
     """The server refused a request (HTTP 4xx): a client-side bug or a limit such as max_model_len.
     Not retried."""
 
@@ -29,7 +33,7 @@ class VllmRequestError(VllmError):
         self.status = status
 
 
-class VllmBadResponseError(VllmError):
+class BadResponseError(ServingError):
     """Responses still failed validation (malformed JSON, wrong lengths, missing or non-finite
     log-probs, ...) after the bounded retries. `count` bad responses in this call, `examples`
     holds a few of their reasons."""
@@ -40,7 +44,7 @@ class VllmBadResponseError(VllmError):
         self.examples = list(examples or [])
 
 
-class VllmParityError(VllmError):
+class ParityError(ServingError):
     """After a weight sync the server's log-probs differ from the reference by more than the
     tolerance: the server is not running the weights the trainer just exported."""
 
@@ -49,6 +53,6 @@ class VllmParityError(VllmError):
         self.max_abs_diff = max_abs_diff
 
 
-class VllmProbeError(VllmError):
+class ProbeError(ServingError):
     """The parity probe after a weight sync got no measurement: the server refused the probe or
     answered it without usable prompt log-probs. The message names the server and what was wrong."""

@@ -1,13 +1,17 @@
-"""The parity probe: does the server run the weights we just gave it?
+"""The parity probe: does the server (any kind: its dialect) run the weights we just gave it?
 
 After a sync the server scores a fixed token sequence (its dialect's score_call; vLLM's
-`/v1/completions` with `prompt_logprobs`: log p(x_t | x_<t) at temperature 1, no sampling involved) and a reference scores the same tokens in-process; the
+`/v1/completions` with `prompt_logprobs`: log p(x_t | x_<t) at temperature 1, no sampling involved)
+and a reference scores the same tokens in-process; the
 largest absolute difference is the metric `vllm/probe_max_abs_diff`. The reference is a callable
 `tokens -> [len - 1] fp32 log-probs` (e.g. the trainer's own forward); by default
 `hf_reference` runs `transformers` in fp32 on the exported directory, and after an in-memory
 sync (no directory) `StreamedReference` fills the same model from the stream the server got.
 A server that refuses the probe (e.g. HTTP 400 for log-probs it cannot write as JSON: NaN or inf)
-or answers it without usable prompt log-probs raises VllmProbeError naming the server and cause.
+or answers it without usable prompt log-probs raises ProbeError naming the server and cause.
+
+Cost: one scoring request per server and sync, O(probe tokens x vocab) on the server; the
+reference holds the model in fp32 on the engine's rank while it lives (see StreamedReference).
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ from collections.abc import Callable
 import torch
 
 from megatron_rl.rollout.serving.dialect import Dialect
-from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError, request_json
-from megatron_rl.rollout.vllm.errors import VllmProbeError
+from megatron_rl.rollout.serving.errors import ProbeError
+from megatron_rl.rollout.serving.http import BadResponse, HttpStatusError
+from megatron_rl.rollout.serving.loop import RequestLoop
 
 Reference = Callable[[list[int]], torch.Tensor]
 
@@ -74,7 +79,7 @@ class StreamedReference:
         probe_diff(..., ref.reference, ...)
 
     Cost: the model in fp32 on the engine's rank while it lives (what `hf_reference` costs after
-    a disk sync); nothing when the probe is off (rollout.vllm.probe_every=0)."""
+    a disk sync); nothing when the probe is off (probe_every=0)."""
 
     def __init__(self, arch):
         from megatron_rl.rollout.hf_state import CheckpointLoader, rules_for
@@ -91,17 +96,18 @@ class StreamedReference:
         self.loader.finish()
 
 
-def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,
-                    api_key: str | None = None, *, dialect: Dialect) -> torch.Tensor:
-    """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t]), by its dialect's scoring request.
-    VllmProbeError, naming the server and the cause, when it refuses the probe or answers without
+async def server_logprobs(requests: RequestLoop, url: str, model: str, tokens: list[int], timeout: float,
+                          api_key: str | None = None, *, dialect: Dialect, section: str) -> torch.Tensor:
+    """[len - 1] fp32: the server's log p(tokens[t] | tokens[:t]), by its dialect's scoring request,
+    awaited on the engine's request loop (`requests`, loop.py).
+    ProbeError, naming the server and the cause, when it refuses the probe or answers without
     usable log-probs; a server that does not answer raises http.TransportError (dead or hung: the
-    caller's case)."""
+    caller's case). section: where the engine's settings live (messages name its fields)."""
     call = dialect.score_call(model, tokens)
     try:
-        answer = request_json(url + call.path, call.body if call.method == "POST" else None, timeout=timeout,
-                              api_key=api_key, max_bytes=dialect.score_cap(len(tokens)),
-                              setting="rollout.vllm.request_timeout_s")
+        answer = await requests.json(url + call.path, call.body if call.method == "POST" else None, timeout=timeout,
+                                     api_key=api_key, max_bytes=dialect.score_cap(len(tokens)),
+                              setting=f"{section}.request_timeout_s")
         return dialect.parse_score(answer, tokens)
     except HttpStatusError as e:
         if "Out of range float" in e.body:
@@ -109,17 +115,19 @@ def server_logprobs(url: str, model: str, tokens: list[int], timeout: float,
                    "the weights it got are broken")
         else:
             why = f"it refused the probe's {call.path} request"
-        raise VllmProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {why} ({e})") from None
+        raise ProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {why} ({e})") from None
     except BadResponse as e:
-        raise VllmProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {e}. The probe needs a "
-                             f"server that answers {call.path} as {dialect.name} does (its score_call); "
-                             f"rollout.vllm.probe_every=0 turns it off") from None
+        raise ProbeError(f"the parity probe failed on the {dialect.name} server at {url}: {e}. The probe needs a "
+                         f"server that answers {call.path} as {dialect.name} does (its score_call); "
+                         f"{section}.probe_every=0 turns it off") from None
 
 
-def probe_diff(url: str, model: str, tokens: list[int], reference: Reference, timeout: float,
-               api_key: str | None = None, *, dialect: Dialect) -> float:
-    """max |server - reference| over the probe's log-probs (`api_key`: the server's key)."""
-    got = server_logprobs(url, model, tokens, timeout, api_key, dialect=dialect)
+def probe_diff(requests: RequestLoop, url: str, model: str, tokens: list[int], reference: Reference, timeout: float,
+               api_key: str | None = None, *, dialect: Dialect, section: str) -> float:
+    """max |server - reference| over the probe's log-probs (`api_key`: the server's key): the
+    server's by a request on the engine's loop, the reference's here, in the calling thread."""
+    got = requests.call(server_logprobs(requests, url, model, tokens, timeout, api_key, dialect=dialect,
+                                        section=section))
     want = reference(tokens).float().reshape(-1)
     if want.shape != got.shape:
         raise ValueError(f"reference gave {tuple(want.shape)} log-probs for {len(tokens)} tokens, expected "

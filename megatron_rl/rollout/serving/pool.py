@@ -1,9 +1,9 @@
-"""A pool of vLLM servers behind one VllmEngine: which server takes the next request, and each
-server's state and counters.
+"""A pool of servers (of one kind, any kind: serving/dialect.py) behind one engine (vLLM's
+VllmEngine): which server takes the next request, and each server's state and counters.
 
-    pool = ServerPool([Replica(0, server0, memory0), Replica(1, server1, memory1)])
+    pool = ServerPool([Replica(0, server0, memory0), Replica(1, server1, memory1)], kind=dialect.name)
     with pool.serving(work) as replica:      # the ready server with the least work in flight
-        request_json(replica.server.url + "/inference/v1/generate", ...)
+        request_json(replica.server.url + dialect.generate_path, ...)
     pool.set_state(replica, DOWN)            # excluded until it is ready again
 
 Placement. A request is placed when it may be sent (a free slot of the per-server bound,
@@ -12,7 +12,7 @@ generation.py), on the READY server with the least work in flight, work = prompt
 last request (an idle pool, whose servers all tie at 0, spreads requests one by one instead of
 sending each to server 0). A slow server (fewer devices, a longer
 queue) so gets fewer requests, and a server that dies is simply not picked any more. With
-affinity (rollout.vllm.affinity, serving/affinity.py), a request whose tokens start with a prefix the pool
+affinity (rollout.vllm.affinity, affinity.py), a request whose tokens start with a prefix the pool
 has sent to a READY server goes there instead (the n samples of a prompt, the later turns of a
 trajectory: that server's prefix cache holds the shared part), unless that server carries more than
 AFFINITY_SLACK requests' worth of work beyond the least loaded one. Placement never changes a
@@ -24,10 +24,12 @@ restarted with `weight_sync=memory`, so it runs random weights until the next in
 reaches it (the engine keeps no copy of the streamed weights to push them at once); not picked.
 FAILED: its restart failed, or it cannot be restarted (a server at a URL); not picked again.
 When no server is READY, a request waits for one (a restart in progress) and fails with
-VllmServerDiedError once none can become READY.
+ServerDiedError once none can become READY.
+
+Metrics keep vLLM's names (`vllm/server{k}/...`, `vllm/affinity/...`) whatever the kind.
 
 Cost: placement is O(servers + prompt / 16) under one lock per request; the prefix table is
-bounded (serving/affinity.py); nothing grows with model or batch.
+bounded (affinity.py); nothing grows with model or batch.
 """
 from __future__ import annotations
 
@@ -37,9 +39,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from megatron_rl.rollout.serving.affinity import PrefixTable
-from megatron_rl.rollout.vllm.errors import VllmServerDiedError
-from megatron_rl.rollout.vllm.launcher import ServerHandle
-from megatron_rl.rollout.vllm.transfer import MemorySync
+from megatron_rl.rollout.serving.errors import ServerDiedError
+from megatron_rl.rollout.serving.handle import ServerHandle
+from megatron_rl.rollout.serving.receivers import Receiver
 
 READY, DOWN, STALE, FAILED = "ready", "down", "stale", "failed"
 # how far past the least loaded server a prefix's server may be and still take the request, in
@@ -51,12 +53,12 @@ AFFINITY_SLACK = 4
 @dataclass(eq=False)
 class Replica:
     """Server k of the pool. `epoch` counts its starts: a failure seen on an older epoch is a
-    request that was in flight when it went down, not a new fault. `memory`: its in-memory sync
-    (one weight-transfer group per server, transfer.py), None for disk syncs."""
+    request that was in flight when it went down, not a new fault. `memory`: its in-memory weight
+    receiver (receivers.py; vLLM's: one weight-transfer group per server), None for disk syncs."""
 
     index: int
     server: ServerHandle
-    memory: MemorySync | None = None
+    memory: Receiver | None = None
     state: str = DOWN
     epoch: int = 0
     in_flight: int = 0
@@ -71,10 +73,12 @@ class Replica:
 
 
 class ServerPool:
-    """The replicas and the lock that guards their state and load (module docstring)."""
+    """The replicas and the lock that guards their state and load (module docstring). kind: how
+    messages name the servers' kind (dialect.name)."""
 
-    def __init__(self, replicas: list[Replica], affinity: bool = True):
+    def __init__(self, replicas: list[Replica], affinity: bool = True, kind: str = "inference"):
         self.replicas = replicas
+        self.kind = kind
         self._cond = threading.Condition()
         self.prefixes = PrefixTable() if affinity and len(replicas) > 1 else None
         self.affinity_requests = self.affinity_tokens = self.affinity_passed = 0
@@ -109,14 +113,14 @@ class ServerPool:
                 if replica is not None:
                     return replica
                 if not self._cond.wait(timeout):
-                    raise VllmServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
+                    raise ServerDiedError(f"no {self.kind} server of the pool became ready within {timeout:g} s")
 
     def _choose(self, work: int, tokens, full: frozenset[int] = frozenset()) -> Replica | None:
         """The READY server (not in `full`) a request goes to, None when none is READY or all READY
-        ones are full; VllmServerDiedError when none is on its way back either (under the lock)."""
+        ones are full; ServerDiedError when none is on its way back either (under the lock)."""
         ready = [r for r in self.replicas if r.state == READY]
         if not ready and not any(r.state == DOWN for r in self.replicas):
-            raise VllmServerDiedError("no vLLM server of the pool can serve: " + "; ".join(
+            raise ServerDiedError(f"no {self.kind} server of the pool can serve: " + "; ".join(
                 f"{r.name()} {r.state}: {r.why or '-'}" for r in self.replicas))
         free = [r for r in ready if r.index not in full]
         if not free:

@@ -1,26 +1,32 @@
-"""Start, watch and stop the vLLM OpenAI-compatible server, or connect to a running one.
+"""Start, watch and stop an inference server of any kind (its command line and health path: its
+dialect, serving/dialect.py), or connect to a running one.
 
-    server = LocalServer(python, args, env, log_path="runs/x/vllm/server.log")
-    server.start(model_dir)          # child process on 127.0.0.1:<free port>; waits for /health
+    server = LocalServer(python, flags, env, log_path="runs/x/vllm/server.log", dialect=VLLM_DIALECT,
+                         pythonpath=[plugin_dir], key_env=["MEGATRON_RL_VLLM_API_KEY", "VLLM_API_KEY"])
+    server.start(model_dir)          # child process on 127.0.0.1:<free port>; waits for dialect.health_path
     server.alive(); server.restart(new_model_dir); server.stop()
-    request_json(server.url + "/inference/v1/generate", body, api_key=server.api_key)
+    request_json(server.url + dialect.generate_path, body, api_key=server.api_key)
+
+What is the server kind's own comes in from its engine: the interpreter of its environment, its
+flags (dialect.server_flags), its environment, the folders its server-side code is imported from
+(`pythonpath`) and the environment variables that carry the key (`key_env`). vLLM's: rollout/vllm/
+env.py.
 
 Access. Every server we launch gets a fresh random key (`server.api_key`, secrets.token_urlsafe)
-and refuses any request, on any path, without `Authorization: Bearer <key>` (HTTP 401). vLLM's
-own --api-key check covers only /v1, /v2, /inference and /cohere, not the development endpoints
-that in-place weight sync needs (/collective_rpc runs any worker method, e.g. reload_weights from
-any path), so the server also loads the middleware server_plugin/megatron_rl_vllm_auth.py
-(`--middleware`), which guards every path. The key reaches the child through its environment
-(MEGATRON_RL_VLLM_API_KEY and VLLM_API_KEY), never its command line (which `ps` shows to every
-user) or the log. The server listens on 127.0.0.1 only.
+and refuses any request, on any path, without `Authorization: Bearer <key>` (HTTP 401): the kind
+guards every path with its own code (vLLM: its --api-key check covers only /v1, /v2, /inference and
+/cohere, not the development endpoints that in-place weight sync needs, so its server also loads the
+middleware server_plugin/megatron_rl_vllm_auth.py). The key reaches the child through its
+environment (`key_env`; vLLM's MEGATRON_RL_VLLM_API_KEY and VLLM_API_KEY), never its command line
+(which `ps` shows to every user) or the log. The server listens on 127.0.0.1 only.
 
 Ports. The port is chosen by binding port 0, and that socket stays bound (SO_REUSEADDR, not
 listening) until the server is healthy: the kernel then hands the port to no other process that
-asks for any free port or opens a connection, while vLLM, which binds with SO_REUSEADDR, still
-can. A start that fails with "address already in use" anyway is retried on a new port, the last
+asks for any free port or opens a connection, while a server that binds with SO_REUSEADDR (vLLM
+does) still can. A start that fails with "address already in use" anyway is retried on a new port, the last
 time without the reservation (for a server that binds without SO_REUSEADDR).
 
-The child runs in its own process group (so a stop takes vLLM's engine-core process with it)
+The child runs in its own process group (so a stop takes its helper processes with it: vLLM's engine core)
 and gets SIGTERM from the kernel if the thread that launched it dies (PR_SET_PDEATHSIG, set in
 a two-line exec wrapper: no preexec_fn, which is unsafe with threads). The kernel ties that
 signal to the thread that forked, not to the process, and a server may be (re)started from a
@@ -31,6 +37,9 @@ for it. Servers still running when the trainer exits are stopped by an atexit ho
 process gets SIGTERM, by a signal handler that then re-delivers the signal; Ctrl-C unwinds
 through KeyboardInterrupt into both. Every start appends the server's output to `log_path`
 under a header line.
+
+Cost: per server, one child process, one health request per check and a log file that grows with
+its output; the process-wide state is one launcher thread and the set of live children.
 """
 from __future__ import annotations
 
@@ -43,27 +52,17 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TypeVar
 
 from megatron_rl.fs import open_no_follow
 from megatron_rl.rollout.serving.dialect import Dialect
-from megatron_rl.rollout.serving.handle import ServerHandle  # noqa: F401 - its home before; importers use it here
+from megatron_rl.rollout.serving.errors import ServerDiedError, ServerStartError
 from megatron_rl.rollout.serving.http import HttpStatusError, TransportError, healthy, request_json
-from megatron_rl.rollout.vllm.dialect import VLLM_DIALECT
-from megatron_rl.rollout.vllm.errors import VllmServerDiedError, VllmStartError
 
 HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "policy"
-ENV_API_KEY = "MEGATRON_RL_VLLM_API_KEY"  # the key: read by the server's middleware; a url server's key
-
-
-def plugin_path() -> str:
-    """The directory to put on a vLLM server's PYTHONPATH so that `--middleware AUTH_MIDDLEWARE` (dialect.py)
-    imports (it holds only the server-side modules, see server_plugin/__init__.py)."""
-    return str(Path(__file__).resolve().parent / "server_plugin")
 
 # ---- reaping servers on exit (the one piece of process-wide state: atexit and signals are) ----
 _LIVE: dict[int, subprocess.Popen] = {}
@@ -160,7 +159,7 @@ class _LauncherThread:
     def __init__(self):
         self.pid = os.getpid()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._serve, name="vllm-launcher", daemon=True)
+        self.thread = threading.Thread(target=self._serve, name="server-launcher", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
@@ -208,7 +207,7 @@ def _popen_logged(cmd: list[str], env: dict[str, str], log_path: str, header: st
     return proc
 
 
-# Runs in the child before vLLM: die with the launcher thread (that is, with our process), and not
+# Runs in the child before the server's code: die with the launcher thread (that is, with our process), and not
 # at all if it is gone.
 _EXEC_WRAPPER = (
     "import ctypes, os, signal, sys\n"
@@ -220,11 +219,13 @@ _EXEC_WRAPPER = (
 
 
 class LocalServer:
-    """A vLLM server we launch and own.
+    """A server we launch and own.
 
-    python: the vLLM environment's interpreter. args: vLLM options after the model and port
-    (see VllmEngine). env: the child's extra environment. log_path: output of every start.
-    dialect: the server kind (rollout/serving): its command line and health path (default vLLM's).
+    python: the server environment's interpreter. args: its flags after the model and port
+    (dialect.server_flags). env: the child's extra environment. log_path: output of every start.
+    dialect: the server kind (serving/dialect.py): its command line and health path.
+    pythonpath: folders put first on the child's PYTHONPATH (the kind's server-side code; vLLM's
+    server_plugin/). key_env: the environment variables the child finds its key in.
     api_key: a fresh random key per LocalServer (kept across restarts); send it with every
     request (`http.request(..., api_key=server.api_key)`). Never logged.
     """
@@ -233,9 +234,11 @@ class LocalServer:
     model_name = SERVED_MODEL_NAME
 
     def __init__(self, python: str, args: list[str], env: dict[str, str], log_path: str,
-                 startup_timeout_s: float = 600.0, health_timeout_s: float = 10.0, dialect: Dialect = VLLM_DIALECT):
+                 startup_timeout_s: float = 600.0, health_timeout_s: float = 10.0, *, dialect: Dialect,
+                 pythonpath: Sequence[str] = (), key_env: Sequence[str] = ()):
         self.python, self.args, self.env = python, list(args), dict(env)
         self.dialect = dialect
+        self.pythonpath, self.key_env = list(pythonpath), list(key_env)
         self.log_path = log_path
         self.startup_timeout_s, self.health_timeout_s = startup_timeout_s, health_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -259,7 +262,7 @@ class LocalServer:
         return [self.python, *self.dialect.server_argv(model_dir, SERVED_MODEL_NAME, HOST, port, self.args)]
 
     def start(self, model_dir: str) -> float:
-        """Launch on `model_dir` and wait until healthy; seconds it took. Raises VllmStartError."""
+        """Launch on `model_dir` and wait until healthy; seconds it took. Raises ServerStartError."""
         if self.proc is not None:
             raise RuntimeError("server already started; use restart()")
         t0 = time.perf_counter()
@@ -272,7 +275,7 @@ class LocalServer:
                 self._spawn(model_dir)
                 self._wait_healthy(t0)
                 break
-            except VllmStartError as e:
+            except ServerStartError as e:
                 if attempt == 2 or "address already in use" not in str(e).lower():
                     raise
             finally:
@@ -302,8 +305,9 @@ class LocalServer:
         cmd = self.command(model_dir, self.port)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env.update(self.env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_path(), env.get("PYTHONPATH")) if p)
-        env[ENV_API_KEY] = env["VLLM_API_KEY"] = self.api_key  # the environment: not visible to `ps`
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*self.pythonpath, env.get("PYTHONPATH")) if p)
+        for name in self.key_env:  # the environment: not visible to `ps`
+            env[name] = self.api_key
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         self.starts += 1
         header = f"\n===== start {self.starts} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n"
@@ -316,14 +320,14 @@ class LocalServer:
             if self.proc.poll() is not None:
                 rc = self.proc.returncode
                 self.stop()
-                raise VllmStartError(f"vLLM server exited with code {rc} during start-up; log "
-                                     f"{self.log_path}:\n{self.log_tail()}")
+                raise ServerStartError(f"{self.dialect.name} server exited with code {rc} during start-up; log "
+                                       f"{self.log_path}:\n{self.log_tail()}")
             if healthy(self.url, timeout=self.health_timeout_s, api_key=self.api_key, path=self.dialect.health_path):
                 return
             if time.perf_counter() - t0 > self.startup_timeout_s:
                 self.stop()
-                raise VllmStartError(f"vLLM server not healthy after {self.startup_timeout_s:g} s; log "
-                                     f"{self.log_path}:\n{self.log_tail()}")
+                raise ServerStartError(f"{self.dialect.name} server not healthy after {self.startup_timeout_s:g} s; log "
+                                       f"{self.log_path}:\n{self.log_tail()}")
             time.sleep(0.5)
 
     @property
@@ -340,17 +344,21 @@ class LocalServer:
 
 
 class RemoteServer:
-    """A server someone else runs at `url`: started with --skip-tokenizer-init and --enable-scale-out
-    (the token-in/token-out endpoint the requests use), and VLLM_SERVER_DEV_MODE=1 for in-place
-    weight sync. `api_key` goes with every request (see VllmConfig.api_key). We never restart it: if it
-    dies, that is an error."""
+    """A server someone else runs at `url`, started as its kind needs (vLLM's: --skip-tokenizer-init,
+    --enable-scale-out for the token-in/token-out endpoint the requests use, VLLM_SERVER_DEV_MODE=1
+    for in-place weight sync; docs/config.md, rollout.vllm.url). `api_key` goes with every request.
+    kind: how messages name the server kind (dialect.name); key_hint: where its key is set (vLLM's:
+    "rollout.vllm.api_key or $MEGATRON_RL_VLLM_API_KEY"). We never restart it: if it dies, that is
+    an error."""
 
     can_restart = False
 
     def __init__(self, url: str, health_timeout_s: float = 10.0, model_name: str | None = None,
-                 api_key: str | None = None, health_path: str = "/health"):
+                 api_key: str | None = None, health_path: str = "/health", kind: str = "inference",
+                 key_hint: str = "its API key"):
         self.url = url.rstrip("/")
         self.health_path = health_path
+        self.kind, self.key_hint = kind, key_hint
         self.health_timeout_s = health_timeout_s
         self.model_name = model_name
         self.model_dir: str | None = None
@@ -375,20 +383,20 @@ class RemoteServer:
                 try:
                     self.model_name = models["data"][0]["id"]
                 except (TypeError, KeyError, IndexError):
-                    raise VllmStartError(f"{self.url}/v1/models lists no model: {models!r:.200}") from None
+                    raise ServerStartError(f"{self.url}/v1/models lists no model: {models!r:.200}") from None
         except HttpStatusError as e:
             if e.status in (401, 403):
                 given = "the API key we sent" if self.api_key else "a request without an API key"
-                raise VllmStartError(f"the vLLM server at {self.url} refused {given} (HTTP {e.status}): set "
-                                     f"rollout.vllm.api_key or ${ENV_API_KEY} to its key") from None
-            raise VllmStartError(f"no healthy vLLM server at {self.url}: {e}") from None
+                raise ServerStartError(f"the {self.kind} server at {self.url} refused {given} (HTTP {e.status}): "
+                                       f"set {self.key_hint} to its key") from None
+            raise ServerStartError(f"no healthy {self.kind} server at {self.url}: {e}") from None
         except (TransportError, ValueError) as e:
-            raise VllmStartError(f"no healthy vLLM server at {self.url}: {e}") from None
+            raise ServerStartError(f"no healthy {self.kind} server at {self.url}: {e}") from None
         return time.perf_counter() - t0
 
     def restart(self, model_dir: str) -> float:
-        raise VllmServerDiedError(f"the vLLM server at {self.url} is not answering and was not launched by "
-                                  f"us, so it cannot be restarted")
+        raise ServerDiedError(f"the {self.kind} server at {self.url} is not answering and was not launched by "
+                              f"us, so it cannot be restarted")
 
     def alive(self) -> bool:
         return healthy(self.url, self.health_timeout_s, self.api_key, self.health_path)

@@ -1,16 +1,17 @@
-"""A VllmEngine's requests as coroutines: their retries, failover, and a weight update in the middle.
+"""An engine's requests to its servers (any kind: its dialect; vLLM's VllmEngine) as coroutines: their
+retries, failover, and a weight update in the middle.
 
-    gen = Generation(arch, cfg, fleet, logprobs_mode, max_model_len, max_logprobs)   # fleet.dialect: the wire format
+    gen = Generation(arch, cfg, fleet, max_model_len, max_logprobs, check_sampling, decode_routed)  # fleet.dialect: the wire format
     samples = gen.generate(requests, version)      # one per rollout/types.py Request, in order (blocks)
     sample = await gen.sample(request, version)    # one request, from any event loop (rollout/requests.py)
     gen.abort() | gen.pause(); push the weights; gen.resume()       # trainer thread, while they run
 
 Requests. One token-in/token-out request per `Request` of the call (rollout/types.py; a generate()
 call's sample j of prompt i is request (i, j) of `requests_of`) in the servers' dialect
-(rollout/serving: its body, path, answer cap and parse; vLLM's `/inference/v1/generate`,
-protocol.py, by default), each with its own sampling settings: token ids in; token ids, per-token sampled
+(dialect.py: its body, path, answer cap and parse; vLLM's `/inference/v1/generate`,
+rollout/vllm/protocol.py), each with its own sampling settings: token ids in; token ids, per-token sampled
 log-probs and each token's weight version out. Each request is one coroutine on the engine's event
-loop (serving/loop.py: one thread for all of them) over async HTTP (serving/ahttp.py), placed by the pool when it
+loop (loop.py RequestLoop, held by the fleet: one thread for all of them) over async HTTP (ahttp.py), placed by the pool when it
 may be sent (pool.py: least work in flight, prefix affinity) on a server with fewer than
 `max_concurrency` of this engine's requests in flight (the per-server bound); a server batches
 them (continuous batching). `generate` is one call of many requests, `sample` a call of one: each
@@ -25,17 +26,17 @@ sample, and raises the first request's error that is not retried (the others are
 - bad answer (malformed JSON, wrong lengths, missing / non-finite log-probs, inconsistent finish
   reason, longer than any valid answer to its request: the dialect's answer_cap, read no
   further than that): counted in `vllm/bad_responses`, retried after a backoff up to `max_retries` times per sample, then
-  VllmBadResponseError.
+  BadResponseError.
 - HTTP 5xx or a dropped connection while the server stays healthy: retried (`vllm/retries`) with
-  exponential backoff, up to `max_retries` per sample. HTTP 4xx: VllmRequestError at once.
+  exponential backoff, up to `max_retries` per sample. HTTP 4xx: RequestError at once.
 - server dead (process gone or /health failing, checked every `health_interval_s` while waiting)
   or hung (no whole answer within `request_timeout_s`, one deadline from connect to last byte:
   a server that trickles bytes is hung too): the server is taken out and restarted (fleet.py), and its
   unfinished samples are sent again at once (to the other servers; with one server, to it once
   it is back). `max_restarts` counts the restarts while calls run without a break.
 
-Control calls. Abort, pause and resume are the dialect's (rollout/serving: its abort_calls,
-pause_calls, resume_calls; vLLM's development endpoints by default, rollout/vllm/dialect.py), sent
+Control calls. Abort, pause and resume are the dialect's (its abort_calls, pause_calls,
+resume_calls; vLLM's development endpoints, rollout/vllm/dialect.py), sent
 on the requests' event loop over their HTTP session to every server at once, each with the
 request deadline (request_timeout_s); the trainer's thread waits for all of them.
 
@@ -55,7 +56,7 @@ weights are pushed, each sync labelling the server's weights with the trainer ve
 `resume()` drops the KV computed by the old weights (`/reset_prefix_cache?reset_running_requests
 =true`: the running requests are preempted, and recomputed from prompt + tokens so far on the
 new weights, one prefill each, as the embedded engine does) and lets them go on (`/resume`).
-Each answer's weight-version spans (protocol.py) give every token's version: the tokens before
+Each answer's weight-version spans (the dialect's parse) give every token's version: the tokens before
 the update carry the old one (Sample.token_versions). The call sees a pause only as slower
 requests.
 
@@ -72,7 +73,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -81,23 +81,21 @@ import torch
 
 from megatron_rl.model.arch import ModelArch
 from megatron_rl.rollout.pausing import GenerationAborted
-from megatron_rl.rollout.serving import ahttp
-from megatron_rl.rollout.serving.http import AnswerTooLarge, BadResponse, HttpStatusError, TransportError
-from megatron_rl.rollout.serving.loop import LoopThread
-from megatron_rl.rollout.types import Request, Sample, check_requests, stream_seed
-from megatron_rl.rollout.vllm.config import VllmConfig
-from megatron_rl.rollout.vllm.errors import (
-    VllmBadResponseError,
-    VllmError,
-    VllmRequestError,
-    VllmServerDiedError,
-    VllmUnsupportedError,
+from megatron_rl.rollout.serving.config import ServingConfig
+from megatron_rl.rollout.serving.errors import (
+    BadResponseError,
+    RequestError,
+    ServerDiedError,
+    ServingError,
+    UnsupportedError,
 )
-from megatron_rl.rollout.vllm.fleet import Fleet
-from megatron_rl.rollout.vllm.pool import READY, Replica
-from megatron_rl.rollout.vllm.protocol import check_served, decode_routed_experts
+from megatron_rl.rollout.serving.fleet import Fleet
+from megatron_rl.rollout.serving.http import AnswerTooLarge, BadResponse, HttpStatusError, TransportError
+from megatron_rl.rollout.serving.loop import LoopThread, RequestLoop
+from megatron_rl.rollout.serving.pool import READY, Replica
+from megatron_rl.rollout.types import Request, Sample, SamplingParams, check_requests, stream_seed
 
-log = logging.getLogger("megatron_rl.rollout.vllm")
+log = logging.getLogger("megatron_rl.rollout.serving")
 
 
 class _Failed(Exception):
@@ -111,20 +109,27 @@ class _Failed(Exception):
 class Generation:
     """Sends requests and collects their samples (module docstring). The state below the loop
     line is the loop's: touched only by coroutines on it (the trainer thread goes through
-    `LoopThread.call`)."""
+    `LoopThread.call`).
 
-    def __init__(self, arch: ModelArch, cfg: VllmConfig, fleet: Fleet, logprobs_mode: str, max_model_len: int,
-                 max_logprobs: int):
+    What is the engine kind's own comes in with it: `check_sampling(sampling)` refuses settings
+    whose log-probs its servers do not return as the trainer needs them (UnsupportedError; vLLM's:
+    protocol.check_served under its log-prob mode), and `decode_routed(routed, tokens, topk)` turns
+    an answer's routed experts (Parsed.routed) into [tokens, topk] int (vLLM's:
+    protocol.decode_routed_experts; used when cfg.routed_experts)."""
+
+    def __init__(self, arch: ModelArch, cfg: ServingConfig, fleet: Fleet, max_model_len: int, max_logprobs: int,
+                 check_sampling: Callable[[SamplingParams], None] = lambda sampling: None,
+                 decode_routed: Callable[[str | None, int, int], torch.Tensor] | None = None):
         self.arch, self.cfg, self.fleet = arch, cfg, fleet
         self.dialect = fleet.dialect  # the servers' wire format: one for the engine
-        self.logprobs_mode, self.max_model_len, self.max_logprobs = logprobs_mode, max_model_len, max_logprobs
+        self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
+        self.check_sampling, self.decode_routed = check_sampling, decode_routed
         self.stats = fleet.stats
-        self._start_lock = threading.Lock()
-        self._loop: LoopThread | None = None  # started by the first request
+        self.requests: RequestLoop = fleet.requests  # the engine's request loop and HTTP session (fleet.py's)
+        fleet.pool.on_change.append(self._wake_threadsafe)
         # the blocking checks of a failed request (alive(), fleet.lose): close() waits for them
-        self._fleet_work = ThreadPoolExecutor(len(fleet.replicas) + 1, thread_name_prefix="vllm-fleet")
+        self._fleet_work = ThreadPoolExecutor(len(fleet.replicas) + 1, thread_name_prefix="serving-fleet")
         # ---- the loop's
-        self._session = None  # ahttp session, made on the loop
         self._open = asyncio.Event()  # set: calls may start (cleared from abort() / pause() to resume())
         self._open.set()
         self._aborting = False  # set by abort(): the calls running end with GenerationAborted
@@ -138,15 +143,14 @@ class Generation:
 
     # ---- the loop -------------------------------------------------------------------------------
     def _started(self) -> LoopThread:
-        with self._start_lock:
-            if self._loop is None:
-                self._loop = LoopThread("vllm-requests")
-                self.fleet.pool.on_change.append(self._wake_threadsafe)
-            return self._loop
+        return self.requests.started()
 
     def _wake_threadsafe(self) -> None:
+        loop = self.requests.running
+        if loop is None:  # not started yet (nobody waits), or closed
+            return
         try:
-            self._loop.loop.call_soon_threadsafe(self._wake)
+            loop.loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the loop is closed: nobody waits
             pass
 
@@ -173,7 +177,7 @@ class Generation:
         with self.fleet.lock:
             self.stats["vllm/aborts"] = self.stats.get("vllm/aborts", 0) + 1
         self._abort_servers()
-        self._loop.call(self._idle.wait())
+        self._started().call(self._idle.wait())
 
     async def _hold(self, abort: bool) -> bool:
         """No call starts until resume(); with `abort`, the running ones end. -> whether any runs."""
@@ -202,8 +206,8 @@ class Generation:
         if refused is not None:
             self.resume()  # the servers frozen so far go on, and calls may start: the run stops on the error
             r, e = refused
-            raise VllmUnsupportedError(f"{self.dialect.name} {r.name()} refused to pause ({e}): a pause needs "
-                                       f"{self.dialect.control_hint}") from e
+            raise UnsupportedError(f"{self.dialect.name} {r.name()} refused to pause ({e}): a pause needs "
+                                   f"{self.dialect.control_hint}") from e
         for r, e in zip(ready, errors, strict=True):
             if e is not None:
                 self.fleet.lose(r, r.epoch, f"did not pause for a weight update: {e}")
@@ -247,22 +251,16 @@ class Generation:
             server = replica.server
             try:
                 for call in calls:
-                    answer = await ahttp.request_json(self._http(), server.url + call.path,
+                    answer = await self.requests.json(server.url + call.path,
                                                       call.body if call.method == "POST" else None,
                                                       timeout=self.cfg.request_timeout_s, api_key=server.api_key,
-                                                      setting="rollout.vllm.request_timeout_s")
+                                                      setting=f"{self.cfg.section}.request_timeout_s")
                     self.dialect.read_control(call, answer)
             except (TransportError, HttpStatusError, BadResponse) as e:
                 return e
             return None
 
         return list(await asyncio.gather(*(one(r, calls) for r, calls in sends)))
-
-    def _http(self):
-        """The loop's HTTP session (made on first use, on the loop)."""
-        if self._session is None:
-            self._session = ahttp.session()
-        return self._session
 
     # ---- calls ----------------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], version: Callable[[], int]) -> list[Sample]:
@@ -293,7 +291,7 @@ class Generation:
                 for t in tasks:
                     if not t.cancelled():
                         t.exception()  # retrieved: the call's one error is the abort
-                raise GenerationAborted("vLLM generation aborted for a weight update")
+                raise GenerationAborted(f"{self.dialect.name} generation aborted for a weight update")
             if failed:
                 raise failed[0].exception()
             return [t.result() for t in tasks]
@@ -310,7 +308,7 @@ class Generation:
 
     def _enter(self) -> None:
         if self._active == 0:
-            self.fleet.call_restarts = 0  # rollout.vllm.max_restarts counts per burst of calls
+            self.fleet.call_restarts = 0  # max_restarts counts per burst of calls
             self._burst = (time.perf_counter(), [r.tokens for r in self.fleet.replicas])
             self._idle.clear()
             self._watch = asyncio.ensure_future(self._watchdog())
@@ -337,7 +335,7 @@ class Generation:
                     try:
                         await self._blocking(self.fleet.lose, r, r.epoch,
                                                 "server not alive (process gone or /health not answering)")
-                    except VllmServerDiedError as e:  # its requests fail with it as they find no server
+                    except ServerDiedError as e:  # its requests fail with it as they find no server
                         log.error("%s", e)
 
     # ---- one request ----------------------------------------------------------------------------
@@ -346,21 +344,21 @@ class Generation:
         tries, bad, backoff = 0, 0, self.cfg.retry_backoff_s
         while True:
             if self._aborting:
-                raise GenerationAborted("vLLM generation aborted for a weight update")
+                raise GenerationAborted(f"{self.dialect.name} generation aborted for a weight update")
             try:
                 return await self._one(request, policy_version)
             except _Failed as failed:
                 e = failed.error
                 if self._aborting:  # ended by the abort (finish_reason "abort"): not a fault
-                    raise GenerationAborted("vLLM generation aborted for a weight update") from None
+                    raise GenerationAborted(f"{self.dialect.name} generation aborted for a weight update") from None
                 if isinstance(e, TransportError) and await self._lost(failed.replica, failed.epoch, e):
                     self.stats["vllm/retries"] += 1
                     continue
                 if isinstance(e, HttpStatusError) and e.status < 500:
-                    hint = (" (a server at a URL must run with --enable-scale-out, which mounts the token-in/"
-                            "token-out endpoint)" if e.status in (403, 404) else "")
-                    raise VllmRequestError(f"the vLLM server refused sample {request.stream}: {e}{hint}",
-                                           e.status) from None
+                    hint = (f" (a server at a URL must serve {self.dialect.name}'s token-in/token-out endpoint "
+                            f"{self.dialect.generate_path})" if e.status in (403, 404) else "")
+                    raise RequestError(f"the {self.dialect.name} server refused sample {request.stream}: {e}{hint}",
+                                       e.status) from None
                 if isinstance(e, BadResponse):
                     self.stats["vllm/bad_responses"] += 1
                     bad += 1
@@ -374,10 +372,10 @@ class Generation:
     def _give_up(self, request: Request, e: Exception, bad: int):
         reason = f"{request.stream}: {e}"
         if isinstance(e, BadResponse):
-            raise VllmBadResponseError(f"sample {request.stream} still got invalid answers after {self.cfg.max_retries} "
-                                       f"retries ({bad} bad answers); e.g. {reason}", count=bad, examples=[reason])
-        raise VllmServerDiedError(f"sample {request.stream} kept failing after {self.cfg.max_retries} retries: "
-                                  f"{reason}")
+            raise BadResponseError(f"sample {request.stream} still got invalid answers after {self.cfg.max_retries} "
+                                   f"retries ({bad} bad answers); e.g. {reason}", count=bad, examples=[reason])
+        raise ServerDiedError(f"sample {request.stream} kept failing after {self.cfg.max_retries} retries: "
+                              f"{reason}")
 
     async def _lost(self, replica: Replica, epoch: int, e: TransportError) -> bool:
         """Whether a dropped request went down with its server (-> resend; the server is taken
@@ -411,7 +409,7 @@ class Generation:
         it is placed, or told that no server can serve, only once it could be sent."""
         while True:
             if self._aborting:
-                raise GenerationAborted("vLLM generation aborted for a weight update")
+                raise GenerationAborted(f"{self.dialect.name} generation aborted for a weight update")
             if sum(self._slots.values()) >= self.cfg.max_concurrency * len(self._slots):
                 await self._changes(None)  # every slot taken: the pool is asked once one frees
                 continue
@@ -423,12 +421,12 @@ class Generation:
             none_ready = not self.fleet.pool.ready()
             timeout = self.cfg.startup_timeout_s if none_ready else None
             if not await self._changes(timeout) and not self.fleet.pool.ready():
-                raise VllmServerDiedError(f"no vLLM server of the pool became ready within {timeout:g} s")
+                raise ServerDiedError(f"no {self.dialect.name} server of the pool became ready within {timeout:g} s")
 
     async def _one(self, request: Request, policy_version: int) -> Sample:
         prompt, sampling, (i, j) = list(request.prompt_ids), request.sampling, request.stream
         num_logprobs = self.max_logprobs if sampling.return_kept_ids else 0
-        routed = self.arch.num_layers * self.arch.moe_topk if self.cfg.enable_return_routed_experts else 0
+        routed = self.arch.num_layers * self.arch.moe_topk if self.cfg.routed_experts else 0
         dialect = self.dialect
         cap = dialect.answer_cap(len(prompt), sampling, num_logprobs, routed)
         work = len(prompt) + sampling.max_tokens
@@ -437,9 +435,9 @@ class Generation:
         epoch, server = replica.epoch, replica.server
         body = dialect.generate_body(server.model_name, prompt, sampling, stream_seed(sampling.seed, i, j), num_logprobs)
         try:
-            resp = await ahttp.request_json(self._http(), server.url + dialect.generate_path, body,
+            resp = await self.requests.json(server.url + dialect.generate_path, body,
                                             timeout=self.cfg.request_timeout_s, api_key=server.api_key,
-                                            max_bytes=cap, setting="rollout.vllm.request_timeout_s")
+                                            max_bytes=cap, setting=f"{self.cfg.section}.request_timeout_s")
             out = dialect.parse_generate(resp, len(prompt), sampling, self.arch.vocab_size, self.max_model_len,
                                          num_logprobs)
         except AnswerTooLarge as e:
@@ -455,8 +453,8 @@ class Generation:
             self._wake()
         self.fleet.pool.add_tokens(replica, len(out.ids), [*prompt, *out.ids.tolist()])
         routed_experts = None
-        if self.cfg.enable_return_routed_experts:
-            routed_experts = decode_routed_experts(out.routed, len(prompt) + len(out.ids) - 1, self.arch.moe_topk)
+        if self.cfg.routed_experts:
+            routed_experts = self.decode_routed(out.routed, len(prompt) + len(out.ids) - 1, self.arch.moe_topk)
         versions = out.versions
         mixed = versions is not None and bool((versions != versions[0]).any())
         return Sample(prompt_ids=torch.tensor(prompt, dtype=torch.long), response_ids=out.ids,
@@ -467,23 +465,21 @@ class Generation:
 
     def _check_args(self, requests: Sequence[Request]) -> None:
         if not self.fleet.started:
-            raise VllmError("the vLLM engine has no weights yet: call load_weights_from() first (the server starts "
-                            "on the first weights it is given)")
+            raise ServingError(f"the {self.dialect.name} engine has no weights yet: call load_weights_from() first (the "
+                               f"server starts on the first weights it is given)")
         check_requests(list(requests), self.arch.vocab_size)
         for k, r in enumerate(requests):
             if len(r.prompt_ids) + r.sampling.max_tokens > self.max_model_len:
                 raise ValueError(f"request {k}: prompt of {len(r.prompt_ids)} tokens + max_tokens="
                                  f"{r.sampling.max_tokens} exceeds max_model_len={self.max_model_len} "
-                                 f"(rollout.vllm.max_model_len)")
+                                 f"({self.cfg.section}.max_model_len)")
             if r.sampling.return_kept_ids and self.max_logprobs < 1:
-                raise VllmUnsupportedError("return_kept_ids needs rollout.vllm.max_logprobs >= 1")
+                raise UnsupportedError(f"return_kept_ids needs {self.cfg.section}.max_logprobs >= 1")
         for sampling in {r.sampling for r in requests}:
-            check_served(self.logprobs_mode, sampling, self.arch.vocab_size)
+            self.check_sampling(sampling)
 
     def close(self) -> None:
-        """Stop the requests still running and the loop's thread."""
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            session = self._session
-            loop.close(session.close() if session is not None else None)
+        """Stop the requests still running and the loop's thread (the engine's request loop: closed
+        for the fleet too)."""
+        self.requests.close()
         self._fleet_work.shutdown(wait=True)  # a restart it began has started (fleet.close stops it)
