@@ -122,7 +122,7 @@ class Serves(Protocol):
 @runtime_checkable
 class SamplesEach(Protocol):
     """An engine whose requests are coroutines of their own (the vLLM engine: one HTTP request each,
-    rollout/vllm/generation.py): rollout/requests.py awaits each request as it comes, and a sample
+    rollout/serving/generation.py): rollout/requests.py awaits each request as it comes, and a sample
     comes back as soon as its answer does, whatever else is in flight."""
 
     async def sample(self, request: Request) -> Sample:

@@ -15,7 +15,7 @@ together) are handed to the engine together, after that pass: the engine sees th
         trajectories at other turns: none waits for the slowest environment or the longest answer.
     together=False, an engine whose requests are coroutines (engine.py `SamplesEach`: the vLLM
         engine): each request is awaited on its own as it comes (`engine.sample`, one HTTP request
-        on the engine's loop, rollout/vllm/generation.py); its sample comes back as soon as its
+        on the engine's loop, rollout/serving/generation.py); its sample comes back as soon as its
         answer does, while the others run on.
     together=False, any other engine: whenever no engine call runs, every pending request goes out
         as one `engine.generate_requests` call in a worker thread (the event loop keeps serving the

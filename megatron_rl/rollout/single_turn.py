@@ -12,7 +12,7 @@ the engine:
     an engine whose requests are coroutines (engine.py `SamplesEach`: the vLLM engine): each group
         is a coroutine of n requests, `engine.sample(Request(prompt, sampling, (i, j)))` for sample
         j of example i; all groups run at once, bounded by the engine's own per-server concurrency
-        (rollout/vllm/generation.py: rollout.vllm.max_concurrency). A group is done as soon as its
+        (rollout/serving/generation.py: rollout.vllm.max_concurrency). A group is done as soon as its
         n answers are, whatever the other groups still run; called on the main thread, it is scored
         then (`score_group`), while the other groups' requests run on; unless the reward batches
         (RewardRunner.batches: a judge), which scores every sample of the call in one call after.
