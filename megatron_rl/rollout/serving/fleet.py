@@ -113,12 +113,9 @@ class Fleet:
         """Stop `replica` and start it anew on `model_dir` (READY for a disk sync; STALE, on random
         weights, for weight_sync=memory). Raises ServerDiedError when we may not."""
         server = replica.server
-        if not server.can_restart:
-            raise ServerDiedError(f"{self.dialect.name} server at {server.url} failed ({reason}) and cannot be "
-                                  f"restarted by us")
-        if self.stopping():
-            raise ServerDiedError(f"{self.dialect.name} server at {server.url} failed ({reason}); not restarted: "
-                                  f"the run is stopping")
+        why = self._never_restarted(server, reason)
+        if why:
+            raise ServerDiedError(why)
         log.warning("restarting %s %s (%s) on %s", self.dialect.name, replica.name(), reason, model_dir)
         t0 = time.perf_counter()
         server.stop(graceful=False)
@@ -224,15 +221,22 @@ class Fleet:
     def _no_restart(self, replica: Replica, reason: str, others: bool) -> str | None:
         """Why `replica` is not restarted (None: it is)."""
         server, kind = replica.server, self.dialect.name
-        if not server.can_restart:
-            return f"{kind} server at {server.url} failed ({reason}) and cannot be restarted by us"
-        if self.stopping():
-            return f"{kind} server at {server.url} failed ({reason}); not restarted: the run is stopping"
+        never = self._never_restarted(server, reason)
+        if never:
+            return never
         if self.call_restarts >= self.cfg.max_restarts:
             return (f"the {kind} server failed again ({reason}) after {self.call_restarts} restarts while "
                     f"requests ran without a break ({self.cfg.section}.max_restarts). Log: {server.log_where}")
         if replica.memory is not None and not others:
             return self._none_left(replica, reason)
+        return None
+
+    def _never_restarted(self, server, reason: str) -> str | None:
+        """Why `server` may not be restarted at all (a server at a URL, a stopping run); None: it may."""
+        if not server.can_restart:
+            return f"{self.dialect.name} server at {server.url} failed ({reason}) and cannot be restarted by us"
+        if self.stopping():
+            return f"{self.dialect.name} server at {server.url} failed ({reason}); not restarted: the run is stopping"
         return None
 
     def _none_left(self, replica: Replica, reason: str) -> str:

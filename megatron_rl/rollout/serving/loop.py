@@ -40,9 +40,6 @@ class LoopThread:
     def call(self, coroutine: Coroutine):
         return self.submit(coroutine).result()
 
-    def in_loop(self) -> bool:
-        return threading.current_thread() is self._thread
-
     def close(self, last: Coroutine | None = None) -> None:
         """Cancel the tasks still running, run `last` (e.g. closing an HTTP session), stop the loop."""
         async def finish():
